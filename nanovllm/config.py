@@ -1,0 +1,166 @@
+"""Engine configuration: every `LLM(...)` keyword, validated before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
+ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+
+
+def resolve_model_path(model: str) -> str:
+    """A local checkpoint folder, or a Hugging Face Hub id downloaded when the machine is online."""
+    if not isinstance(model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path or a Hub id, got {type(model).__name__}")
+    model = os.fspath(model)
+    if os.path.isdir(model):
+        return model
+    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
+    if looks_like_hub_id:
+        try:
+            from huggingface_hub import snapshot_download
+
+            return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+        except Exception as e:  # offline, unknown repo, no huggingface_hub...
+            raise FileNotFoundError(
+                f"model folder {model!r} does not exist and could not be fetched from the Hugging Face Hub "
+                f"({type(e).__name__}: {e}). Pass the path of a local checkpoint folder.") from None
+    raise FileNotFoundError(f"model folder {model!r} does not exist")
+
+
+def _field_is(name: str, value, kind, what: str):
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        raise ValueError(f"{name}={value!r}: must be {what}")
+
+
+@dataclass
+class Config:
+    """Everything `LLM(model, **kwargs)` accepts. See README for the meaning of each field.
+
+    `attention_backend` (None = automatic) forces one of `ATTENTION_BACKENDS`, for tests.
+    """
+
+    model: str
+    tensor_parallel_size: int = 1
+    max_num_seqs: int = 512
+    max_num_batched_tokens: int = 16384
+    max_model_len: int = 4096
+    gpu_memory_utilization: float = 0.9
+    kvcache_block_size: int = 256
+    num_kvcache_blocks: int = -1
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    device: str | None = None
+    dtype: str | torch.dtype | None = None
+    load_format: str = "auto"
+    seed: int = 0
+    skip_tokenizer_init: bool = False
+    attention_backend: str | None = None
+    hf_config: object = field(init=False, repr=False, default=None)
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs) -> "Config":
+        """Like `Config(model, **kwargs)` but names every unknown keyword in one TypeError."""
+        known = {f.name for f in dataclasses.fields(cls) if f.init}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}. "
+                            f"Known: {', '.join(sorted(known - {'model'}))}")
+        return cls(model, **kwargs)
+
+    def __post_init__(self):
+        _field_is("tensor_parallel_size", self.tensor_parallel_size, int, "an integer >= 1")
+        _field_is("max_num_seqs", self.max_num_seqs, int, "an integer >= 1")
+        _field_is("max_num_batched_tokens", self.max_num_batched_tokens, int, "an integer >= 1")
+        _field_is("max_model_len", self.max_model_len, int, "an integer >= 1")
+        _field_is("kvcache_block_size", self.kvcache_block_size, int, "a power of two >= 16")
+        _field_is("num_kvcache_blocks", self.num_kvcache_blocks, int, "-1 (automatic) or an integer >= 1")
+        _field_is("gpu_memory_utilization", self.gpu_memory_utilization, float, "a number in (0, 1]")
+        _field_is("seed", self.seed, int, "an integer")
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init"):
+            _field_is(name, getattr(self, name), bool, "True or False")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
+        if self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+        bs = self.kvcache_block_size
+        if bs < 16 or bs & (bs - 1):
+            raise ValueError(f"kvcache_block_size={bs}: must be a power of two >= 16")
+        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
+            raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks}: must be -1 (automatic) or >= 1")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
+        if self.load_format not in ("auto", "safetensors", "dummy"):
+            raise ValueError(f"load_format={self.load_format!r}: must be 'auto', 'safetensors' or 'dummy'")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
+        self.device = self._resolve_device(self.device)
+        self.model = resolve_model_path(self.model)
+        self.hf_config = load_hf_config(self.model)
+        self.dtype = self._resolve_dtype(self.dtype)
+        # A context longer than the model's positions would silently extrapolate RoPE.
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        num_heads = self.hf_config.num_attention_heads
+        num_kv_heads = self.hf_config.num_key_value_heads
+        tp = self.tensor_parallel_size
+        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads "
+                             f"and divide (or be a multiple of) its {num_kv_heads} key/value heads")
+
+    @staticmethod
+    def _resolve_device(device) -> str:
+        if device is None:
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        device = str(device)
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"device={device!r}: must be None, 'cpu' or 'cuda'")
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' but CUDA is not available")
+        return device
+
+    def _resolve_dtype(self, dtype) -> torch.dtype:
+        if dtype is None or dtype == "auto":
+            if self.device == "cpu":
+                return torch.float32
+            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None) or "bfloat16"
+        if isinstance(dtype, torch.dtype):
+            resolved = dtype
+        else:
+            resolved = _DTYPES.get(str(dtype).removeprefix("torch."))
+        if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"dtype={dtype!r}: must be None, 'auto', float32, bfloat16 or float16")
+        return resolved
+
+
+def load_hf_config(path: str):
+    """The checkpoint's `config.json` as a transformers config, after checking the architecture."""
+    cfg_file = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_file):
+        raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    archs = raw.get("architectures") or []
+    if raw.get("model_type") != "qwen3" or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+        raise ValueError(f"unsupported model in {path!r}: model_type={raw.get('model_type')!r}, "
+                         f"architectures={archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    from transformers import Qwen3Config
+
+    return Qwen3Config.from_pretrained(path)

@@ -1,0 +1,176 @@
+"""Paged KV-cache bookkeeping: fixed-size blocks, ref counts and prefix caching."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import xxhash
+
+from nanovllm.engine.sequence import Sequence
+
+_ROOT_HASH = 0  # parent hash of a sequence's first block
+
+
+def chain_hash(parent: int, token_ids: list[int]) -> int:
+    """xxhash64 of (parent block's hash, this block's token ids): equal prefixes give equal hashes."""
+    h = xxhash.xxh64()
+    h.update(parent.to_bytes(8, "little", signed=False))
+    h.update(b"".join(t.to_bytes(4, "little", signed=False) for t in token_ids))
+    return h.intdigest()
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1          # -1: holds no reusable content
+        self.parent_hash = -1
+        self.token_ids: tuple[int, ...] = ()
+
+    def forget(self):
+        self.hash = -1
+        self.parent_hash = -1
+        self.token_ids = ()
+
+
+class BlockManager:
+    """Hands out KV blocks to sequences and shares full prefix blocks between them.
+
+    Every full, computed block is keyed by a chain hash (parent hash + token ids). A later
+    sequence whose leading blocks hash the same reuses them (ref count + 1) after checking the
+    stored token ids and parent hash, so a hash collision can never serve wrong K/V. Freed
+    blocks keep their content and stay findable until the free list hands them out again, so
+    finished requests still serve prefix hits. The free list is an OrderedDict in LRU order:
+    allocation, freeing and revival of a cached block are all O(1).
+
+    A block is registered in the hash table only once its K/V have been computed (`commit`),
+    never at allocation: with chunked prefill a block can be allocated steps before it is filled.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.hash_to_block: dict[int, int] = {}
+        self.num_prefix_hit_tokens = 0   # statistics
+        self.num_prefix_query_tokens = 0
+
+    # ---- queries -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    def _hash_of(self, seq: Sequence, i: int) -> int:
+        """Chain hash of the sequence's i-th full block (memoised on the sequence)."""
+        while len(seq.block_hashes) <= i:
+            j = len(seq.block_hashes)
+            parent = seq.block_hashes[j - 1] if j else _ROOT_HASH
+            seq.block_hashes.append(chain_hash(parent, seq.block_tokens(j, self.block_size)))
+        return seq.block_hashes[i]
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of `seq`, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        # The last prompt token must be computed to get logits, so a prompt made entirely of
+        # cached blocks gives up its last hit.
+        max_hits = (len(seq) - 1) // bs
+        hits = []
+        for i in range(max_hits):
+            h = self._hash_of(seq, i)
+            block_id = self.hash_to_block.get(h)
+            if block_id is None:
+                break
+            block = self.blocks[block_id]
+            parent = seq.block_hashes[i - 1] if i else _ROOT_HASH
+            if block.parent_hash != parent or list(block.token_ids) != seq.block_tokens(i, bs):
+                break  # hash collision: never serve another prefix's K/V
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._cached_prefix(seq)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        needed = self.blocks_for(len(seq)) - len(hits) + revived
+        return needed <= self.num_free_blocks
+
+    # ---- mutations -----------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed first
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block.get(block.hash) == block_id:
+            del self.hash_to_block[block.hash]
+        block.forget()
+        block.ref_count = 1
+        return block_id
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+        if seq.block_table:
+            raise RuntimeError(f"{seq} already has blocks")
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"not enough free KV blocks for {seq}")
+        hits = self._cached_prefix(seq)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free_blocks[block_id]
+            block.ref_count += 1
+        seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        seq.num_cached_tokens = len(hits) * self.block_size
+        seq.num_committed_blocks = len(hits)
+        self.num_prefix_hit_tokens += seq.num_cached_tokens
+        self.num_prefix_query_tokens += len(seq)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Blocks keep their content for later prefix hits."""
+        # Tail blocks are the least likely to be shared, so they go back to the free list first
+        # and are the first to be overwritten.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash == -1 or self.hash_to_block.get(block.hash) != block_id:
+                    block.forget()
+                self.free_blocks[block_id] = None
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        seq.num_committed_blocks = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """True when the sequence has, or can get, a slot for its newest token."""
+        return self.blocks_for(len(seq)) <= len(seq.block_table) or self.num_free_blocks > 0
+
+    def append_slot(self, seq: Sequence) -> None:
+        """Make sure the block table covers every token of the sequence (before a decode step)."""
+        while len(seq.block_table) < self.blocks_for(len(seq)):
+            if not self.free_blocks:
+                raise RuntimeError("no free KV block (call can_append first)")
+            seq.block_table.append(self._take_free())
+
+    def commit(self, seq: Sequence) -> None:
+        """Register the sequence's full, computed blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for i in range(seq.num_committed_blocks, seq.num_cached_tokens // bs):
+            seq.num_committed_blocks = i + 1
+            block = self.blocks[seq.block_table[i]]
+            if block.hash != -1:
+                continue  # reused from the cache: registered already
+            h = self._hash_of(seq, i)
+            block.hash = h
+            block.parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
+            block.token_ids = tuple(seq.block_tokens(i, bs))
+            # If an identical block is already registered, keep that one as the canonical copy.
+            self.hash_to_block.setdefault(h, block.block_id)

@@ -1,0 +1,174 @@
+"""The engine loop: validate requests, then schedule -> run the model -> account, step by step."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import random
+from dataclasses import dataclass
+
+from nanovllm.config import Config
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from nanovllm.engine.scheduler import Scheduler
+from nanovllm.engine.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("nanovllm")
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: the tokens and text it added, and whether it ended.
+
+    `text` is the newly stable text (only for requests that track text: streaming or stop
+    strings); `finish_reason` is "stop" or "length" once `finished`.
+    """
+
+    seq: Sequence
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+class LLMEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config.from_kwargs(model, **kwargs)
+        hf = config.hf_config
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(config.model)
+        self.eos_token_ids = frozenset(find_eos_token_ids(config.model, hf, self.tokenizer))
+        self.vocab_size = hf.vocab_size
+        self.model_runner = self._start_model_runner(config)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self._rng = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+
+    def _start_model_runner(self, config: Config):
+        from nanovllm.engine.model_runner import ModelRunner
+
+        return ModelRunner(config)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt) -> list[int]:
+        """A prompt (text or token ids) as a validated list of token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
+            if not prompt:
+                raise ValueError("empty prompt")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Reject a request that could never be served, before any work starts."""
+        cfg = self.config
+        if num_prompt_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens is longer than max_model_len={cfg.max_model_len}")
+        total = num_prompt_tokens + params.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len={cfg.max_model_len}")
+        # The last generated token's K/V is never written, hence total - 1.
+        blocks = self.block_manager.blocks_for(total - 1)
+        if blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks, but the whole cache "
+                             f"has {self.block_manager.num_blocks}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False) -> Sequence:
+        """Queue an already validated request (see `tokenize` / `check_fits`)."""
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+        seq = Sequence(next(self._seq_ids), prompt_ids, params, seed)
+        if (track_text or params.stop_strings) and self.tokenizer is not None:
+            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request wherever it is, freeing its blocks."""
+        if seq in self.scheduler.waiting:
+            self.scheduler.waiting.remove(seq)
+        elif seq in self.scheduler.running:
+            self.scheduler.finish(seq, "abort")
+        self._detok.pop(seq.seq_id, None)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> tuple[list[StepOutput], int, bool]:
+        """One scheduling step. Returns (outputs, tokens computed, was it a prefill step)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            raise RuntimeError("scheduler produced no work although requests are pending")
+        token_ids = self.model_runner.run(batch, self.eos_token_ids)
+        advanced = self.scheduler.postprocess(batch, token_ids, self.eos_token_ids, self.config.max_model_len)
+        outputs = []
+        for seq in advanced:
+            text = ""
+            detok = self._detok.get(seq.seq_id)
+            if detok is not None:
+                if detok.add([seq.token_ids[-1]]) and not seq.is_finished:
+                    self.scheduler.finish(seq, "stop")
+                text = detok.pop_delta(finished=seq.is_finished)
+                if detok.stopped:
+                    seq.finish_reason = "stop"
+            outputs.append(StepOutput(seq, [seq.token_ids[-1]], text, seq.is_finished, seq.finish_reason))
+        return outputs, batch.num_tokens, batch.is_prefill
+
+    def final_text(self, seq: Sequence) -> str:
+        detok = self._detok.pop(seq.seq_id, None)
+        if detok is not None:
+            detok.finish()
+            return detok.text
+        return detokenize(self.tokenizer, seq.completion_token_ids) if self.tokenizer is not None else ""
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        runner = getattr(self, "model_runner", None)
+        if runner is not None and hasattr(runner, "shutdown"):
+            runner.shutdown()
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ValueError(f"could not load a tokenizer from {path!r} ({type(e).__name__}: {e}); "
+                         f"pass skip_tokenizer_init=True to run on token ids only") from None
+
+
+def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer, config.json and generation_config.json (Qwen3 lists several)."""
+    ids = set(_as_id_list(getattr(hf_config, "eos_token_id", None)))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        with open(gen_file) as f:
+            ids.update(_as_id_list(json.load(f).get("eos_token_id")))
+    return ids

@@ -1,0 +1,294 @@
+"""Runs the model for one scheduled batch on one tensor-parallel rank, and samples on rank 0.
+
+The runner turns a `ScheduledBatch` into packed input tensors (token ids, positions, KV slot
+mapping, block tables), runs the model eagerly or by replaying a captured CUDA graph (decode),
+and samples the next token of every sequence on the device. It is device-agnostic: the same
+code runs on CPU (torch attention backend) and CUDA (triton / flash_attn backends).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from nanovllm.config import Config
+from nanovllm.engine.scheduler import ScheduledBatch
+from nanovllm.engine.sequence import Sequence
+from nanovllm.layers.attention import Attention, select_backend
+from nanovllm.layers.sampler import Sampler, SamplingTensors
+from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.utils.context import AttentionMetadata
+from nanovllm.utils.dist import tp_rank, tp_size
+from nanovllm.utils.loader import init_dummy, load_model
+
+logger = logging.getLogger("nanovllm")
+
+CPU_KV_CACHE_BYTES = 1 << 30  # automatic KV-cache size on CPU
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Decode batch sizes to capture: powers of two up to 32, then steps of 32, plus `max_bs`."""
+    sizes = [b for b in (1, 2, 4, 8, 16) if b < max_bs] + list(range(32, max_bs, 32))
+    return sizes + [max_bs]
+
+
+class ModelRunner:
+    def __init__(self, config: Config):
+        self.config = config
+        hf = config.hf_config
+        self.device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" \
+            else torch.device("cpu")
+        self.dtype = config.dtype
+        self.block_size = config.kvcache_block_size
+        self.rank, self.world_size = tp_rank(), tp_size()
+        self.pin = self.device.type == "cuda"
+        self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
+
+        torch.manual_seed(config.seed)
+        with torch.device(self.device):
+            self.model = Qwen3ForCausalLM(hf).to(self.dtype)
+        if config.load_format == "dummy":
+            init_dummy(self.model, config.seed)
+        else:
+            load_model(self.model, config.model)
+        self.backend = select_backend(config.device, self.block_size, config.attention_backend)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attn_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler()
+        self.num_kv_heads = self.attn_layers[0].num_kv_heads
+        self.head_dim = self.attn_layers[0].head_dim
+
+        self.kv_cache = None
+        self.num_blocks = self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_cuda_graphs()
+
+    # ------------------------------------------------------------------ KV cache
+    def kv_bytes_per_block(self) -> int:
+        layers = len(self.attn_layers)
+        return 2 * layers * self.block_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+    def _allocate_kv_cache(self) -> int:
+        cfg = self.config
+        per_block = self.kv_bytes_per_block()
+        if cfg.num_kvcache_blocks > 0:
+            num_blocks = cfg.num_kvcache_blocks
+        elif self.device.type == "cpu":
+            num_blocks = max(CPU_KV_CACHE_BYTES // per_block, self.max_blocks_per_seq)
+        else:
+            num_blocks = self._blocks_from_gpu_budget(per_block)
+        if num_blocks < 1:
+            raise RuntimeError("no GPU memory left for the KV cache: lower max_num_batched_tokens or "
+                               "raise gpu_memory_utilization")
+        self.kv_cache = torch.empty(2, len(self.attn_layers), num_blocks, self.block_size, self.num_kv_heads,
+                                    self.head_dim, dtype=self.dtype, device=self.device)
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache = self.kv_cache[0, i]
+            layer.v_cache = self.kv_cache[1, i]
+        logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, self.block_size,
+                    num_blocks * per_block / 2**30)
+        return num_blocks
+
+    def _blocks_from_gpu_budget(self, per_block: int) -> int:
+        """KV blocks that fit in gpu_memory_utilization of the GPU, counting only our own use.
+
+        Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
+        + room for the CUDA-graph pool (the activation peak of the largest decode batch).
+        Other processes' memory is not charged to us, but we never take more than is free.
+        """
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        self._warmup(min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len))
+        prefill_peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.reset_peak_memory_stats()
+        self._warmup(min(self.config.max_num_seqs, 512))
+        decode_peak = torch.cuda.max_memory_allocated() - base
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        budget = total * self.config.gpu_memory_utilization - base - prefill_peak - decode_peak
+        headroom = free - prefill_peak - decode_peak - (256 << 20)
+        return int(min(budget, headroom) // per_block)
+
+    @torch.inference_mode()
+    def _warmup(self, num_tokens: int) -> None:
+        """One eager forward over `num_tokens` tokens without a KV cache, to measure activations."""
+        num_tokens = max(1, num_tokens)
+        seq_len = min(num_tokens, self.config.max_model_len)
+        lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        meta = self._prefill_meta_from_lens(lens, lens, torch.full((num_tokens,), -1, dtype=torch.int32),
+                                            block_tables=None, has_prefix=False)
+        hidden = self.model(ids, pos, meta)
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        self.model.compute_logits(hidden[last])
+        del hidden
+
+    # ------------------------------------------------------------------ inputs
+    def _to_device(self, data, dtype) -> torch.Tensor:
+        t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
+        return t.to(self.device, non_blocking=True)
+
+    def _block_table_tensor(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+        return self._to_device(rows, torch.int32)
+
+    def _prefill_meta_from_lens(self, q_lens, k_lens, slot_mapping, block_tables, has_prefix):
+        cu_q = [0]
+        cu_k = [0]
+        for nq, nk in zip(q_lens, k_lens):
+            cu_q.append(cu_q[-1] + nq)
+            cu_k.append(cu_k[-1] + nk)
+        if block_tables is None:
+            block_tables = torch.empty(len(q_lens), 0, dtype=torch.int32, device=self.device)
+        return AttentionMetadata(
+            is_prefill=True, slot_mapping=slot_mapping.to(self.device, non_blocking=True),
+            context_lens=self._to_device(k_lens, torch.int32), block_tables=block_tables,
+            cu_seqlens_q=self._to_device(cu_q, torch.int32), cu_seqlens_k=self._to_device(cu_k, torch.int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), has_prefix=has_prefix,
+            query_lens=list(q_lens), kv_lens=list(k_lens))
+
+    def prepare_prefill(self, batch: ScheduledBatch):
+        bs = self.block_size
+        input_ids, positions, slots = [], [], []
+        q_lens, k_lens = [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_cached_tokens
+            end = start + n
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            q_lens.append(n)
+            k_lens.append(end)
+        has_prefix = any(k != q for q, k in zip(q_lens, k_lens))
+        needs_tables = has_prefix or self.backend.name == "torch"
+        tables = self._block_table_tensor(batch.seqs, max(len(s.block_table) for s in batch.seqs)) \
+            if needs_tables else None
+        meta = self._prefill_meta_from_lens(q_lens, k_lens, torch.tensor(slots, dtype=torch.int32,
+                                            pin_memory=self.pin), tables, has_prefix)
+        ids = self._to_device(input_ids, torch.long)
+        pos = self._to_device(positions, torch.long)
+        last = [c - 1 for c in meta_cumsum(q_lens)]
+        return ids, pos, meta, self._to_device(last, torch.long)
+
+    def prepare_decode(self, batch: ScheduledBatch, padded_bs: int):
+        """Decode inputs padded to `padded_bs` rows (a captured graph's batch size)."""
+        bs = self.block_size
+        seqs = batch.seqs
+        pad = padded_bs - len(seqs)
+        ids = [s.token_ids[-1] for s in seqs] + [0] * pad
+        pos = [len(s) - 1 for s in seqs] + [0] * pad
+        slots = [s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs] + [-1] * pad
+        ctx = [len(s) for s in seqs] + [0] * pad
+        width = self.max_blocks_per_seq if self.graphs else max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs] + [[-1] * width] * pad
+        meta = AttentionMetadata(
+            is_prefill=False, slot_mapping=self._to_device(slots, torch.int32),
+            context_lens=self._to_device(ctx, torch.int32), block_tables=self._to_device(rows, torch.int32),
+            query_lens=[1] * len(seqs) + [0] * pad, kv_lens=ctx, num_splits=self._num_splits(padded_bs, width))
+        return self._to_device(ids, torch.long), self._to_device(pos, torch.long), meta
+
+    def _num_splits(self, batch_size: int, width: int) -> int:
+        if self.backend.name != "triton":
+            return 1
+        from nanovllm.kernels.paged_decode import choose_num_splits
+
+        return choose_num_splits(batch_size, self.num_kv_heads, width)
+
+    def prepare_sampling(self, seqs: list[Sequence], eos_token_ids: frozenset[int]):
+        params = [s.params for s in seqs]
+        t = SamplingTensors.build(params, [s.seed for s in seqs], [len(s) for s in seqs], self.device,
+                                  pin_memory=self.pin)
+        rows, cols = [], []
+        for i, s in enumerate(seqs):
+            if s.num_completion_tokens < s.params.min_tokens:
+                banned = set(s.params.stop_ids) | (set() if s.params.ignore_eos else set(eos_token_ids))
+                rows.extend([i] * len(banned))
+                cols.extend(banned)
+        suppress = (self._to_device(rows, torch.long), self._to_device(cols, torch.long)) if rows else None
+        return t, suppress
+
+    # ------------------------------------------------------------------ execution
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> list[int] | None:
+        """Run one step; returns the sampled token of every sequence (rank 0) or None (others)."""
+        n = len(batch.seqs)
+        if batch.is_prefill:
+            ids, pos, meta, last = self.prepare_prefill(batch)
+            hidden = self.model(ids, pos, meta)[last]
+        else:
+            graph_bs = next((b for b in self.graph_sizes if b >= n), None) if self.graphs else None
+            if graph_bs is None:
+                ids, pos, meta = self.prepare_decode(batch, n)
+                hidden = self.model(ids, pos, meta)
+            else:
+                hidden = self._replay(batch, graph_bs)[:n]
+        logits = self.model.compute_logits(hidden)
+        if self.rank != 0:
+            return None
+        t, suppress = self.prepare_sampling(batch.seqs, eos_token_ids)
+        return self.sampler(logits, t, suppress).tolist()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def _capture_cuda_graphs(self) -> None:
+        """Capture decode for fixed batch sizes; a step replays the smallest that fits."""
+        max_bs = min(self.config.max_num_seqs, 512)
+        self.graph_sizes = graph_batch_sizes(max_bs)
+        width = self.max_blocks_per_seq
+        dev = self.device
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.long, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.full((max_bs, width), -1, dtype=torch.int32, device=dev),
+            hidden=torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=dev),
+        )
+        v = self.graph_vars
+        self.graph_meta = {}
+        pool = None
+        for bs in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its pool
+            meta = AttentionMetadata(
+                is_prefill=False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
+                block_tables=v["block_tables"][:bs], num_splits=self._num_splits(bs, width))
+            # Any valid context works for capture: one token in block 0 (slot -1: nothing stored).
+            v["context_lens"][:bs] = 1
+            v["block_tables"][:bs] = 0
+            self.model(v["input_ids"][:bs], v["positions"][:bs], meta)  # warm-up (Triton autotune, etc.)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs], meta)
+            pool = graph.pool() if pool is None else pool
+            self.graphs[bs] = graph
+            self.graph_meta[bs] = meta
+            torch.cuda.synchronize()
+        v["context_lens"].zero_()
+        v["block_tables"].fill_(-1)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_sizes)
+
+    def _replay(self, batch: ScheduledBatch, bs: int) -> torch.Tensor:
+        ids, pos, meta = self.prepare_decode(batch, bs)
+        v = self.graph_vars
+        v["input_ids"][:bs] = ids
+        v["positions"][:bs] = pos
+        v["slot_mapping"][:bs] = meta.slot_mapping
+        v["context_lens"][:bs] = meta.context_lens
+        v["block_tables"][:bs] = meta.block_tables
+        self.graphs[bs].replay()
+        return v["hidden"][:bs]
+
+
+def meta_cumsum(lens: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in lens:
+        total += n
+        out.append(total)
+    return out

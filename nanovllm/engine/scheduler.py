@@ -1,0 +1,159 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one engine step.
+
+    A prefill step computes `num_new_tokens[i]` tokens of `seqs[i]` starting at its
+    `num_cached_tokens` (a chunk of a long prompt, or the rest of a prompt after prefix hits);
+    a decode step computes exactly one token for every sequence.
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    is_prefill: bool
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+
+class Scheduler:
+    """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out.
+
+    Policy (nano-vllm's, plus chunking): a step is a prefill step whenever some prompt work is
+    pending — first the rest of partly prefilled prompts, then new sequences in arrival order
+    while the token budget, the sequence cap and free blocks allow. Otherwise every running
+    sequence decodes one token; when one needs a block and none is free, the newest running
+    sequence is preempted by recompute (its blocks are freed and it goes back to the front of the
+    waiting queue, to be prefilled again with its generated tokens).
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        # Callers check up front that the sequence can ever fit (LLMEngine validates requests);
+        # this is the last line of defence against a request that would wait forever.
+        if self.block_manager.blocks_for(len(seq)) > self.block_manager.num_blocks:
+            raise ValueError(f"{seq} needs more KV blocks than the whole cache holds")
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        budget = self.max_num_batched_tokens
+        seqs, counts = [], []
+        for seq in self.running:
+            if budget == 0:
+                break
+            if seq.num_uncomputed_tokens > 1:  # a prompt chunked in an earlier step
+                n = min(seq.num_uncomputed_tokens, budget)
+                seqs.append(seq)
+                counts.append(n)
+                budget -= n
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not bm.can_allocate(seq):
+                break
+            bm.allocate(seq)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        bm = self.block_manager
+        cap = min(self.max_num_seqs, self.max_num_batched_tokens)
+        scheduled: list[Sequence] = []
+        preempted: list[Sequence] = []
+        while self.running and len(scheduled) < cap:
+            seq = self.running.popleft()
+            while not bm.can_append(seq):
+                # Recompute the newest sequence rather than this older one: it has done the
+                # least work, so giving its blocks back wastes the least.
+                victim = self.running.pop() if self.running else seq
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                bm.append_slot(seq)
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        if not scheduled:
+            return None
+        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence now (stop condition met) and free its blocks."""
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.block_manager.free(seq)
+        self.running.remove(seq)
+
+    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], eos_token_ids: frozenset[int],
+                    max_model_len: int) -> list[Sequence]:
+        """Account for a finished step: advance caches, append sampled tokens, apply token stops.
+
+        `token_ids[i]` is the token sampled for `batch.seqs[i]`; it is dropped for a prompt chunk
+        that did not reach the end of its prompt. Returns the sequences that got a new token.
+        """
+        bm = self.block_manager
+        advanced = []
+        for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
+            seq.num_cached_tokens += n
+            bm.commit(seq)
+            if seq.num_cached_tokens < seq.num_tokens:
+                continue  # partial prompt chunk: no token yet
+            seq.token_ids.append(token_id)
+            advanced.append(seq)
+            reason = stop_reason(seq, token_id, eos_token_ids, max_model_len)
+            if reason is not None:
+                self.finish(seq, reason)
+        return advanced
+
+
+def stop_reason(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int) -> str | None:
+    """Token-level stop rules, checked after `token_id` was appended to `seq`."""
+    p = seq.params
+    if seq.num_completion_tokens >= p.min_tokens:
+        if token_id in p.stop_ids or (not p.ignore_eos and token_id in eos_token_ids):
+            return "stop"
+    if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
+        return "length"
+    return None

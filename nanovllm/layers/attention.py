@@ -1,0 +1,198 @@
+"""Paged attention: one `Attention` layer, three interchangeable backends behind it.
+
+Every backend computes the same function: each new token attends causally to its sequence's
+K/V, which live in a paged cache `[num_blocks, block_size, num_kv_heads, head_dim]` (one per
+layer for K and for V). Causality is aligned bottom-right: with `c` cached tokens, new token
+`j` sees K/V positions `0 .. c + j`. The backend is chosen once per engine (`select_backend`).
+
+- `torch`:      CPU reference; SDPA over K/V gathered through the block table.
+- `triton`:     CUDA without flash-attn; PyTorch's bundled FlashAttention-2 varlen kernel for
+                prefill and our Triton split-KV kernel for decode.
+- `flash_attn`: the flash-attn package (nano-vllm's calls), when importable.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.context import AttentionMetadata
+
+logger = logging.getLogger("nanovllm")
+
+
+# ---------------------------------------------------------------------------- helpers
+def store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Reference KV store: scatter each token's K/V into its slot (slot -1 = skip)."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep]
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep]
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached tokens of one sequence: [length, num_kv_heads, head_dim]."""
+    block_size = cache.size(1)
+    num_blocks = -(-length // block_size)
+    return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
+
+
+def gather_kv_varlen(cache: torch.Tensor, meta: AttentionMetadata, total: int) -> torch.Tensor:
+    """All sequences' cached K (or V) packed varlen as `cu_seqlens_k` describes, on the device.
+
+    Vectorised (no per-sequence loop): token t of sequence i is slot
+    block_tables[i, t // block_size] * block_size + t % block_size.
+    """
+    block_size = cache.size(1)
+    kv_lens = meta.cu_seqlens_k.diff()
+    seq_idx = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cache.device), kv_lens,
+                                      output_size=total)
+    pos = torch.arange(total, device=cache.device) - meta.cu_seqlens_k[seq_idx]
+    blocks = meta.block_tables[seq_idx, pos // block_size].long()
+    return cache.view(-1, *cache.shape[2:])[blocks * block_size + pos % block_size]
+
+
+# ---------------------------------------------------------------------------- backends
+class TorchBackend:
+    """Reference backend for CPU (and for checking the others): loops over sequences."""
+
+    name = "torch"
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        start = 0
+        for i, (n_q, n_k) in enumerate(zip(meta.query_lens, meta.kv_lens)):
+            if n_q == 0:
+                continue
+            qi = q[start:start + n_q].transpose(0, 1)                    # [H, n_q, D]
+            ki = gather_kv(k_cache, meta.block_tables[i], n_k).transpose(0, 1)
+            vi = gather_kv(v_cache, meta.block_tables[i], n_k).transpose(0, 1)
+            group = qi.size(0) // ki.size(0)
+            ki = ki.repeat_interleave(group, dim=0)
+            vi = vi.repeat_interleave(group, dim=0)
+            # Bottom-right causal mask: query j sits at absolute position n_k - n_q + j.
+            qpos = torch.arange(n_k - n_q, n_k, device=q.device).unsqueeze(1)
+            mask = torch.arange(n_k, device=q.device).unsqueeze(0) <= qpos
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            out[start:start + n_q] = oi.transpose(0, 1)
+            start += n_q
+        return out
+
+
+class TritonBackend:
+    """CUDA without flash-attn: aten's FlashAttention-2 varlen prefill, Triton paged decode."""
+
+    name = "triton"
+
+    def __init__(self):
+        from nanovllm.kernels.kv_store import store_kvcache
+        from nanovllm.kernels.paged_decode import paged_decode_attention
+
+        self._store = store_kvcache
+        self._decode = paged_decode_attention
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._store(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not meta.is_prefill:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                num_splits=meta.num_splits)
+        if meta.has_prefix:
+            # Cached prefix + new tokens: read the whole context back from the paged cache
+            # (the new tokens were stored there a moment ago) as contiguous varlen K/V.
+            total = sum(meta.kv_lens)
+            k = gather_kv_varlen(k_cache, meta, total)
+            v = gather_kv_varlen(v_cache, meta, total)
+        out = torch.ops.aten._flash_attention_forward(
+            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            0.0, True, False, scale=scale)[0]
+        return out
+
+
+class FlashAttnBackend:
+    """The flash-attn package: varlen prefill (paged via block_table on prefix hits), paged decode."""
+
+    name = "flash_attn"
+
+    def __init__(self, module=None):
+        fa = module or importlib.import_module("flash_attn")
+        self.varlen = fa.flash_attn_varlen_func
+        self.with_kvcache = fa.flash_attn_with_kvcache
+        from nanovllm.kernels.kv_store import store_kvcache
+
+        self._store = store_kvcache
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        self._store(k, v, k_cache, v_cache, slot_mapping)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if meta.is_prefill:
+            if meta.has_prefix:
+                k, v, block_table = k_cache, v_cache, meta.block_tables
+            else:
+                block_table = None
+            return self.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                               max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                               softmax_scale=scale, causal=True, block_table=block_table)
+        out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                block_table=meta.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)
+
+
+def flash_attn_available() -> bool:
+    try:
+        importlib.import_module("flash_attn")
+        return True
+    except Exception:
+        return False
+
+
+def select_backend(device: str, block_size: int, forced: str | None = None):
+    """Pick the attention backend once per engine (see module docstring for the order)."""
+    if forced is not None:
+        if forced != "torch" and device != "cuda":
+            raise ValueError(f"attention_backend={forced!r} needs CUDA; this engine runs on {device}")
+        if forced == "flash_attn" and block_size % 256:
+            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple "
+                             f"of 256, got {block_size}")
+        name = forced
+    elif device != "cuda":
+        name = "torch"
+    elif flash_attn_available() and block_size % 256 == 0:
+        name = "flash_attn"
+    else:
+        name = "triton"
+    backend = {"torch": TorchBackend, "triton": TritonBackend, "flash_attn": FlashAttnBackend}[name]()
+    logger.info("attention backend: %s", name)
+    return backend
+
+
+# ---------------------------------------------------------------------------- the layer
+class Attention(nn.Module):
+    """Stores this step's K/V into the layer's paged cache, then attends through the backend.
+
+    q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim].
+    `k_cache` / `v_cache` are assigned by the ModelRunner once the cache is allocated.
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        self.k_cache = self.v_cache = torch.tensor([])
+        self.backend = None
+
+    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        if self.k_cache.numel():
+            self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

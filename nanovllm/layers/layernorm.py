@@ -1,0 +1,30 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.to(dtype) * self.weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
+
+        The sum is rounded to the activation dtype before the norm, as transformers does, so
+        both compute the same residual stream.
+        """
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

@@ -1,0 +1,113 @@
+"""Linear layers split across tensor-parallel ranks, each with a `weight_loader` for its shard.
+
+Column-parallel layers split the output features (no communication); row-parallel layers split
+the input features and all-reduce their partial sums. Packed layers (`qkv_proj`,
+`gate_up_proj`) hold several checkpoint tensors side by side, so one GEMM replaces three (two).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from nanovllm.utils.dist import all_reduce, divide, tp_rank, tp_size
+
+
+def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
+    if param_slice.shape != loaded.shape:
+        raise ValueError(f"{what}: checkpoint shard has shape {tuple(loaded.shape)}, "
+                         f"expected {tuple(param_slice.shape)}")
+    param_slice.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
+        super().__init__()
+        self.tp_dim = tp_dim
+        self.tp_rank = tp_rank()
+        self.tp_size = tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def _full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
+        """Shape of the unsplit checkpoint tensor behind `param`."""
+        shape = list(param.shape)
+        if self.tp_dim is not None and self.tp_dim < param.dim():
+            shape[self.tp_dim] *= self.tp_size
+        return tuple(shape)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
+        if self.tp_dim is not None and self.tp_dim < param.dim():
+            if loaded.shape != self._full_shape(param):
+                raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, "
+                                 f"expected {self._full_shape(param)}")
+            size = param.size(self.tp_dim)
+            loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
+        _copy_checked(param.data, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, output_size, bias, tp_dim=None)
+
+
+class ColumnParallelLinear(LinearBase):
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(input_size, divide(output_size, tp_size()), bias, tp_dim=0)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel outputs packed along dim 0 (e.g. gate_proj and up_proj)."""
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
+        self.output_sizes = output_sizes
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: int = 0):
+        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
+        size = self.output_sizes[shard_id] // self.tp_size
+        expected = (self.output_sizes[shard_id],) + tuple(param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard, name)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections packed along dim 0; each rank holds its heads of all three."""
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size())
+        self.num_kv_heads = divide(num_kv_heads, tp_size())
+        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: str = "q"):
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        expected = (size * self.tp_size,) + tuple(param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+        shard = loaded.narrow(0, self.tp_rank * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), shard, name)
+
+
+class RowParallelLinear(LinearBase):
+    """Splits the input features; partial products are summed across ranks."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+        super().__init__(divide(input_size, tp_size()), output_size, bias, tp_dim=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only rank 0 adds the bias, so the all-reduce counts it once.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

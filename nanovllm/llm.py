@@ -1,0 +1,157 @@
+"""`LLM`: the front object users create (vLLM-compatible names)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Iterator
+
+from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class StreamOutput:
+    """One increment of one request while it is generated (`LLM.stream`).
+
+    index: position of the request in the prompts given; token_ids / text: what this step added
+    (text is empty until it is stable: an incomplete UTF-8 character or a possible stop string
+    is held back); finished / finish_reason: set on the request's last increment.
+    """
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+class LLM(LLMEngine):
+    """An offline engine for one model. See README for every keyword argument.
+
+    >>> llm = LLM("/path/to/Qwen3-0.6B")
+    >>> llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
+    [{'text': ..., 'token_ids': [...], 'finish_reason': 'length', ...}]
+    """
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    # ------------------------------------------------------------------ inputs
+    def _normalize(self, prompts, sampling_params, track_text=False):
+        """Validate every prompt and parameter before any work starts; returns (ids, params) pairs."""
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, (list, tuple)) and prompts and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            prompts = [list(prompts)]  # one prompt given as token ids
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
+                            f"got {type(prompts).__name__}")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
+                                 f"pass one for all or exactly one per prompt")
+            if not all(isinstance(p, SamplingParams) for p in sampling_params):
+                raise TypeError("sampling_params must be SamplingParams objects")
+            params = list(sampling_params)
+        else:
+            raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
+                            f"got {type(sampling_params).__name__}")
+        requests = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            try:
+                ids = self.tokenize(prompt)
+                self.check_fits(len(ids), p)
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"prompt {i}: {e}") from None
+            requests.append((ids, p))
+        return requests
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
+        """Generate for every prompt; one dict per prompt, in input order:
+        {"text", "token_ids", "finish_reason", "prompt_token_ids"}."""
+        requests = self._normalize(prompts, sampling_params)
+        seqs = [self.add_request(ids, p) for ids, p in requests]
+        try:
+            self._run_to_completion(len(seqs), use_tqdm)
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.abort(seq)
+        return [self._result(seq) for seq in seqs]
+
+    def _result(self, seq) -> dict:
+        return {"text": self.final_text(seq), "token_ids": seq.completion_token_ids,
+                "finish_reason": seq.finish_reason, "prompt_token_ids": seq.prompt_token_ids}
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> None:
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True)
+        prefill_tps = decode_tps = 0.0
+        while self.has_unfinished():
+            t = time.perf_counter()
+            outputs, num_tokens, is_prefill = self.step()
+            if bar is not None:
+                dt = max(time.perf_counter() - t, 1e-9)
+                if is_prefill:
+                    prefill_tps = num_tokens / dt
+                else:
+                    decode_tps = num_tokens / dt
+                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+                bar.update(sum(o.finished for o in outputs))
+        if bar is not None:
+            bar.close()
+
+    def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
+        """Yield per-request increments as the engine produces them.
+
+        Concatenating a request's `text` increments gives exactly the `text` that `generate`
+        returns; stop strings are never shown partially. Closing the iterator early aborts the
+        remaining requests.
+        """
+        requests = self._normalize(prompts, sampling_params)
+        seqs = [self.add_request(ids, p, track_text=True) for ids, p in requests]
+        index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        try:
+            while any(not s.is_finished for s in seqs):
+                outputs, _, _ = self.step()
+                for o in outputs:
+                    if o.seq.seq_id in index:
+                        if o.finished:
+                            self._detok.pop(o.seq.seq_id, None)
+                        yield StreamOutput(index[o.seq.seq_id], o.new_token_ids, o.text, o.finished,
+                                           o.finish_reason)
+        finally:
+            for seq in seqs:
+                if not seq.is_finished:
+                    self.abort(seq)
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **chat_template_kwargs) -> list[dict]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of
+        conversations, through the tokenizer's chat template. Extra keyword arguments go to the
+        template (e.g. Qwen3's `enable_thinking=False`)."""
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conv in conversations:
+            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise TypeError("each conversation must be a list of {'role', 'content'} dicts")
+            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
+                                                      **chat_template_kwargs)
+            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

@@ -1,0 +1,37 @@
+"""Per-step attention metadata, built by the ModelRunner and passed down through the model."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's K/V go and which cached K/V each sequence attends to.
+
+    Tokens of all sequences are packed along one dimension (varlen layout).
+    slot_mapping [num_tokens]: cache slot (block_id * block_size + offset) for each token's
+        K/V, -1 to skip (CUDA-graph padding).
+    context_lens [num_seqs] int32: K/V length of each sequence after this step (cached + new).
+    block_tables [num_seqs, max_blocks] int32: physical block ids, padded with -1.
+    Prefill only: cu_seqlens_q / cu_seqlens_k [num_seqs + 1] int32 prefix sums of the new-token
+        and K/V lengths, their maxima, and `has_prefix` when some sequence already has cached
+        tokens (prefix hit or an earlier chunk), so K/V must be read from the paged cache.
+    query_lens / kv_lens: the same lengths as host lists, for backends that loop on the host.
+    num_splits: how many KV splits the Triton decode kernel uses (fixed per captured batch size).
+    """
+
+    is_prefill: bool
+    slot_mapping: torch.Tensor
+    context_lens: torch.Tensor
+    block_tables: torch.Tensor
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    has_prefix: bool = False
+    query_lens: list[int] | None = None
+    kv_lens: list[int] | None = None
+    num_splits: int = 1

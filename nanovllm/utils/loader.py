@@ -1,0 +1,86 @@
+"""Weight loading: streaming safetensors (never pickle), or random weights for benchmarks."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+
+def _resolve(params: dict, mapping: dict, name: str):
+    """Map a checkpoint tensor name to (parameter name, parameter or None, shard id or None)."""
+    for part, (packed, shard_id) in mapping.items():
+        if f".{part}." in name:
+            packed_name = name.replace(f".{part}.", f".{packed}.")
+            if packed_name in params:
+                return packed_name, params[packed_name], shard_id
+    return name, params.get(name), None
+
+
+def load_model(model: nn.Module, path: str) -> None:
+    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`.
+
+    Tensors are read one at a time (`safe_open`), so peak host memory is one tensor, and each
+    parameter's `weight_loader` takes only this rank's shard. A tensor the model does not know,
+    a parameter the checkpoint lacks, or a shape mismatch is a ValueError naming the tensor.
+    """
+    files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {path!r} (pickle checkpoints are not loaded)")
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = getattr(model, "tie_word_embeddings", False)
+    mapping = getattr(model, "packed_modules_mapping", {})
+    loaded: set[str] = set()
+    for file in files:
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if tied and name == "lm_head.weight":
+                    continue  # tied to the embedding, which is loaded under its own name
+                if name.endswith("rotary_emb.inv_freq"):
+                    continue  # recomputed, older checkpoints carry it
+                pname, param, shard_id = _resolve(params, mapping, name)
+                if param is None:
+                    raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} does not "
+                                     f"belong to this model")
+                loader = getattr(param, "weight_loader", None)
+                tensor = f.get_tensor(name)
+                if loader is None:
+                    if tuple(tensor.shape) != tuple(param.shape):
+                        raise ValueError(f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, "
+                                         f"expected {tuple(param.shape)}")
+                    param.data.copy_(tensor)
+                elif shard_id is None:
+                    loader(param, tensor, name)
+                else:
+                    loader(param, tensor, name, shard_id)
+                loaded.add(name if shard_id is None else f"{pname}#{shard_id}")
+    expected = _expected_names(mapping, params, tied)
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
+                         + (" ..." if len(missing) > 8 else ""))
+
+
+def _expected_names(mapping: dict, params: dict, tied: bool) -> set[str]:
+    """What a complete checkpoint provides, in the keys `load_model` records."""
+    names = set()
+    for pname in params:
+        if tied and pname == "lm_head.weight":
+            continue
+        shards = [sid for part, (packed, sid) in mapping.items() if f".{packed}." in pname]
+        names.update(f"{pname}#{sid}" for sid in shards) if shards else names.add(pname)
+    return names
+
+
+@torch.no_grad()
+def init_dummy(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of realistic scale (benchmarks without the real checkpoint)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)
