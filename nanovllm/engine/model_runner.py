@@ -8,8 +8,10 @@ code runs on CPU (torch attention backend) and CUDA (triton / flash_attn backend
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -135,8 +137,8 @@ class ModelRunner:
         t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
         return t.to(self.device, non_blocking=True)
 
-    def _block_table_tensor(self, seqs: list[Sequence], width: int) -> torch.Tensor:
-        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs]
+    def _block_table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
+        rows = [t + [-1] * (width - len(t)) for t in tables]
         return self._to_device(rows, torch.int32)
 
     def _prefill_meta_from_lens(self, q_lens, k_lens, slot_mapping, block_tables, has_prefix):
@@ -154,45 +156,43 @@ class ModelRunner:
             max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), has_prefix=has_prefix,
             query_lens=list(q_lens), kv_lens=list(k_lens))
 
-    def prepare_prefill(self, batch: ScheduledBatch):
+    def prepare_prefill(self, step: "StepInput"):
         bs = self.block_size
         input_ids, positions, slots = [], [], []
         q_lens, k_lens = [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            start = seq.num_cached_tokens
-            end = start + n
-            input_ids.extend(seq.token_ids[start:end])
+        for tokens, start, table in zip(step.token_ids, step.start_pos, step.block_tables):
+            end = start + len(tokens)
+            input_ids.extend(tokens)
             positions.extend(range(start, end))
-            table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(n)
+            q_lens.append(len(tokens))
             k_lens.append(end)
         has_prefix = any(k != q for q, k in zip(q_lens, k_lens))
         needs_tables = has_prefix or self.backend.name == "torch"
-        tables = self._block_table_tensor(batch.seqs, max(len(s.block_table) for s in batch.seqs)) \
+        tables = self._block_table_tensor(step.block_tables, max(map(len, step.block_tables))) \
             if needs_tables else None
         meta = self._prefill_meta_from_lens(q_lens, k_lens, torch.tensor(slots, dtype=torch.int32,
                                             pin_memory=self.pin), tables, has_prefix)
         ids = self._to_device(input_ids, torch.long)
         pos = self._to_device(positions, torch.long)
-        last = [c - 1 for c in meta_cumsum(q_lens)]
+        last = [c - 1 for c in itertools.accumulate(q_lens)]
         return ids, pos, meta, self._to_device(last, torch.long)
 
-    def prepare_decode(self, batch: ScheduledBatch, padded_bs: int):
+    def prepare_decode(self, step: "StepInput", padded_bs: int):
         """Decode inputs padded to `padded_bs` rows (a captured graph's batch size)."""
         bs = self.block_size
-        seqs = batch.seqs
-        pad = padded_bs - len(seqs)
-        ids = [s.token_ids[-1] for s in seqs] + [0] * pad
-        pos = [len(s) - 1 for s in seqs] + [0] * pad
-        slots = [s.block_table[(len(s) - 1) // bs] * bs + (len(s) - 1) % bs for s in seqs] + [-1] * pad
-        ctx = [len(s) for s in seqs] + [0] * pad
-        width = self.max_blocks_per_seq if self.graphs else max(len(s.block_table) for s in seqs)
-        rows = [s.block_table + [-1] * (width - len(s.block_table)) for s in seqs] + [[-1] * width] * pad
+        n = len(step.token_ids)
+        pad = padded_bs - n
+        ids = [t[0] for t in step.token_ids] + [0] * pad
+        pos = step.start_pos + [0] * pad
+        slots = [table[p // bs] * bs + p % bs for p, table in zip(step.start_pos, step.block_tables)] + [-1] * pad
+        ctx = [p + 1 for p in step.start_pos] + [0] * pad
+        width = self.max_blocks_per_seq if self.graphs else max(map(len, step.block_tables))
         meta = AttentionMetadata(
             is_prefill=False, slot_mapping=self._to_device(slots, torch.int32),
-            context_lens=self._to_device(ctx, torch.int32), block_tables=self._to_device(rows, torch.int32),
-            query_lens=[1] * len(seqs) + [0] * pad, kv_lens=ctx, num_splits=self._num_splits(padded_bs, width))
+            context_lens=self._to_device(ctx, torch.int32),
+            block_tables=self._block_table_tensor(step.block_tables + [[]] * pad, width),
+            query_lens=[1] * n + [0] * pad, kv_lens=ctx, num_splits=self._num_splits(padded_bs, width))
         return self._to_device(ids, torch.long), self._to_device(pos, torch.long), meta
 
     def _num_splits(self, batch_size: int, width: int) -> int:
@@ -217,24 +217,28 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> list[int] | None:
-        """Run one step; returns the sampled token of every sequence (rank 0) or None (others)."""
-        n = len(batch.seqs)
-        if batch.is_prefill:
-            ids, pos, meta, last = self.prepare_prefill(batch)
+    def run(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
+        """Run one step and sample; returns the next token of every scheduled sequence."""
+        logits = self.execute(StepInput.from_batch(batch))
+        t, suppress = self.prepare_sampling(batch.seqs, eos_token_ids)
+        return self.sampler(logits, t, suppress).tolist()
+
+    @torch.inference_mode()
+    def execute(self, step: "StepInput") -> torch.Tensor | None:
+        """The model part of a step, which every tensor-parallel rank runs: logits of each
+        sequence's last new token (rank 0) or None (other ranks)."""
+        n = len(step.token_ids)
+        if step.is_prefill:
+            ids, pos, meta, last = self.prepare_prefill(step)
             hidden = self.model(ids, pos, meta)[last]
         else:
             graph_bs = next((b for b in self.graph_sizes if b >= n), None) if self.graphs else None
             if graph_bs is None:
-                ids, pos, meta = self.prepare_decode(batch, n)
+                ids, pos, meta = self.prepare_decode(step, n)
                 hidden = self.model(ids, pos, meta)
             else:
-                hidden = self._replay(batch, graph_bs)[:n]
-        logits = self.model.compute_logits(hidden)
-        if self.rank != 0:
-            return None
-        t, suppress = self.prepare_sampling(batch.seqs, eos_token_ids)
-        return self.sampler(logits, t, suppress).tolist()
+                hidden = self._replay(step, graph_bs)[:n]
+        return self.model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -274,8 +278,8 @@ class ModelRunner:
         v["block_tables"].fill_(-1)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_sizes)
 
-    def _replay(self, batch: ScheduledBatch, bs: int) -> torch.Tensor:
-        ids, pos, meta = self.prepare_decode(batch, bs)
+    def _replay(self, step: "StepInput", bs: int) -> torch.Tensor:
+        ids, pos, meta = self.prepare_decode(step, bs)
         v = self.graph_vars
         v["input_ids"][:bs] = ids
         v["positions"][:bs] = pos
@@ -286,9 +290,25 @@ class ModelRunner:
         return v["hidden"][:bs]
 
 
-def meta_cumsum(lens: list[int]) -> list[int]:
-    out, total = [], 0
-    for n in lens:
-        total += n
-        out.append(total)
-    return out
+@dataclass
+class StepInput:
+    """What every tensor-parallel rank needs to run one step: plain lists, cheap to pickle.
+
+    token_ids[i]: the new tokens of sequence i (decode: just its last token); start_pos[i]: how
+    many of its tokens are already in the KV cache; block_tables[i]: its KV blocks.
+    """
+
+    is_prefill: bool
+    token_ids: list[list[int]]
+    start_pos: list[int]
+    block_tables: list[list[int]]
+
+    @classmethod
+    def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
+        if batch.is_prefill:
+            tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]
+                      for s, n in zip(batch.seqs, batch.num_new_tokens)]
+        else:
+            tokens = [[s.token_ids[-1]] for s in batch.seqs]
+        return cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in batch.seqs],
+                   [s.block_table for s in batch.seqs])

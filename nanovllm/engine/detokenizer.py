@@ -1,0 +1,233 @@
+"""Incremental detokenization and stop-string matching for one request.
+
+Decoding the whole output again after every token costs O(n) per token. Instead, like vLLM
+and HF's TextStreamer, each step decodes only a short window: the tokens that produced the
+previous piece of text (as context, so decoders that treat a word's first token specially
+still see it) plus the new tokens, and keeps the part of the text past the context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import tokenizers
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens decoded in front of the first output token. A few are enough for decoders
+# whose output depends on what precedes a token (SentencePiece drops a leading space).
+_PROMPT_CONTEXT = 5
+
+
+def _fast_backend(tokenizer) -> tokenizers.Tokenizer | None:
+    """The Rust tokenizer behind `tokenizer`, if calling it directly decodes identically.
+
+    transformers' decode wraps the Rust call in ~10 us of Python, which would dominate the
+    per-token cost; only take the shortcut when the class does not customise decoding.
+    """
+    if isinstance(tokenizer, tokenizers.Tokenizer):
+        return tokenizer
+    try:
+        from transformers import PreTrainedTokenizerFast
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    except ImportError:
+        return None
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode
+        and getattr(cls, "_decode", None) is PreTrainedTokenizerFast._decode
+    ):
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if isinstance(backend, tokenizers.Tokenizer):
+            return backend
+    return None
+
+
+def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+    backend = _fast_backend(tokenizer)
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    # The clean-up heuristic ("a ." -> "a.") depends on neighbouring tokens, so it cannot be
+    # applied piecewise; it is off everywhere so that incremental and full decodes agree.
+    return lambda ids: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
+
+
+def detokenize(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """Decode `ids` in one go, exactly as IncrementalDetokenizer would end up decoding them."""
+    return _decoder(tokenizer, skip_special_tokens)(list(ids))
+
+
+class IncrementalDetokenizer:
+    """Turns one request's generated token ids into text as they arrive, and watches for
+    stop strings.
+
+    `text` only ever grows by stable text: while the newest tokens end in an incomplete
+    multi-byte character (the decode ends with U+FFFD) they are held back until a later token
+    completes it or `finish()` flushes them. Without a stop string the final `text` equals
+    `detokenize(tokenizer, output_ids)` (= `tokenizer.decode` with clean-up off), except that
+    decoders which drop a leading space at the start of a decode (SentencePiece) keep it on
+    the first output token, since the prompt's tail is decoded in front of it, as in vLLM.
+    A stop string ends the request; `text` is cut right before its earliest occurrence (the
+    first listed wins on a tie).
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        prompt_token_ids: Sequence[int],
+        stop: tuple[str, ...] = (),
+        skip_special_tokens: bool = True,
+    ):
+        if isinstance(stop, str):
+            stop = (stop,)
+        stop = tuple(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
+        self.stop = stop
+        self._decode = _decoder(tokenizer, skip_special_tokens)
+        # Characters of earlier text a new match can reach back into; also the most text
+        # pop_delta may have to hold back.
+        self._reach = max((len(s) for s in stop), default=1) - 1
+        # Every proper prefix of a stop string: text ending in one may yet become a match.
+        self._stop_prefixes = frozenset(s[:k] for s in stop for k in range(1, len(s)))
+
+        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        context_text = self._decode(context) if context else ""
+        if context_text.endswith(_REPLACEMENT):
+            # The prompt ends inside a character; the output must not complete it.
+            context, context_text = [], ""
+        # _window holds the context tokens [:_read] and the tokens not yet turned into
+        # text [_read:]; _context_text caches the decode of the former (None = stale).
+        self._window: list[int] = context
+        self._read = len(context)
+        self._context_text: str | None = context_text
+
+        # The text is kept in pieces so that appending costs O(1), not O(len(text)).
+        self._pieces: list[str] = []
+        self._len = 0
+        self._tail = ""  # last _reach characters of the text
+        self._emitted = 0  # characters already handed out by pop_delta
+        self._stop_string: str | None = None
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """The output text so far (final once `finished`)."""
+        if len(self._pieces) > 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0] if self._pieces else ""
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that ended the request, or None."""
+        return self._stop_string
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string was found."""
+        return self._stop_string is not None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the text is final (a stop string was found or `finish()` was called)."""
+        return self._finished
+
+    def add(self, token_ids: Sequence[int]) -> bool:
+        """Append newly generated tokens; returns True if a stop string has been found.
+
+        Tokens arriving after the request finished are ignored.
+        """
+        if self._finished:
+            return self.stopped
+        self._window.extend(token_ids)
+        delta = self._new_text(final=False)
+        if delta is None:
+            return False
+        # Later tokens only need the ones just decoded as context.
+        del self._window[: self._read]
+        self._read = len(self._window)
+        self._context_text = None
+        return self._append(delta)
+
+    def finish(self) -> bool:
+        """Flush text held back for an incomplete character (generation ended for another
+        reason, e.g. EOS or max_tokens); returns True if a stop string turned up in it."""
+        if not self._finished:
+            self._finished = True
+            delta = self._new_text(final=True)
+            if delta:
+                self._append(delta)
+        return self.stopped
+
+    def pop_delta(self, finished: bool) -> str:
+        """Text not handed out before that is safe to show now.
+
+        While the request runs, a tail that could still grow into a stop string is kept back,
+        so the concatenated deltas always equal the final `text`. With `finished` (which
+        calls `finish()`) everything left is returned.
+        """
+        if finished:
+            self.finish()
+        hold = 0 if self._finished else self._stop_prefix_suffix_len()
+        n = self._len - hold - self._emitted
+        if n <= 0:
+            return ""
+        # Collect only the pieces that reach back into the unsent text.
+        unsent_len = self._len - self._emitted
+        parts, got = [], 0
+        for piece in reversed(self._pieces):
+            if got >= unsent_len:
+                break
+            parts.append(piece)
+            got += len(piece)
+        unsent = "".join(reversed(parts))[got - unsent_len :]
+        self._emitted += n
+        return unsent[:n]
+
+    def _new_text(self, final: bool) -> str | None:
+        """Text of the tokens past the context, or None while it is not stable yet."""
+        if self._read == len(self._window):
+            return None
+        if self._context_text is None:
+            self._context_text = self._decode(self._window[: self._read])
+        full = self._decode(self._window)
+        # No growth: skipped special tokens, or a decoder that waits for more tokens.
+        if len(full) <= len(self._context_text):
+            return None
+        if full.endswith(_REPLACEMENT) and not final:
+            return None
+        return full[len(self._context_text) :]
+
+    def _append(self, delta: str) -> bool:
+        """Add stable text and look for a stop string in the part new matches can touch."""
+        start = self._len
+        self._pieces.append(delta)
+        self._len += len(delta)
+        if not self.stop:
+            return False
+        region = self._tail + delta
+        region_start = start - len(self._tail)
+        best = None
+        for s in self.stop:
+            # Earlier text was already searched, so a new match must end in `delta`.
+            i = region.find(s, max(0, len(self._tail) - len(s) + 1))
+            if i >= 0 and (best is None or i < best[0]):
+                best = (i, s)
+        if best is None:
+            self._tail = region[-self._reach :] if self._reach else ""
+            return False
+        cut = region_start + best[0]
+        self._pieces[:] = [self.text[:cut]]
+        self._len = cut
+        self._stop_string = best[1]
+        self._finished = True
+        return True
+
+    def _stop_prefix_suffix_len(self) -> int:
+        """Length of the longest end of the text that is the start of some stop string."""
+        for k in range(min(self._reach, self._len - self._emitted), 0, -1):
+            if self._tail[-k:] in self._stop_prefixes:
+                return k
+        return 0
