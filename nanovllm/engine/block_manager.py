@@ -9,6 +9,7 @@ import xxhash
 from nanovllm.engine.sequence import Sequence
 
 _ROOT_HASH = 0  # parent hash of a sequence's first block
+_ROOT_PREFIX = 0  # prefix id of the empty prefix (parent of a sequence's first block)
 
 
 def chain_hash(parent: int, token_ids: list[int]) -> int:
@@ -20,18 +21,23 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "prefix_id", "parent_prefix_id", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1          # -1: holds no reusable content
-        self.parent_hash = -1
+        # Identity of the exact token prefix this block's K/V were computed with (its own tokens
+        # and every token before them), and of its parent's prefix. Equal ids mean equal
+        # prefixes, whatever the hashes do (see BlockManager.commit).
+        self.prefix_id = -1
+        self.parent_prefix_id = -1
         self.token_ids: tuple[int, ...] = ()
 
     def forget(self):
         self.hash = -1
-        self.parent_hash = -1
+        self.prefix_id = -1
+        self.parent_prefix_id = -1
         self.token_ids = ()
 
 
@@ -40,10 +46,11 @@ class BlockManager:
 
     Every full, computed block is keyed by a chain hash (parent hash + token ids). A later
     sequence whose leading blocks hash the same reuses them (ref count + 1) after checking the
-    stored token ids and parent hash, so a hash collision can never serve wrong K/V. Freed
-    blocks keep their content and stay findable until the free list hands them out again, so
-    finished requests still serve prefix hits. The free list is an OrderedDict in LRU order:
-    allocation, freeing and revival of a cached block are all O(1).
+    stored token ids and the identity of the parent prefix (not just its hash), so a hash
+    collision can never serve wrong K/V. Freed blocks keep their content and stay findable
+    until the free list hands them out again, so finished requests still serve prefix hits.
+    The free list is an OrderedDict in LRU order: allocation, freeing and revival of a cached
+    block are all O(1).
 
     A block is registered in the hash table only once its K/V have been computed (`commit`),
     never at allocation: with chunked prefill a block can be allocated steps before it is filled.
@@ -58,6 +65,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
+        self._next_prefix_id = _ROOT_PREFIX + 1
         self.num_prefix_hit_tokens = 0   # statistics
         self.num_prefix_query_tokens = 0
 
@@ -86,16 +94,20 @@ class BlockManager:
         # cached blocks gives up its last hit.
         max_hits = (len(seq) - 1) // bs
         hits = []
+        parent_prefix = _ROOT_PREFIX
         for i in range(max_hits):
             h = self._hash_of(seq, i)
             block_id = self.hash_to_block.get(h)
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            parent = seq.block_hashes[i - 1] if i else _ROOT_HASH
-            if block.parent_hash != parent or list(block.token_ids) != seq.block_tokens(i, bs):
+            # Comparing the parent *hash* is not enough: under a collision one level up, a block
+            # whose own tokens and recorded parent hash match may have been computed after a
+            # different prefix (or be the previous hit itself). The parent prefix id is exact.
+            if block.parent_prefix_id != parent_prefix or list(block.token_ids) != seq.block_tokens(i, bs):
                 break  # hash collision: never serve another prefix's K/V
             hits.append(block_id)
+            parent_prefix = block.prefix_id
         return hits
 
     def can_allocate(self, seq: Sequence) -> bool:
@@ -169,8 +181,19 @@ class BlockManager:
             if block.hash != -1:
                 continue  # reused from the cache: registered already
             h = self._hash_of(seq, i)
+            # Block i - 1 is live (held by seq) and committed already, so its prefix id is valid.
+            parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else _ROOT_PREFIX
+            tokens = tuple(seq.block_tokens(i, bs))
+            same = self.hash_to_block.get(h)
+            if same is not None and self.blocks[same].parent_prefix_id == parent \
+                    and self.blocks[same].token_ids == tokens:
+                prefix_id = self.blocks[same].prefix_id  # an identical copy: same prefix
+            else:
+                prefix_id = self._next_prefix_id         # a prefix not seen before (or evicted)
+                self._next_prefix_id += 1
             block.hash = h
-            block.parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
-            block.token_ids = tuple(seq.block_tokens(i, bs))
+            block.prefix_id = prefix_id
+            block.parent_prefix_id = parent
+            block.token_ids = tokens
             # If an identical block is already registered, keep that one as the canonical copy.
             self.hash_to_block.setdefault(h, block.block_id)

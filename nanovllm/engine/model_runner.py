@@ -21,7 +21,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.utils.context import AttentionMetadata
+from nanovllm.utils.context import AttentionMetadata, prefill_metadata
 from nanovllm.utils.dist import tp_rank, tp_size
 from nanovllm.utils.loader import init_dummy, load_model
 
@@ -125,8 +125,7 @@ class ModelRunner:
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        meta = self._prefill_meta_from_lens(lens, lens, torch.full((num_tokens,), -1, dtype=torch.int32),
-                                            block_tables=None, has_prefix=False)
+        meta = prefill_metadata(lens, lens, torch.full((num_tokens,), -1, dtype=torch.int32), None, self.device)
         hidden = self.model(ids, pos, meta)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
         self.model.compute_logits(hidden[last])
@@ -141,21 +140,6 @@ class ModelRunner:
         rows = [t + [-1] * (width - len(t)) for t in tables]
         return self._to_device(rows, torch.int32)
 
-    def _prefill_meta_from_lens(self, q_lens, k_lens, slot_mapping, block_tables, has_prefix):
-        cu_q = [0]
-        cu_k = [0]
-        for nq, nk in zip(q_lens, k_lens):
-            cu_q.append(cu_q[-1] + nq)
-            cu_k.append(cu_k[-1] + nk)
-        if block_tables is None:
-            block_tables = torch.empty(len(q_lens), 0, dtype=torch.int32, device=self.device)
-        return AttentionMetadata(
-            is_prefill=True, slot_mapping=slot_mapping.to(self.device, non_blocking=True),
-            context_lens=self._to_device(k_lens, torch.int32), block_tables=block_tables,
-            cu_seqlens_q=self._to_device(cu_q, torch.int32), cu_seqlens_k=self._to_device(cu_k, torch.int32),
-            max_seqlen_q=max(q_lens), max_seqlen_k=max(k_lens), has_prefix=has_prefix,
-            query_lens=list(q_lens), kv_lens=list(k_lens))
-
     def prepare_prefill(self, step: "StepInput"):
         bs = self.block_size
         input_ids, positions, slots = [], [], []
@@ -168,11 +152,10 @@ class ModelRunner:
             q_lens.append(len(tokens))
             k_lens.append(end)
         has_prefix = any(k != q for q, k in zip(q_lens, k_lens))
-        needs_tables = has_prefix or self.backend.name == "torch"
         tables = self._block_table_tensor(step.block_tables, max(map(len, step.block_tables))) \
-            if needs_tables else None
-        meta = self._prefill_meta_from_lens(q_lens, k_lens, torch.tensor(slots, dtype=torch.int32,
-                                            pin_memory=self.pin), tables, has_prefix)
+            if has_prefix else None
+        slot_mapping = torch.tensor(slots, dtype=torch.int32, pin_memory=self.pin)
+        meta = prefill_metadata(q_lens, k_lens, slot_mapping, tables, self.device, self.pin)
         ids = self._to_device(input_ids, torch.long)
         pos = self._to_device(positions, torch.long)
         last = [c - 1 for c in itertools.accumulate(q_lens)]
@@ -238,6 +221,16 @@ class ModelRunner:
                 hidden = self.model(ids, pos, meta)
             else:
                 hidden = self._replay(step, graph_bs)[:n]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [len(token_ids), vocab] (fp32) of one sequence, without touching
+        the KV cache (single rank only). Used to check the model against a reference."""
+        n = len(token_ids)
+        meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
         return self.model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ CUDA graphs

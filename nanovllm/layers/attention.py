@@ -68,12 +68,18 @@ class TorchBackend:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
+        # Without cached tokens a prefill attends only to this step's K/V: no cache read needed.
+        fresh = meta.is_prefill and not meta.has_prefix
         for i, (n_q, n_k) in enumerate(zip(meta.query_lens, meta.kv_lens)):
             if n_q == 0:
                 continue
             qi = q[start:start + n_q].transpose(0, 1)                    # [H, n_q, D]
-            ki = gather_kv(k_cache, meta.block_tables[i], n_k).transpose(0, 1)
-            vi = gather_kv(v_cache, meta.block_tables[i], n_k).transpose(0, 1)
+            if fresh:
+                ki = k[start:start + n_q].transpose(0, 1)
+                vi = v[start:start + n_q].transpose(0, 1)
+            else:
+                ki = gather_kv(k_cache, meta.block_tables[i], n_k).transpose(0, 1)
+                vi = gather_kv(v_cache, meta.block_tables[i], n_k).transpose(0, 1)
             group = qi.size(0) // ki.size(0)
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)

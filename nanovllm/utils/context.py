@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -35,3 +36,25 @@ class AttentionMetadata:
     query_lens: list[int] | None = None
     kv_lens: list[int] | None = None
     num_splits: int = 1
+
+
+def prefill_metadata(query_lens: list[int], kv_lens: list[int], slot_mapping: torch.Tensor,
+                     block_tables: torch.Tensor | None, device, pin_memory: bool = False) -> AttentionMetadata:
+    """Metadata of a prefill step from per-sequence new-token and K/V lengths (host lists).
+
+    `block_tables` may be None when no sequence has cached tokens and the backend reads K/V
+    straight from this step's projections.
+    """
+    def to_dev(data):
+        return torch.tensor(data, dtype=torch.int32, pin_memory=pin_memory).to(device, non_blocking=True)
+
+    cu_q = [0, *itertools.accumulate(query_lens)]
+    cu_k = [0, *itertools.accumulate(kv_lens)]
+    if block_tables is None:
+        block_tables = torch.empty(len(query_lens), 0, dtype=torch.int32, device=device)
+    return AttentionMetadata(
+        is_prefill=True, slot_mapping=slot_mapping.to(device, non_blocking=True), context_lens=to_dev(kv_lens),
+        block_tables=block_tables, cu_seqlens_q=to_dev(cu_q), cu_seqlens_k=to_dev(cu_k),
+        max_seqlen_q=max(query_lens), max_seqlen_k=max(kv_lens),
+        has_prefix=any(k != q for q, k in zip(query_lens, kv_lens)),
+        query_lens=list(query_lens), kv_lens=list(kv_lens))

@@ -1,0 +1,214 @@
+"""Throughput benchmark: the nano-vllm workload, against the memory-roofline floor and a peer.
+
+    python bench.py --dummy qwen3-0.6b            # random weights of the real shape
+    python bench.py --model ~/huggingface/Qwen3-8B --compare hf
+    python bench.py --dummy qwen3-8b --latency    # batch-1 decode ms/token
+
+Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
+of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
+max_model_len 4096; one warm-up generate, then one timed generate of all 256 (133,966 output
+tokens).
+
+Floor: a decode step must at least read the weights once, and each generated token must read the
+K/V of its whole context, so seconds >= (sum over generated tokens of context_len x KV bytes per
+token + decode steps x weight bytes) / bandwidth, with decode steps = the longest request's
+max_tokens (all requests decode side by side). Prefill reads are ignored (a lower bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DUMMY_CONFIGS = {"qwen3-0.6b": "benchmarks/configs/qwen3-0.6b", "qwen3-8b": "benchmarks/configs/qwen3-8b"}
+H200_COPY_BANDWIDTH = 4.3e12  # B/s, device-to-device copy measured on the H200
+
+
+def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
+    """nano-vllm's benchmark requests: (prompt token ids, max_tokens) pairs, in its RNG order."""
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+               for _ in range(num_seqs)]
+    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: float) -> float:
+    """Lower bound in seconds for generating `max_tokens` after each prompt (module docstring)."""
+    c = hf_config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
+    h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
+    attn = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim + c.num_attention_heads * head_dim * h
+    per_layer = attn + 3 * h * i + 2 * h + 2 * head_dim
+    # Every parameter once per step (the embedding too, as the issue's floors count it; tied
+    # embeddings are one matrix).
+    embed = c.vocab_size * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+    weight_bytes = (L * per_layer + h + embed) * dtype_bytes
+    # Token j of a request (0-based) is generated from a context of prompt_len + j tokens.
+    kv_reads = sum(n * p + n * (n - 1) // 2 for p, n in zip(map(len, prompts), max_tokens))
+    steps = max(max_tokens)
+    return (kv_reads * kv_per_token + steps * weight_bytes) / bandwidth
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+                                       stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def gpu_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def run_hf(model_path: str, prompts, max_tokens, dtype, load_dummy: bool) -> float:
+    """Hugging Face transformers continuous batching (paged|sdpa); returns output tok/s."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    if load_dummy:
+        cfg = AutoConfig.from_pretrained(model_path)
+        cfg._attn_implementation = "paged|sdpa"
+        with torch.device("cuda"):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, attn_implementation="paged|sdpa")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation="paged|sdpa",
+                                                     device_map="cuda")
+    model.eval()
+    gen = GenerationConfig(max_new_tokens=max(max_tokens), do_sample=True, temperature=0.6, eos_token_id=-1,
+                           pad_token_id=0)
+    try:
+        from transformers.generation import ContinuousBatchingConfig
+
+        extra = {"continuous_batching_config": ContinuousBatchingConfig(block_size=256)}
+    except ImportError:
+        extra = {}
+    # Per-request output lengths through the manager API; the clock starts after its warm-up.
+    with model.continuous_batching_context_manager(generation_config=gen, **extra) as manager:
+        t = time.perf_counter()
+        for p, n in zip(prompts, max_tokens):
+            manager.add_request(p, max_new_tokens=n)
+        finished = generated = 0
+        while finished < len(prompts):
+            r = manager.get_result(timeout=1)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching stopped early")
+                continue
+            if r.is_finished():
+                finished += 1
+                generated += len(r.generated_tokens)
+        dt = time.perf_counter() - t
+    return generated / dt
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="checkpoint folder")
+    src.add_argument("--dummy", choices=sorted(DUMMY_CONFIGS), help="real model shape, random weights")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--max-num-seqs", type=int, default=512)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="memory bandwidth, B/s")
+    ap.add_argument("--compare", choices=["hf", "vllm"], action="append", default=[])
+    ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
+    ap.add_argument("--latency", action="store_true", help="also measure batch-1 decode ms/token")
+    ap.add_argument("--json", help="write the figures to this file")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    from nanovllm import LLM, SamplingParams
+
+    path = os.path.join(HERE, DUMMY_CONFIGS[args.dummy]) if args.dummy else args.model
+    name = args.dummy or os.path.basename(os.path.normpath(path)).lower()
+    prompts, max_tokens = workload(args.num_seqs)
+
+    t0 = time.perf_counter()
+    llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
+              tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=4096,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              kvcache_block_size=args.block_size)
+    cold_start = time.perf_counter() - t0
+
+    llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t
+    out_tokens = sum(len(o["token_ids"]) for o in outs)
+    if out_tokens != sum(max_tokens):
+        raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
+    in_tokens = sum(map(len, prompts))
+    floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth) \
+        / args.tp
+    res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
+           "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
+           "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
+           "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
+           "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
+           "enforce_eager": args.enforce_eager}
+
+    if args.latency:
+        p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+        prompt = [prompts[0][:128]]
+        llm.generate(prompt, p, use_tqdm=False)
+        t = time.perf_counter()
+        llm.generate(prompt, p, use_tqdm=False)
+        t_first = time.perf_counter() - t
+        n = 256
+        t = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n + 1), use_tqdm=False)
+        res["decode_ms_per_token_bs1"] = round((time.perf_counter() - t - t_first) / n * 1e3, 3)
+    llm.shutdown()
+    del llm
+
+    if "hf" in args.compare:
+        k = min(args.hf_num_seqs, len(prompts))
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        hf_tps = run_hf(path, prompts[:k], max_tokens[:k], torch.bfloat16, bool(args.dummy))
+        res["hf_tok_s"] = round(hf_tps, 1)
+        res["hf_num_seqs"] = k
+    if "vllm" in args.compare:
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            res["vllm_tok_s"] = None
+            print("vllm is not importable here; skipped --compare vllm", file=sys.stderr)
+
+    print(json.dumps(res, indent=1))
+    print(f"\n{'model':<12}{'out tok/s':>11}{'total tok/s':>13}{'floor s':>9}{'secs':>8}{'of floor':>10}"
+          f"{'cold s':>8}" + (f"{'HF tok/s':>10}" if "hf_tok_s" in res else "")
+          + (f"{'bs1 ms/tok':>12}" if "decode_ms_per_token_bs1" in res else ""))
+    print(f"{name:<12}{res['output_tok_s']:>11.0f}{res['total_tok_s']:>13.0f}{floor:>9.2f}{seconds:>8.2f}"
+          f"{res['fraction_of_floor']:>10.1%}{cold_start:>8.1f}"
+          + (f"{res['hf_tok_s']:>10.0f}" if "hf_tok_s" in res else "")
+          + (f"{res['decode_ms_per_token_bs1']:>12.2f}" if "decode_ms_per_token_bs1" in res else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
