@@ -121,9 +121,11 @@ class Config:
         num_heads = self.hf_config.num_attention_heads
         num_kv_heads = self.hf_config.num_key_value_heads
         tp = self.tensor_parallel_size
-        if num_heads % tp or (num_kv_heads % tp and tp % num_kv_heads):
+        if num_heads % tp or num_kv_heads % tp or self.hf_config.intermediate_size % tp:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads "
-                             f"and divide (or be a multiple of) its {num_kv_heads} key/value heads")
+                             f"its {num_kv_heads} key/value heads and its intermediate size {self.hf_config.intermediate_size}")
+        if self.device == "cuda" and tp > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
 
     @staticmethod
     def _resolve_device(device) -> str:

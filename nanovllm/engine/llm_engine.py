@@ -58,6 +58,10 @@ class LLMEngine:
         self._detok: dict[int, IncrementalDetokenizer] = {}
 
     def _start_model_runner(self, config: Config):
+        if config.tensor_parallel_size > 1:
+            from nanovllm.engine.parallel import TensorParallelRunner
+
+            return TensorParallelRunner(config)
         from nanovllm.engine.model_runner import ModelRunner
 
         return ModelRunner(config)

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledBatch
@@ -40,7 +41,7 @@ class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
         hf = config.hf_config
-        self.device = torch.device(config.device, torch.cuda.current_device()) if config.device == "cuda" \
+        self.device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
         self.dtype = config.dtype
         self.block_size = config.kvcache_block_size
@@ -83,6 +84,11 @@ class ModelRunner:
             num_blocks = max(CPU_KV_CACHE_BYTES // per_block, self.max_blocks_per_seq)
         else:
             num_blocks = self._blocks_from_gpu_budget(per_block)
+        if self.world_size > 1:
+            # Every rank must hold the same blocks: agree on the smallest cache.
+            agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            num_blocks = int(agreed.item())
         if num_blocks < 1:
             raise RuntimeError("no GPU memory left for the KV cache: lower max_num_batched_tokens or "
                                "raise gpu_memory_utilization")
@@ -222,6 +228,18 @@ class ModelRunner:
             else:
                 hidden = self._replay(step, graph_bs)[:n]
         return self.model.compute_logits(hidden)
+
+    def shutdown(self) -> None:
+        """Release the KV cache, graphs and weights (GPU memory goes back to the allocator)."""
+        self.graphs.clear()
+        self.graph_vars = {}
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+        self.model = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

@@ -1,0 +1,194 @@
+"""Tensor parallelism: rank 0 runs in the caller's process, ranks 1..N-1 in spawned workers.
+
+Each step rank 0 sends the step's `StepInput` (plain lists) to every worker over its own pipe
+(no size limit, unlike a fixed shared-memory buffer), then all ranks run the model together;
+the layers all-reduce / gather through torch.distributed (NCCL on GPUs, gloo on CPU).
+The process group rendezvous goes through a fresh temporary file, so no port or shared-memory
+name is hard-coded and several engines can live one after another or side by side.
+
+A worker that dies (killed, or an exception) is noticed by a watchdog thread, which aborts the
+process group so that rank 0 never hangs inside a collective, and the caller gets a
+RuntimeError naming the worker and its error.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import tempfile
+import threading
+import traceback
+from datetime import timedelta
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+
+logger = logging.getLogger("nanovllm")
+
+
+def init_process_group(config: Config, rank: int, init_file: str) -> None:
+    if config.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"file://{init_file}",
+                            world_size=config.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
+
+
+def _worker_main(config: Config, rank: int, init_file: str, conn) -> None:
+    from nanovllm.engine.model_runner import ModelRunner
+
+    try:
+        init_process_group(config, rank, init_file)
+        runner = ModelRunner(config)
+        conn.send(("ready", runner.num_blocks))
+        while True:
+            method, args = conn.recv()
+            if method == "exit":
+                break
+            getattr(runner, method)(*args)
+    except EOFError:
+        pass  # rank 0 went away: nothing left to serve
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except Exception:
+            pass
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+class TensorParallelRunner:
+    """Rank 0's ModelRunner plus the workers of ranks 1..N-1; same interface as ModelRunner."""
+
+    def __init__(self, config: Config):
+        from nanovllm.engine.model_runner import ModelRunner
+
+        if dist.is_initialized():
+            raise RuntimeError("torch.distributed is already initialised in this process; "
+                               "tensor_parallel_size > 1 needs to own the process group")
+        self.config = config
+        fd, self.init_file = tempfile.mkstemp(prefix="nanovllm-tp-")
+        os.close(fd)
+        os.unlink(self.init_file)  # the FileStore creates it; a stale one would confuse it
+        ctx = mp.get_context("spawn")
+        self.procs, self.conns = [], []
+        self._closed = False
+        self._failure: str | None = None
+        for rank in range(1, config.tensor_parallel_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(config, rank, self.init_file, child), daemon=True,
+                               name=f"nanovllm-tp{rank}")
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self._stop_watchdog = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, daemon=True, name="nanovllm-tp-watchdog")
+        self._watchdog.start()
+        try:
+            init_process_group(config, 0, self.init_file)
+            self.runner = ModelRunner(config)
+            for rank, conn in enumerate(self.conns, start=1):
+                kind, payload = self._recv(rank, conn)
+                if kind != "ready":
+                    raise WorkerDied(f"tensor-parallel worker {rank} failed to start:\n{payload}")
+        except BaseException as e:
+            self.shutdown()
+            if self._failure:
+                raise WorkerDied(self._failure) from None
+            raise e
+        self.num_blocks = self.runner.num_blocks
+
+    def _recv(self, rank, conn):
+        while not conn.poll(0.1):
+            if self._failure:
+                raise WorkerDied(self._failure)
+        return conn.recv()
+
+    def _watch(self) -> None:
+        """Notice a dead worker and abort the process group so that rank 0 cannot hang."""
+        sentinels = {p.sentinel: (rank, p) for rank, p in enumerate(self.procs, start=1)}
+        while not self._stop_watchdog.is_set():
+            ready = wait(list(sentinels), timeout=0.2)
+            if not ready or self._stop_watchdog.is_set():
+                continue
+            rank, proc = sentinels[ready[0]]
+            proc.join(timeout=1)
+            message = f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            conn = self.conns[rank - 1]
+            try:
+                if conn.poll(0.5):
+                    kind, payload = conn.recv()
+                    if kind == "error":
+                        message += f":\n{payload}"
+            except Exception:
+                pass
+            self._failure = message
+            logger.error(message)
+            try:
+                if dist.is_initialized():
+                    dist.distributed_c10d._abort_process_group()
+            except Exception:
+                pass
+            return
+
+    def _check(self) -> None:
+        if self._failure:
+            raise WorkerDied(self._failure)
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+
+    def run(self, batch, eos_token_ids=frozenset()):
+        from nanovllm.engine.model_runner import StepInput
+
+        self._check()
+        step = StepInput.from_batch(batch)
+        for conn in self.conns:
+            conn.send(("execute", (step,)))
+        try:
+            logits = self.runner.execute(step)
+        except Exception as e:
+            # A collective failing is almost always a dead peer: wait briefly for the watchdog's verdict.
+            self._watchdog.join(timeout=5)
+            if self._failure:
+                raise WorkerDied(self._failure) from e
+            raise
+        self._check()
+        t, suppress = self.runner.prepare_sampling(batch.seqs, eos_token_ids)
+        return self.runner.sampler(logits, t, suppress).tolist()
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop_watchdog.set()
+        for conn in self.conns:
+            try:
+                conn.send(("exit", ()))
+            except Exception:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self.conns:
+            conn.close()
+        if getattr(self, "runner", None) is not None:
+            self.runner.shutdown()
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        if os.path.exists(self.init_file):
+            os.unlink(self.init_file)

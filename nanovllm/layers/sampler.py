@@ -1,0 +1,341 @@
+"""Batched token sampler: temperature, top-k, top-p, min-p and seeded sampling, all on device.
+
+Every row of a batch carries its own parameters. Sampling uses the Gumbel-max trick with noise
+from a counter-based integer hash of (seed, offset, token id), so a row's token depends only
+on its logits, its parameters and its (seed, offset): not on the batch it sits in, nor on any
+torch.Generator state. Nothing here syncs with the host or has data-dependent shapes, so the
+forward pass can be captured in a CUDA graph (for fixed host-side flags, see SamplingTensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # Triton only ships for Linux; the torch path covers the rest
+    triton = None
+
+from nanovllm.sampling_params import SamplingParams
+
+_MASK32 = 0xFFFFFFFF
+# lowbias32 multipliers (Wellons' hash prospector). The second is above 2**31; using it minus
+# 2**32 gives the same product mod 2**32 while |x * m| stays below 2**63 for x < 2**32, so the
+# int64 arithmetic never overflows, on any backend.
+_MUL1 = 0x7FEB352D
+_MUL2 = 0x846CA68B - (1 << 32)
+_KEY_START = 0x9E3779B9  # arbitrary non-zero start so (seed 0, offset 0) is not special
+_NEG_INF = float("-inf")
+
+
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 avalanche hash, in place, on an int64 tensor holding values in [0, 2**32).
+
+    A bijection on 32-bit values. Every intermediate stays in [0, 2**63), so right shifts are
+    logical and products exact.
+    """
+    t = torch.bitwise_right_shift(x, 16)
+    x.bitwise_xor_(t)
+    x.mul_(_MUL1).bitwise_and_(_MASK32)
+    torch.bitwise_right_shift(x, 15, out=t)
+    x.bitwise_xor_(t)
+    x.mul_(_MUL2).bitwise_and_(_MASK32)
+    torch.bitwise_right_shift(x, 16, out=t)
+    return x.bitwise_xor_(t)
+
+
+def _row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """32-bit key per row from int64 seeds and offsets [B] (all 64 bits of each count)."""
+    k = torch.full_like(seeds, _KEY_START)
+    for v in (seeds, offsets):
+        k = _mix32_(k ^ (v & _MASK32))
+        k = _mix32_(k ^ ((v >> 32) & _MASK32))
+    return k
+
+
+def _token_hashes(vocab_size: int, device) -> torch.Tensor:
+    """lowbias32 of each token id [V], so that rows with related keys get unrelated noise."""
+    return _mix32_(torch.arange(vocab_size, dtype=torch.int64, device=device))
+
+
+def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
+                 token_hashes: torch.Tensor | None = None) -> torch.Tensor:
+    """Uniform noise [B, V] float32 in (0, 1), a pure function of (seed, offset, token id).
+
+    seeds, offsets: int64 [B]. Values are (2j + 1) / 2**24 for a 23-bit hash j, so they are
+    never 0 or 1 and -log(-log u) is always finite.
+    """
+    if token_hashes is None:
+        token_hashes = _token_hashes(vocab_size, seeds.device)
+    h = _row_keys(seeds, offsets)[:, None] ^ token_hashes[None, :]
+    _mix32_(h)
+    # float32 holds 24 significant bits: 23 hash bits plus the odd 1/2**24 stay exact.
+    return h.bitwise_right_shift_(9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters on the logits' device, plus host-side flags.
+
+    temperatures: float32 [B], 0 = greedy. top_ks: int32/int64 [B], <= 0 = off. top_ps: float32 [B],
+    1 = off. min_ps: float32 [B], 0 = off. seeds: int64 [B]. offsets: int64 [B], a per-row
+    counter (the engine passes the sequence's current length) that advances the random stream.
+    The flags are decided on the host and pick which device work runs; a CUDA graph captured
+    with one set of flags is only valid for batches with the same flags.
+    sort_k: how many of each row's largest logits the top-k/top-p step must see (the largest
+    top_k, or -1 for the whole vocabulary when some row uses top_p without top_k).
+    """
+
+    temperatures: torch.Tensor
+    top_ks: torch.Tensor
+    top_ps: torch.Tensor
+    min_ps: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    all_greedy: bool
+    any_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+    sort_k: int = -1
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], offsets: list[int],
+              device, pin_memory: bool = False) -> SamplingTensors:
+        """Build from host lists, one host->device copy per tensor (non-blocking if pinned).
+
+        Seeds are taken mod 2**64. Greedy rows get their filters switched off, so they never
+        cause a sort.
+        """
+        temps, ks, ps, mps = [], [], [], []
+        sort_k = 0
+        for p in params:
+            greedy = p.temperature == 0.0
+            k = p.top_k if p.top_k > 0 and not greedy else 0
+            top_p = 1.0 if greedy else float(p.top_p)
+            temps.append(float(p.temperature))
+            ks.append(k)
+            ps.append(top_p)
+            mps.append(0.0 if greedy else float(p.min_p))
+            if top_p < 1.0 and k == 0:
+                sort_k = -1
+            elif sort_k >= 0:
+                sort_k = max(sort_k, k)
+        wrapped = [((s + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63) for s in seeds]
+
+        def to_dev(data, dtype):
+            host = torch.tensor(data, dtype=dtype, pin_memory=pin_memory)
+            return host.to(device, non_blocking=pin_memory)
+
+        n_greedy = sum(1 for x in temps if x == 0.0)
+        return cls(
+            temperatures=to_dev(temps, torch.float32),
+            top_ks=to_dev(ks, torch.int64),
+            top_ps=to_dev(ps, torch.float32),
+            min_ps=to_dev(mps, torch.float32),
+            seeds=to_dev(wrapped, torch.int64),
+            offsets=to_dev(list(offsets), torch.int64),
+            all_greedy=n_greedy == len(temps),
+            any_greedy=n_greedy > 0,
+            need_top_k=any(k > 0 for k in ks),
+            need_top_p=any(x < 1.0 for x in ps),
+            need_min_p=any(x > 0.0 for x in mps),
+            sort_k=sort_k,
+        )
+
+
+def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Per-row logit threshold [B] of top-k followed by top-p (on the renormalised top-k set)."""
+    vocab = x.shape[-1]
+    width = vocab if t.sort_k < 0 else max(1, min(t.sort_k, vocab))
+    # A partial top-k is much cheaper than a full sort when every row that filters caps k.
+    if width * 8 <= vocab:
+        vals, idx = torch.topk(x, width, dim=-1)
+    else:
+        vals, idx = torch.sort(x, dim=-1, descending=True)
+    k = t.top_ks.long().clamp(0, width)
+    kth = vals.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
+    thr = torch.where(k > 0, kth, _NEG_INF)
+    if not t.need_top_p:
+        return thr
+    if t.need_top_k:
+        vals.masked_fill_(vals < thr[:, None], _NEG_INF)
+    # Unnormalised probabilities in sorted order; compared against top_p * total below.
+    probs = vals.sub_(vals[:, :1].clone()).exp_()
+    cum = probs.cumsum_(dim=-1)
+    # Position j is kept while the mass before it is < top_p; position 0 always is.
+    n_keep = (cum < t.top_ps[:, None] * cum[:, -1:]).sum(dim=-1) + 1
+    n_keep = n_keep.clamp(max=width)
+    last = idx.gather(1, (n_keep - 1)[:, None])
+    thr_p = x.gather(1, last).squeeze(1)
+    thr_p = torch.where(t.top_ps < 1.0, thr_p, _NEG_INF)
+    return torch.maximum(thr, thr_p)
+
+
+def _thresholds(x: torch.Tensor, t: SamplingTensors):
+    """(threshold, argmax) for temperature-scaled fp32 logits x [B, V], each [B] or None.
+
+    A token survives when its logit is >= the threshold; None means nothing is filtered.
+    The argmax [B] (first maximum, which no filter removes) comes back when some row is
+    greedy, else None.
+    """
+    row_max = argmax = None
+    if t.any_greedy or t.need_min_p:
+        row_max, argmax = x.max(dim=-1)
+    thr = None
+    if t.need_top_k or t.need_top_p:
+        thr = _sorted_threshold(x, t)
+    if t.need_min_p:
+        # p < min_p * p_max  <=>  logit < max_logit + log(min_p); ratios survive renormalisation.
+        thr_m = row_max + torch.log(t.min_ps)
+        thr = thr_m if thr is None else torch.maximum(thr, thr_m)
+    return thr, argmax
+
+
+def _scaled(logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor:
+    """New fp32 tensor: logits / temperature (greedy rows / 1), suppressed tokens -inf."""
+    # Dividing a bf16/fp16 tensor by an fp32 one computes in fp32, so cast and scale are one pass.
+    x = torch.div(logits, torch.where(t.temperatures > 0, t.temperatures, 1.0)[:, None])
+    if suppress is not None:
+        rows, cols = suppress
+        x.index_put_((rows, cols), x.new_full((), _NEG_INF))
+    return x
+
+
+def apply_filters(logits: torch.Tensor, t: SamplingTensors,
+                  suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The distribution the sampler draws from, as fp32 logits [B, V] (a new tensor).
+
+    Suppressed tokens are -inf, non-greedy rows are divided by their temperature, then:
+    top-k keeps tokens >= the k-th largest logit; top-p keeps the shortest prefix of the
+    (top-k renormalised) sorted distribution whose mass reaches top_p; min-p drops tokens with
+    p < min_p * p_max. Each filter is a per-row logit threshold, so tokens tied with the last
+    kept one are kept as well, and the top token always survives. softmax of the result is
+    the sampling distribution of non-greedy rows.
+    """
+    x = _scaled(logits, t, suppress)
+    thr, _ = _thresholds(x, t)
+    if thr is not None:
+        x.masked_fill_(x < thr[:, None], _NEG_INF)
+    return x
+
+
+if triton is not None:
+
+    @triton.jit
+    def _lowbias32(h):
+        # uint32: shifts are logical and products wrap, exactly like _mix32_.
+        h ^= h >> 16
+        h *= 0x7FEB352D
+        h ^= h >> 15
+        h *= 0x846CA68B
+        h ^= h >> 16
+        return h
+
+    @triton.jit
+    def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, seed_ptr, offset_ptr, val_ptr, idx_ptr,
+                              vocab, n_chunks,
+                              CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THR: tl.constexpr):
+        """Best (score, index) of one CHUNK of one row, score = x - log(-log u), u = hash_uniform.
+
+        Grid (B, n_chunks). Tokens below the row's threshold score -inf. Within a chunk the
+        lowest index wins ties, matching torch.argmax once chunks are reduced in order.
+        """
+        row = tl.program_id(0)
+        chunk = tl.program_id(1)
+        # The row key, as in _row_keys; recomputed per program, which beats ~50 tiny launches.
+        seed = tl.load(seed_ptr + row)
+        offset = tl.load(offset_ptr + row)
+        key = _lowbias32(0x9E3779B9 ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+        key = _lowbias32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        key = _lowbias32(key ^ (offset & 0xFFFFFFFF).to(tl.uint32))
+        key = _lowbias32(key ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
+        x_row = x_ptr + row.to(tl.int64) * x_stride
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.zeros([BLOCK], tl.int32) + chunk * CHUNK
+        if HAS_THR:
+            thr = tl.load(thr_ptr + row)
+        for start in range(0, CHUNK, BLOCK):
+            cols = chunk * CHUNK + start + tl.arange(0, BLOCK)
+            x = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf"))
+            h = _lowbias32(_lowbias32(cols.to(tl.uint32)) ^ key)
+            u = (h >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+            s = x - tl.log(-tl.log(u))
+            if HAS_THR:
+                s = tl.where(x < thr, float("-inf"), s)
+            better = s > best
+            best = tl.where(better, s, best)
+            best_i = tl.where(better, cols, best_i)
+        top = tl.max(best, axis=0)
+        top_i = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
+        tl.store(val_ptr + row * n_chunks + chunk, top)
+        tl.store(idx_ptr + row * n_chunks + chunk, top_i)
+
+
+def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch.Tensor,
+                         offsets: torch.Tensor, chunk: int = 8192, block: int = 1024):
+    """Fused equivalent of masking x < thr, adding Gumbel noise and argmax: token ids int64 [B].
+
+    x: fp32 [B, V] with unit stride along V; thr: fp32 [B] or None; seeds, offsets: int64 [B].
+    chunk, block: powers of two, block <= chunk; each program scans one chunk of one row.
+    Reads x once and writes only [B, V / chunk] partials, instead of a dozen [B, V] passes.
+    """
+    b, vocab = x.shape
+    n_chunks = triton.cdiv(vocab, chunk)
+    vals = torch.empty(b, n_chunks, dtype=torch.float32, device=x.device)
+    idx = torch.empty(b, n_chunks, dtype=torch.int32, device=x.device)
+    _gumbel_argmax_kernel[(b, n_chunks)](
+        x, x.stride(0), x if thr is None else thr, seeds, offsets, vals, idx, vocab, n_chunks,
+        CHUNK=chunk, BLOCK=block, HAS_THR=thr is not None)
+    return idx.gather(1, vals.argmax(dim=-1, keepdim=True)).squeeze(1).long()
+
+
+class Sampler(torch.nn.Module):
+    """Picks one token per row from logits [B, V] (fp32, bf16 or fp16); see SamplingTensors.
+
+    On CUDA (with Triton) noise, masking and argmax are one fused kernel; elsewhere they are
+    torch ops over [B, V] temporaries. Both compute the same integer hash, so they agree
+    except where float rounding of log() flips a near-tie.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def _hashes(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        key = (vocab_size, device)
+        h = self._token_hashes.get(key)
+        if h is None:
+            h = self._token_hashes[key] = _token_hashes(vocab_size, device)
+        return h
+
+    def forward(self, logits: torch.Tensor, t: SamplingTensors,
+                suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Token ids int64 [B]. logits is not modified.
+
+        suppress: optional (rows, cols) pair of int64 index tensors on the logits' device;
+        logits[rows[i], cols[i]] is treated as -inf (repeats are fine). Greedy rows take the
+        first argmax; others draw argmax(filtered_logits - log(-log u)) with u = hash_uniform.
+        """
+        if t.all_greedy and suppress is None:
+            return logits.argmax(dim=-1)
+        x = _scaled(logits, t, suppress)
+        if t.all_greedy:
+            return x.argmax(dim=-1)
+        thr, argmax = _thresholds(x, t)
+        if x.is_cuda and triton is not None:
+            sampled = gumbel_argmax_triton(x, thr, t.seeds, t.offsets)
+        else:
+            if thr is not None:
+                x.masked_fill_(x < thr[:, None], _NEG_INF)
+            u = hash_uniform(t.seeds, t.offsets, x.shape[-1], self._hashes(x.shape[-1], x.device))
+            # Gumbel-max: log p + Gumbel noise, with Gumbel = -log(E), E = -log(u) ~ Exp(1).
+            x.sub_(u.log_().neg_().log_())
+            del u
+            sampled = x.argmax(dim=-1)
+        if t.any_greedy:
+            sampled = torch.where(t.temperatures == 0, argmax, sampled)
+        return sampled

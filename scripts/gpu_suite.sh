@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Everything that needs the GPU, in one command (made for one call on the H200):
+#   bash scripts/gpu_suite.sh [bench args...]
+# 1. the GPU tests (pytest -m gpu), 2. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes.
+# Logs and JSON go to $OUT (default /tmp/gpu_suite); a short table is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+python3 -m pytest -m gpu -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
+tests_rc=${PIPESTATUS[0]}
+
+for m in qwen3-0.6b qwen3-8b; do
+  python3 bench.py --dummy "$m" --latency --json "$OUT/bench-$m.json" "$@" 2>&1 | tee "$OUT/bench-$m.log"
+done
+
+echo
+echo "=== summary ==="
+echo "gpu tests: $(tail -n 1 "$OUT/pytest_gpu.log")  (exit $tests_rc)"
+python3 - "$OUT" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+print(f"{'model':<12}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'cold s':>8}{'bs1 ms/tok':>12}")
+for m in ("qwen3-0.6b", "qwen3-8b"):
+    f = os.path.join(out, f"bench-{m}.json")
+    if not os.path.exists(f):
+        print(f"{m:<12}  (no result)")
+        continue
+    r = json.load(open(f))
+    print(f"{m:<12}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
+          f"{r['cold_start_s']:>8.1f}{r.get('decode_ms_per_token_bs1', float('nan')):>12.2f}")
+PY

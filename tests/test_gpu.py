@@ -1,0 +1,130 @@
+"""End-to-end checks on a CUDA GPU (marked `gpu`; skipped without one): nano-vllm in bf16 against
+transformers, every CUDA backend against the torch reference, eager against CUDA-graph decode,
+and real-shaped dummy models through the benchmark workload."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tiny_model as tm  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    # head_dim 64 and 128-wide K/V rows like real checkpoints; vocab from the test tokenizer.
+    return tm.make_tiny_qwen3(tmp_path_factory.mktemp("bf16"), hidden_size=256, num_layers=3, num_heads=8,
+                              num_kv_heads=2, head_dim=64, intermediate_size=512, dtype=torch.bfloat16,
+                              max_position_embeddings=2048)
+
+
+def prompts_of(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def check_greedy_close(hf, prompt, ours, ref, rel_tol=0.02):
+    """Equal greedy tokens until the first near-tie: where they first differ, our token must be
+    (almost) as likely as transformers' choice under transformers' own logits."""
+    if ours == ref:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    with torch.no_grad():
+        ids = torch.tensor([prompt + ref[:i]], device="cuda")
+        logits = hf(ids).logits[0, -1].float()
+    gap = (logits[ref[i]] - logits[ours[i]]).item()
+    assert gap <= rel_tol * logits.abs().max().item(), f"token {i}: ours {ours[i]} vs ref {ref[i]}, gap {gap}"
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_bf16_matches_transformers(bf16_model, backend, block_size):
+    hf = tm.load_hf_model(bf16_model, dtype=torch.bfloat16, device="cuda")
+    llm = LLM(bf16_model, attention_backend=backend, kvcache_block_size=block_size, max_model_len=1024,
+              enforce_eager=(backend == "torch"))
+    assert llm.config.dtype == torch.bfloat16
+    # Teacher-forced logits of a whole sequence.
+    seq = prompts_of([300])[0]
+    ours = llm.model_runner.score(seq)
+    with torch.no_grad():
+        ref = hf(torch.tensor([seq], device="cuda")).logits[0].float()
+    err = (ours - ref).norm() / ref.norm()
+    assert err < 2e-2, err.item()
+    # Greedy generation, with prefix hits (shared prefix) and a chunked prompt.
+    prompts = prompts_of([1, 16, 17, 300, 700])
+    prompts.append(prompts[3][:256] + prompts_of([50], seed=1)[0])
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for p, o in zip(prompts, outs):
+        check_greedy_close(hf, p, o["token_ids"], tm.hf_greedy(hf, p, 24))
+    llm.shutdown()
+
+
+def test_all_backends_agree_with_prefix_and_chunks(bf16_model):
+    """Same greedy tokens (fp32) from the triton and torch backends through prefix hits,
+    chunked prefill and decode."""
+    prompts = prompts_of([5, 40, 300, 600])
+    prompts += [p[:280] + [7, 8, 9] for p in prompts[2:]]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(bf16_model, dtype="float32", attention_backend=backend, kvcache_block_size=16,
+                  max_num_batched_tokens=256, enforce_eager=True)
+        results[backend] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert llm.block_manager.num_prefix_hit_tokens > 0
+        llm.shutdown()
+    assert results["torch"] == results["triton"]
+
+
+@pytest.mark.parametrize("max_num_seqs", [8, 13])
+def test_cuda_graph_decode_equals_eager(bf16_model, max_num_seqs):
+    """Graph replay gives the same tokens as eager decode (fp32 so rounding cannot flip a token),
+    for batch sizes that are and are not captured sizes."""
+    prompts = prompts_of([3, 30, 64, 100, 17, 250, 9, 40, 77, 5, 12, 300, 45])
+    params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(bf16_model, dtype="float32", enforce_eager=eager, max_num_seqs=max_num_seqs, kvcache_block_size=16)
+        assert bool(llm.model_runner.graphs) != eager
+        if not eager:
+            assert max(llm.model_runner.graph_sizes) == max_num_seqs
+            assert llm.model_runner.graph_vars["block_tables"].size(1) * 16 >= llm.config.max_model_len
+        runs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert runs[True] == runs[False]
+
+
+def test_sampling_stays_reproducible_on_gpu(bf16_model):
+    llm = LLM(bf16_model, max_model_len=512)
+    p = prompts_of([20, 40])
+    a = llm.generate(p, SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=3), use_tqdm=False)
+    b = llm.generate(p[:1], SamplingParams(temperature=0.8, top_p=0.9, top_k=50, max_tokens=16, seed=3), use_tqdm=False)
+    assert a[0]["token_ids"] == b[0]["token_ids"]
+    llm.shutdown()
+
+
+@pytest.mark.parametrize("shape", ["qwen3-0.6b", "qwen3-8b"])
+def test_dummy_real_shapes_run_bench_workload(shape):
+    sys.path.insert(0, ROOT)
+    import bench
+
+    prompts, max_tokens = bench.workload(256)
+    llm = LLM(os.path.join(ROOT, bench.DUMMY_CONFIGS[shape]), load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=4096)
+    outs = llm.generate(prompts, [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens],
+                        use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outs] == max_tokens
+    assert all(o["finish_reason"] == "length" for o in outs)
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(b.ref_count == 0 for b in bm.blocks)
+    assert not llm.scheduler.has_unfinished()
+    llm.shutdown()
+    del llm
+    torch.cuda.empty_cache()

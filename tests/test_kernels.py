@@ -1,0 +1,438 @@
+"""Tests for the Triton KV-cache store and paged decode attention kernels.
+
+Without CUDA these run through Triton's interpreter (tests/conftest.py switches it on), so
+the CPU shapes are small; the `gpu` tests use bf16 and realistic sizes. Every run draws new
+random inputs, and outputs are poisoned with NaN before the kernel runs.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from nanovllm.kernels.kv_store import store_kvcache
+from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN anywhere in out gives NaN (never passes)."""
+    out = out.double().cpu()
+    ref = ref.double().cpu()
+    return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_store_kvcache(key, value, k_cache, v_cache, slot_mapping):
+    """Plain-torch store: the caches viewed as [num_slots, heads, dim], rows scattered by slot."""
+    k_flat = k_cache.view(-1, *k_cache.shape[2:])
+    v_flat = v_cache.view(-1, *v_cache.shape[2:])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep].long()
+    k_flat[slots] = key[keep]
+    v_flat[slots] = value[keep]
+
+
+def ref_paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale):
+    """Plain-torch float64 decode attention, one sequence at a time, on the CPU."""
+    q, k_cache, v_cache = (t.double().cpu() for t in (q, k_cache, v_cache))
+    block_tables, context_lens = block_tables.cpu(), context_lens.cpu()
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    for b in range(batch):
+        ctx = int(context_lens[b])
+        if ctx == 0:
+            continue
+        blocks = block_tables[b, : math.ceil(ctx / block_size)].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:ctx]
+        k = k.repeat_interleave(group, dim=1)  # [ctx, num_heads, head_dim]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[b], k) * scale
+        out[b] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), v)
+    return out
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_paged_inputs(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
+    """Random q and caches with each sequence's blocks scattered over a shuffled pool.
+
+    Cache entries that no sequence may read (spare blocks, slots past a context length) are
+    NaN, and block-table entries past a sequence's blocks are -1, so any stray read shows
+    up as NaN in the output or as a bad address.
+    """
+    batch = len(context_lens)
+    blocks_per_seq = [math.ceil(c / block_size) for c in context_lens]
+    max_blocks = max(max(blocks_per_seq) + random.randint(0, 2), 1)
+    num_blocks = sum(blocks_per_seq) + 3
+    perm = torch.randperm(num_blocks).tolist()
+    block_tables = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    k_cache = torch.full((num_blocks, block_size, num_kv_heads, head_dim), float("nan"))
+    v_cache = torch.full_like(k_cache, float("nan"))
+    for b, (ctx, nb) in enumerate(zip(context_lens, blocks_per_seq)):
+        ids = [perm.pop() for _ in range(nb)]
+        block_tables[b, :nb] = torch.tensor(ids, dtype=torch.int32)
+        for i, blk in enumerate(ids):
+            n = min(block_size, ctx - i * block_size)
+            k_cache[blk, :n] = torch.randn(n, num_kv_heads, head_dim)
+            v_cache[blk, :n] = torch.randn(n, num_kv_heads, head_dim)
+    q = torch.randn(batch, num_heads, head_dim)
+    return (
+        q.to(device, dtype),
+        k_cache.to(device, dtype),
+        v_cache.to(device, dtype),
+        block_tables.to(device),
+        torch.tensor(context_lens, dtype=torch.int32, device=device),
+    )
+
+
+# ----------------------------------------------------------------------------- store_kvcache
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,dtype,slot_dtype,packed",
+    [
+        (2, 64, torch.float32, torch.int64, False),
+        (3, 40, torch.float16, torch.int32, True),  # width 120: not a power of two
+        (1, 24, torch.float32, torch.int32, True),
+        (4, 32, torch.float16, torch.int64, False),
+    ],
+)
+def test_store_kvcache(num_kv_heads, head_dim, dtype, slot_dtype, packed):
+    n, num_blocks, block_size = 11, 5, 16
+    if packed:
+        # key/value as strided views into a packed qkv projection, like the model produces.
+        num_heads = 2 * num_kv_heads
+        qkv = torch.randn(n, (num_heads + 2 * num_kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+        _, key, value = qkv.split(
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        )
+        key = key.view(n, num_kv_heads, head_dim)
+        value = value.view(n, num_kv_heads, head_dim)
+        assert not key.is_contiguous()
+    else:
+        key = torch.randn(n, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+        value = torch.randn(n, num_kv_heads, head_dim, device=DEVICE, dtype=dtype)
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    slots[torch.rand(n) < 0.3] = -1
+    slots[0] = -1
+    slot_mapping = slots.to(DEVICE, slot_dtype)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    ref_store_kvcache(key, value, k_ref, v_ref, slot_mapping)
+
+    # A copy is exact, and skipped or unused slots must still hold their NaN.
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+    written = int((slots >= 0).sum())
+    assert int((~k_cache.isnan()).all(-1).all(-1).sum()) == written
+
+
+def test_store_kvcache_empty_is_noop():
+    k_cache = torch.full((2, 16, 2, 32), float("nan"), device=DEVICE)
+    v_cache = k_cache.clone()
+    empty = torch.empty(0, 2, 32, device=DEVICE)
+    store_kvcache(empty, empty, k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=DEVICE))
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+def test_store_kvcache_rejects_bad_arguments():
+    key = torch.randn(4, 2, 32, device=DEVICE)
+    cache = torch.zeros(2, 16, 2, 32, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(key, key, cache, cache.clone(), slots.float())
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kvcache(key, key, cache, cache.clone(), slots[:3])
+    with pytest.raises(ValueError, match="dtypes"):
+        store_kvcache(key.half(), key.half(), cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match="heads"):
+        store_kvcache(key, key, torch.zeros(2, 16, 1, 64, device=DEVICE), cache.clone(), slots)
+    with pytest.raises(ValueError, match="stride"):
+        t = torch.randn(4, 2, 64, device=DEVICE)[..., ::2]
+        store_kvcache(t, t, cache, cache.clone(), slots)
+
+
+# ----------------------------------------------------------------------------- paged decode
+
+
+def _random_context_lens(batch, block_size, max_ctx):
+    """Lengths that include 1, an exact block multiple, 0 and random values."""
+    lens = [1, block_size * random.randint(1, max(1, max_ctx // block_size)), 0]
+    lens += [random.randint(1, max_ctx) for _ in range(batch - len(lens))]
+    random.shuffle(lens)
+    return lens
+
+
+def _check_decode(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype):
+    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs(
+        context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE
+    )
+    scale = head_dim**-0.5
+    out = torch.full_like(q, float("nan"))
+    res = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, scale, num_splits, out=out)
+    assert res is out
+    ref = ref_paged_decode(q, k_cache, v_cache, block_tables, ctx, scale)
+    assert not out.isnan().any(), "unwritten or NaN output"
+    for b, c in enumerate(context_lens):
+        if c == 0:
+            assert (out[b] == 0).all(), "a context_len 0 row must give zeros"
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,max_ctx",
+    [
+        (8, 8, 16, 90),  # group 1, tiles gather several small blocks
+        (8, 4, 32, 150),  # group 2
+        (8, 2, 256, 600),  # group 4, one block split into several tiles
+        (8, 1, 16, 200),  # group 8, MQA
+    ],
+)
+def test_paged_decode(num_heads, num_kv_heads, block_size, max_ctx, num_splits, dtype):
+    lens = _random_context_lens(4, block_size, max_ctx)
+    _check_decode(lens, num_heads, num_kv_heads, 64, block_size, num_splits, dtype)
+
+
+def test_paged_decode_head_dim_128_many_splits():
+    # More splits than some sequences have blocks: those splits are empty and must weigh 0.
+    lens = _random_context_lens(4, 16, 120)
+    _check_decode(lens, 4, 2, 128, 16, 6, torch.float16)
+
+
+def test_paged_decode_strided_q_and_out():
+    batch, num_heads, num_kv_heads, head_dim, block_size = 3, 4, 2, 64, 16
+    lens = [5, 33, 48]
+    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs(
+        lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, DEVICE
+    )
+    # q as a view into a packed qkv row; out as a view into a wider buffer.
+    packed = torch.randn(batch, num_heads + 2, head_dim, device=DEVICE)
+    packed[:, :num_heads] = q
+    q_view = packed[:, :num_heads]
+    out_buf = torch.full((batch, num_heads + 1, head_dim), float("nan"), device=DEVICE)
+    out_view = out_buf[:, 1:]
+    paged_decode_attention(q_view, k_cache, v_cache, block_tables, ctx, 0.125, 2, out=out_view)
+    ref = ref_paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.125)
+    assert rel_err(out_view, ref) < 1e-4
+    assert out_buf[:, 0].isnan().all(), "wrote outside out"
+
+
+def test_paged_decode_returns_new_tensor_and_handles_empty_batch():
+    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs(
+        [20, 7], 2, 1, 32, 16, torch.float32, DEVICE
+    )
+    out = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.2, 1)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert rel_err(out, ref_paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.2)) < 1e-4
+    empty = paged_decode_attention(q[:0], k_cache, v_cache, block_tables[:0], ctx[:0], 0.2, 4)
+    assert empty.shape == (0, 2, 32)
+
+
+def test_paged_decode_rejects_bad_arguments():
+    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs(
+        [20, 7], 4, 2, 32, 16, torch.float32, DEVICE
+    )
+    with pytest.raises(ValueError, match="head_dim"):
+        paged_decode_attention(q[..., :24], k_cache[..., :24].contiguous(),
+                               v_cache[..., :24].contiguous(), block_tables, ctx, 0.2, 1)
+    with pytest.raises(ValueError, match="block_size"):
+        bad = k_cache[:, :12].contiguous()
+        paged_decode_attention(q, bad, bad, block_tables, ctx, 0.2, 1)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q[:, :3], k_cache, v_cache, block_tables, ctx, 0.2, 1)
+    with pytest.raises(ValueError, match="int32"):
+        paged_decode_attention(q, k_cache, v_cache, block_tables.long(), ctx, 0.2, 1)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.2, 0)
+    with pytest.raises(ValueError, match="out"):
+        paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.2, 1, out=q.half())
+
+
+def test_choose_num_splits():
+    for _ in range(200):
+        batch = random.randint(1, 512)
+        kv_heads = random.choice([1, 2, 4, 8, 16])
+        max_blocks = random.randint(1, 300)
+        s = choose_num_splits(batch, kv_heads, max_blocks)
+        assert 1 <= s <= max_blocks
+        if s < max_blocks:
+            assert batch * kv_heads * s >= 2 * 132, "fewer than two programs per SM"
+        # The count must be realised exactly: no trailing split may be left without blocks.
+        blocks_per_split = -(-max_blocks // s)
+        assert -(-max_blocks // blocks_per_split) == s
+    assert choose_num_splits(256, 8, 16) == 1  # the batch alone fills the GPU
+    assert choose_num_splits(1, 8, 4) == 4
+    with pytest.raises(ValueError):
+        choose_num_splits(0, 8, 16)
+
+
+# ----------------------------------------------------------------------------- GPU only
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_paged_decode_gpu_bf16(block_size, num_splits):
+    batch, num_heads, num_kv_heads, head_dim, max_ctx = 64, 16, 8, 128, 4096
+    lens = _random_context_lens(batch, block_size, max_ctx)
+    lens[0] = max_ctx
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, math.ceil(max_ctx / block_size))
+    _check_decode_gpu(lens, num_heads, num_kv_heads, head_dim, block_size, num_splits)
+
+
+def _check_decode_gpu(lens, num_heads, num_kv_heads, head_dim, block_size, num_splits):
+    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs(
+        lens, num_heads, num_kv_heads, head_dim, block_size, torch.bfloat16, "cuda"
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, head_dim**-0.5, num_splits, out)
+    torch.cuda.synchronize()
+    assert not out.isnan().any()
+    ref = ref_paged_decode(q, k_cache, v_cache, block_tables, ctx, head_dim**-0.5)
+    err = rel_err(out, ref)
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.gpu
+def test_store_kvcache_gpu_bf16():
+    n, num_kv_heads, head_dim, num_blocks, block_size = 300, 8, 128, 64, 256
+    qkv = torch.randn(n, 32 * head_dim, device="cuda", dtype=torch.bfloat16)
+    key = qkv[:, 16 * head_dim : 24 * head_dim].view(n, num_kv_heads, head_dim)
+    value = qkv[:, 24 * head_dim :].view(n, num_kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
+    slots[::7] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.full_like(k_cache, float("nan"))
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(key, value, k_cache, v_cache, slots.int())
+    ref_store_kvcache(key, value, k_ref, v_ref, slots)
+    torch.testing.assert_close(k_cache, k_ref, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(v_cache, v_ref, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    """Capture store + decode at a fixed batch size, then replay with new tables and lengths."""
+    batch, num_heads, num_kv_heads, head_dim, block_size = 8, 16, 8, 128, 16
+    max_blocks, num_blocks = 64, 8 * 64 + 8
+    dtype, dev = torch.bfloat16, "cuda"
+    num_splits = choose_num_splits(batch, num_kv_heads, max_blocks)
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, device=dev, dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.empty(batch, num_heads, head_dim, device=dev, dtype=dtype)
+    new_k = torch.empty(batch, num_kv_heads, head_dim, device=dev, dtype=dtype)
+    new_v = torch.empty_like(new_k)
+    slot_mapping = torch.empty(batch, device=dev, dtype=torch.int64)
+    block_tables = torch.empty(batch, max_blocks, device=dev, dtype=torch.int32)
+    context_lens = torch.empty(batch, device=dev, dtype=torch.int32)
+    out = torch.empty_like(q)
+
+    def fill(max_ctx):
+        """New random inputs in the captured buffers; the last row is padding (len 0, slot -1)."""
+        lens = [random.randint(1, max_ctx) for _ in range(batch - 1)] + [0]
+        perm = torch.randperm(num_blocks, device=dev).int()
+        block_tables.copy_(perm[: batch * max_blocks].view(batch, max_blocks))
+        context_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        # The decode token's slot is the last one of its context.
+        pos = (context_lens - 1).clamp_min(0).long()
+        blk = block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long()
+        slots = blk * block_size + pos % block_size
+        slots[-1] = -1
+        slot_mapping.copy_(slots)
+        q.normal_(), new_k.normal_(), new_v.normal_()
+        out.fill_(float("nan"))
+
+    def step():
+        store_kvcache(new_k, new_v, k_cache, v_cache, slot_mapping)
+        paged_decode_attention(
+            q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5, num_splits, out
+        )
+
+    fill(max_blocks * block_size)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for max_ctx in (max_blocks * block_size, 37, 1):
+        fill(max_ctx)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not out.isnan().any()
+        assert (out[-1] == 0).all()
+        # The stored token must be visible to the decode in the same replay.
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        live = slot_mapping[:-1]
+        torch.testing.assert_close(k_flat[live], new_k[:-1], rtol=0, atol=0)
+        ref = ref_paged_decode(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
+        assert rel_err(out, ref) < 1e-2
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def bench_paged_decode():
+    """Print effective KV read bandwidth of paged_decode_attention (bf16, block 256).
+
+    Run from the repo root: python3 -m tests.test_kernels. 'eager' times single calls with
+    triton.testing.do_bench (launch overhead included, as in an eager engine step); 'graph'
+    times CUDA-graph replays, as the engine's decode step runs.
+    """
+    import triton
+
+    num_heads, num_kv_heads, head_dim, block_size = 16, 8, 128, 256
+    dtype = torch.bfloat16
+    header = ("B", "ctx", "splits", "eager us", "TB/s", "graph us", "TB/s")
+    print(" ".join(f"{h:>{w}}" for h, w in zip(header, (5, 6, 6, 9, 6, 9, 6))))
+    for batch in (64, 256):
+        for ctx_len in (1024, 4096):
+            blocks_per_seq = ctx_len // block_size
+            num_blocks = batch * blocks_per_seq
+            k_cache = torch.randn(
+                num_blocks, block_size, num_kv_heads, head_dim, device="cuda", dtype=dtype
+            )
+            v_cache = torch.randn_like(k_cache)
+            block_tables = torch.randperm(num_blocks, device="cuda").int().view(batch, -1)
+            context_lens = torch.full((batch,), ctx_len, device="cuda", dtype=torch.int32)
+            q = torch.randn(batch, num_heads, head_dim, device="cuda", dtype=dtype)
+            out = torch.empty_like(q)
+            splits = choose_num_splits(batch, num_kv_heads, blocks_per_seq)
+            # do_bench_cudagraph warms up on a side stream that does not wait for the inputs.
+            torch.cuda.synchronize()
+
+            def fn():
+                paged_decode_attention(
+                    q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5, splits, out
+                )
+
+            eager_ms = triton.testing.do_bench(fn, return_mode="median")
+            graph_ms = triton.testing.do_bench_cudagraph(fn, return_mode="median")
+            kv_bytes = 2 * batch * ctx_len * num_kv_heads * head_dim * k_cache.element_size()
+            print(
+                f"{batch:>5} {ctx_len:>6} {splits:>6} {eager_ms * 1e3:>9.1f} "
+                f"{kv_bytes / eager_ms / 1e9:>6.2f} {graph_ms * 1e3:>9.1f} "
+                f"{kv_bytes / graph_ms / 1e9:>6.2f}"
+            )
+
+
+if __name__ == "__main__":
+    bench_paged_decode()

@@ -1,0 +1,103 @@
+"""Tensor parallelism on CPU (gloo): TP=2 must give exactly TP=1's greedy tokens, and the engine
+must start, fail and shut down cleanly."""
+
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import tiny_model as tm  # noqa: E402
+
+from nanovllm import LLM, SamplingParams  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    # Odd vocabulary: the vocab-parallel embedding / LM head must pad their shards.
+    return tm.make_tiny_qwen3(tmp_path_factory.mktemp("tp"), vocab_size=607)
+
+
+def prompts():
+    shared = list(range(100, 140))
+    return [[5, 6, 7], [1] * 20, shared + [3, 4], shared + [9], list(range(200, 260))]
+
+
+def tokens(outs):
+    return [o["token_ids"] for o in outs]
+
+
+def no_children(timeout=10.0):
+    end = time.time() + timeout
+    while mp.active_children() and time.time() < end:
+        time.sleep(0.1)
+    return not mp.active_children()
+
+
+def test_tp2_equals_tp1_with_preemption_and_prefix_hits(model_path):
+    kw = dict(kvcache_block_size=16, num_kvcache_blocks=8, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(model_path, **kw) as llm:
+        ref = tokens(llm.generate(prompts(), params, use_tqdm=False))
+    with LLM(model_path, tensor_parallel_size=2, **kw) as llm:
+        out = tokens(llm.generate(prompts(), params, use_tqdm=False))
+        again = tokens(llm.generate(prompts(), params, use_tqdm=False))
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.block_manager.num_prefix_hit_tokens > 0
+    assert out == ref
+    assert again == ref
+    assert no_children()
+
+
+def test_two_engines_one_after_another_and_side_by_side(model_path):
+    with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as a:
+        first = tokens(a.generate(prompts()[:2], GREEDY, use_tqdm=False))
+    # A second engine after the first one shut down: fresh rendezvous, no leftovers.
+    with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as b:
+        assert tokens(b.generate(prompts()[:2], GREEDY, use_tqdm=False)) == first
+        # ... and a TP=1 engine beside it in the same process.
+        with LLM(model_path, kvcache_block_size=16) as c:
+            assert tokens(c.generate(prompts()[:2], GREEDY, use_tqdm=False)) == first
+    assert no_children()
+
+
+def test_shutdown_leaves_no_process_and_engine_refuses_work(model_path):
+    llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    workers = list(llm.model_runner.procs)
+    assert all(p.is_alive() for p in workers)
+    init_file = llm.model_runner.init_file
+    llm.shutdown()
+    assert not any(p.is_alive() for p in workers)
+    assert not os.path.exists(init_file)
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert no_children()
+
+
+def test_killed_worker_raises_quickly(model_path):
+    llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    try:
+        os.kill(llm.model_runner.procs[0].pid, signal.SIGKILL)
+        t = time.time()
+        with pytest.raises(RuntimeError, match="worker 1 .*died"):
+            llm.generate(prompts(), SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+        assert time.time() - t < 30
+    finally:
+        llm.shutdown()
+    assert no_children()
+    assert not torch.distributed.is_initialized()
+
+
+def test_invalid_sizes_fail_before_any_process_starts(model_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
+        LLM(model_path, tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(model_path, tensor_parallel_size=0)
+    assert not mp.active_children()
