@@ -21,12 +21,13 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "prefix_id", "parent_prefix_id", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "prefix_id", "parent_prefix_id", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash = -1          # -1: holds no reusable content
+        self.parent_hash = -1
         # Identity of the exact token prefix this block's K/V were computed with (its own tokens
         # and every token before them), and of its parent's prefix. Equal ids mean equal
         # prefixes, whatever the hashes do (see BlockManager.commit).
@@ -36,6 +37,7 @@ class Block:
 
     def forget(self):
         self.hash = -1
+        self.parent_hash = -1
         self.prefix_id = -1
         self.parent_prefix_id = -1
         self.token_ids = ()
@@ -195,5 +197,19 @@ class BlockManager:
             block.prefix_id = prefix_id
             block.parent_prefix_id = parent
             block.token_ids = tokens
-            # If an identical block is already registered, keep that one as the canonical copy.
-            self.hash_to_block.setdefault(h, block.block_id)
+            block.parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
+            # If an identical block is already registered, keep that one as the canonical copy...
+            if same is None:
+                self.hash_to_block[h] = block.block_id
+            elif not self._reachable(self.blocks[same]) and self._reachable(block):
+                # ...unless nothing can hit it any more: its parent copy was evicted and the
+                # prefix recomputed under a new id. Then register this reachable copy instead.
+                self.hash_to_block[h] = block.block_id
+
+    def _reachable(self, block: Block) -> bool:
+        """Whether a prefix lookup can reach the block: its parent is the root, or the block
+        registered under its parent hash has the prefix the block was computed after."""
+        if block.parent_prefix_id == _ROOT_PREFIX:
+            return True
+        parent = self.hash_to_block.get(block.parent_hash)
+        return parent is not None and self.blocks[parent].prefix_id == block.parent_prefix_id

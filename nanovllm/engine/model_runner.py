@@ -50,8 +50,14 @@ class ModelRunner:
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
 
         torch.manual_seed(config.seed)
-        with torch.device(self.device):
-            self.model = Qwen3ForCausalLM(hf).to(self.dtype)
+        # Build the parameters directly in the target dtype on the device (no fp32 copy first).
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                self.model = Qwen3ForCausalLM(hf, max_positions=config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
             init_dummy(self.model, config.seed)
         else:

@@ -48,7 +48,7 @@ def gather_kv_varlen(cache: torch.Tensor, meta: AttentionMetadata, total: int) -
     block_tables[i, t // block_size] * block_size + t % block_size.
     """
     block_size = cache.size(1)
-    kv_lens = meta.cu_seqlens_k.diff()
+    kv_lens = meta.cu_seqlens_k.diff().long()
     seq_idx = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cache.device), kv_lens,
                                       output_size=total)
     pos = torch.arange(total, device=cache.device) - meta.cu_seqlens_k[seq_idx]
@@ -103,6 +103,7 @@ class TritonBackend:
 
         self._store = store_kvcache
         self._decode = paged_decode_attention
+        self._reference = TorchBackend()
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
         self._store(k, v, k_cache, v_cache, slot_mapping)
@@ -111,6 +112,9 @@ class TritonBackend:
         if not meta.is_prefill:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                 num_splits=meta.num_splits)
+        if q.dtype == torch.float32:
+            # aten's FlashAttention kernel takes only fp16/bf16; fp32 (tests) uses the reference.
+            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale)
         if meta.has_prefix:
             # Cached prefix + new tokens: read the whole context back from the paged cache
             # (the new tokens were stored there a moment ago) as contiguous varlen K/V.
@@ -118,7 +122,7 @@ class TritonBackend:
             k = gather_kv_varlen(k_cache, meta, total)
             v = gather_kv_varlen(v_cache, meta, total)
         out = torch.ops.aten._flash_attention_forward(
-            q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+            q, k, v.contiguous(), meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
             0.0, True, False, scale=scale)[0]
         return out
 

@@ -15,8 +15,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float), inv_freq)
+        # Always fp32, whatever the model dtype: rounding angles to bf16 would shift positions.
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
         # One [max_position, 1, head_dim] table of cos|sin: a single gather per step.
         self.register_buffer("cos_sin", torch.cat((freqs.cos(), freqs.sin()), dim=-1).unsqueeze(1),
                              persistent=False)

@@ -27,7 +27,7 @@ def rope_theta(config) -> float:
 
 
 class Qwen3Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
         tp = tp_size()
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -39,7 +39,7 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, rope_theta(config))
+        self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -68,9 +68,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, rotary_emb)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -87,10 +87,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, max_positions: int | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary = RotaryEmbedding(head_dim, max_positions or config.max_position_embeddings, rope_theta(config))
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -112,9 +114,10 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config):
+    def __init__(self, config, max_positions: int | None = None):
+        """`max_positions` bounds the RoPE table (the engine passes max_model_len)."""
         super().__init__()
-        self.model = Qwen3Model(config)
+        self.model = Qwen3Model(config, max_positions)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

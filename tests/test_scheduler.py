@@ -1,0 +1,578 @@
+"""Scheduler tests: continuous batching, chunked prefill, preemption and stop rules.
+
+A "fake model step" stands in for the model runner: call `schedule()`, produce one token id
+per scheduled sequence, call `postprocess()`. Everything runs on the CPU in a few seconds.
+The randomized test at the end drives thousands of small schedules and checks the block
+manager's and scheduler's invariants after every step, including a shadow copy of the KV cache.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import pytest
+
+from nanovllm.engine import block_manager as bm_mod
+from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.scheduler import Scheduler, stop_reason
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.sampling_params import SamplingParams
+
+EOS = 0
+_ids = iter(range(10**9))
+
+
+def make_sched(num_blocks=64, block_size=4, max_num_seqs=8, budget=64, prefix=True) -> Scheduler:
+    return Scheduler(BlockManager(num_blocks, block_size, prefix), max_num_seqs, budget)
+
+
+def add(sched: Scheduler, prompt, **params) -> Sequence:
+    params.setdefault("max_tokens", 4)
+    seq = Sequence(next(_ids), list(prompt), SamplingParams(**params), seed=0)
+    sched.add(seq)
+    return seq
+
+
+def next_token(seq: Sequence) -> int:
+    """A deterministic non-EOS token: the same sequence state always gives the same token."""
+    return 100 + (seq.seq_id * 7 + len(seq)) % 50
+
+
+def step(sched: Scheduler, token_fn=next_token, eos=frozenset({EOS}), max_model_len=10**6):
+    batch = sched.schedule()
+    assert batch is not None, "scheduler produced no work although requests are pending"
+    bs = sched.block_manager.block_size
+    assert batch.num_tokens <= sched.max_num_batched_tokens
+    assert len(batch.seqs) <= sched.max_num_seqs
+    for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        assert 1 <= n <= seq.num_uncomputed_tokens
+        assert len(seq.block_table) * bs >= seq.num_cached_tokens + n
+    advanced = sched.postprocess(batch, [token_fn(s) for s in batch.seqs], eos, max_model_len)
+    return batch, advanced
+
+
+def run_all(sched: Scheduler, max_steps=10_000, **kw) -> list:
+    batches = []
+    while sched.has_unfinished():
+        assert len(batches) < max_steps
+        batches.append(step(sched, **kw)[0])
+    bm = sched.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+    return batches
+
+
+def eos_at(k: int, tok: int = EOS):
+    """A token function emitting `tok` as the k-th completion token (1-based)."""
+    def fn(seq):
+        return tok if seq.num_completion_tokens == k - 1 else next_token(seq)
+    return fn
+
+
+# ------------------------------------------------------------------------------- basic behaviour
+def test_schedule_with_nothing_to_do_returns_none():
+    sched = make_sched()
+    assert not sched.has_unfinished()
+    assert sched.schedule() is None
+
+
+def test_add_rejects_a_sequence_larger_than_the_cache():
+    sched = make_sched(num_blocks=2, block_size=4)
+    with pytest.raises(ValueError):
+        add(sched, range(9))
+    add(sched, range(8))                          # exactly the whole cache is fine
+    assert len(sched.waiting) == 1
+
+
+def test_token_budget_is_respected_and_prompts_are_chunked_to_fill_it():
+    sched = make_sched(budget=10)
+    seqs = [add(sched, range(i * 10, i * 10 + 7), max_tokens=3) for i in range(5)]
+    batch, advanced = step(sched)
+    assert batch.is_prefill and batch.seqs == seqs[:2] and batch.num_new_tokens == [7, 3]
+    assert advanced == [seqs[0]]                  # seqs[1] got only a chunk: no token yet
+    batch, _ = step(sched)                        # the chunked prompt goes first
+    assert batch.seqs == seqs[1:3] and batch.num_new_tokens == [4, 6]
+    for batch in run_all(sched):
+        assert batch.num_tokens <= 10
+    assert all(s.is_finished and s.num_completion_tokens == 3 for s in seqs)
+
+
+def test_chunked_prefill_of_a_long_prompt_yields_a_token_only_after_the_last_chunk():
+    sched = make_sched(budget=8)
+    seq = add(sched, range(1, 21), max_tokens=3)  # 20 prompt tokens: chunks 8, 8, 4
+    for want_cached in (8, 16):
+        batch, advanced = step(sched)
+        assert batch.is_prefill and batch.num_new_tokens == [8]
+        assert advanced == [] and len(seq) == 20 and seq.num_cached_tokens == want_cached
+    batch, advanced = step(sched)
+    assert batch.num_new_tokens == [4] and advanced == [seq]
+    assert len(seq) == 21 and seq.num_cached_tokens == 20
+    batch, advanced = step(sched)                 # now a decode
+    assert not batch.is_prefill and batch.num_new_tokens == [1] and advanced == [seq]
+    run_all(sched)
+    assert seq.num_completion_tokens == 3 and seq.finish_reason == "length"
+
+
+def test_chunked_prefill_whose_last_chunk_is_one_token():
+    sched = make_sched(budget=8)
+    seq = add(sched, range(1, 18), max_tokens=2)  # 17 tokens: 8, 8, 1
+    computed = 0
+    while seq.num_completion_tokens == 0:
+        batch, advanced = step(sched)
+        computed += batch.num_tokens
+        assert (advanced == [seq]) == (seq.num_completion_tokens == 1)
+    assert computed == 17 and seq.num_cached_tokens == 17
+    run_all(sched)
+    assert seq.num_completion_tokens == 2
+
+
+def test_max_num_seqs_is_respected():
+    sched = make_sched(max_num_seqs=2)
+    seqs = [add(sched, [i, i + 1, i + 2], max_tokens=3) for i in range(5)]
+    while sched.has_unfinished():
+        batch, _ = step(sched)
+        assert len(sched.running) <= 2 and len(batch.seqs) <= 2
+    assert all(s.is_finished and s.num_completion_tokens == 3 for s in seqs)
+
+
+def test_decode_schedules_every_running_sequence():
+    sched = make_sched()
+    seqs = [add(sched, range(i, i + 5), max_tokens=5) for i in range(3)]
+    batch, advanced = step(sched)
+    assert batch.is_prefill and batch.seqs == seqs and advanced == seqs
+    for _ in range(4):
+        batch, advanced = step(sched)
+        assert not batch.is_prefill
+        assert batch.seqs == seqs and batch.num_new_tokens == [1, 1, 1] and advanced == seqs
+    assert all(s.is_finished for s in seqs) and not sched.has_unfinished()
+
+
+def test_decode_batch_is_capped_by_the_token_budget():
+    sched = make_sched(budget=2)
+    seqs = [add(sched, [i], max_tokens=3) for i in range(3)]
+    while sched.has_unfinished():
+        batch, _ = step(sched)
+        assert batch.num_tokens <= 2
+    assert all(s.num_completion_tokens == 3 for s in seqs)
+
+
+def test_new_prompts_are_prefilled_before_running_sequences_decode():
+    sched = make_sched()
+    a = add(sched, [1, 2, 3], max_tokens=4)
+    step(sched)
+    b = add(sched, [4, 5, 6], max_tokens=4)
+    batch, _ = step(sched)
+    assert batch.is_prefill and batch.seqs == [b]
+    batch, _ = step(sched)
+    assert not batch.is_prefill and batch.seqs == [a, b]
+
+
+def test_admission_is_first_come_first_served_when_the_cache_is_short():
+    sched = make_sched(num_blocks=4, block_size=4)
+    a = add(sched, range(12), max_tokens=2)       # 3 blocks
+    b = add(sched, range(20, 28), max_tokens=2)   # 2 blocks: does not fit next to a
+    c = add(sched, [30], max_tokens=2)            # 1 block: would fit, but waits behind b
+    batch, _ = step(sched)
+    assert batch.seqs == [a] and list(sched.waiting) == [b, c]
+    run_all(sched)
+    assert all(s.is_finished for s in (a, b, c))
+
+
+def test_prefix_hit_skips_the_cached_tokens():
+    sched = make_sched(block_size=4)
+    a = add(sched, range(12), max_tokens=1)
+    run_all(sched)
+    b = add(sched, list(range(8)) + [90, 91], max_tokens=1)
+    batch, advanced = step(sched)
+    assert batch.num_new_tokens == [2] and advanced == [b]
+    assert sched.block_manager.num_prefix_hit_tokens == 8
+    assert a.is_finished and b.is_finished
+
+
+# ---------------------------------------------------------------------------------- preemption
+@pytest.mark.parametrize("prefix", [True, False])
+def test_preemption_by_recompute_keeps_generated_tokens(prefix):
+    # 4 blocks of 2: two 3-token prompts take everything; the first decode that needs a third
+    # block for the older sequence must preempt the newer one.
+    sched = make_sched(num_blocks=4, block_size=2, prefix=prefix)
+    old = add(sched, [1, 2, 3], max_tokens=4)
+    new = add(sched, [4, 5, 6], max_tokens=4)     # blocks_for(3 + 4 - 1) = 3 <= 4: accepted
+    batch, _ = step(sched)
+    assert batch.seqs == [old, new] and sched.block_manager.num_free_blocks == 0
+    batch, _ = step(sched)                        # decode: lengths 4 -> 5, still 2 blocks each
+    assert batch.seqs == [old, new] and not batch.preempted
+    kept = list(new.token_ids)
+    batch, _ = step(sched)                        # old needs a third block: preempt new
+    assert batch.seqs == [old] and batch.preempted == [new]
+    assert new.status == SequenceStatus.WAITING and list(sched.waiting) == [new]
+    assert new.block_table == [] and new.num_cached_tokens == 0
+    assert new.token_ids == kept and new.num_completion_tokens == 2
+    assert new.num_preemptions == 1 and sched.num_preemptions == 1
+    while not old.is_finished:
+        step(sched)
+    recompute = step(sched)[0]                    # new comes back: prompt + generated tokens
+    assert recompute.is_prefill and recompute.seqs == [new]
+    assert new.token_ids[:5] == kept
+    if prefix:                                    # its first full block survived in the cache
+        assert recompute.num_new_tokens == [3]
+    else:
+        assert recompute.num_new_tokens == [5]
+    run_all(sched)
+    assert new.finish_reason == "length" and new.num_completion_tokens == 4
+    assert old.finish_reason == "length" and old.num_completion_tokens == 4
+    # A recomputed sequence continues exactly where it was: same tokens as without preemption.
+    assert new.completion_token_ids == [100 + (new.seq_id * 7 + n) % 50 for n in range(3, 7)]
+
+
+def test_lone_sequence_is_never_preempted_by_itself():
+    # Exactly the cache the request needs (what the engine's admission check allows).
+    sched = make_sched(num_blocks=3, block_size=2)
+    seq = add(sched, [1, 2, 3], max_tokens=4)     # grows to 6 tokens = 3 blocks
+    run_all(sched)
+    assert seq.num_completion_tokens == 4 and seq.num_preemptions == 0
+
+
+# --------------------------------------------------------------------------------- stop rules
+def test_eos_stops_with_reason_stop_and_frees_blocks():
+    sched = make_sched()
+    seq = add(sched, [1, 2, 3], max_tokens=10)
+    run_all(sched, token_fn=eos_at(3))
+    assert seq.finish_reason == "stop" and seq.num_completion_tokens == 3
+    assert seq.token_ids[-1] == EOS and seq.block_table == [] and seq.status == SequenceStatus.FINISHED
+
+
+def test_ignore_eos_keeps_generating_until_max_tokens():
+    sched = make_sched()
+    seq = add(sched, [1, 2, 3], max_tokens=6, ignore_eos=True)
+    run_all(sched, token_fn=lambda s: EOS)
+    assert seq.finish_reason == "length" and seq.completion_token_ids == [EOS] * 6
+
+
+def test_stop_token_ids_stop_and_are_kept():
+    sched = make_sched()
+    seq = add(sched, [1, 2, 3], max_tokens=10, stop_token_ids=[77])
+    run_all(sched, token_fn=eos_at(2, 77))
+    assert seq.finish_reason == "stop" and seq.completion_token_ids[-1] == 77
+    assert seq.num_completion_tokens == 2
+    # stop_token_ids apply even with ignore_eos
+    seq = add(sched, [1, 2, 3], max_tokens=10, stop_token_ids=[77], ignore_eos=True)
+    run_all(sched, token_fn=eos_at(4, 77))
+    assert seq.finish_reason == "stop" and seq.num_completion_tokens == 4
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids():
+    sched = make_sched()
+    a = add(sched, [1, 2, 3], max_tokens=10, min_tokens=3)
+    b = add(sched, [4, 5, 6], max_tokens=10, min_tokens=3, stop_token_ids=[77])
+    run_all(sched, token_fn=lambda s: EOS if s is a else 77)
+    assert a.finish_reason == "stop" and a.completion_token_ids == [EOS] * 3
+    assert b.finish_reason == "stop" and b.completion_token_ids == [77] * 3
+
+
+def test_max_tokens_gives_reason_length():
+    sched = make_sched()
+    one = add(sched, [1, 2, 3], max_tokens=1)
+    five = add(sched, [1, 2, 3], max_tokens=5)
+    run_all(sched)
+    assert one.finish_reason == "length" and one.num_completion_tokens == 1
+    assert five.finish_reason == "length" and five.num_completion_tokens == 5
+
+
+def test_max_model_len_gives_reason_length():
+    sched = make_sched()
+    seq = add(sched, range(5), max_tokens=100)
+    run_all(sched, max_model_len=8)
+    assert seq.finish_reason == "length" and len(seq) == 8
+
+
+def test_eos_beats_length_on_the_last_token():
+    sched = make_sched()
+    seq = add(sched, [1, 2], max_tokens=3)
+    run_all(sched, token_fn=eos_at(3))
+    assert seq.finish_reason == "stop" and seq.num_completion_tokens == 3
+
+
+def test_stop_reason_rules():
+    seq = Sequence(0, [1, 2], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9]), 0)
+    eos = frozenset({EOS, 5})
+    seq.token_ids.append(5)
+    assert stop_reason(seq, 5, eos, 100) == "stop"          # any of several EOS ids
+    seq.token_ids.append(4)
+    assert stop_reason(seq, 4, eos, 100) is None
+    assert stop_reason(seq, 4, eos, 4) == "length"          # max_model_len
+    seq.token_ids.append(4)
+    assert stop_reason(seq, 4, eos, 100) == "length"        # max_tokens
+
+
+def test_finish_from_outside_frees_blocks_once():
+    sched = make_sched()
+    seq = add(sched, [1, 2, 3, 4, 5], max_tokens=10)
+    step(sched)
+    sched.finish(seq, "abort")
+    sched.finish(seq, "abort")
+    assert seq.finish_reason == "abort" and not sched.running
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
+
+
+# ========================================================================= randomized property test
+class ShadowRun:
+    """One random schedule driven by a fake model, checking every invariant after every step.
+
+    The shadow KV cache stores, for every slot, the id of the exact token prefix whose last
+    token's K/V the fake model wrote there (ids come from a trie, so equal ids mean equal
+    prefixes). K/V depend on the whole prefix, not just the token, so a block reused after a
+    different prefix is caught even when its own token ids match.
+    """
+
+    def __init__(self, rng: random.Random):
+        self.rng = rng
+        self.bs = bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
+        self.num_blocks = rng.randint(4, 30)
+        self.budget = rng.randint(1, 64)
+        self.max_num_seqs = rng.randint(1, 8)
+        self.prefix = rng.random() < 0.8
+        self.max_model_len = rng.randint(4, 96)
+        self.eos = frozenset({EOS})
+        self.p_eos = rng.choice([0.0, 0.05, 0.2])
+        vocab = rng.randint(2, 6)                  # tiny vocabulary: lots of equal blocks
+        self.vocab = vocab
+        self.bm = BlockManager(self.num_blocks, bs, self.prefix)
+        self.sched = Scheduler(self.bm, self.max_num_seqs, self.budget)
+        self.kv = [[None] * bs for _ in range(self.num_blocks)]
+        self.trie: dict[tuple[int, int], int] = {}
+        self.node_token = [None]
+        self.nodes: dict[int, list[int]] = {}      # seq_id -> prefix id of token_ids[:p + 1]
+        self.expected: dict[int, list[int]] = {}   # seq_id -> the tokens it must hold
+        pools = [[rng.randint(1, vocab) for _ in range(rng.randint(0, 32))] for _ in range(rng.randint(1, 3))]
+        self.requests: list[tuple[int, Sequence]] = []   # (arrival step, seq)
+        for _ in range(rng.randint(2, 8)):
+            seq = self._make_request(pools)
+            if seq is not None:
+                self.requests.append((rng.choice([0, 0, 0, rng.randint(0, 12)]), seq))
+        self.requests.sort(key=lambda r: r[0])
+        self.steps = 0
+        self.hit_tokens = 0
+        self.chunks = 0
+
+    def _make_request(self, pools):
+        rng = self.rng
+        for _ in range(20):  # regenerate what the engine would reject as never fitting
+            pool = rng.choice(pools)
+            shared = pool[:rng.randint(0, len(pool))]
+            prompt = (shared + [rng.randint(1, self.vocab) for _ in range(rng.randint(0, 12))])[:40]
+            if not prompt:
+                prompt = [rng.randint(1, self.vocab)]
+            max_tokens = rng.randint(1, 24)
+            if len(prompt) + max_tokens > self.max_model_len:
+                continue
+            if self.bm.blocks_for(len(prompt) + max_tokens - 1) > self.num_blocks:
+                continue
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=rng.choice([0, 0, rng.randint(0, max_tokens)]),
+                ignore_eos=rng.random() < 0.1,
+                stop_token_ids=[self.vocab] if rng.random() < 0.2 else None)
+            seq = Sequence(next(_ids), prompt, params, seed=0)
+            self.expected[seq.seq_id] = list(prompt)
+            self.nodes[seq.seq_id] = []
+            return seq
+        return None
+
+    # ---- shadow prefix ids --------------------------------------------------------------------
+    def prefix_ids(self, seq: Sequence, upto: int) -> list[int]:
+        nodes = self.nodes[seq.seq_id]
+        while len(nodes) < upto:
+            parent = nodes[-1] if nodes else 0
+            tok = seq.token_ids[len(nodes)]
+            node = self.trie.get((parent, tok))
+            if node is None:
+                node = self.trie[(parent, tok)] = len(self.node_token)
+                self.node_token.append(tok)
+            nodes.append(node)
+        return nodes
+
+    def check_context(self, seq: Sequence, upto: int) -> None:
+        """Every slot seq reads for positions < upto holds exactly that prefix's K/V."""
+        bs, nodes = self.bs, self.prefix_ids(seq, upto)
+        for i in range(0, self.bm.blocks_for(upto)):
+            lo, hi = i * bs, min(upto, (i + 1) * bs)
+            got = self.kv[seq.block_table[i]][:hi - lo]
+            assert got == nodes[lo:hi], f"{seq}: block {i} (id {seq.block_table[i]}) holds wrong K/V"
+
+    # ---- global invariants ------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        bm, sched, bs = self.bm, self.sched, self.bs
+        live = list(sched.running)
+        assert len(live) <= self.max_num_seqs
+        assert len({s.seq_id for s in live}) == len(live)
+        assert not {s.seq_id for s in live} & {s.seq_id for s in sched.waiting}
+        refs = [0] * bm.num_blocks
+        holders: dict[int, list[tuple[Sequence, int]]] = {}
+        for s in live:
+            assert s.status == SequenceStatus.RUNNING
+            assert len(set(s.block_table)) == len(s.block_table), f"{s} holds a block twice"
+            assert s.num_cached_tokens < len(s), f"{s} has nothing left to compute"
+            # a running sequence covers all its tokens except possibly the newest sampled one
+            assert len(s.block_table) >= bm.blocks_for(len(s) - 1)
+            for i, b in enumerate(s.block_table):
+                refs[b] += 1
+                holders.setdefault(b, []).append((s, i))
+        for s in sched.waiting:
+            assert s.status == SequenceStatus.WAITING and s.block_table == [] and s.num_cached_tokens == 0
+        assert [b.ref_count for b in bm.blocks] == refs, "ref counts disagree with the block tables"
+        free = {i for i, r in enumerate(refs) if r == 0}
+        assert set(bm.free_blocks) == free and len(bm.free_blocks) == len(free)
+        assert bm.num_free_blocks + (bm.num_blocks - len(free)) == bm.num_blocks
+        for b, hs in holders.items():
+            if len(hs) == 1:
+                continue
+            block = bm.blocks[b]
+            assert block.hash != -1, f"block {b} shared by {[s for s, _ in hs]} but never committed"
+            assert len(block.token_ids) == bs
+            for s, i in hs:
+                assert (i + 1) * bs <= s.num_cached_tokens, f"shared block {b} not computed for {s}"
+                assert tuple(s.block_tokens(i, bs)) == block.token_ids
+                assert self.kv[b] == self.prefix_ids(s, (i + 1) * bs)[i * bs:(i + 1) * bs]
+        for h, b in bm.hash_to_block.items():
+            assert bm.blocks[b].hash == h
+
+    # ---- the fake model ---------------------------------------------------------------------
+    def model_step(self, batch) -> list[int]:
+        bs, bm = self.bs, self.bm
+        out = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_cached_tokens
+            self.check_context(seq, start)        # everything it attends to besides new tokens
+            nodes = self.prefix_ids(seq, start + n)
+            for p in range(start, start + n):
+                b = seq.block_table[p // bs]
+                blk = bm.blocks[b]
+                assert blk.ref_count == 1 and blk.hash == -1, \
+                    f"{seq} writes position {p} into block {b} that is shared or cached"
+                self.kv[b][p % bs] = nodes[p]
+            if self.rng.random() < self.p_eos:
+                out.append(EOS)
+            else:
+                out.append(self.rng.randint(1, self.vocab))
+        return out
+
+    def run(self) -> None:
+        sched, bm = self.sched, self.bm
+        pending = list(self.requests)
+        total = sum(len(s) + s.params.max_tokens for _, s in pending)
+        max_steps = 4 * total * (total + 1) + 100
+        while pending or sched.has_unfinished():
+            while pending and pending[0][0] <= self.steps:
+                sched.add(pending.pop(0)[1])
+            self.check_invariants()
+            batch = sched.schedule()
+            if batch is None:
+                assert not sched.has_unfinished(), f"deadlock: {list(sched.waiting)} {list(sched.running)}"
+                assert pending
+                self.steps = pending[0][0]
+                continue
+            self.steps += 1
+            assert self.steps <= max_steps, "no progress: the schedule does not end"
+            self.check_batch(batch)
+            self.check_invariants()
+            tokens = self.model_step(batch)
+            will_advance = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                            if s.num_cached_tokens + n == len(s)]
+            self.chunks += sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens)
+                               if s.num_cached_tokens + n < len(s))
+            advanced = sched.postprocess(batch, tokens, self.eos, self.max_model_len)
+            assert advanced == will_advance
+            for seq, tok in zip(batch.seqs, tokens):
+                if seq in will_advance:
+                    self.expected[seq.seq_id].append(tok)
+                    self.check_stop(seq, tok)
+                assert seq.token_ids == self.expected[seq.seq_id]
+        # the end: everything finished, every block free
+        self.check_invariants()
+        for _, seq in self.requests:
+            assert seq.is_finished and seq.block_table == [] and seq.finish_reason in ("stop", "length")
+            assert seq.token_ids == self.expected[seq.seq_id]
+        assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_blocks
+        assert not sched.running and not sched.waiting
+        # registered blocks still hold exactly the tokens they are registered with
+        for b in bm.hash_to_block.values():
+            assert [self.node_token[x] for x in self.kv[b]] == list(bm.blocks[b].token_ids)
+        self.hit_tokens = bm.num_prefix_hit_tokens
+
+    def check_batch(self, batch) -> None:
+        sched, bm = self.sched, self.bm
+        assert batch.seqs and len(batch.seqs) == len(batch.num_new_tokens) == len(set(map(id, batch.seqs)))
+        assert 1 <= batch.num_tokens <= self.budget, "token budget exceeded"
+        assert len(batch.seqs) <= self.max_num_seqs, "sequence cap exceeded"
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            assert seq.status == SequenceStatus.RUNNING and seq in sched.running
+            assert 1 <= n <= seq.num_uncomputed_tokens
+            assert len(seq.block_table) >= bm.blocks_for(seq.num_cached_tokens + n), "scheduled token without a slot"
+        for seq in batch.preempted:
+            assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq in sched.waiting
+        if not batch.is_prefill:
+            assert all(n == 1 and s.num_uncomputed_tokens == 1 for s, n in zip(batch.seqs, batch.num_new_tokens))
+            # decode runs every running sequence the budget / cap allows
+            cap = min(self.max_num_seqs, self.budget)
+            assert len(batch.seqs) == min(cap, len(sched.running))
+            assert not any(s.num_uncomputed_tokens > 1 for s in sched.running), "decode with prefill pending"
+        else:
+            assert not batch.preempted
+
+    def check_stop(self, seq: Sequence, tok: int) -> None:
+        p = seq.params
+        n = seq.num_completion_tokens
+        if n >= p.min_tokens and (tok in p.stop_ids or (not p.ignore_eos and tok == EOS)):
+            want = "stop"
+        elif n >= p.max_tokens or len(seq) >= self.max_model_len:
+            want = "length"
+        else:
+            want = None
+        assert seq.finish_reason == want and seq.is_finished == (want is not None)
+        if want:
+            assert seq.block_table == [] and seq not in self.sched.running
+        assert n <= p.max_tokens and len(seq) <= self.max_model_len
+
+
+# Complete random schedules per run (override with NANOVLLM_FUZZ_SCHEDULES; NANOVLLM_FUZZ_SEED
+# moves the seeds). Each takes a couple of milliseconds.
+NUM_SCHEDULES = 2000            # with the real xxhash chain hash
+NUM_SCHEDULES_WEAK_HASH = 1000  # with a hash that collides constantly
+
+
+def _weak_hash(parent: int, token_ids) -> int:
+    """A terrible hash: collisions everywhere, so only the exact checks keep the cache correct."""
+    return (parent * 3 + sum(token_ids)) % 7
+
+
+@pytest.mark.parametrize("weak_hash", [False, True], ids=["xxhash", "colliding-hash"])
+def test_random_schedules_keep_every_invariant(weak_hash, monkeypatch):
+    n = int(os.environ.get("NANOVLLM_FUZZ_SCHEDULES", NUM_SCHEDULES_WEAK_HASH if weak_hash else NUM_SCHEDULES))
+    base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + (10**6 if weak_hash else 0)
+    if weak_hash:
+        monkeypatch.setattr(bm_mod, "chain_hash", _weak_hash)
+    totals = dict(schedules=0, requests=0, steps=0, preemptions=0, hit_tokens=0, chunks=0)
+    t0 = time.perf_counter()
+    for i in range(n):
+        seed = base + i
+        run = ShadowRun(random.Random(seed))
+        try:
+            run.run()
+        except AssertionError as e:
+            raise AssertionError(f"schedule seed={seed} (bs={run.bs}, blocks={run.num_blocks}, "
+                                 f"budget={run.budget}, max_num_seqs={run.max_num_seqs}, "
+                                 f"prefix={run.prefix}): {e}") from e
+        totals["schedules"] += 1
+        totals["requests"] += len(run.requests)
+        totals["steps"] += run.steps
+        totals["preemptions"] += run.sched.num_preemptions
+        totals["hit_tokens"] += run.hit_tokens
+        totals["chunks"] += run.chunks
+    print(f"\n{'colliding' if weak_hash else 'xxhash'}: {totals} in {time.perf_counter() - t0:.1f}s")
+    assert totals["schedules"] == n
+    if "NANOVLLM_FUZZ_SCHEDULES" not in os.environ and not weak_hash:
+        assert totals["schedules"] >= 2000
+    # the generator must actually exercise the interesting paths
+    assert totals["preemptions"] > 0 and totals["hit_tokens"] > 0 and totals["chunks"] > 0
+
