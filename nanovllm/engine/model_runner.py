@@ -23,7 +23,7 @@ from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.utils.context import AttentionMetadata, prefill_metadata
-from nanovllm.utils.dist import tp_rank, tp_size
+from nanovllm.utils.dist import TPGroup, use_tp_group
 from nanovllm.utils.loader import init_dummy, load_model
 
 logger = logging.getLogger("nanovllm")
@@ -45,7 +45,9 @@ class ModelRunner:
             else torch.device("cpu")
         self.dtype = config.dtype
         self.block_size = config.kvcache_block_size
-        self.rank, self.world_size = tp_rank(), tp_size()
+        self.world_size = config.tensor_parallel_size
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.tp = TPGroup(self.rank, self.world_size, dist.group.WORLD if self.world_size > 1 else None)
         self.pin = self.device.type == "cuda"
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
 
@@ -54,7 +56,7 @@ class ModelRunner:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), use_tp_group(self.tp):
                 self.model = Qwen3ForCausalLM(hf, max_positions=config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
@@ -93,7 +95,7 @@ class ModelRunner:
         if self.world_size > 1:
             # Every rank must hold the same blocks: agree on the smallest cache.
             agreed = torch.tensor([num_blocks], dtype=torch.int64, device=self.device)
-            dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+            dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=self.tp.group)
             num_blocks = int(agreed.item())
         if num_blocks < 1:
             raise RuntimeError("no GPU memory left for the KV cache: lower max_num_batched_tokens or "

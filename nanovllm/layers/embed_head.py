@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.dist import all_reduce, tp_rank, tp_size
+from nanovllm.utils.dist import current_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -15,7 +14,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def __init__(self, num_embeddings: int, embedding_dim: int):
         super().__init__()
-        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.tp = current_tp_group()
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.num_embeddings = num_embeddings
         # Ceil so any vocabulary size (odd ones too) splits; padded rows are never looked up.
         self.shard_size = -(-num_embeddings // self.tp_size)
@@ -37,7 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         local = x - self.vocab_start
         mask = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return all_reduce(y)
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -47,6 +47,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         logits = F.linear(hidden, self.weight)
         if self.tp_size == 1:
             return logits[:, :self.num_embeddings]
-        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, dst=0)
-        return torch.cat(parts, dim=-1)[:, :self.num_embeddings] if self.tp_rank == 0 else None
+        parts = self.tp.gather_to_rank0(logits)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :self.num_embeddings]

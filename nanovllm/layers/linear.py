@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.dist import all_reduce, divide, tp_rank, tp_size
+from nanovllm.utils.dist import current_tp_group, divide
 
 
 def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
@@ -25,8 +25,9 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim
-        self.tp_rank = tp_rank()
-        self.tp_size = tp_size()
+        self.tp = current_tp_group()
+        self.tp_rank = self.tp.rank
+        self.tp_size = self.tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         if bias:
@@ -62,7 +63,7 @@ class ReplicatedLinear(LinearBase):
 
 class ColumnParallelLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, tp_size()), bias, tp_dim=0)
+        super().__init__(input_size, divide(output_size, current_tp_group().size), bias, tp_dim=0)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -87,8 +88,8 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         self.head_dim = head_dim
-        self.num_heads = divide(num_heads, tp_size())
-        self.num_kv_heads = divide(num_kv_heads, tp_size())
+        self.num_heads = divide(num_heads, current_tp_group().size)
+        self.num_kv_heads = divide(num_kv_heads, current_tp_group().size)
         super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: str = "q"):
@@ -105,9 +106,9 @@ class RowParallelLinear(LinearBase):
     """Splits the input features; partial products are summed across ranks."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(divide(input_size, tp_size()), output_size, bias, tp_dim=1)
+        super().__init__(divide(input_size, current_tp_group().size), output_size, bias, tp_dim=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce counts it once.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return all_reduce(y)
+        return self.tp.all_reduce(y)

@@ -12,7 +12,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import AttentionMetadata
-from nanovllm.utils.dist import tp_size
+from nanovllm.utils.dist import current_tp_group
 
 
 def rope_theta(config) -> float:
@@ -29,7 +29,7 @@ def rope_theta(config) -> float:
 class Qwen3Attention(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
-        tp = tp_size()
+        tp = current_tp_group().size
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
