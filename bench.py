@@ -127,6 +127,8 @@ def main(argv=None):
     ap.add_argument("--compare", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
     ap.add_argument("--latency", action="store_true", help="also measure batch-1 decode ms/token")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print a torch.profiler table of a short run of the workload's first 256 requests")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
 
@@ -178,6 +180,14 @@ def main(argv=None):
         t = time.perf_counter()
         llm.generate(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n + 1), use_tqdm=False)
         res["decode_ms_per_token_bs1"] = round((time.perf_counter() - t - t_first) / n * 1e3, 3)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64) for _ in prompts]
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            llm.generate(prompts, short, use_tqdm=False)
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
     llm.shutdown()
     del llm
 

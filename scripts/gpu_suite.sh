@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one command (made for one call on the H200):
 #   bash scripts/gpu_suite.sh [bench args...]
-# 1. the GPU tests (pytest -m gpu), 2. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes.
+# 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
 # Logs and JSON go to $OUT (default /tmp/gpu_suite); a short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -10,12 +10,14 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-python3 -m pytest -m gpu -q -p no:cacheprovider tests ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest_gpu.log"
-tests_rc=${PIPESTATUS[0]}
-
+# Benchmarks first: they are short and their numbers are what BENCHMARKS.md records.
 for m in qwen3-0.6b qwen3-8b; do
-  python3 bench.py --dummy "$m" --latency --json "$OUT/bench-$m.json" "$@" 2>&1 | tee "$OUT/bench-$m.log"
+  timeout 300 python3 bench.py --dummy "$m" --latency ${BENCH_ARGS:-} --json "$OUT/bench-$m.json" "$@" 2>&1 | tee "$OUT/bench-$m.log"
 done
+
+timeout ${TEST_TIMEOUT:-900} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests ${PYTEST_ARGS:-} 2>&1 \
+  | tee "$OUT/pytest_gpu.log"
+tests_rc=${PIPESTATUS[0]}
 
 echo
 echo "=== summary ==="
