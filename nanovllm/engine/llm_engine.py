@@ -156,9 +156,17 @@ class LLMEngine:
             runner.shutdown()
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
 def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
+    # transformers 5 returns an empty tokenizer for a folder without tokenizer files instead of
+    # failing, which would later surface as confusing "empty prompt" errors.
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files in {path!r} (expected one of {', '.join(TOKENIZER_FILES)}); "
+                         f"pass skip_tokenizer_init=True to run on token ids only")
     try:
         return AutoTokenizer.from_pretrained(path)
     except Exception as e:

@@ -56,7 +56,7 @@ def load_model(model: nn.Module, path: str) -> None:
                     loader(param, tensor, name)
                 else:
                     loader(param, tensor, name, shard_id)
-                loaded.add(name if shard_id is None else f"{pname}#{shard_id}")
+                loaded.add(name)
     expected = _expected_names(mapping, params, tied)
     missing = sorted(expected - loaded)
     if missing:
@@ -65,13 +65,17 @@ def load_model(model: nn.Module, path: str) -> None:
 
 
 def _expected_names(mapping: dict, params: dict, tied: bool) -> set[str]:
-    """What a complete checkpoint provides, in the keys `load_model` records."""
+    """The checkpoint tensor names a complete checkpoint holds for these parameters."""
     names = set()
     for pname in params:
         if tied and pname == "lm_head.weight":
             continue
-        shards = [sid for part, (packed, sid) in mapping.items() if f".{packed}." in pname]
-        names.update(f"{pname}#{sid}" for sid in shards) if shards else names.add(pname)
+        parts = [part for part, (packed, _) in mapping.items() if f".{packed}." in pname]
+        if parts:
+            packed = mapping[parts[0]][0]
+            names.update(pname.replace(f".{packed}.", f".{part}.") for part in parts)
+        else:
+            names.add(pname)
     return names
 
 

@@ -1,0 +1,115 @@
+"""Shared helpers for the engine-level tests (test_llm.py, test_loader.py, test_config.py).
+
+Checkpoints are tiny random Qwen3 models from `tiny_model.py`, created once per test session and
+shared between modules (`tiny_checkpoint`); transformers reference runs are cached too
+(`hf_reference`), so every expensive thing happens once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tiny_model as tm  # noqa: E402
+
+BLOCK = 16  # kvcache_block_size used by every engine in these tests
+BPE_VOCAB = 512  # ids below this are ordinary (non-special) tokens of the tiny tokenizer
+EOS_IDS = (tm.special_token_ids()["<|im_end|>"], tm.special_token_ids()["<|endoftext|>"])
+
+_CHECKPOINTS: dict[tuple, str] = {}
+_HF_MODELS: dict[str, object] = {}
+_HF_GREEDY: dict[tuple, list[int]] = {}
+
+
+def tiny_checkpoint(tmp_path_factory, name: str = "gqa", **overrides) -> str:
+    """Path of a tiny checkpoint made from `tm.CONFIGS[name]` (+ overrides), created once per session."""
+    cfg = dict(tm.CONFIGS.get(name, {}))
+    cfg.update(overrides)
+    key = (name, tuple(sorted((k, repr(v)) for k, v in cfg.items())))
+    if key not in _CHECKPOINTS:
+        _CHECKPOINTS[key] = tm.make_tiny_qwen3(tmp_path_factory.mktemp(f"ckpt_{name}"), **cfg)
+    return _CHECKPOINTS[key]
+
+
+def copy_checkpoint(src: str, dst) -> str:
+    """A private copy of a checkpoint folder, to break or edit."""
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def edit_json(path: str, fn) -> None:
+    """Rewrite a JSON file in place with `fn(dict)` (which edits the dict or returns a new one)."""
+    with open(path) as f:
+        data = json.load(f)
+    new = fn(data)
+    with open(path, "w") as f:
+        json.dump(data if new is None else new, f, indent=2)
+
+
+def rewrite_safetensors(folder: str, fn) -> None:
+    """Replace the checkpoint's tensors with `fn(dict name -> tensor)` (edit in place or return new)."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(folder, "model.safetensors")
+    tensors = load_file(file)
+    new = fn(tensors)
+    tensors = tensors if new is None else new
+    save_file({k: v.contiguous() for k, v in tensors.items()}, file, metadata={"format": "pt"})
+
+
+def rand_ids(n: int, seed: int, high: int = BPE_VOCAB) -> list[int]:
+    """`n` deterministic pseudo-random ordinary token ids."""
+    rng = random.Random(seed)
+    return [rng.randrange(high) for _ in range(n)]
+
+
+def greedy(max_tokens: int, **kw):
+    from nanovllm import SamplingParams
+
+    kw.setdefault("ignore_eos", True)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def make_llm(path: str, **kw):
+    """An `LLM` on CPU with the tests' defaults (block size 16, a small KV cache)."""
+    from nanovllm import LLM
+
+    kw.setdefault("kvcache_block_size", BLOCK)
+    kw.setdefault("num_kvcache_blocks", 128)
+    return LLM(path, **kw)
+
+
+def hf_model(path: str):
+    if path not in _HF_MODELS:
+        _HF_MODELS[path] = tm.load_hf_model(path)
+    return _HF_MODELS[path]
+
+
+def hf_reference(path: str, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy continuation (EOS ignored) of `prompt_ids`, cached."""
+    key = (path, tuple(prompt_ids), max_new_tokens)
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = tm.hf_greedy(hf_model(path), list(prompt_ids), max_new_tokens)
+    return _HF_GREEDY[key]
+
+
+@torch.inference_mode()
+def hf_logits(path: str, ids: list[int]) -> torch.Tensor:
+    """transformers' float32 logits [len(ids), vocab] for every position of `ids`."""
+    return hf_model(path)(torch.tensor([list(ids)])).logits[0].float()
+
+
+def assert_idle(llm) -> None:
+    """No request is queued or running and every KV block is free (or merely cached)."""
+    assert not llm.scheduler.waiting, f"requests left waiting: {list(llm.scheduler.waiting)}"
+    assert not llm.scheduler.running, f"requests left running: {list(llm.scheduler.running)}"
+    assert not llm.has_unfinished()
+    bm = llm.block_manager
+    assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"

@@ -1,0 +1,164 @@
+"""Unit tests of `Config`: every `LLM(...)` keyword is validated before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import copy_checkpoint, edit_json, tiny_checkpoint  # noqa: E402
+
+from nanovllm.config import Config  # noqa: E402
+
+# The public keywords of SPEC.md's `LLM(...)` and their defaults.
+SPEC_DEFAULTS = dict(tensor_parallel_size=1, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096,
+                     gpu_memory_utilization=0.9, kvcache_block_size=256, num_kvcache_blocks=-1,
+                     enforce_eager=False, enable_prefix_caching=True, device=None, dtype=None, load_format="auto",
+                     seed=0, skip_tokenizer_init=False)
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory, "gqa")  # max_position_embeddings=512, 4 heads, 2 kv heads
+
+
+def test_keywords_and_defaults_are_the_spec(ckpt):
+    fields = {f.name: f.default for f in dataclasses.fields(Config) if f.init and f.name != "model"}
+    for name, default in SPEC_DEFAULTS.items():
+        assert name in fields, f"LLM keyword {name} missing"
+        assert fields[name] == default, f"{name} defaults to {fields[name]!r}, SPEC says {default!r}"
+    cfg = Config.from_kwargs(ckpt)
+    assert cfg.max_num_seqs == 512 and cfg.kvcache_block_size == 256 and cfg.num_kvcache_blocks == -1
+    assert cfg.model == ckpt
+
+
+@pytest.mark.parametrize("name,value", [
+    ("tensor_parallel_size", 1),
+    ("max_num_seqs", 1), ("max_num_seqs", 1024),
+    ("max_num_batched_tokens", 1), ("max_num_batched_tokens", 8),
+    ("max_model_len", 1), ("max_model_len", 512),
+    ("gpu_memory_utilization", 1), ("gpu_memory_utilization", 1.0), ("gpu_memory_utilization", 0.01),
+    ("kvcache_block_size", 16), ("kvcache_block_size", 32), ("kvcache_block_size", 64), ("kvcache_block_size", 256),
+    ("kvcache_block_size", 1024),
+    ("num_kvcache_blocks", -1), ("num_kvcache_blocks", 1), ("num_kvcache_blocks", 100000),
+    ("enforce_eager", True), ("enable_prefix_caching", False), ("skip_tokenizer_init", True),
+    ("load_format", "auto"), ("load_format", "safetensors"), ("load_format", "dummy"),
+    ("seed", 0), ("seed", 12345),
+    ("device", "cpu"), ("dtype", "float32"), ("dtype", torch.float32),
+])
+def test_valid_values_are_kept(ckpt, name, value):
+    cfg = Config.from_kwargs(ckpt, **{name: value})
+    got = getattr(cfg, name)
+    assert got == value or (name == "dtype" and got == torch.float32)
+
+
+@pytest.mark.parametrize("name,value", [
+    # integers >= 1
+    *[(n, v) for n in ("tensor_parallel_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+      for v in (0, -1, 1.5, "8", True)],
+    # a power of two >= 16
+    *[("kvcache_block_size", v) for v in (0, 1, 8, 15, 24, 48, 100, 257, -16, 16.0, "16", True)],
+    # -1 or >= 1
+    *[("num_kvcache_blocks", v) for v in (0, -2, -100, 2.5, "4", None)],
+    # in (0, 1]
+    *[("gpu_memory_utilization", v) for v in (0, 0.0, -0.1, 1.0001, 2, "0.9", None, True, float("nan"))],
+    # booleans
+    *[(n, v) for n in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init") for v in ("yes", None)],
+    ("load_format", "pt"), ("load_format", "bin"), ("load_format", None),
+    ("seed", 1.5), ("seed", "0"),
+    ("device", "tpu"), ("device", "mps"),
+    ("dtype", "int8"), ("dtype", "float64"), ("dtype", torch.int32), ("dtype", torch.float64), ("dtype", "fp8"),
+    ("attention_backend", "xformers"),
+])
+def test_invalid_values_raise_naming_the_field(ckpt, name, value):
+    with pytest.raises((ValueError, TypeError), match=name):
+        Config.from_kwargs(ckpt, **{name: value})
+
+
+@pytest.mark.parametrize("tp", [3, 8])
+def test_tensor_parallel_size_must_divide_the_heads(ckpt, tp):
+    # 4 attention heads and 2 key/value heads: 3 divides neither; 8 is more than the heads.
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        Config.from_kwargs(ckpt, tensor_parallel_size=tp)
+
+
+def test_unknown_keywords_are_a_type_error_naming_all_of_them(ckpt):
+    with pytest.raises(TypeError) as info:
+        Config.from_kwargs(ckpt, max_num_seq=4, gpu_mem=0.5, max_model_len=64)
+    msg = str(info.value)
+    assert "max_num_seq" in msg and "gpu_mem" in msg
+    with pytest.raises(TypeError, match="trust_remote_code"):
+        Config.from_kwargs(ckpt, trust_remote_code=True)
+
+
+def test_max_model_len_is_clamped_to_the_model_positions(ckpt, tmp_path):
+    assert Config.from_kwargs(ckpt).max_model_len == 512
+    assert Config.from_kwargs(ckpt, max_model_len=100000).max_model_len == 512
+    assert Config.from_kwargs(ckpt, max_model_len=100).max_model_len == 100
+    folder = copy_checkpoint(ckpt, tmp_path / "short")
+    edit_json(os.path.join(folder, "config.json"), lambda c: c.update(max_position_embeddings=40))
+    assert Config.from_kwargs(folder).max_model_len == 40
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU fallback")
+def test_device_resolution_without_cuda(ckpt):
+    assert Config.from_kwargs(ckpt).device == "cpu"
+    assert Config.from_kwargs(ckpt, device=None).device == "cpu"
+    assert Config.from_kwargs(ckpt, device="cpu").device == "cpu"
+    assert Config.from_kwargs(ckpt, device=torch.device("cpu")).device == "cpu"
+    with pytest.raises(ValueError, match="(?i)cuda"):
+        Config.from_kwargs(ckpt, device="cuda")
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the CPU defaults")
+def test_dtype_resolution_on_cpu(ckpt, tmp_path_factory):
+    assert Config.from_kwargs(ckpt).dtype == torch.float32
+    assert Config.from_kwargs(ckpt, dtype="auto").dtype == torch.float32
+    # None means float32 on CPU even for a bfloat16 checkpoint.
+    bf16 = tiny_checkpoint(tmp_path_factory, "gqa", dtype=torch.bfloat16, with_tokenizer=False)
+    assert Config.from_kwargs(bf16).dtype == torch.float32
+    assert Config.from_kwargs(bf16, dtype="bfloat16").dtype == torch.bfloat16
+    for name, dtype in [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32),
+                        (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]:
+        assert Config.from_kwargs(ckpt, dtype=name).dtype == dtype, name
+
+
+def test_model_path_checks(ckpt, tmp_path):
+    import pathlib
+
+    assert Config.from_kwargs(pathlib.Path(ckpt)).model == ckpt
+    with pytest.raises(FileNotFoundError, match="does-not-exist"):
+        Config.from_kwargs(str(tmp_path / "does-not-exist"))
+    with pytest.raises(TypeError, match="model"):
+        Config.from_kwargs(123)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        Config.from_kwargs(str(empty))
+
+
+@pytest.mark.parametrize("changes,pattern", [
+    (dict(model_type="llama", architectures=["LlamaForCausalLM"]), "LlamaForCausalLM|llama"),
+    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "Qwen2ForCausalLM|qwen2"),
+    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "Qwen3MoeForCausalLM|qwen3_moe"),
+])
+def test_unknown_architectures(ckpt, tmp_path, changes, pattern):
+    folder = copy_checkpoint(ckpt, tmp_path / "arch")
+    edit_json(os.path.join(folder, "config.json"), lambda c: c.update(changes))
+    with pytest.raises(ValueError, match=pattern):
+        Config.from_kwargs(folder)
+
+
+def test_hf_config_is_loaded(ckpt):
+    cfg = Config.from_kwargs(ckpt)
+    hf = cfg.hf_config
+    assert hf.model_type == "qwen3"
+    assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_hidden_layers) == (4, 2, 16, 2)
+    assert hf.max_position_embeddings == 512
