@@ -94,7 +94,7 @@ def test_cuda_graph_decode_equals_eager(bf16_model, max_num_seqs):
         assert bool(llm.model_runner.graphs) != eager
         if not eager:
             assert max(llm.model_runner.graph_sizes) == max_num_seqs
-            assert llm.model_runner.graph_vars["block_tables"].size(1) * 16 >= llm.config.max_model_len
+            assert llm.model_runner.decode_buffers.width * 16 >= llm.config.max_model_len
         runs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
     assert runs[True] == runs[False]

@@ -8,10 +8,13 @@ code runs on CPU (torch attention backend) and CUDA (triton / flash_attn backend
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import math
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 import torch.distributed as dist
@@ -74,6 +77,9 @@ class ModelRunner:
 
         self.kv_cache = None
         self.num_blocks = self._allocate_kv_cache()
+        self.decode_buffers = DecodeBuffers(max(config.max_num_seqs, 1), self.max_blocks_per_seq, self.block_size,
+                                            self.device, self.pin)
+        self._sampling_cache = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
@@ -176,21 +182,17 @@ class ModelRunner:
         return ids, pos, meta, self._to_device(last, torch.long)
 
     def prepare_decode(self, step: "StepInput", padded_bs: int):
-        """Decode inputs padded to `padded_bs` rows (a captured graph's batch size)."""
-        bs = self.block_size
-        n = len(step.token_ids)
-        pad = padded_bs - n
-        ids = [t[0] for t in step.token_ids] + [0] * pad
-        pos = step.start_pos + [0] * pad
-        slots = [table[p // bs] * bs + p % bs for p, table in zip(step.start_pos, step.block_tables)] + [-1] * pad
-        ctx = [p + 1 for p in step.start_pos] + [0] * pad
-        width = self.max_blocks_per_seq if self.graphs else max(map(len, step.block_tables))
+        """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of the
+        runner's decode buffers (the very tensors the CUDA graphs were captured with)."""
+        ids, pos, slots, ctx, tables = self.decode_buffers.load(step, padded_bs)
+        kv_lens = None
+        if self.backend.name == "torch":
+            kv_lens = [p + 1 for p in step.start_pos] + [0] * (padded_bs - len(step.start_pos))
         meta = AttentionMetadata(
-            is_prefill=False, slot_mapping=self._to_device(slots, torch.int32),
-            context_lens=self._to_device(ctx, torch.int32),
-            block_tables=self._block_table_tensor(step.block_tables + [[]] * pad, width),
-            query_lens=[1] * n + [0] * pad, kv_lens=ctx, num_splits=self._num_splits(padded_bs, width))
-        return self._to_device(ids, torch.long), self._to_device(pos, torch.long), meta
+            is_prefill=False, slot_mapping=slots, context_lens=ctx, block_tables=tables,
+            query_lens=kv_lens and [min(k, 1) for k in kv_lens], kv_lens=kv_lens,
+            num_splits=self._num_splits(padded_bs, tables.size(1)))
+        return ids, pos, meta
 
     def _num_splits(self, batch_size: int, width: int) -> int:
         if self.backend.name != "triton":
@@ -200,9 +202,20 @@ class ModelRunner:
         return choose_num_splits(batch_size, self.num_kv_heads, width)
 
     def prepare_sampling(self, seqs: list[Sequence], eos_token_ids: frozenset[int]):
-        params = [s.params for s in seqs]
-        t = SamplingTensors.build(params, [s.seed for s in seqs], [len(s) for s in seqs], self.device,
-                                  pin_memory=self.pin)
+        """Sampling tensors for `seqs` (+ the min_tokens suppression pairs).
+
+        Consecutive decode steps usually sample the same sequences with the same parameters;
+        then only the per-row offsets (sequence lengths) are sent again.
+        """
+        ids = [s.seq_id for s in seqs]
+        offsets = [len(s) for s in seqs]
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == ids:
+            t = dataclasses.replace(cached[1], offsets=self._to_device(offsets, torch.long))
+        else:
+            t = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], offsets, self.device,
+                                      pin_memory=self.pin)
+        self._sampling_cache = (ids, t)
         rows, cols = [], []
         for i, s in enumerate(seqs):
             if s.num_completion_tokens < s.params.min_tokens:
@@ -240,7 +253,7 @@ class ModelRunner:
     def shutdown(self) -> None:
         """Release the KV cache, graphs and weights (GPU memory goes back to the allocator)."""
         self.graphs.clear()
-        self.graph_vars = {}
+        self.graph_hidden = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None
@@ -267,46 +280,86 @@ class ModelRunner:
         self.graph_sizes = graph_batch_sizes(max_bs)
         width = self.max_blocks_per_seq
         dev = self.device
-        self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.long, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.long, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int32, device=dev),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.full((max_bs, width), -1, dtype=torch.int32, device=dev),
-            hidden=torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=dev),
-        )
-        v = self.graph_vars
-        self.graph_meta = {}
+        if self.decode_buffers.max_bs < max_bs:
+            raise RuntimeError("decode buffers smaller than the largest graph")
+        self.graph_hidden = torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=dev)
+        buffers = self.decode_buffers
         pool = None
         for bs in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its pool
-            meta = AttentionMetadata(
-                is_prefill=False, slot_mapping=v["slot_mapping"][:bs], context_lens=v["context_lens"][:bs],
-                block_tables=v["block_tables"][:bs], num_splits=self._num_splits(bs, width))
+            ids, pos, slots, ctx, tables = buffers.views(bs)
+            meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=ctx, block_tables=tables,
+                                     num_splits=self._num_splits(bs, width))
             # Any valid context works for capture: one token in block 0 (slot -1: nothing stored).
-            v["context_lens"][:bs] = 1
-            v["block_tables"][:bs] = 0
-            self.model(v["input_ids"][:bs], v["positions"][:bs], meta)  # warm-up (Triton autotune, etc.)
+            slots.fill_(-1)
+            ctx.fill_(1)
+            tables.fill_(0)
+            self.model(ids, pos, meta)  # warm-up outside the graph (Triton compiles, cuBLAS plans)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs], meta)
+                self.graph_hidden[:bs] = self.model(ids, pos, meta)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
-            self.graph_meta[bs] = meta
             torch.cuda.synchronize()
-        v["context_lens"].zero_()
-        v["block_tables"].fill_(-1)
         logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_sizes)
 
     def _replay(self, step: "StepInput", bs: int) -> torch.Tensor:
-        ids, pos, meta = self.prepare_decode(step, bs)
-        v = self.graph_vars
-        v["input_ids"][:bs] = ids
-        v["positions"][:bs] = pos
-        v["slot_mapping"][:bs] = meta.slot_mapping
-        v["context_lens"][:bs] = meta.context_lens
-        v["block_tables"][:bs] = meta.block_tables
+        self.decode_buffers.load(step, bs)  # writes straight into the graph's input tensors
         self.graphs[bs].replay()
-        return v["hidden"][:bs]
+        return self.graph_hidden[:bs]
+
+
+class DecodeBuffers:
+    """All decode inputs of up to `max_bs` sequences in one flat int32 buffer, pinned on the host
+    and mirrored on the device, so a decode step costs a single host-to-device copy.
+
+    Layout: token ids | positions | slot mapping | context lens | block tables [max_bs, width].
+    Each field's first `bs` rows are contiguous, so CUDA graphs captured on `views(bs)` read the
+    current step's inputs in place.
+    """
+
+    def __init__(self, max_bs: int, width: int, block_size: int, device, pin: bool):
+        self.max_bs, self.width, self.block_size = max_bs, width, block_size
+        size = max_bs * (4 + width)
+        self.host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self.device = torch.zeros(size, dtype=torch.int32, device=device)
+        self._host_fields = self._split(self.host.numpy())
+        self._device_fields = self._split(self.device)
+        self._copied = torch.cuda.Event() if pin else None
+
+    def _split(self, flat):
+        m = self.max_bs
+        return (flat[:m], flat[m:2 * m], flat[2 * m:3 * m], flat[3 * m:4 * m],
+                flat[4 * m:].reshape(m, self.width))
+
+    def views(self, bs: int):
+        """(ids, positions, slots, context_lens, block_tables) device views for `bs` rows."""
+        return tuple(f[:bs] for f in self._device_fields)
+
+    def load(self, step: "StepInput", bs: int):
+        """Fill the first `bs` rows from `step` (rows past its sequences are padding: slot -1,
+        context 0) and copy them to the device; returns `views(bs)`."""
+        n = len(step.token_ids)
+        if bs > self.max_bs or n > bs:
+            raise ValueError(f"decode batch of {n} (padded {bs}) exceeds the buffers' {self.max_bs} rows")
+        if self._copied is not None:
+            self._copied.synchronize()  # the previous step's copy must be done before we overwrite
+        ids, pos, slots, ctx, tables = self._host_fields
+        ids[:n] = [t[0] for t in step.token_ids]
+        pos[:n] = step.start_pos
+        tables[:bs] = -1
+        for i, row in enumerate(step.block_tables):
+            tables[i, :len(row)] = row
+        p = pos[:n]
+        slots[:n] = tables[np.arange(n), p // self.block_size] * self.block_size + p % self.block_size
+        ctx[:n] = p + 1
+        ids[n:bs] = 0
+        pos[n:bs] = 0
+        slots[n:bs] = -1
+        ctx[n:bs] = 0
+        self.device.copy_(self.host, non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        return self.views(bs)
 
 
 @dataclass
