@@ -264,8 +264,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced logits [len(token_ids), vocab] (fp32) of one sequence, without touching
-        the KV cache (single rank only). Used to check the model against a reference."""
+        """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
+        sequence, without touching the KV cache. Used to check the model against a reference."""
         n = len(token_ids)
         meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)

@@ -166,6 +166,15 @@ class TensorParallelRunner:
         t, suppress = self.runner.prepare_sampling(batch.seqs, eos_token_ids)
         return self.runner.sampler(logits, t, suppress).tolist()
 
+    def score(self, token_ids: list[int]):
+        """Teacher-forced logits of one sequence across all ranks (see ModelRunner.score)."""
+        self._check()
+        for conn in self.conns:
+            conn.send(("score", (token_ids,)))
+        logits = self.runner.score(token_ids)
+        self._check()
+        return logits
+
     def shutdown(self) -> None:
         if self._closed:
             return
