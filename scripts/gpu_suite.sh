@@ -15,6 +15,11 @@ for m in qwen3-0.6b qwen3-8b; do
   timeout 300 python3 bench.py --dummy "$m" --latency ${BENCH_ARGS:-} --json "$OUT/bench-$m.json" "$@" 2>&1 | tee "$OUT/bench-$m.log"
 done
 
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 --json "$OUT/bench-qwen3-8b-tp2.json" "$@" 2>&1 \
+    | tee "$OUT/bench-qwen3-8b-tp2.log"
+fi
+
 timeout ${TEST_TIMEOUT:-900} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests ${PYTEST_ARGS:-} 2>&1 \
   | tee "$OUT/pytest_gpu.log"
 tests_rc=${PIPESTATUS[0]}
@@ -25,13 +30,13 @@ echo "gpu tests: $(tail -n 1 "$OUT/pytest_gpu.log")  (exit $tests_rc)"
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-print(f"{'model':<12}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'cold s':>8}{'bs1 ms/tok':>12}")
-for m in ("qwen3-0.6b", "qwen3-8b"):
+print(f"{'model':<14}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'cold s':>8}{'bs1 ms/tok':>12}")
+for m in ("qwen3-0.6b", "qwen3-8b", "qwen3-8b-tp2"):
     f = os.path.join(out, f"bench-{m}.json")
     if not os.path.exists(f):
-        print(f"{m:<12}  (no result)")
+        print(f"{m:<14}  (no result)")
         continue
     r = json.load(open(f))
-    print(f"{m:<12}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
+    print(f"{m:<14}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
           f"{r['cold_start_s']:>8.1f}{r.get('decode_ms_per_token_bs1', float('nan')):>12.2f}")
 PY
