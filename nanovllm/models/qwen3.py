@@ -45,7 +45,15 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if qkv.is_cuda:
+            from nanovllm.kernels.fused_ops import qk_norm_rope
+
+            # One kernel for q/k RMSNorm + RoPE of every head (instead of ~15 small ones).
+            q, k, v = qk_norm_rope(qkv, self.q_norm.weight, self.k_norm.weight, self.rotary_emb.cos_sin, positions,
+                                   self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.eps)
+            return self.o_proj(self.attn(q, k, v, meta).reshape(-1, self.q_size))
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)

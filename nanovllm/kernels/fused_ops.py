@@ -1,0 +1,382 @@
+"""Fused elementwise ops of a Qwen3 layer: one Triton kernel per op instead of ~20 tiny torch ops.
+
+- `rms_norm`: RMSNorm, optionally fused with the residual add before it.
+- `qk_norm_rope`: per-head q/k RMSNorm + NeoX rotary straight from the packed qkv projection.
+- `silu_and_mul`: silu(gate) * up of the packed gate_up projection.
+
+Math is fp32, but every intermediate that the plain-torch layers in nanovllm/layers round to the
+activation dtype is rounded here too, at the same place, so results match those references
+(bit-for-bit up to ulp-level differences of rsqrt/exp and of the reduction order). Kernels are
+compiled with fp fusion (FMA contraction) off: torch runs each product and sum as a separate
+kernel, so it rounds after each of them, and contracting them would shift the rounding.
+
+The wrappers allocate their outputs, validate shapes/dtypes on the host only (no host syncs), and
+are CUDA-graph capturable. On CPU the engine keeps the torch ops (`fused_ops_available`); the
+kernels run there only through Triton's interpreter, for tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Above this one row no longer fits in registers of one program (spills, then failures).
+_MAX_HIDDEN = 32768
+
+
+def fused_ops_available(device: torch.device | str | torch.Tensor) -> bool:
+    """True where the fused Triton kernels should be used: CUDA devices (or tensors on one)."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    return torch.device(device).type == "cuda"
+
+
+def _num_warps(elements: int, per_thread: int = 8, max_warps: int = 16) -> int:
+    # ~8 elements a thread: 16-byte vector accesses in bf16, and enough warps to hide latency
+    # when only a few hundred rows (decode) are in flight.
+    return max(1, min(max_warps, triton.next_power_of_2(elements) // (32 * per_thread)))
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"{name} must be float16, bfloat16 or float32, got {t.dtype}")
+
+
+def _check_same_device(**tensors: torch.Tensor) -> None:
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        raise ValueError(f"{', '.join(tensors)} must be on one device, got {sorted(map(str, devices))}")
+
+
+# ----------------------------------------------------------------------------- RMSNorm
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    x_stride,
+    res_ptr,
+    res_stride,
+    w_ptr,
+    y_ptr,
+    res_out_ptr,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y[r] = weight * (s * rsqrt(mean(s^2) + eps)) for one row r, with s = x[r] (+ residual[r]).
+
+    One program per row. x / residual rows start at r * stride (last dim contiguous); y and
+    res_out are contiguous [rows, n_cols]. BLOCK = next_power_of_2(n_cols), lanes past n_cols
+    masked (they load 0, which leaves the sum of squares alone). With HAS_RESIDUAL, s is rounded
+    to the dtype (torch adds in the activation dtype) and stored to res_out. The normed row is
+    rounded to the dtype before the weight product, and the product is rounded again, as
+    transformers' Qwen3RMSNorm does (`weight * normed.to(dtype)`).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    dtype = y_ptr.dtype.element_ty
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (x + r).to(dtype)
+        tl.store(res_out_ptr + row * n_cols + offs, s, mask=mask)
+        x = s.to(tl.float32)
+    var = tl.sum(x * x, axis=0) / n_cols
+    normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # Both factors are exact in fp32 and their product fits in its mantissa (bf16/fp16), so
+    # rounding it once to the dtype equals torch's low-precision multiply.
+    tl.store(y_ptr + row * n_cols + offs, (normed * w).to(dtype), mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+):
+    """RMSNorm over the last dim of x: `y` or, with `residual`, `(y, x + residual)`.
+
+    x: [..., hidden] float16/bfloat16/float32 with stride(-1) == 1 (2-D row views with any
+    row stride are used as is; other layouts are flattened with reshape). weight: [hidden],
+    same dtype. residual: same shape and dtype as x. Without residual y = norm(x); with it
+    s = (x + residual) rounded to the dtype and the result is (norm(s), s). Outputs are new
+    contiguous tensors of x's shape and dtype. hidden <= 32768.
+    """
+    _check_float("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must be [..., hidden] with hidden > 0, got {tuple(x.shape)}")
+    hidden = x.shape[-1]
+    if hidden > _MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} exceeds the supported {_MAX_HIDDEN}")
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight must be [{hidden}], got {tuple(weight.shape)}")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight dtype {weight.dtype} differs from x dtype {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError("x needs a contiguous last dimension (stride(-1) == 1)")
+    tensors = {"x": x, "weight": weight}
+    if residual is not None:
+        if residual.shape != x.shape or residual.dtype != x.dtype:
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} must match x "
+                f"{tuple(x.shape)} {x.dtype}"
+            )
+        if residual.stride(-1) != 1:
+            raise ValueError("residual needs a contiguous last dimension (stride(-1) == 1)")
+        tensors["residual"] = residual
+    _check_same_device(**tensors)
+
+    x2 = x.reshape(-1, hidden)
+    rows = x2.shape[0]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(y) if residual is not None else None
+    if rows > 0:
+        weight = weight.contiguous()
+        r2 = residual.reshape(-1, hidden) if residual is not None else x2
+        block = triton.next_power_of_2(hidden)
+        _rms_norm_kernel[(rows,)](
+            x2,
+            x2.stride(0),
+            r2,
+            r2.stride(0),
+            weight,
+            y,
+            res_out if res_out is not None else y,  # unused without a residual
+            hidden,
+            float(eps),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=_num_warps(block),
+            enable_fp_fusion=False,
+        )
+    return y if residual is None else (y, res_out)
+
+
+# ----------------------------------------------------------------------------- q/k norm + RoPE
+
+
+@triton.jit
+def _norm_rope_heads(
+    src_ptr,
+    w_ptr,
+    dst_ptr,
+    first_head,
+    num_heads,
+    cos,
+    sin,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+):
+    """RMSNorm + NeoX rotary of heads [first_head, first_head + BLOCK_HEADS) of one token.
+
+    src/dst point at the token's first head ([num_heads, HEAD_DIM], contiguous); heads past
+    num_heads are masked. cos/sin: fp32 [HEAD_DIM // 2] for the token's position. Each head
+    is held as its two halves x1 | x2 ([BLOCK_HEADS, HEAD_DIM // 2] each) so the rotation
+    needs no shuffles.
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dtype = dst_ptr.dtype.element_ty
+    heads = first_head + tl.arange(0, BLOCK_HEADS)
+    d = tl.arange(0, HALF)
+    offs = heads[:, None] * HEAD_DIM + d[None, :]
+    mask = (heads[:, None] < num_heads) & (d[None, :] < HALF)
+    x1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
+    rstd = tl.rsqrt(var + eps)[:, None]
+    w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+    # Same roundings as RMSNorm (normed -> dtype, times weight -> dtype), then apply_rotary,
+    # which starts from that dtype tensor and rounds once at the end.
+    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    tl.store(dst_ptr + offs, (n1 * c - n2 * s).to(dtype), mask=mask)
+    tl.store(dst_ptr + offs + HALF, (n2 * c + n1 * s).to(dtype), mask=mask)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(
+    qkv_ptr,
+    qkv_stride,
+    q_w_ptr,
+    k_w_ptr,
+    cos_sin_ptr,
+    cos_sin_stride,
+    pos_ptr,
+    q_ptr,
+    k_ptr,
+    eps,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HEADS: tl.constexpr,
+    NUM_Q_BLOCKS: tl.constexpr,
+):
+    """q/k RMSNorm + NeoX rotary for one token and one block of BLOCK_HEADS q or k heads.
+
+    Grid (tokens, NUM_Q_BLOCKS + cdiv(NUM_KV_HEADS, BLOCK_HEADS)): blocks below NUM_Q_BLOCKS
+    take q heads, the rest k heads, so q and k programs are equally sized. qkv rows start at
+    token * qkv_stride and hold q | k | v heads back to back (stride(-1) == 1). q: contiguous
+    [tokens, NUM_HEADS, HEAD_DIM], k: contiguous [tokens, NUM_KV_HEADS, HEAD_DIM]. cos_sin row
+    `pos` (fp32, stride cos_sin_stride) holds cos | sin, HEAD_DIM // 2 each. HEAD_DIM must be
+    a power of two. Positions are not bounds-checked (that would need a host sync).
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_sin_ptr + pos * cos_sin_stride + d)
+    sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d)
+    src = qkv_ptr + token * qkv_stride
+    if blk < NUM_Q_BLOCKS:
+        _norm_rope_heads(src, q_w_ptr, q_ptr + token * (NUM_HEADS * HEAD_DIM), blk * BLOCK_HEADS,
+                         NUM_HEADS, cos, sin, eps, HEAD_DIM, BLOCK_HEADS)
+    else:
+        _norm_rope_heads(src + NUM_HEADS * HEAD_DIM, k_w_ptr, k_ptr + token * (NUM_KV_HEADS * HEAD_DIM),
+                         (blk - NUM_Q_BLOCKS) * BLOCK_HEADS, NUM_KV_HEADS, cos, sin, eps, HEAD_DIM,
+                         BLOCK_HEADS)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+):
+    """Per-head q/k RMSNorm then NeoX rotary, from the packed qkv projection: (q, k, v).
+
+    qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float16/bfloat16/float32,
+    stride(-1) == 1 (any row stride). q_weight / k_weight: [head_dim], qkv's dtype.
+    cos_sin: fp32 [max_position, 1, head_dim], cos | sin halves (RotaryEmbedding.cos_sin).
+    positions: int32/int64 [tokens], each < max_position (not checked: no host syncs).
+    head_dim: a power of two. Returns q [tokens, num_heads, head_dim] and k [tokens,
+    num_kv_heads, head_dim] as new contiguous tensors, and v [tokens, num_kv_heads, head_dim]
+    as a view into qkv (no copy). Same result as RMSNorm on each head followed by
+    RotaryEmbedding, rounding included.
+    """
+    _check_float("qkv", qkv)
+    for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if head_dim < 2 or head_dim & (head_dim - 1):
+        raise ValueError(f"head_dim must be a power of two (e.g. 64 or 128), got {head_dim}")
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if qkv.dim() != 2 or qkv.shape[1] != width:
+        raise ValueError(
+            f"qkv must be [tokens, {width}] for {num_heads} q / {num_kv_heads} kv heads of "
+            f"{head_dim}, got {tuple(qkv.shape)}"
+        )
+    if qkv.stride(-1) != 1:
+        raise ValueError("qkv needs a contiguous last dimension (stride(-1) == 1)")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if w.shape != (head_dim,) or w.dtype != qkv.dtype:
+            raise ValueError(f"{name} must be [{head_dim}] {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
+    if cos_sin.dtype != torch.float32 or cos_sin.dim() != 3 or cos_sin.shape[1:] != (1, head_dim):
+        raise ValueError(
+            f"cos_sin must be float32 [max_position, 1, {head_dim}], got "
+            f"{tuple(cos_sin.shape)} {cos_sin.dtype}"
+        )
+    if cos_sin.stride(-1) != 1:
+        raise ValueError("cos_sin needs a contiguous last dimension (stride(-1) == 1)")
+    tokens = qkv.shape[0]
+    if positions.dim() != 1 or positions.shape[0] != tokens:
+        raise ValueError(f"positions must be [{tokens}], got {tuple(positions.shape)}")
+    if positions.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
+    _check_same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, cos_sin=cos_sin, positions=positions)
+
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    if tokens > 0:
+        # ~1024 elements a program, but no more heads than kv heads: with GQA num_heads is a
+        # multiple of num_kv_heads, so no block is half masked.
+        block_heads = min(triton.next_power_of_2(num_kv_heads), max(1, 1024 // head_dim))
+        num_q_blocks = triton.cdiv(num_heads, block_heads)
+        num_k_blocks = triton.cdiv(num_kv_heads, block_heads)
+        _qk_norm_rope_kernel[(tokens, num_q_blocks + num_k_blocks)](
+            qkv,
+            qkv.stride(0),
+            q_weight.contiguous(),
+            k_weight.contiguous(),
+            cos_sin,
+            cos_sin.stride(0),
+            positions.contiguous(),
+            q,
+            k,
+            float(eps),
+            NUM_HEADS=num_heads,
+            NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim,
+            BLOCK_HEADS=block_heads,
+            NUM_Q_BLOCKS=num_q_blocks,
+            num_warps=_num_warps(block_heads * head_dim, max_warps=8),
+            enable_fp_fusion=False,
+        )
+    return q, k, v
+
+
+# ----------------------------------------------------------------------------- SiLU * mul
+
+
+@triton.jit
+def _silu_and_mul_kernel(x_ptr, x_stride, y_ptr, d, BLOCK: tl.constexpr):
+    """y[r, c] = silu(x[r, c]) * x[r, d + c] for one row r and BLOCK columns c.
+
+    Grid (rows, cdiv(d, BLOCK)); x rows start at r * x_stride (stride(-1) == 1), y is
+    contiguous [rows, d]. silu is computed in fp32 and rounded to the dtype, then the
+    product is rounded again: what `F.silu(gate) * up` does in bf16/fp16.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    dtype = y_ptr.dtype.element_ty
+    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
+    # exp(-gate) overflowing to inf for very negative gate gives gate / inf = -0: correct limit.
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    tl.store(y_ptr + row * d + cols, (act * up).to(dtype), mask=mask)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(x[..., :d]) * x[..., d:] for x [..., 2 * d]: a new contiguous [..., d] tensor.
+
+    x: float16/bfloat16/float32 with stride(-1) == 1 (2-D row views with any row stride are
+    used as is; other layouts are flattened with reshape). Rounds as SiluAndMul does.
+    """
+    _check_float("x", x)
+    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x must be [..., 2 * d] with d > 0, got {tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("x needs a contiguous last dimension (stride(-1) == 1)")
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    y = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    rows = x2.shape[0]
+    if rows > 0:
+        block = min(triton.next_power_of_2(d), 1024)
+        _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
+            x2,
+            x2.stride(0),
+            y,
+            d,
+            BLOCK=block,
+            num_warps=_num_warps(block, max_warps=8),
+            enable_fp_fusion=False,
+        )
+    return y
