@@ -118,10 +118,13 @@ class LLM(LLMEngine):
         """Yield per-request increments as the engine produces them.
 
         Concatenating a request's `text` increments gives exactly the `text` that `generate`
-        returns; stop strings are never shown partially. Closing the iterator early aborts the
-        remaining requests.
+        returns; stop strings are never shown partially. Bad input raises here, at the call;
+        the requests start when iteration starts, and closing the iterator early aborts them.
         """
         requests = self._normalize(prompts, sampling_params)
+        return self._stream(requests)
+
+    def _stream(self, requests) -> Iterator[StreamOutput]:
         seqs = [self.add_request(ids, p, track_text=True) for ids, p in requests]
         index = {seq.seq_id: i for i, seq in enumerate(seqs)}
         try:

@@ -954,3 +954,11 @@ def test_chat_bad_messages(llm, refs, bad):
     assert_idle(llm)
     out = llm.generate(["Hello, world!"], greedy(3), use_tqdm=False)[0]
     assert out["token_ids"] == refs["Hello, world!"]["token_ids"][:3]
+
+
+def test_stream_rejects_bad_input_at_the_call(llm):
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm.stream([[]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="SamplingParams"):
+        llm.stream(["a", "b"], [SamplingParams()])
+    assert not llm.scheduler.has_unfinished()

@@ -95,6 +95,20 @@ def test_killed_worker_raises_quickly(model_path):
     assert not torch.distributed.is_initialized()
 
 
+def test_worker_exception_reaches_the_caller(model_path):
+    llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    try:
+        # Make the worker fail inside its loop, as a bug in its step would.
+        llm.model_runner.conns[0].send(("no_such_method", ()))
+        t = time.time()
+        with pytest.raises(RuntimeError, match="(?s)worker 1 .*AttributeError.*no_such_method"):
+            llm.generate(prompts(), SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+        assert time.time() - t < 30
+    finally:
+        llm.shutdown()
+    assert no_children()
+
+
 def test_invalid_sizes_fail_before_any_process_starts(model_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(model_path, tensor_parallel_size=3)
