@@ -41,6 +41,15 @@ def _store_kvcache_kernel(
         tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
+def check_paged_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """Raise ValueError unless both caches are [num_blocks, block_size, num_kv_heads, head_dim]."""
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+
+
 def store_kvcache(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -65,11 +74,7 @@ def store_kvcache(
         )
     if key.shape != value.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ in shape")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_paged_cache(k_cache, v_cache)
     n, num_kv_heads, head_dim = key.shape
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(

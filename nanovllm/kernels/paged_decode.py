@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.kv_store import check_paged_cache
+
 _LOG2E = 1.4426950408889634
 
 
@@ -227,11 +229,7 @@ def paged_decode_attention(
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, num_heads, head_dim], got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
+    check_paged_cache(k_cache, v_cache)
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
     if cache_head_dim != head_dim:
