@@ -92,8 +92,12 @@ class Scheduler:
         cap = min(self.max_num_seqs, self.max_num_batched_tokens)
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
+        capacity = bm.block_size
         while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
+            if len(seq) <= len(seq.block_table) * capacity:
+                scheduled.append(seq)  # the common case: the newest token fits its last block
+                continue
             while not bm.can_append(seq):
                 # Recompute the newest sequence rather than this older one: it has done the
                 # least work, so giving its blocks back wastes the least.
@@ -134,10 +138,12 @@ class Scheduler:
         that did not reach the end of its prompt. Returns the sequences that got a new token.
         """
         bm = self.block_manager
+        block_size = bm.block_size
         advanced = []
         for seq, n, token_id in zip(batch.seqs, batch.num_new_tokens, token_ids):
             seq.num_cached_tokens += n
-            bm.commit(seq)
+            if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * block_size:
+                bm.commit(seq)  # a block just became full (skipped on most decode steps)
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
             seq.token_ids.append(token_id)
