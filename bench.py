@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from nanovllm.models.qwen3 import head_dim_of
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUMMY_CONFIGS = {"qwen3-0.6b": "benchmarks/configs/qwen3-0.6b", "qwen3-8b": "benchmarks/configs/qwen3-8b"}
 H200_COPY_BANDWIDTH = 4.3e12  # B/s, device-to-device copy measured on the H200
@@ -42,7 +44,7 @@ def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int
 def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: float) -> float:
     """Lower bound in seconds for generating `max_tokens` after each prompt (module docstring)."""
     c = hf_config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    head_dim = head_dim_of(c)
     kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
     h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     attn = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim + c.num_attention_heads * head_dim * h
@@ -112,12 +114,32 @@ def run_hf(model_path: str, prompts, max_tokens, dtype, load_dummy: bool) -> flo
     return generated / dt
 
 
+def run_vllm(model_path: str, prompts, max_tokens, load_dummy: bool, tp: int) -> float | None:
+    """vLLM on the same requests (as nano-vllm's bench did); None when vllm is not importable."""
+    try:
+        from vllm import LLM as VLLM
+        from vllm import SamplingParams as VSamplingParams
+    except ImportError:
+        print("vllm is not importable here; skipped --compare vllm", file=sys.stderr)
+        return None
+    llm = VLLM(model_path, max_model_len=4096, tensor_parallel_size=tp, load_format="dummy" if load_dummy else "auto",
+               skip_tokenizer_init=load_dummy)
+    params = [VSamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    llm.generate(requests[:1], params[:1], use_tqdm=False)  # warm-up
+    t = time.perf_counter()
+    llm.generate(requests, params, use_tqdm=False)
+    return sum(max_tokens) / (time.perf_counter() - t)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint folder")
     src.add_argument("--dummy", choices=sorted(DUMMY_CONFIGS), help="real model shape, random weights")
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--max-input-len", type=int, default=1024, help="prompts are randint(100, this) tokens")
+    ap.add_argument("--max-output-len", type=int, default=1024, help="max_tokens are randint(100, this)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--max-num-seqs", type=int, default=512)
@@ -128,7 +150,7 @@ def main(argv=None):
     ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
     ap.add_argument("--latency", action="store_true", help="also measure batch-1 decode ms/token")
     ap.add_argument("--profile", action="store_true",
-                    help="also print a torch.profiler table of a short run of the workload's first 256 requests")
+                    help="also print torch.profiler tables of a short run (the workload's prompts, 64 tokens each)")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
 
@@ -138,7 +160,7 @@ def main(argv=None):
 
     path = os.path.join(HERE, DUMMY_CONFIGS[args.dummy]) if args.dummy else args.model
     name = args.dummy or os.path.basename(os.path.normpath(path)).lower()
-    prompts, max_tokens = workload(args.num_seqs)
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
 
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
@@ -201,11 +223,7 @@ def main(argv=None):
         res["hf_tok_s"] = round(hf_tps, 1)
         res["hf_num_seqs"] = k
     if "vllm" in args.compare:
-        try:
-            import vllm  # noqa: F401
-        except ImportError:
-            res["vllm_tok_s"] = None
-            print("vllm is not importable here; skipped --compare vllm", file=sys.stderr)
+        res["vllm_tok_s"] = run_vllm(path, prompts, max_tokens, bool(args.dummy), args.tp)
 
     print(json.dumps(res, indent=1))
     print(f"\n{'model':<12}{'out tok/s':>11}{'total tok/s':>13}{'floor s':>9}{'secs':>8}{'of floor':>10}"

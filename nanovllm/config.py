@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger("nanovllm")
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
@@ -113,11 +116,18 @@ class Config:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
+        if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
+            raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
+        if self.attention_backend == "flash_attn" and bs % 256:
+            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, got {bs}")
         self.model = resolve_model_path(self.model)
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
         # A context longer than the model's positions would silently extrapolate RoPE.
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        if self.max_model_len > self.hf_config.max_position_embeddings:
+            logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
+                           self.max_model_len, self.hf_config.max_position_embeddings)
+            self.max_model_len = self.hf_config.max_position_embeddings
         num_heads = self.hf_config.num_attention_heads
         num_kv_heads = self.hf_config.num_key_value_heads
         tp = self.tensor_parallel_size

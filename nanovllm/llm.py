@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Iterator
@@ -41,7 +42,7 @@ class LLM(LLMEngine):
         self.shutdown()
 
     # ------------------------------------------------------------------ inputs
-    def _normalize(self, prompts, sampling_params, track_text=False):
+    def _normalize(self, prompts, sampling_params):
         """Validate every prompt and parameter before any work starts; returns (ids, params) pairs."""
         if isinstance(prompts, str):
             prompts = [prompts]
@@ -80,14 +81,30 @@ class LLM(LLMEngine):
         """Generate for every prompt; one dict per prompt, in input order:
         {"text", "token_ids", "finish_reason", "prompt_token_ids"}."""
         requests = self._normalize(prompts, sampling_params)
-        seqs = [self.add_request(ids, p) for ids, p in requests]
-        try:
-            self._run_to_completion(len(seqs), use_tqdm)
-        finally:
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.abort(seq)
+        seqs = []
+        with self._exclusive():
+            try:
+                for ids, p in requests:
+                    seqs.append(self.add_request(ids, p))
+                self._run_to_completion(len(seqs), use_tqdm)
+            finally:
+                for seq in seqs:
+                    if not seq.is_finished:
+                        self.abort(seq)
         return [self._result(seq) for seq in seqs]
+
+    @contextlib.contextmanager
+    def _exclusive(self):
+        """One generate / stream at a time: steps run every queued request, so a second caller
+        would swallow the first one's outputs."""
+        if getattr(self, "_in_use", False):
+            raise RuntimeError("this LLM is already generating (an open stream() iterator?); "
+                               "finish or close it before starting another generate/stream/chat")
+        self._in_use = True
+        try:
+            yield
+        finally:
+            self._in_use = False
 
     def _result(self, seq) -> dict:
         return {"text": self.final_text(seq), "token_ids": seq.completion_token_ids,
@@ -125,21 +142,23 @@ class LLM(LLMEngine):
         return self._stream(requests)
 
     def _stream(self, requests) -> Iterator[StreamOutput]:
-        seqs = [self.add_request(ids, p, track_text=True) for ids, p in requests]
-        index = {seq.seq_id: i for i, seq in enumerate(seqs)}
-        try:
-            while any(not s.is_finished for s in seqs):
-                outputs, _, _ = self.step()
-                for o in outputs:
-                    if o.seq.seq_id in index:
+        seqs = []
+        with self._exclusive():
+            try:
+                for ids, p in requests:
+                    seqs.append(self.add_request(ids, p, track_text=True))
+                index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+                while any(not s.is_finished for s in seqs):
+                    outputs, _, _ = self.step()
+                    for o in outputs:
                         if o.finished:
-                            self._detok.pop(o.seq.seq_id, None)
+                            self.final_text(o.seq)  # forget its detokenizer
                         yield StreamOutput(index[o.seq.seq_id], o.new_token_ids, o.text, o.finished,
                                            o.finish_reason)
-        finally:
-            for seq in seqs:
-                if not seq.is_finished:
-                    self.abort(seq)
+            finally:
+                for seq in seqs:
+                    if not seq.is_finished:
+                        self.abort(seq)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **chat_template_kwargs) -> list[dict]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of

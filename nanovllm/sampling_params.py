@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(frozen=True)
 class SamplingParams:
     """How one request is sampled and when it stops.
 
@@ -21,6 +21,9 @@ class SamplingParams:
     stop_token_ids: extra token ids that end generation (kept in `token_ids`).
     seed: per-request seed: the same request gives the same tokens whatever else is batched
         with it. Without it, the engine's seed makes whole runs reproducible.
+
+    Instances are immutable (use dataclasses.replace to derive a variant). Stop strings are
+    matched from the first generated token on, also before min_tokens is reached.
     """
 
     temperature: float = 1.0
@@ -84,8 +87,9 @@ class SamplingParams:
             ids = []
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers or None")
-        self.stop_strings = stops
-        self.stop_ids = frozenset(ids)
+        # Frozen: validated once, so nobody can make a checked instance invalid afterwards.
+        object.__setattr__(self, "stop_strings", stops)
+        object.__setattr__(self, "stop_ids", frozenset(ids))
 
     @property
     def greedy(self) -> bool:

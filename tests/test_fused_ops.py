@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from nanovllm.kernels.fused_ops import fused_ops_available, qk_norm_rope, rms_norm, silu_and_mul
+from nanovllm.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
 from nanovllm.layers.activation import SiluAndMul
 from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
@@ -258,13 +258,6 @@ def test_silu_and_mul_rejects_bad_arguments():
         silu_and_mul(torch.ones(2, 8, dtype=torch.int32, device=DEVICE))
     with pytest.raises(ValueError, match="contiguous last"):
         silu_and_mul(torch.randn(8, 2, device=DEVICE).t())
-
-
-def test_fused_ops_available():
-    assert not fused_ops_available("cpu")
-    assert not fused_ops_available(torch.zeros(1))
-    assert fused_ops_available(torch.device("cuda", 0))
-    assert fused_ops_available("cuda")
 
 
 # ----------------------------------------------------------------------------- GPU (bf16, real sizes)

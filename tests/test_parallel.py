@@ -109,6 +109,24 @@ def test_worker_exception_reaches_the_caller(model_path):
     assert no_children()
 
 
+def test_rank0_failure_mid_step_closes_the_group_cleanly(model_path, monkeypatch):
+    llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    runner = llm.model_runner.runner
+
+    def boom(step):
+        raise MemoryError("simulated out of memory on rank 0")
+
+    monkeypatch.setattr(runner, "execute", boom)
+    with pytest.raises(MemoryError):
+        llm.generate(prompts()[:2], GREEDY, use_tqdm=False)
+    # The workers were left inside the step: the engine must not try to line them up again.
+    with pytest.raises(RuntimeError, match="rank 0 failed|shut down"):
+        llm.generate(prompts()[:2], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert no_children()
+    assert not torch.distributed.is_initialized()
+
+
 def test_invalid_sizes_fail_before_any_process_starts(model_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(model_path, tensor_parallel_size=3)

@@ -380,3 +380,15 @@ def test_int_fields_range(field, value):
     else:
         with pytest.raises(ValueError, match=field_re(field)):
             SamplingParams(**kw)
+
+
+def test_validated_params_cannot_be_changed_afterwards():
+    import dataclasses
+
+    p = SamplingParams(temperature=0.5, stop=["x"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.temperature = -1.0
+    q = dataclasses.replace(p, max_tokens=7)
+    assert q.max_tokens == 7 and q.stop_strings == ("x",)
+    with pytest.raises(ValueError, match="temperature"):
+        dataclasses.replace(p, temperature=-1.0)

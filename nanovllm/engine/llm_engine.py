@@ -13,7 +13,7 @@ from nanovllm.config import Config
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("nanovllm")
@@ -41,6 +41,13 @@ def _as_id_list(value) -> list[int]:
 
 
 class LLMEngine:
+    """Validates requests and drives the loop: schedule -> run the model -> account for the step.
+
+    `LLM` (nanovllm/llm.py) is the user-facing subclass; this class holds the engine state: the
+    scheduler and block manager, the model runner (one per tensor-parallel rank), the tokenizer
+    and the per-request detokenizers.
+    """
+
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)
         hf = config.hf_config
@@ -56,6 +63,8 @@ class LLMEngine:
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._streamed: set[int] = set()  # requests whose text increments someone reads
+        self._closed = False
 
     def _start_model_runner(self, config: Config):
         if config.tensor_parallel_size > 1:
@@ -95,6 +104,11 @@ class LLMEngine:
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds max_model_len={cfg.max_model_len}")
+        outside = [t for t in params.stop_ids if t >= self.vocab_size]
+        if outside:
+            raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
         # The last generated token's K/V is never written, hence total - 1.
         blocks = self.block_manager.blocks_for(total - 1)
         if blocks > self.block_manager.num_blocks:
@@ -105,18 +119,22 @@ class LLMEngine:
         """Queue an already validated request (see `tokenize` / `check_fits`)."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), prompt_ids, params, seed)
+        self.scheduler.add(seq)
         if (track_text or params.stop_strings) and self.tokenizer is not None:
             self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
-        self.scheduler.add(seq)
+            if track_text:
+                self._streamed.add(seq.seq_id)
         return seq
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is, freeing its blocks."""
         if seq in self.scheduler.waiting:
             self.scheduler.waiting.remove(seq)
+            seq.status = SequenceStatus.FINISHED
         elif seq in self.scheduler.running:
             self.scheduler.finish(seq, "abort")
         self._detok.pop(seq.seq_id, None)
+        self._streamed.discard(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -124,6 +142,8 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
     def step(self) -> tuple[list[StepOutput], int, bool]:
         """One scheduling step. Returns (outputs, tokens computed, was it a prefill step)."""
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
         batch = self.scheduler.schedule()
         if batch is None:
             raise RuntimeError("scheduler produced no work although requests are pending")
@@ -136,13 +156,16 @@ class LLMEngine:
             if detok is not None:
                 if detok.add([seq.token_ids[-1]]) and not seq.is_finished:
                     self.scheduler.finish(seq, "stop")
-                text = detok.pop_delta(finished=seq.is_finished)
+                if seq.seq_id in self._streamed:
+                    text = detok.pop_delta(finished=seq.is_finished)
                 if detok.stopped:
                     seq.finish_reason = "stop"
             outputs.append(StepOutput(seq, [seq.token_ids[-1]], text, seq.is_finished, seq.finish_reason))
         return outputs, batch.num_tokens, batch.is_prefill
 
     def final_text(self, seq: Sequence) -> str:
+        """The finished request's output text (and forget its detokenizer)."""
+        self._streamed.discard(seq.seq_id)
         detok = self._detok.pop(seq.seq_id, None)
         if detok is not None:
             detok.finish()
@@ -151,8 +174,10 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
+        """Free the GPU memory and stop tensor-parallel workers; the engine refuses work afterwards."""
+        self._closed = True
         runner = getattr(self, "model_runner", None)
-        if runner is not None and hasattr(runner, "shutdown"):
+        if runner is not None:
             runner.shutdown()
 
 
@@ -160,6 +185,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
 def load_tokenizer(path: str):
+    """The checkpoint's tokenizer, or a ValueError that says how to run without one."""
     from transformers import AutoTokenizer
 
     # transformers 5 returns an empty tokenizer for a folder without tokenizer files instead of
@@ -183,4 +209,6 @@ def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
     if os.path.isfile(gen_file):
         with open(gen_file) as f:
             ids.update(_as_id_list(json.load(f).get("eos_token_id")))
-    return ids
+    # An id the model can never produce cannot end a request, and must not reach the sampler's
+    # min_tokens mask (an out-of-range index is a device-side assert on CUDA).
+    return {i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size}

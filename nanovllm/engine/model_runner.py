@@ -25,7 +25,8 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.utils.context import AttentionMetadata, prefill_metadata
+from nanovllm.sampling_params import SamplingParams
+from nanovllm.utils.context import AttentionMetadata, host_to_device, prefill_metadata
 from nanovllm.utils.dist import TPGroup, use_tp_group
 from nanovllm.utils.loader import init_dummy, load_model
 
@@ -41,6 +42,12 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class ModelRunner:
+    """The model, its KV cache and its CUDA graphs on one tensor-parallel rank.
+
+    `run(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
+    `execute(step)` and rank 0 samples (see engine/parallel.py).
+    """
+
     def __init__(self, config: Config):
         self.config = config
         hf = config.hf_config
@@ -54,7 +61,6 @@ class ModelRunner:
         self.pin = self.device.type == "cuda"
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
 
-        torch.manual_seed(config.seed)
         # Build the parameters directly in the target dtype on the device (no fp32 copy first).
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
@@ -72,6 +78,7 @@ class ModelRunner:
         for layer in self.attn_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        self._splits: dict[tuple[int, int], int] = {}
         self.num_kv_heads = self.attn_layers[0].num_kv_heads
         self.head_dim = self.attn_layers[0].head_dim
 
@@ -81,7 +88,8 @@ class ModelRunner:
                                             self.device, self.pin)
         self._sampling_cache = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # The torch backend loops over sequences on the host: nothing a graph could replay.
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self._capture_cuda_graphs()
 
     # ------------------------------------------------------------------ KV cache
@@ -119,17 +127,19 @@ class ModelRunner:
         """KV blocks that fit in gpu_memory_utilization of the GPU, counting only our own use.
 
         Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
-        + room for the CUDA-graph pool (the activation peak of the largest decode batch).
+        + the peak of the largest decode batch: its forward (what the CUDA-graph pool holds),
+        logits and sampling with a full-vocabulary sort (top-p, the most memory-hungry case).
         Other processes' memory is not charged to us, but we never take more than is free.
         """
+        cfg = self.config
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        self._warmup(min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len))
+        self._warmup(min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len), cfg.max_model_len)
         prefill_peak = torch.cuda.max_memory_allocated() - base
         torch.cuda.reset_peak_memory_stats()
-        self._warmup(min(self.config.max_num_seqs, 512))
+        self._warmup(cfg.max_num_seqs, 1, sample=True)
         decode_peak = torch.cuda.max_memory_allocated() - base
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
@@ -138,48 +148,51 @@ class ModelRunner:
         return int(min(budget, headroom) // per_block)
 
     @torch.inference_mode()
-    def _warmup(self, num_tokens: int) -> None:
-        """One eager forward over `num_tokens` tokens without a KV cache, to measure activations."""
+    def _warmup(self, num_tokens: int, seq_len: int, sample: bool = False) -> None:
+        """One eager forward over `num_tokens` tokens in sequences of `seq_len`, without a KV
+        cache, plus logits of each sequence's last token (and sampling), to measure memory."""
         num_tokens = max(1, num_tokens)
-        seq_len = min(num_tokens, self.config.max_model_len)
+        seq_len = min(num_tokens, seq_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
         meta = prefill_metadata(lens, lens, torch.full((num_tokens,), -1, dtype=torch.int32), None, self.device)
         hidden = self.model(ids, pos, meta)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        self.model.compute_logits(hidden[last])
-        del hidden
+        logits = self.model.compute_logits(hidden[last])
+        if sample and logits is not None:
+            worst = [SamplingParams(temperature=1.0, top_p=0.9)] * len(lens)
+            t = SamplingTensors.build(worst, [0] * len(lens), [0] * len(lens), self.device)
+            self.sampler(logits, t)
 
     # ------------------------------------------------------------------ inputs
     def _to_device(self, data, dtype) -> torch.Tensor:
-        t = torch.tensor(data, dtype=dtype, pin_memory=self.pin)
-        return t.to(self.device, non_blocking=True)
-
-    def _block_table_tensor(self, tables: list[list[int]], width: int) -> torch.Tensor:
-        rows = [t + [-1] * (width - len(t)) for t in tables]
-        return self._to_device(rows, torch.int32)
+        return host_to_device(data, dtype, self.device, self.pin)
 
     def prepare_prefill(self, step: "StepInput"):
+        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row."""
         bs = self.block_size
-        input_ids, positions, slots = [], [], []
-        q_lens, k_lens = [], []
-        for tokens, start, table in zip(step.token_ids, step.start_pos, step.block_tables):
-            end = start + len(tokens)
-            input_ids.extend(tokens)
-            positions.extend(range(start, end))
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-            q_lens.append(len(tokens))
-            k_lens.append(end)
-        has_prefix = any(k != q for q, k in zip(q_lens, k_lens))
-        tables = self._block_table_tensor(step.block_tables, max(map(len, step.block_tables))) \
-            if has_prefix else None
-        slot_mapping = torch.tensor(slots, dtype=torch.int32, pin_memory=self.pin)
-        meta = prefill_metadata(q_lens, k_lens, slot_mapping, tables, self.device, self.pin)
-        ids = self._to_device(input_ids, torch.long)
-        pos = self._to_device(positions, torch.long)
-        last = [c - 1 for c in itertools.accumulate(q_lens)]
-        return ids, pos, meta, self._to_device(last, torch.long)
+        q_lens = np.fromiter(map(len, step.token_ids), dtype=np.int64, count=len(step.token_ids))
+        starts = np.asarray(step.start_pos, dtype=np.int64)
+        k_lens = starts + q_lens
+        cu_q = np.cumsum(q_lens)
+        # Position of every packed token, and the block-table row it belongs to, without a
+        # Python loop over tokens (a prefill step can hold 16k of them).
+        seq_idx = np.repeat(np.arange(len(q_lens)), q_lens)
+        positions = np.arange(int(cu_q[-1])) - np.repeat(cu_q - q_lens - starts, q_lens)
+        width = max(map(len, step.block_tables))
+        tables = np.full((len(q_lens), width), -1, dtype=np.int64)
+        for i, row in enumerate(step.block_tables):
+            tables[i, :len(row)] = row
+        slots = tables[seq_idx, positions // bs] * bs + positions % bs
+        q_list, k_list = q_lens.tolist(), k_lens.tolist()
+        has_prefix = k_list != q_list
+        table_tensor = torch.from_numpy(tables.astype(np.int32)).to(self.device) if has_prefix else None
+        slot_mapping = torch.from_numpy(slots.astype(np.int32))
+        meta = prefill_metadata(q_list, k_list, slot_mapping, table_tensor, self.device, self.pin)
+        ids = self._to_device(list(itertools.chain.from_iterable(step.token_ids)), torch.long)
+        pos = torch.from_numpy(positions).to(self.device)
+        return ids, pos, meta, torch.from_numpy(cu_q - 1).to(self.device)
 
     def prepare_decode(self, step: "StepInput", padded_bs: int):
         """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of the
@@ -195,11 +208,16 @@ class ModelRunner:
         return ids, pos, meta
 
     def _num_splits(self, batch_size: int, width: int) -> int:
+        """KV splits of the Triton decode kernel for this batch shape (fixed per captured graph)."""
         if self.backend.name != "triton":
             return 1
-        from nanovllm.kernels.paged_decode import choose_num_splits
+        key = (batch_size, width)
+        if key not in self._splits:
+            from nanovllm.kernels.paged_decode import choose_num_splits
 
-        return choose_num_splits(batch_size, self.num_kv_heads, width)
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            self._splits[key] = choose_num_splits(batch_size, self.num_kv_heads, width, num_sms=sms)
+        return self._splits[key]
 
     def prepare_sampling(self, seqs: list[Sequence], eos_token_ids: frozenset[int]):
         """Sampling tensors for `seqs` (+ the min_tokens suppression pairs).
@@ -229,8 +247,12 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
         """Run one step and sample; returns the next token of every scheduled sequence."""
-        logits = self.execute(StepInput.from_batch(batch))
-        t, suppress = self.prepare_sampling(batch.seqs, eos_token_ids)
+        return self.sample(self.execute(StepInput.from_batch(batch)), batch.seqs, eos_token_ids)
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[int]:
+        """The next token of each sequence from its logits row (rank 0 only)."""
+        t, suppress = self.prepare_sampling(seqs, eos_token_ids)
         return self.sampler(logits, t, suppress).tolist()
 
     @torch.inference_mode()
@@ -267,10 +289,13 @@ class ModelRunner:
         """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
         sequence, without touching the KV cache. Used to check the model against a reference."""
         n = len(token_ids)
+        if not 0 < n <= self.config.max_model_len:
+            raise ValueError(f"score() needs 1 to max_model_len={self.config.max_model_len} tokens, got {n}")
         meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), meta)
-        return self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
 
     # ------------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
@@ -280,8 +305,6 @@ class ModelRunner:
         self.graph_sizes = graph_batch_sizes(max_bs)
         width = self.max_blocks_per_seq
         dev = self.device
-        if self.decode_buffers.max_bs < max_bs:
-            raise RuntimeError("decode buffers smaller than the largest graph")
         self.graph_hidden = torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=dev)
         buffers = self.decode_buffers
         pool = None
@@ -324,6 +347,7 @@ class DecodeBuffers:
         self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self._host_fields = self._split(self.host.numpy())
         self._device_fields = self._split(self.device)
+        self._small = 4 * max_bs  # the four per-sequence fields, copied whole (a few KiB)
         self._copied = torch.cuda.Event() if pin else None
 
     def _split(self, flat):
@@ -356,7 +380,11 @@ class DecodeBuffers:
         pos[n:bs] = 0
         slots[n:bs] = -1
         ctx[n:bs] = 0
-        self.device.copy_(self.host, non_blocking=True)
+        # Two copies: the small fields, and only the block-table rows in use (the full table can
+        # be megabytes with small blocks and a long max_model_len).
+        end = self._small + bs * self.width
+        self.device[:self._small].copy_(self.host[:self._small], non_blocking=True)
+        self.device[self._small:end].copy_(self.host[self._small:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return self.views(bs)

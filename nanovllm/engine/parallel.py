@@ -63,7 +63,22 @@ def _worker_main(config: Config, rank: int, init_file: str, conn) -> None:
 
 
 class WorkerDied(RuntimeError):
-    pass
+    """A tensor-parallel worker process exited or raised."""
+
+
+def _abort_process_group() -> None:
+    """Abort pending collectives so a rank blocked in one returns with an error.
+
+    `_abort_process_group` is private torch API (present in 2.11 and 2.13); without it, gloo still
+    fails fast when a peer's sockets close, while NCCL would wait for its timeout.
+    """
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is None or not dist.is_initialized():
+        return
+    try:
+        abort()
+    except Exception as e:  # the group may already be gone
+        logger.debug("aborting the process group failed: %s", e)
 
 
 class TensorParallelRunner:
@@ -134,11 +149,7 @@ class TensorParallelRunner:
                 pass
             self._failure = message
             logger.error(message)
-            try:
-                if dist.is_initialized():
-                    dist.distributed_c10d._abort_process_group()
-            except Exception:
-                pass
+            _abort_process_group()
             return
 
     def _check(self) -> None:
@@ -150,43 +161,50 @@ class TensorParallelRunner:
     def run(self, batch, eos_token_ids=frozenset()):
         from nanovllm.engine.model_runner import StepInput
 
-        self._check()
         step = StepInput.from_batch(batch)
-        for conn in self.conns:
-            conn.send(("execute", (step,)))
-        try:
-            logits = self.runner.execute(step)
-        except Exception as e:
-            # A collective failing is almost always a dead peer: wait briefly for the watchdog's verdict.
-            self._watchdog.join(timeout=5)
-            if self._failure:
-                raise WorkerDied(self._failure) from e
-            raise
-        self._check()
-        t, suppress = self.runner.prepare_sampling(batch.seqs, eos_token_ids)
-        return self.runner.sampler(logits, t, suppress).tolist()
+        logits = self._all_ranks("execute", step)
+        return self.runner.sample(logits, batch.seqs, eos_token_ids)
 
     def score(self, token_ids: list[int]):
         """Teacher-forced logits of one sequence across all ranks (see ModelRunner.score)."""
+        return self._all_ranks("score", token_ids)
+
+    def _all_ranks(self, method: str, arg):
+        """Run `method(arg)` on every rank; rank 0's result."""
         self._check()
         for conn in self.conns:
-            conn.send(("score", (token_ids,)))
-        logits = self.runner.score(token_ids)
+            conn.send((method, (arg,)))
+        try:
+            result = getattr(self.runner, method)(arg)
+        except BaseException as e:
+            # A collective failing is almost always a dead peer: wait briefly for the watchdog.
+            self._watchdog.join(timeout=5)
+            if self._failure:
+                self.shutdown()
+                raise WorkerDied(self._failure) from e
+            # Rank 0 alone failed (out of memory, Ctrl-C...): the workers are still inside this
+            # step's collectives, so the group can never line up again. Close it cleanly.
+            self._failure = f"rank 0 failed during a step ({type(e).__name__}: {e}); the tensor-parallel group was shut down"
+            self.shutdown()
+            raise
         self._check()
-        return logits
+        return result
 
     def shutdown(self) -> None:
+        """Stop the workers (killing any stuck in a collective) and release the process group."""
         if self._closed:
             return
         self._closed = True
         self._stop_watchdog.set()
+        if self._failure:
+            _abort_process_group()  # nobody will complete the pending collectives
         for conn in self.conns:
             try:
                 conn.send(("exit", ()))
             except Exception:
                 pass
         for proc in self.procs:
-            proc.join(timeout=10)
+            proc.join(timeout=1 if self._failure else 10)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

@@ -11,8 +11,8 @@ compiled with fp fusion (FMA contraction) off: torch runs each product and sum a
 kernel, so it rounds after each of them, and contracting them would shift the rounding.
 
 The wrappers allocate their outputs, validate shapes/dtypes on the host only (no host syncs), and
-are CUDA-graph capturable. On CPU the engine keeps the torch ops (`fused_ops_available`); the
-kernels run there only through Triton's interpreter, for tests.
+are CUDA-graph capturable. The layers call them for CUDA tensors only; on CPU the engine keeps
+the torch ops, and the kernels run there only through Triton's interpreter, for tests.
 """
 
 from __future__ import annotations
@@ -24,13 +24,6 @@ import triton.language as tl
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Above this one row no longer fits in registers of one program (spills, then failures).
 _MAX_HIDDEN = 32768
-
-
-def fused_ops_available(device: torch.device | str | torch.Tensor) -> bool:
-    """True where the fused Triton kernels should be used: CUDA devices (or tensors on one)."""
-    if isinstance(device, torch.Tensor):
-        device = device.device
-    return torch.device(device).type == "cuda"
 
 
 def _num_warps(elements: int, per_thread: int = 8, max_warps: int = 16) -> int:

@@ -14,6 +14,7 @@ layer for K and for V). Causality is aligned bottom-right: with `c` cached token
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 
 import torch
@@ -41,19 +42,32 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
 
 
-def gather_kv_varlen(cache: torch.Tensor, meta: AttentionMetadata, total: int) -> torch.Tensor:
-    """All sequences' cached K (or V) packed varlen as `cu_seqlens_k` describes, on the device.
+def gather_kv_varlen(cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     total: int) -> torch.Tensor:
+    """The cached K (or V) of several sequences packed varlen as `cu_seqlens_k` describes.
 
     Vectorised (no per-sequence loop): token t of sequence i is slot
     block_tables[i, t // block_size] * block_size + t % block_size.
     """
     block_size = cache.size(1)
-    kv_lens = meta.cu_seqlens_k.diff().long()
+    kv_lens = cu_seqlens_k.diff().long()
     seq_idx = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cache.device), kv_lens,
                                       output_size=total)
-    pos = torch.arange(total, device=cache.device) - meta.cu_seqlens_k[seq_idx]
-    blocks = meta.block_tables[seq_idx, pos // block_size].long()
+    pos = torch.arange(total, device=cache.device) - cu_seqlens_k[seq_idx]
+    blocks = block_tables[seq_idx, pos // block_size].long()
     return cache.view(-1, *cache.shape[2:])[blocks * block_size + pos % block_size]
+
+
+def groups_of_at_most(lengths: list[int], limit: int):
+    """Consecutive index ranges [a, b) whose lengths sum to <= limit (a single longer one alone)."""
+    a, total = 0, 0
+    for i, n in enumerate(lengths):
+        if total and total + n > limit:
+            yield a, i
+            a, total = i, 0
+        total += n
+    if a < len(lengths):
+        yield a, len(lengths)
 
 
 # ---------------------------------------------------------------------------- backends
@@ -96,6 +110,7 @@ class TritonBackend:
     """CUDA without flash-attn: aten's FlashAttention-2 varlen prefill, Triton paged decode."""
 
     name = "triton"
+    GATHER_TOKENS = 1 << 16  # K/V tokens gathered per group: 256 MiB of K+V at 8 heads x 128 in bf16
 
     def __init__(self):
         from nanovllm.kernels.kv_store import store_kvcache
@@ -115,16 +130,30 @@ class TritonBackend:
         if q.dtype == torch.float32:
             # aten's FlashAttention kernel takes only fp16/bf16; fp32 (tests) uses the reference.
             return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale)
-        if meta.has_prefix:
-            # Cached prefix + new tokens: read the whole context back from the paged cache
-            # (the new tokens were stored there a moment ago) as contiguous varlen K/V.
-            total = sum(meta.kv_lens)
-            k = gather_kv_varlen(k_cache, meta, total)
-            v = gather_kv_varlen(v_cache, meta, total)
-        out = torch.ops.aten._flash_attention_forward(
-            q, k, v.contiguous(), meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-            0.0, True, False, scale=scale)[0]
+        if not meta.has_prefix:
+            return self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                               meta.max_seqlen_k, scale)
+        # Cached prefix + new tokens: aten's kernel has no block table, so read each context back
+        # from the paged cache (the new tokens were stored there a moment ago) as contiguous
+        # varlen K/V. Prefix hits make contexts much longer than the step's token budget (say
+        # 512 requests behind one 4k-token system prompt), so gather a bounded group at a time.
+        out = torch.empty_like(q)
+        cu_q_host = [0, *itertools.accumulate(meta.query_lens)]
+        for a, b in groups_of_at_most(meta.kv_lens, self.GATHER_TOKENS):
+            cu_q = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a]
+            cu_k = meta.cu_seqlens_k[a:b + 1] - meta.cu_seqlens_k[a]
+            total = sum(meta.kv_lens[a:b])
+            kk = gather_kv_varlen(k_cache, meta.block_tables[a:b], cu_k, total)
+            vv = gather_kv_varlen(v_cache, meta.block_tables[a:b], cu_k, total)
+            rows = slice(cu_q_host[a], cu_q_host[b])
+            out[rows] = self._flash(q[rows], kk, vv, cu_q, cu_k, max(meta.query_lens[a:b]), max(meta.kv_lens[a:b]),
+                                    scale)
         return out
+
+    @staticmethod
+    def _flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return torch.ops.aten._flash_attention_forward(q, k, v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True,
+                                                      False, scale=scale)[0]
 
 
 class FlashAttnBackend:

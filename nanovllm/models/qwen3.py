@@ -15,6 +15,11 @@ from nanovllm.utils.context import AttentionMetadata
 from nanovllm.utils.dist import current_tp_group
 
 
+def head_dim_of(config) -> int:
+    """Qwen3 configs name head_dim explicitly (it is not always hidden_size / num_heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 def rope_theta(config) -> float:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -30,7 +35,7 @@ class Qwen3Attention(nn.Module):
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
         tp = current_tp_group().size
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim_of(config)
         self.num_heads = config.num_attention_heads // tp
         self.num_kv_heads = config.num_key_value_heads // tp
         self.q_size = self.num_heads * self.head_dim
@@ -98,8 +103,7 @@ class Qwen3Model(nn.Module):
     def __init__(self, config, max_positions: int | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary = RotaryEmbedding(head_dim, max_positions or config.max_position_embeddings, rope_theta(config))
+        rotary = RotaryEmbedding(head_dim_of(config), max_positions or config.max_position_embeddings, rope_theta(config))
         self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -136,6 +140,6 @@ class Qwen3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab] (fp32 on rank 0; None on other ranks) for the given rows only."""
-        logits = self.lm_head(hidden)
-        return None if logits is None else logits.float()
+        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks) for the given
+        rows only. Left unconverted: the sampler reads them once and computes in fp32."""
+        return self.lm_head(hidden)

@@ -38,6 +38,11 @@ class AttentionMetadata:
     num_splits: int = 1
 
 
+def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
+    """A host list as a device tensor; from pinned memory the copy does not block the host."""
+    return torch.tensor(data, dtype=dtype, pin_memory=pin_memory).to(device, non_blocking=pin_memory)
+
+
 def prefill_metadata(query_lens: list[int], kv_lens: list[int], slot_mapping: torch.Tensor,
                      block_tables: torch.Tensor | None, device, pin_memory: bool = False) -> AttentionMetadata:
     """Metadata of a prefill step from per-sequence new-token and K/V lengths (host lists).
@@ -46,7 +51,7 @@ def prefill_metadata(query_lens: list[int], kv_lens: list[int], slot_mapping: to
     straight from this step's projections.
     """
     def to_dev(data):
-        return torch.tensor(data, dtype=torch.int32, pin_memory=pin_memory).to(device, non_blocking=True)
+        return host_to_device(data, torch.int32, device, pin_memory)
 
     cu_q = [0, *itertools.accumulate(query_lens)]
     cu_k = [0, *itertools.accumulate(kv_lens)]
@@ -56,5 +61,5 @@ def prefill_metadata(query_lens: list[int], kv_lens: list[int], slot_mapping: to
         is_prefill=True, slot_mapping=slot_mapping.to(device, non_blocking=True), context_lens=to_dev(kv_lens),
         block_tables=block_tables, cu_seqlens_q=to_dev(cu_q), cu_seqlens_k=to_dev(cu_k),
         max_seqlen_q=max(query_lens), max_seqlen_k=max(kv_lens),
-        has_prefix=any(k != q for q, k in zip(query_lens, kv_lens)),
+        has_prefix=list(kv_lens) != list(query_lens),
         query_lens=list(query_lens), kv_lens=list(kv_lens))
