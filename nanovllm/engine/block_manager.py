@@ -21,6 +21,8 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
 
 
 class Block:
+    """One KV block: its ref count and, once full and computed, the content that identifies it."""
+
     __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "prefix_id", "parent_prefix_id", "token_ids")
 
     def __init__(self, block_id: int):
@@ -112,11 +114,13 @@ class BlockManager:
             parent_prefix = block.prefix_id
         return hits
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._cached_prefix(seq)
+    def _blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
+        """Free blocks that allocating `seq` with these prefix hits takes (revived hits count)."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        needed = self.blocks_for(len(seq)) - len(hits) + revived
-        return needed <= self.num_free_blocks
+        return self.blocks_for(len(seq)) - len(hits) + revived
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self._blocks_needed(seq, self._cached_prefix(seq)) <= self.num_free_blocks
 
     # ---- mutations -----------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -132,9 +136,9 @@ class BlockManager:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already has blocks")
-        if not self.can_allocate(seq):
-            raise RuntimeError(f"not enough free KV blocks for {seq}")
         hits = self._cached_prefix(seq)
+        if self._blocks_needed(seq, hits) > self.num_free_blocks:
+            raise RuntimeError(f"not enough free KV blocks for {seq}")
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:

@@ -59,6 +59,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
+        """The next step's work: pending prompt work first, else one decode token for everyone."""
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> ScheduledBatch | None:

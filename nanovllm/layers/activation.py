@@ -1,3 +1,5 @@
+"""The MLP's gated activation."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -7,6 +7,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32 (Qwen3 / transformers rounding)."""
+
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps

@@ -13,6 +13,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class RotaryEmbedding(nn.Module):
+    """Rotates q and k by their positions: `forward(positions, q, k) -> (q, k)`; one table per model."""
+
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         # Always fp32, whatever the model dtype: rounding angles to bf16 would shift positions.

@@ -32,6 +32,8 @@ def rope_theta(config) -> float:
 
 
 class Qwen3Attention(nn.Module):
+    """Packed qkv projection, per-head q/k RMSNorm, RoPE, paged attention, output projection."""
+
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
         tp = current_tp_group().size
@@ -68,6 +70,8 @@ class Qwen3Attention(nn.Module):
 
 
 class Qwen3MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up packed in one GEMM."""
+
     def __init__(self, config):
         super().__init__()
         if config.hidden_act != "silu":
@@ -81,6 +85,8 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair)."""
+
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
         self.self_attn = Qwen3Attention(config, rotary_emb)
@@ -100,6 +106,8 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
+    """Embedding, decoder layers and the final norm: token ids -> hidden states."""
+
     def __init__(self, config, max_positions: int | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -117,6 +125,8 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 with its LM head; parameter names match Hugging Face checkpoints (after packing)."""
+
     # Checkpoint tensor name part -> (packed parameter name part, shard id).
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
