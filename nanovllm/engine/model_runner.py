@@ -25,7 +25,6 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
-from nanovllm.sampling_params import SamplingParams
 from nanovllm.utils.context import AttentionMetadata, host_to_device, prefill_metadata
 from nanovllm.utils.dist import TPGroup, use_tp_group
 from nanovllm.utils.loader import init_dummy, load_model
@@ -128,7 +127,7 @@ class ModelRunner:
 
         Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
         + the peak of the largest decode batch: its forward (what the CUDA-graph pool holds),
-        logits and sampling with a full-vocabulary sort (top-p, the most memory-hungry case).
+        its logits, and room for sampling with a full-vocabulary sort (top-p, the worst case).
         Other processes' memory is not charged to us, but we never take more than is free.
         """
         cfg = self.config
@@ -139,8 +138,12 @@ class ModelRunner:
         self._warmup(min(cfg.max_num_batched_tokens, cfg.max_num_seqs * cfg.max_model_len), cfg.max_model_len)
         prefill_peak = torch.cuda.max_memory_allocated() - base
         torch.cuda.reset_peak_memory_stats()
-        self._warmup(cfg.max_num_seqs, 1, sample=True)
-        decode_peak = torch.cuda.max_memory_allocated() - base
+        self._warmup(cfg.max_num_seqs, 1)
+        # Sampling is not run here (that would compile its kernels inside the cold start): its
+        # worst case, a full-vocabulary sort for top-p, holds about fp32 logits + sorted values +
+        # int64 indices + a cumulative sum per row, ~24 bytes per logit (2.7 GB measured at 512 rows).
+        sampler_peak = cfg.max_num_seqs * cfg.hf_config.vocab_size * 24 if self.rank == 0 else 0
+        decode_peak = torch.cuda.max_memory_allocated() - base + sampler_peak
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         budget = total * self.config.gpu_memory_utilization - base - prefill_peak - decode_peak
@@ -148,9 +151,9 @@ class ModelRunner:
         return int(min(budget, headroom) // per_block)
 
     @torch.inference_mode()
-    def _warmup(self, num_tokens: int, seq_len: int, sample: bool = False) -> None:
+    def _warmup(self, num_tokens: int, seq_len: int) -> None:
         """One eager forward over `num_tokens` tokens in sequences of `seq_len`, without a KV
-        cache, plus logits of each sequence's last token (and sampling), to measure memory."""
+        cache, plus logits of each sequence's last token, to measure memory."""
         num_tokens = max(1, num_tokens)
         seq_len = min(num_tokens, seq_len)
         lens = [seq_len] * (num_tokens // seq_len) + ([num_tokens % seq_len] if num_tokens % seq_len else [])
@@ -159,11 +162,7 @@ class ModelRunner:
         meta = prefill_metadata(lens, lens, torch.full((num_tokens,), -1, dtype=torch.int32), None, self.device)
         hidden = self.model(ids, pos, meta)
         last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        logits = self.model.compute_logits(hidden[last])
-        if sample and logits is not None:
-            worst = [SamplingParams(temperature=1.0, top_p=0.9)] * len(lens)
-            t = SamplingTensors.build(worst, [0] * len(lens), [0] * len(lens), self.device)
-            self.sampler(logits, t)
+        self.model.compute_logits(hidden[last])
 
     # ------------------------------------------------------------------ inputs
     def _to_device(self, data, dtype) -> torch.Tensor:
