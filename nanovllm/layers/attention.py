@@ -106,22 +106,26 @@ class TorchBackend:
         return out
 
 
-class TritonBackend:
+class _TritonKVStore:
+    """CUDA backends write K/V into the paged cache with the Triton store kernel."""
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
+        from nanovllm.kernels.kv_store import store_kvcache
+
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+
+
+class TritonBackend(_TritonKVStore):
     """CUDA without flash-attn: aten's FlashAttention-2 varlen prefill, Triton paged decode."""
 
     name = "triton"
     GATHER_TOKENS = 1 << 16  # K/V tokens gathered per group: 256 MiB of K+V at 8 heads x 128 in bf16
 
     def __init__(self):
-        from nanovllm.kernels.kv_store import store_kvcache
         from nanovllm.kernels.paged_decode import paged_decode_attention
 
-        self._store = store_kvcache
         self._decode = paged_decode_attention
         self._reference = TorchBackend()
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        self._store(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not meta.is_prefill:
@@ -156,7 +160,7 @@ class TritonBackend:
                                                       False, scale=scale)[0]
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(_TritonKVStore):
     """The flash-attn package: varlen prefill (paged via block_table on prefix hits), paged decode."""
 
     name = "flash_attn"
@@ -165,12 +169,6 @@ class FlashAttnBackend:
         fa = module or importlib.import_module("flash_attn")
         self.varlen = fa.flash_attn_varlen_func
         self.with_kvcache = fa.flash_attn_with_kvcache
-        from nanovllm.kernels.kv_store import store_kvcache
-
-        self._store = store_kvcache
-
-    def store_kv(self, k, v, k_cache, v_cache, slot_mapping):
-        self._store(k, v, k_cache, v_cache, slot_mapping)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if meta.is_prefill:
