@@ -207,7 +207,14 @@ def main(argv=None):
 
         short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64) for _ in prompts]
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t = time.perf_counter()
             llm.generate(prompts, short, use_tqdm=False)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        # GPU idle time = wall - kernel time: what host overhead between kernels costs.
+        busy = sum(e.time_range.elapsed_us() for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        print(f"profiled run: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)")
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
     llm.shutdown()
