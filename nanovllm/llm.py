@@ -91,6 +91,7 @@ class LLM(LLMEngine):
                 for seq in seqs:
                     if not seq.is_finished:
                         self.abort(seq)
+                self.cancel_in_flight()
         return [self._result(seq) for seq in seqs]
 
     @contextlib.contextmanager
@@ -148,7 +149,9 @@ class LLM(LLMEngine):
                 for ids, p in requests:
                     seqs.append(self.add_request(ids, p, track_text=True))
                 index = {seq.seq_id: i for i, seq in enumerate(seqs)}
-                while any(not s.is_finished for s in seqs):
+                # Not "until every request is finished": a request can finish (max_tokens) while
+                # its last token is still on the device (overlap scheduling).
+                while self.has_unfinished():
                     outputs, _, _ = self.step()
                     for o in outputs:
                         if o.finished:
@@ -159,6 +162,7 @@ class LLM(LLMEngine):
                 for seq in seqs:
                     if not seq.is_finished:
                         self.abort(seq)
+                self.cancel_in_flight()
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **chat_template_kwargs) -> list[dict]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of

@@ -245,13 +245,13 @@ def assert_still_works(llm, path):
 
 def _count_runs(monkeypatch, llm) -> list:
     calls = []
-    real = llm.model_runner.run
+    real = llm.model_runner.launch
 
     def counting(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(llm.model_runner, "run", counting)
+    monkeypatch.setattr(llm.model_runner, "launch", counting)
     return calls
 
 

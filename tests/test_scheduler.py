@@ -16,8 +16,8 @@ import pytest
 
 from nanovllm.engine import block_manager as bm_mod
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, stop_reason
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.scheduler import Scheduler, is_stop_token
+from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -293,16 +293,39 @@ def test_eos_beats_length_on_the_last_token():
     assert seq.finish_reason == "stop" and seq.num_completion_tokens == 3
 
 
-def test_stop_reason_rules():
-    seq = Sequence(0, [1, 2], SamplingParams(max_tokens=3, min_tokens=1, stop_token_ids=[9]), 0)
+def test_stop_token_rules():
     eos = frozenset({EOS, 5})
+    seq = Sequence(0, [1, 2], SamplingParams(max_tokens=9, min_tokens=2, stop_token_ids=[9]), 0)
     seq.token_ids.append(5)
-    assert stop_reason(seq, 5, eos, 100) == "stop"          # any of several EOS ids
-    seq.token_ids.append(4)
-    assert stop_reason(seq, 4, eos, 100) is None
-    assert stop_reason(seq, 4, eos, 4) == "length"          # max_model_len
-    seq.token_ids.append(4)
-    assert stop_reason(seq, 4, eos, 100) == "length"        # max_tokens
+    assert not is_stop_token(seq, 5, eos)     # min_tokens=2 holds EOS back...
+    assert not is_stop_token(seq, 9, eos)     # ...and stop ids
+    seq.token_ids.append(5)
+    assert is_stop_token(seq, 5, eos)         # any of several EOS ids
+    assert is_stop_token(seq, 9, eos)
+    assert not is_stop_token(seq, 4, eos)
+    ignoring = Sequence(1, [1], SamplingParams(ignore_eos=True, stop_token_ids=[9]), 0)
+    ignoring.token_ids.append(5)
+    assert not is_stop_token(ignoring, 5, eos) and is_stop_token(ignoring, 9, eos)
+
+
+def test_advance_then_resolve_matches_postprocess():
+    """Overlap scheduling: the next step is scheduled on placeholders before tokens arrive."""
+    sched = make_sched()
+    a = add(sched, [1, 2, 3], max_tokens=2)
+    b = add(sched, [4, 5], max_tokens=5)
+    first = sched.schedule()
+    sched.advance(first, max_model_len=100)
+    assert a.token_ids[-1] == PENDING_TOKEN and b.token_ids[-1] == PENDING_TOKEN
+    assert (a.pending_row, b.pending_row) == (0, 1) and not a.is_finished
+    second = sched.schedule()                 # scheduled while the first step's tokens are unknown
+    assert second.seqs == [a, b] and not second.is_prefill
+    assert sched.resolve(first, [7, EOS], frozenset({EOS})) == [a, b]
+    assert a.token_ids == [1, 2, 3, 7] and b.is_finished and b.finish_reason == "stop"
+    sched.advance(second, max_model_len=100)  # b is skipped: it stopped after this launch
+    assert a.is_finished and a.finish_reason == "length" and b.token_ids == [4, 5, EOS]
+    assert sched.resolve(second, [8, 9], frozenset({EOS})) == [a]
+    assert a.token_ids == [1, 2, 3, 7, 8] and not sched.has_unfinished()
+    assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
 
 def test_finish_from_outside_frees_blocks_once():
@@ -325,8 +348,10 @@ class ShadowRun:
     different prefix is caught even when its own token ids match.
     """
 
-    def __init__(self, rng: random.Random):
+    def __init__(self, rng: random.Random, overlap: bool = False):
         self.rng = rng
+        self.overlap = overlap      # schedule step n+1 before resolving step n's tokens
+        self.last_tokens: list[int] = []  # what the previous fake step sampled ("on the device")
         self.bs = bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
         self.num_blocks = rng.randint(4, 30)
         self.budget = rng.randint(1, 64)
@@ -354,6 +379,7 @@ class ShadowRun:
         self.steps = 0
         self.hit_tokens = 0
         self.chunks = 0
+        self.wasted_rows = 0
 
     def _make_request(self, pools):
         rng = self.rng
@@ -385,6 +411,9 @@ class ShadowRun:
         while len(nodes) < upto:
             parent = nodes[-1] if nodes else 0
             tok = seq.token_ids[len(nodes)]
+            if tok == PENDING_TOKEN:  # still on the "device": the runner reads it from there too
+                assert len(nodes) == len(seq) - 1 and seq.pending_row >= 0
+                tok = self.last_tokens[seq.pending_row]
             node = self.trie.get((parent, tok))
             if node is None:
                 node = self.trie[(parent, tok)] = len(self.node_token)
@@ -455,6 +484,7 @@ class ShadowRun:
                 out.append(EOS)
             else:
                 out.append(self.rng.randint(1, self.vocab))
+        self.last_tokens = out
         return out
 
     def run(self) -> None:
@@ -462,32 +492,30 @@ class ShadowRun:
         pending = list(self.requests)
         total = sum(len(s) + s.params.max_tokens for _, s in pending)
         max_steps = 4 * total * (total + 1) + 100
-        while pending or sched.has_unfinished():
+        inflight = None  # (batch, tokens, sequences that get a token) launched, not resolved
+        while pending or sched.has_unfinished() or inflight:
             while pending and pending[0][0] <= self.steps:
                 sched.add(pending.pop(0)[1])
             self.check_invariants()
             batch = sched.schedule()
-            if batch is None:
+            if batch is None and inflight is None:
                 assert not sched.has_unfinished(), f"deadlock: {list(sched.waiting)} {list(sched.running)}"
                 assert pending
                 self.steps = pending[0][0]
                 continue
-            self.steps += 1
-            assert self.steps <= max_steps, "no progress: the schedule does not end"
-            self.check_batch(batch)
-            self.check_invariants()
-            tokens = self.model_step(batch)
-            will_advance = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
-                            if s.num_cached_tokens + n == len(s)]
-            self.chunks += sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens)
-                               if s.num_cached_tokens + n < len(s))
-            advanced = sched.postprocess(batch, tokens, self.eos, self.max_model_len)
-            assert advanced == will_advance
-            for seq, tok in zip(batch.seqs, tokens):
-                if seq in will_advance:
-                    self.expected[seq.seq_id].append(tok)
-                    self.check_stop(seq, tok)
-                assert seq.token_ids == self.expected[seq.seq_id]
+            launched = None
+            if batch is not None:
+                self.steps += 1
+                assert self.steps <= max_steps, "no progress: the schedule does not end"
+                self.check_batch(batch)
+                self.check_invariants()
+                launched = (batch, self.model_step(batch))
+            if self.overlap:
+                if inflight is not None:
+                    self.resolve(*inflight)
+                inflight = launched and (*launched, self.advance(launched[0]))
+            elif launched is not None:
+                self.resolve(*launched, self.advance(batch))
         # the end: everything finished, every block free
         self.check_invariants()
         for _, seq in self.requests:
@@ -499,6 +527,27 @@ class ShadowRun:
         for b in bm.hash_to_block.values():
             assert [self.node_token[x] for x in self.kv[b]] == list(bm.blocks[b].token_ids)
         self.hit_tokens = bm.num_prefix_hit_tokens
+
+    def advance(self, batch) -> list[Sequence]:
+        """sched.advance(); returns the sequences that will get a token from this step."""
+        will_advance = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
+                        if not s.is_finished and s.num_cached_tokens + n == len(s)]
+        self.chunks += sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens)
+                           if not s.is_finished and s.num_cached_tokens + n < len(s))
+        # rows computed for sequences that stopped after this step was launched (overlap only)
+        self.wasted_rows += sum(s.is_finished for s in batch.seqs)
+        self.sched.advance(batch, self.max_model_len)
+        return will_advance
+
+    def resolve(self, batch, tokens, will_advance) -> None:
+        advanced = self.sched.resolve(batch, tokens, self.eos)
+        assert advanced == will_advance
+        for seq, tok in zip(batch.seqs, tokens):
+            if seq in will_advance:
+                self.expected[seq.seq_id].append(tok)
+                self.check_stop(seq, tok)
+            assert seq.token_ids == self.expected[seq.seq_id]
+            assert PENDING_TOKEN not in seq.token_ids
 
     def check_batch(self, batch) -> None:
         sched, bm = self.sched, self.bm
@@ -546,21 +595,22 @@ def _weak_hash(parent: int, token_ids) -> int:
     return (parent * 3 + sum(token_ids)) % 7
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 @pytest.mark.parametrize("weak_hash", [False, True], ids=["xxhash", "colliding-hash"])
-def test_random_schedules_keep_every_invariant(weak_hash, monkeypatch):
+def test_random_schedules_keep_every_invariant(weak_hash, overlap, monkeypatch):
     n = int(os.environ.get("NANOVLLM_FUZZ_SCHEDULES", NUM_SCHEDULES_WEAK_HASH if weak_hash else NUM_SCHEDULES))
     base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + (10**6 if weak_hash else 0)
     if weak_hash:
         monkeypatch.setattr(bm_mod, "chain_hash", _weak_hash)
-    totals = dict(schedules=0, requests=0, steps=0, preemptions=0, hit_tokens=0, chunks=0)
+    totals = dict(schedules=0, requests=0, steps=0, preemptions=0, hit_tokens=0, chunks=0, wasted_rows=0)
     t0 = time.perf_counter()
     for i in range(n):
         seed = base + i
-        run = ShadowRun(random.Random(seed))
+        run = ShadowRun(random.Random(seed), overlap)
         try:
             run.run()
         except AssertionError as e:
-            raise AssertionError(f"schedule seed={seed} (bs={run.bs}, blocks={run.num_blocks}, "
+            raise AssertionError(f"schedule seed={seed} (overlap={overlap}, bs={run.bs}, blocks={run.num_blocks}, "
                                  f"budget={run.budget}, max_num_seqs={run.max_num_seqs}, "
                                  f"prefix={run.prefix}): {e}") from e
         totals["schedules"] += 1
@@ -569,10 +619,12 @@ def test_random_schedules_keep_every_invariant(weak_hash, monkeypatch):
         totals["preemptions"] += run.sched.num_preemptions
         totals["hit_tokens"] += run.hit_tokens
         totals["chunks"] += run.chunks
+        totals["wasted_rows"] += run.wasted_rows
     print(f"\n{'colliding' if weak_hash else 'xxhash'}: {totals} in {time.perf_counter() - t0:.1f}s")
     assert totals["schedules"] == n
     if "NANOVLLM_FUZZ_SCHEDULES" not in os.environ and not weak_hash:
         assert totals["schedules"] >= 2000
     # the generator must actually exercise the interesting paths
     assert totals["preemptions"] > 0 and totals["hit_tokens"] > 0 and totals["chunks"] > 0
+    assert (totals["wasted_rows"] > 0) == overlap  # stops discovered after the next launch
 

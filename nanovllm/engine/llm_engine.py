@@ -64,6 +64,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._streamed: set[int] = set()  # requests whose text increments someone reads
+        self._in_flight = None  # (batch, PendingTokens) of the launched step not yet accounted for
         self._closed = False
 
     def _start_model_runner(self, config: Config):
@@ -128,27 +129,54 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is, freeing its blocks."""
-        if seq in self.scheduler.waiting:
-            self.scheduler.waiting.remove(seq)
-            seq.status = SequenceStatus.FINISHED
-        elif seq in self.scheduler.running:
-            self.scheduler.finish(seq, "abort")
+        _drop_pending_token(seq)
+        self.scheduler.finish(seq, "abort")
         self._detok.pop(seq.seq_id, None)
         self._streamed.discard(seq.seq_id)
 
+    def cancel_in_flight(self) -> None:
+        """Forget the launched step without waiting for it (after its requests were aborted).
+        The device may still be running it; later steps queue behind it, so the KV blocks it
+        writes are never read before it is done."""
+        done, self._in_flight = self._in_flight, None
+        if done is not None:
+            for seq in done[0].seqs:
+                _drop_pending_token(seq)
+
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> tuple[list[StepOutput], int, bool]:
-        """One scheduling step. Returns (outputs, tokens computed, was it a prefill step)."""
+        """One engine step, overlapped with the device: schedule and launch step n+1, then wait
+        for step n's tokens and account for them while the device runs n+1.
+
+        Returns step n's (outputs, tokens computed, was it a prefill step).
+        """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
+        # Step n's sequences already hold a placeholder for their next token (Scheduler.advance),
+        # so n+1 is scheduled with the right lengths; its inputs take those tokens on the device.
         batch = self.scheduler.schedule()
-        if batch is None:
+        launched = None
+        if batch is not None:
+            launched = (batch, self.model_runner.launch(batch, self.eos_token_ids))
+        elif self._in_flight is None:
             raise RuntimeError("scheduler produced no work although requests are pending")
-        token_ids = self.model_runner.run(batch, self.eos_token_ids)
-        advanced = self.scheduler.postprocess(batch, token_ids, self.eos_token_ids, self.config.max_model_len)
+        done, self._in_flight = self._in_flight, None
+        outputs = self._resolve(*done) if done is not None else []
+        if launched is not None:
+            # After resolving step n: a sequence that step n stopped is skipped in n+1 (its row
+            # was computed for nothing, one row once per request).
+            self.scheduler.advance(batch, self.config.max_model_len)
+            self._in_flight = launched
+        if done is None:
+            return outputs, 0, batch.is_prefill
+        return outputs, done[0].num_tokens, done[0].is_prefill
+
+    def _resolve(self, batch, pending) -> list[StepOutput]:
+        """Step n's tokens have arrived: fill them in, apply stop rules, build the outputs."""
+        advanced = self.scheduler.resolve(batch, pending.result(), self.eos_token_ids)
         outputs = []
         for seq in advanced:
             text = ""
@@ -161,7 +189,7 @@ class LLMEngine:
                 if detok.stopped:
                     seq.finish_reason = "stop"
             outputs.append(StepOutput(seq, [seq.token_ids[-1]], text, seq.is_finished, seq.finish_reason))
-        return outputs, batch.num_tokens, batch.is_prefill
+        return outputs
 
     def final_text(self, seq: Sequence) -> str:
         """The finished request's output text (and forget its detokenizer)."""
@@ -179,6 +207,12 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def _drop_pending_token(seq: Sequence) -> None:
+    if seq.pending_row >= 0:  # its last token is still on the device: nobody will read it
+        seq.token_ids.pop()
+        seq.pending_row = -1
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

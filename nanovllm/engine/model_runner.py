@@ -4,6 +4,12 @@ The runner turns a `ScheduledBatch` into packed input tensors (token ids, positi
 mapping, block tables), runs the model eagerly or by replaying a captured CUDA graph (decode),
 and samples the next token of every sequence on the device. It is device-agnostic: the same
 code runs on CPU (torch attention backend) and CUDA (triton / flash_attn backends).
+
+Overlap scheduling: `launch` returns as soon as the step is queued on the device; the sampled
+tokens stay in a device buffer (`prev_tokens`), from which the next step takes the input token
+of every sequence whose last token the host has not seen yet (StepInput.src_rows), and travel
+to the host in the background (`PendingTokens`). The host thus schedules and prepares step n+1
+while the GPU runs step n.
 """
 
 from __future__ import annotations
@@ -83,8 +89,15 @@ class ModelRunner:
 
         self.kv_cache = None
         self.num_blocks = self._allocate_kv_cache()
-        self.decode_buffers = DecodeBuffers(max(config.max_num_seqs, 1), self.max_blocks_per_seq, self.block_size,
-                                            self.device, self.pin)
+        max_rows = max(config.max_num_seqs, 1)
+        self.decode_buffers = DecodeBuffers(max_rows, self.max_blocks_per_seq, self.block_size, self.device, self.pin)
+        # The last step's sampled tokens, one row per scheduled sequence, kept on the device for
+        # the next step's inputs; two pinned host copies alternate so that reading step n's
+        # tokens never races with step n+1 writing its own.
+        self.prev_tokens = torch.zeros(max_rows, dtype=torch.int32, device=self.device)
+        self._host_tokens = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=self.pin) for _ in range(2)]
+        self._token_events = [torch.cuda.Event() if self.pin else None for _ in range(2)]
+        self._flip = 0
         self._sampling_cache = None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The torch backend loops over sequences on the host: nothing a graph could replay.
@@ -186,17 +199,26 @@ class ModelRunner:
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
         q_list, k_list = q_lens.tolist(), k_lens.tolist()
         has_prefix = k_list != q_list
-        table_tensor = torch.from_numpy(tables.astype(np.int32)).to(self.device) if has_prefix else None
-        slot_mapping = torch.from_numpy(slots.astype(np.int32))
+        table_tensor = self._np_to_device(tables.astype(np.int32)) if has_prefix else None
+        slot_mapping = self._pinned(slots.astype(np.int32))
         meta = prefill_metadata(q_list, k_list, slot_mapping, table_tensor, self.device, self.pin)
         ids = self._to_device(list(itertools.chain.from_iterable(step.token_ids)), torch.long)
-        pos = torch.from_numpy(positions).to(self.device)
-        return ids, pos, meta, torch.from_numpy(cu_q - 1).to(self.device)
+        return ids, self._np_to_device(positions), meta, self._np_to_device(cu_q - 1)
+
+    def _pinned(self, array: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(array)
+        return t.pin_memory() if self.pin else t
+
+    def _np_to_device(self, array: np.ndarray) -> torch.Tensor:
+        # From pageable memory a host-to-device copy waits for the GPU to drain its queue, which
+        # would undo overlap scheduling; from pinned memory it is queued like a kernel.
+        return self._pinned(array).to(self.device, non_blocking=True)
 
     def prepare_decode(self, step: "StepInput", padded_bs: int):
         """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of the
         runner's decode buffers (the very tensors the CUDA graphs were captured with)."""
-        ids, pos, slots, ctx, tables = self.decode_buffers.load(step, padded_bs)
+        ids, pos, slots, ctx, src, tables = self.decode_buffers.load(step, padded_bs)
+        ids = self._decode_ids(ids, src)
         kv_lens = None
         if self.backend.name == "torch":
             kv_lens = [p + 1 for p in step.start_pos] + [0] * (padded_bs - len(step.start_pos))
@@ -205,6 +227,11 @@ class ModelRunner:
             query_lens=kv_lens and [min(k, 1) for k in kv_lens], kv_lens=kv_lens,
             num_splits=self._num_splits(padded_bs, tables.size(1)))
         return ids, pos, meta
+
+    def _decode_ids(self, ids: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+        """Input token per row: the host's, or (src >= 0) the previous step's sampled token that
+        is still on the device. Part of the captured decode graph, so it costs no launches."""
+        return torch.where(src >= 0, self.prev_tokens.index_select(0, src.clamp(min=0)), ids)
 
     def _num_splits(self, batch_size: int, width: int) -> int:
         """KV splits of the Triton decode kernel for this batch shape (fixed per captured graph)."""
@@ -244,22 +271,35 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> list[int]:
-        """Run one step and sample; returns the next token of every scheduled sequence."""
+    def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> "PendingTokens":
+        """Queue one step and its sampling on the device; the tokens arrive via the result."""
         return self.sample(self.execute(StepInput.from_batch(batch)), batch.seqs, eos_token_ids)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> list[int]:
-        """The next token of each sequence from its logits row (rank 0 only)."""
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> "PendingTokens":
+        """The next token of each sequence from its logits row (rank 0 only), left in
+        `prev_tokens` for the next step and copied to the host without blocking."""
         t, suppress = self.prepare_sampling(seqs, eos_token_ids)
-        return self.sampler(logits, t, suppress).tolist()
+        n = len(seqs)
+        self.prev_tokens[:n].copy_(self.sampler(logits, t, suppress))
+        self._flip ^= 1
+        host, event = self._host_tokens[self._flip], self._token_events[self._flip]
+        host[:n].copy_(self.prev_tokens[:n], non_blocking=self.pin)
+        if event is not None:
+            event.record()
+        return PendingTokens(host, n, event)
 
     @torch.inference_mode()
     def execute(self, step: "StepInput") -> torch.Tensor | None:
         """The model part of a step, which every tensor-parallel rank runs: logits of each
         sequence's last new token (rank 0) or None (other ranks)."""
         n = len(step.token_ids)
+        if step.src_rows is not None and self.world_size > 1:
+            # Only rank 0 sampled the previous step: hand its tokens to every rank, on the device.
+            dist.broadcast(self.prev_tokens, src=0, group=self.tp.group)
         if step.is_prefill:
+            if step.src_rows is not None:
+                raise RuntimeError("internal error: a prefill step got a token that is still on the device")
             ids, pos, meta, last = self.prepare_prefill(step)
             hidden = self.model(ids, pos, meta)[last]
         else:
@@ -308,17 +348,18 @@ class ModelRunner:
         buffers = self.decode_buffers
         pool = None
         for bs in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its pool
-            ids, pos, slots, ctx, tables = buffers.views(bs)
+            ids, pos, slots, ctx, src, tables = buffers.views(bs)
             meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=ctx, block_tables=tables,
                                      num_splits=self._num_splits(bs, width))
             # Any valid context works for capture: one token in block 0 (slot -1: nothing stored).
             slots.fill_(-1)
             ctx.fill_(1)
+            src.fill_(-1)
             tables.fill_(0)
-            self.model(ids, pos, meta)  # warm-up outside the graph (Triton compiles, cuBLAS plans)
+            self.model(self._decode_ids(ids, src), pos, meta)  # warm-up outside the graph (Triton compiles, cuBLAS plans)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
-                self.graph_hidden[:bs] = self.model(ids, pos, meta)
+                self.graph_hidden[:bs] = self.model(self._decode_ids(ids, src), pos, meta)
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
             torch.cuda.synchronize()
@@ -332,30 +373,32 @@ class ModelRunner:
 
 class DecodeBuffers:
     """All decode inputs of up to `max_bs` sequences in one flat int32 buffer, pinned on the host
-    and mirrored on the device, so a decode step costs a single host-to-device copy.
+    and mirrored on the device, so a decode step costs two small host-to-device copies.
 
-    Layout: token ids | positions | slot mapping | context lens | block tables [max_bs, width].
-    Each field's first `bs` rows are contiguous, so CUDA graphs captured on `views(bs)` read the
-    current step's inputs in place.
+    Layout: token ids | positions | slot mapping | context lens | source rows | block tables
+    [max_bs, width]. Each field's first `bs` rows are contiguous, so CUDA graphs captured on
+    `views(bs)` read the current step's inputs in place. Source row i >= 0 means: take row i's
+    token from the previous step's sampled tokens on the device (see ModelRunner._decode_ids).
     """
+
+    NUM_ROW_FIELDS = 5
 
     def __init__(self, max_bs: int, width: int, block_size: int, device, pin: bool):
         self.max_bs, self.width, self.block_size = max_bs, width, block_size
-        size = max_bs * (4 + width)
+        size = max_bs * (self.NUM_ROW_FIELDS + width)
         self.host = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self.device = torch.zeros(size, dtype=torch.int32, device=device)
         self._host_fields = self._split(self.host.numpy())
         self._device_fields = self._split(self.device)
-        self._small = 4 * max_bs  # the four per-sequence fields, copied whole (a few KiB)
+        self._small = self.NUM_ROW_FIELDS * max_bs  # the per-sequence fields, copied whole (a few KiB)
         self._copied = torch.cuda.Event() if pin else None
 
     def _split(self, flat):
-        m = self.max_bs
-        return (flat[:m], flat[m:2 * m], flat[2 * m:3 * m], flat[3 * m:4 * m],
-                flat[4 * m:].reshape(m, self.width))
+        m, k = self.max_bs, self.NUM_ROW_FIELDS
+        return tuple(flat[i * m:(i + 1) * m] for i in range(k)) + (flat[k * m:].reshape(m, self.width),)
 
     def views(self, bs: int):
-        """(ids, positions, slots, context_lens, block_tables) device views for `bs` rows."""
+        """(ids, positions, slots, context_lens, src_rows, block_tables) device views for `bs` rows."""
         return tuple(f[:bs] for f in self._device_fields)
 
     def load(self, step: "StepInput", bs: int):
@@ -366,12 +409,17 @@ class DecodeBuffers:
             raise ValueError(f"decode batch of {n} (padded {bs}) exceeds the buffers' {self.max_bs} rows")
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copy must be done before we overwrite
-        ids, pos, slots, ctx, tables = self._host_fields
+        ids, pos, slots, ctx, src, tables = self._host_fields
         ids[:n] = [t[0] for t in step.token_ids]
         pos[:n] = step.start_pos
+        src[:n] = -1 if step.src_rows is None else step.src_rows
+        # Block tables as one fancy-indexed write instead of a Python loop over rows.
+        lens = np.fromiter(map(len, step.block_tables), dtype=np.int64, count=n)
+        flat = np.fromiter(itertools.chain.from_iterable(step.block_tables), dtype=np.int32, count=int(lens.sum()))
+        rows = np.repeat(np.arange(n), lens)
+        cols = np.arange(len(flat)) - np.repeat(np.cumsum(lens) - lens, lens)
         tables[:bs] = -1
-        for i, row in enumerate(step.block_tables):
-            tables[i, :len(row)] = row
+        tables[rows, cols] = flat
         p = pos[:n]
         slots[:n] = tables[np.arange(n), p // self.block_size] * self.block_size + p % self.block_size
         ctx[:n] = p + 1
@@ -379,6 +427,7 @@ class DecodeBuffers:
         pos[n:bs] = 0
         slots[n:bs] = -1
         ctx[n:bs] = 0
+        src[n:bs] = -1
         # Two copies: the small fields, and only the block-table rows in use (the full table can
         # be megabytes with small blocks and a long max_model_len).
         end = self._small + bs * self.width
@@ -389,25 +438,44 @@ class DecodeBuffers:
         return self.views(bs)
 
 
+class PendingTokens:
+    """Sampled tokens on their way to the host; `result()` waits for them (and only for them)."""
+
+    def __init__(self, host: torch.Tensor, n: int, event):
+        self._host, self._n, self._event = host, n, event
+
+    def result(self) -> list[int]:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host[:self._n].tolist()
+
+
 @dataclass
 class StepInput:
     """What every tensor-parallel rank needs to run one step: plain lists, cheap to pickle.
 
     token_ids[i]: the new tokens of sequence i (decode: just its last token); start_pos[i]: how
-    many of its tokens are already in the KV cache; block_tables[i]: its KV blocks.
+    many of its tokens are already in the KV cache; block_tables[i]: its KV blocks; src_rows
+    (decode only, None when all tokens are known): for each sequence, the row of the previous
+    step's sampled tokens that holds its input token, or -1 to use token_ids.
     """
 
     is_prefill: bool
     token_ids: list[list[int]]
     start_pos: list[int]
     block_tables: list[list[int]]
+    src_rows: list[int] | None = None
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
+        seqs = batch.seqs
+        src = None
         if batch.is_prefill:
             tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]
-                      for s, n in zip(batch.seqs, batch.num_new_tokens)]
+                      for s, n in zip(seqs, batch.num_new_tokens)]
         else:
-            tokens = [[s.token_ids[-1]] for s in batch.seqs]
-        return cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in batch.seqs],
-                   [s.block_table for s in batch.seqs])
+            tokens = [[s.token_ids[-1]] for s in seqs]
+        if any(s.pending_row >= 0 for s in seqs):
+            src = [s.pending_row for s in seqs]
+        return cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in seqs],
+                   [s.block_table for s in seqs], src)

@@ -158,7 +158,8 @@ class TensorParallelRunner:
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
 
-    def run(self, batch, eos_token_ids=frozenset()):
+    def launch(self, batch, eos_token_ids=frozenset()):
+        """ModelRunner.launch across all ranks (rank 0 samples)."""
         from nanovllm.engine.model_runner import StepInput
 
         step = StepInput.from_batch(batch)

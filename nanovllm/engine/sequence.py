@@ -7,6 +7,11 @@ from enum import Enum, auto
 from nanovllm.sampling_params import SamplingParams
 
 
+# Stands in for a sampled token that is still on the device (overlap scheduling: the next step
+# is scheduled and launched before the previous one's tokens reach the host).
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(Enum):
     WAITING = auto()   # no KV blocks; in the scheduler's waiting queue
     RUNNING = auto()   # owns KV blocks; prefilling or decoding
@@ -34,6 +39,9 @@ class Sequence:
         self.block_hashes: list[int] = []  # chain hashes of the leading full blocks (prefix cache)
         self.num_committed_blocks = 0      # leading blocks already offered to the prefix cache
         self.num_preemptions = 0
+        # Row of the in-flight step whose sampled token is this sequence's last token, which is
+        # PENDING_TOKEN until the engine resolves that step; -1 when every token is known.
+        self.pending_row = -1
 
     def __len__(self) -> int:
         return len(self.token_ids)

@@ -1,0 +1,66 @@
+"""ModelRunner pieces that need no model: the decode input buffers and step inputs."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from nanovllm.engine.model_runner import DecodeBuffers, PendingTokens, StepInput
+
+
+def _expected_rows(step: StepInput, bs: int, width: int, block_size: int):
+    n = len(step.token_ids)
+    tables = torch.full((bs, width), -1, dtype=torch.int32)
+    for i, row in enumerate(step.block_tables):
+        tables[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+    slots = [step.block_tables[i][p // block_size] * block_size + p % block_size
+             for i, p in enumerate(step.start_pos)]
+    pad = bs - n
+    src = step.src_rows if step.src_rows is not None else [-1] * n
+    return ([t[0] for t in step.token_ids] + [0] * pad, list(step.start_pos) + [0] * pad, slots + [-1] * pad,
+            [p + 1 for p in step.start_pos] + [0] * pad, list(src) + [-1] * pad, tables)
+
+
+def test_decode_buffers_load_every_field_and_clear_stale_rows():
+    rng = random.Random()
+    max_bs, width, block_size = 16, 6, 4
+    buf = DecodeBuffers(max_bs, width, block_size, torch.device("cpu"), pin=False)
+    for _ in range(30):  # consecutive loads: rows left over from a bigger step must not leak
+        n = rng.randint(1, max_bs)
+        bs = rng.randint(n, max_bs)
+        tables, pos = [], []
+        for _ in range(n):
+            p = rng.randint(0, width * block_size - 1)
+            pos.append(p)
+            tables.append(rng.sample(range(100), p // block_size + 1))
+        src = [rng.choice([-1, rng.randint(0, max_bs - 1)]) for _ in range(n)] if rng.random() < 0.5 else None
+        step = StepInput(False, [[rng.randint(0, 999)] for _ in range(n)], pos, tables, src)
+        buf.device.fill_(-7)  # poison: everything the step reads must be written by load()
+        got = buf.load(step, bs)
+        want = _expected_rows(step, bs, width, block_size)
+        for name, g, w in zip(("ids", "pos", "slots", "ctx", "src"), got[:5], want[:5]):
+            assert g.tolist() == w, name
+        assert torch.equal(got[5], want[5])
+
+
+def test_step_input_marks_tokens_still_on_the_device():
+    from nanovllm.engine.scheduler import ScheduledBatch
+    from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+    from nanovllm.sampling_params import SamplingParams
+
+    a = Sequence(0, [1, 2, 3], SamplingParams(), 0)
+    b = Sequence(1, [4, 5], SamplingParams(), 0)
+    for s in (a, b):
+        s.num_cached_tokens = len(s) - 1
+        s.block_table = [s.seq_id]
+    assert StepInput.from_batch(ScheduledBatch([a, b], [1, 1], False)).src_rows is None
+    b.token_ids[-1] = PENDING_TOKEN
+    b.pending_row = 3
+    step = StepInput.from_batch(ScheduledBatch([a, b], [1, 1], False))
+    assert step.src_rows == [-1, 3] and step.token_ids == [[3], [PENDING_TOKEN]]
+
+
+def test_pending_tokens_reads_only_its_rows():
+    host = torch.tensor([5, 6, 7, 8], dtype=torch.int32)
+    assert PendingTokens(host, 3, None).result() == [5, 6, 7]
