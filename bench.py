@@ -189,7 +189,7 @@ def main(argv=None):
            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
-           "enforce_eager": args.enforce_eager}
+           "enforce_eager": args.enforce_eager, "startup_s": llm.model_runner.startup_seconds}
 
     if args.latency:
         p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)

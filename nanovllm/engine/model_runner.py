@@ -18,6 +18,7 @@ import dataclasses
 import itertools
 import logging
 import math
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,7 @@ class ModelRunner:
     def __init__(self, config: Config):
         self.config = config
         hf = config.hf_config
+        t0 = time.perf_counter()
         self.device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
         self.dtype = config.dtype
@@ -78,6 +80,7 @@ class ModelRunner:
             init_dummy(self.model, config.seed)
         else:
             load_model(self.model, config.model)
+        t_weights = time.perf_counter()
         self.backend = select_backend(config.device, self.block_size, config.attention_backend)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
@@ -89,6 +92,7 @@ class ModelRunner:
 
         self.kv_cache = None
         self.num_blocks = self._allocate_kv_cache()
+        t_kv = time.perf_counter()
         max_rows = max(config.max_num_seqs, 1)
         self.decode_buffers = DecodeBuffers(max_rows, self.max_blocks_per_seq, self.block_size, self.device, self.pin)
         # The last step's sampled tokens, one row per scheduled sequence, kept on the device for
@@ -103,6 +107,10 @@ class ModelRunner:
         # The torch backend loops over sequences on the host: nothing a graph could replay.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self._capture_cuda_graphs()
+        # Where the cold start goes (bench.py reports it).
+        self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
+                                "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
+        logger.info("model runner ready: %s seconds", self.startup_seconds)
 
     # ------------------------------------------------------------------ KV cache
     def kv_bytes_per_block(self) -> int:

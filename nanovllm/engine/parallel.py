@@ -122,6 +122,7 @@ class TensorParallelRunner:
                 raise WorkerDied(self._failure) from None
             raise e
         self.num_blocks = self.runner.num_blocks
+        self.startup_seconds = self.runner.startup_seconds
 
     def _recv(self, rank, conn):
         while not conn.poll(0.1):
