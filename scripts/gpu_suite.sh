@@ -38,5 +38,5 @@ for m in ("qwen3-0.6b", "qwen3-8b", "qwen3-8b-tp2"):
         continue
     r = json.load(open(f))
     print(f"{m:<14}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
-          f"{r['cold_start_s']:>8.1f}{r.get('decode_ms_per_token_bs1', float('nan')):>12.2f}")
+          f"{r['cold_start_s']:>8.1f}{r.get('decode_ms_per_token_bs1', float('nan')):>12.2f}  {r.get('startup_s', '')}")
 PY
