@@ -151,6 +151,8 @@ def main(argv=None):
     ap.add_argument("--latency", action="store_true", help="also measure batch-1 decode ms/token")
     ap.add_argument("--profile", action="store_true",
                     help="also print torch.profiler tables of a short run (the workload's prompts, 64 tokens each)")
+    ap.add_argument("--profile-startup", action="store_true",
+                    help="only construct the LLM, under cProfile, and print where the cold start goes")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
 
@@ -161,6 +163,16 @@ def main(argv=None):
     path = os.path.join(HERE, DUMMY_CONFIGS[args.dummy]) if args.dummy else args.model
     name = args.dummy or os.path.basename(os.path.normpath(path)).lower()
     prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+
+    if args.profile_startup:
+        import cProfile
+        import pstats
+
+        with cProfile.Profile() as prof:
+            LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
+                tensor_parallel_size=args.tp, max_model_len=4096).shutdown()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        return
 
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),

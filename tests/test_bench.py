@@ -52,3 +52,11 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert res["output_tok_s"] > 0 and res["seconds"] > 0
     assert 0 <= res["fraction_of_floor"] <= 1 and res["floor_s"] >= 0  # tiny model on a CPU: ~0
     assert res["decode_ms_per_token_bs1"] > 0
+
+
+def test_startup_profile_names_where_the_cold_start_goes(tmp_path):
+    path = tm.make_tiny_qwen3(tmp_path / "ckpt")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--profile-startup"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "cumulative" in proc.stdout and "model_runner.py" in proc.stdout

@@ -64,7 +64,13 @@ class ModelRunner:
         self.block_size = config.kvcache_block_size
         self.world_size = config.tensor_parallel_size
         self.rank = dist.get_rank() if self.world_size > 1 else 0
-        self.tp = TPGroup(self.rank, self.world_size, dist.group.WORLD if self.world_size > 1 else None)
+        group = dist.group.WORLD if self.world_size > 1 else None
+        one_shot = None
+        if self.world_size > 1 and self.device.type == "cuda":
+            from nanovllm.utils.dist import OneShotAllReduce
+
+            one_shot = OneShotAllReduce.create(group, self.device, config.dtype)
+        self.tp = TPGroup(self.rank, self.world_size, group, one_shot)
         self.pin = self.device.type == "cuda"
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
 
