@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one command (made for one call on the H200):
 #   bash scripts/gpu_suite.sh [bench args...]
+# Env: BENCH_ARGS (single-GPU benches), TP_BENCH_ARGS (the TP=2 bench), PROFILE_STARTUP=1,
+# PYTEST_ARGS, TEST_TIMEOUT.
 # 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
 # Logs and JSON go to $OUT (default /tmp/gpu_suite); a short table is printed last.
 set -uo pipefail
@@ -16,8 +18,12 @@ for m in qwen3-0.6b qwen3-8b; do
 done
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 --json "$OUT/bench-qwen3-8b-tp2.json" "$@" 2>&1 \
+  timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 ${TP_BENCH_ARGS:-} --json "$OUT/bench-qwen3-8b-tp2.json" "$@" 2>&1 \
     | tee "$OUT/bench-qwen3-8b-tp2.log"
+fi
+
+if [ -n "${PROFILE_STARTUP:-}" ]; then  # where the 0.6B cold start goes (cProfile of LLM())
+  timeout 120 python3 bench.py --dummy qwen3-0.6b --profile-startup > "$OUT/startup-profile.txt" 2>&1
 fi
 
 timeout ${TEST_TIMEOUT:-900} python3 -m pytest -m gpu -q -p no:cacheprovider -rfE tests ${PYTEST_ARGS:-} 2>&1 \
