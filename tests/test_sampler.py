@@ -411,6 +411,96 @@ def test_fused_kernel_matches_torch_path():
     assert torch.equal(got, fused(masked))
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: Triton's interpreter
+
+
+def random_rows(gen, b, vocab, dtype):
+    """Fresh logits [b, vocab] in dtype and SamplingTensors with a different temperature per
+    row (some exactly representable, some not), no filters and full-range seeds/offsets."""
+    logits = (torch.randn(b, vocab, generator=gen) * 3).to(dtype)
+    temps = [0.05, 0.6, 1.0, 1.7] + (torch.rand(b - 4, generator=gen) * 2.4 + 0.1).tolist()
+    seeds = torch.randint(-(2**63), 2**63 - 1, (b,), generator=gen).tolist()
+    offsets = torch.randint(0, 2**40, (b,), generator=gen).tolist()
+    return logits, tensors([SP(temperature=x) for x in temps], seeds, offsets)
+
+
+def fused_and_unfused(logits, t):
+    """Tokens with the scaling inside the kernel, and with torch.div first (the old route)."""
+    temps, seeds, offs = (v.to(DEVICE) for v in (t.temperatures, t.seeds, t.offsets))
+    x = logits.to(DEVICE)
+    kw = dict(chunk=256, block=64)  # small tiles keep the interpreter fast
+    fused = gumbel_argmax_triton(x, None, seeds, offs, temps, **kw)
+    unfused = gumbel_argmax_triton(torch.div(x, temps[:, None]), None, seeds, offs, **kw)
+    return fused.cpu(), unfused.cpu()
+
+
+@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_scaling_matches_unfused_route_and_torch_path(dtype):
+    gen = torch.Generator()
+    seed = gen.seed()  # fresh inputs each run; the seed is in every failure message
+    vocab = 1000  # 4 chunks of 256, the last one partial, and not a multiple of the block
+    logits, t = random_rows(gen, 12, vocab, dtype)
+    fused, unfused = fused_and_unfused(logits, t)
+    assert torch.equal(fused, unfused), seed
+    ref = Sampler()(logits, t)  # CPU: hash_uniform + Gumbel argmax in torch
+    assert_same_up_to_near_ties(ref, fused, gumbel_scores(logits, t))
+
+
+@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+def test_kernel_scaling_rounds_like_torch_div():
+    # Rows where every token's score x / T - log(-log u) is the same value up to a few ulps,
+    # so the token is decided by how x / T rounds: a kernel that multiplied by 1 / T, or
+    # divided approximately, would pick other tokens.
+    gen = torch.Generator()
+    seed = gen.seed()
+    vocab = 1000
+    _, t = random_rows(gen, 12, vocab, torch.float32)
+    gumbel = -hash_uniform(t.seeds, t.offsets, vocab).log().neg().log()
+    level = torch.randn(12, 1, generator=gen) * 3
+    logits = (level - gumbel) * t.temperatures[:, None]
+    fused, unfused = fused_and_unfused(logits, t)
+    assert torch.equal(fused, unfused), seed
+    assert fused.unique().numel() > 6, seed  # the rows do not all land on one token
+
+
+@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+def test_sampler_scales_in_kernel_only_when_eligible(monkeypatch):
+    # Send CPU tensors down the Triton route too (through the interpreter).
+    monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)
+    calls = []
+    real_scaled = sampler_mod._scaled
+    monkeypatch.setattr(sampler_mod, "_scaled", lambda *a: calls.append(1) or real_scaled(*a))
+    gen = torch.Generator()
+    seed = gen.seed()
+    sampler = Sampler()
+    for dtype in (torch.bfloat16, torch.float32):
+        logits, t = random_rows(gen, 8, 1000, dtype)
+        t_dev = tensors([SP(temperature=x) for x in t.temperatures.tolist()],
+                        t.seeds.tolist(), t.offsets.tolist(), device=DEVICE)
+        out = sampler(logits.to(DEVICE), t_dev).cpu()
+        assert not calls, seed  # no fp32 [B, V] copy of the logits
+        assert torch.equal(out, fused_and_unfused(logits, t)[0]), seed
+    logits = torch.randn(4, 1000, generator=gen).to(DEVICE)
+    base = [SP(temperature=0.8)] * 3
+    ineligible = [
+        (tensors(base + [SP(temperature=0.0)], device=DEVICE), None),
+        (tensors(base + [SP(top_k=5)], device=DEVICE), None),
+        (tensors(base + [SP(top_p=0.9)], device=DEVICE), None),
+        (tensors(base + [SP(min_p=0.1)], device=DEVICE), None),
+        (tensors(base + [SP()], device=DEVICE),
+         (torch.tensor([0], device=DEVICE), torch.tensor([3], device=DEVICE))),
+    ]
+    for i, (t, suppress) in enumerate(ineligible):
+        calls.clear()
+        sampler(logits, t, suppress)
+        assert calls == [1], i
+    eligible = tensors(base + [SP()], device=DEVICE)
+    assert sampler_mod._fuse_scaling(logits, eligible, None)
+    # The kernel reads each row as one unit-stride run.
+    assert not sampler_mod._fuse_scaling(logits.t().contiguous().t(), eligible, None)
+
+
 @pytest.mark.gpu
 def test_cpu_and_cuda_agree_and_graph_capture():
     gen = torch.Generator().manual_seed(5)

@@ -236,13 +236,16 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, seed_ptr, offset_ptr, val_ptr, idx_ptr,
-                              vocab, n_chunks,
-                              CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THR: tl.constexpr):
+    def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, temp_ptr, seed_ptr, offset_ptr, val_ptr,
+                              idx_ptr, vocab, n_chunks,
+                              CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THR: tl.constexpr,
+                              SCALE: tl.constexpr):
         """Best (score, index) of one CHUNK of one row, score = x - log(-log u), u = hash_uniform.
 
-        Grid (B, n_chunks). Tokens below the row's threshold score -inf. Within a chunk the
-        lowest index wins ties, matching torch.argmax once chunks are reduced in order.
+        Grid (B, n_chunks). x (any float dtype) is upcast to fp32, then with SCALE divided by
+        the row's temperature. Tokens whose (scaled) x is below the row's threshold score -inf.
+        Within a chunk the lowest index wins ties, matching torch.argmax once chunks are
+        reduced in order.
         """
         row = tl.program_id(0)
         chunk = tl.program_id(1)
@@ -258,9 +261,15 @@ if triton is not None:
         best_i = tl.zeros([BLOCK], tl.int32) + chunk * CHUNK
         if HAS_THR:
             thr = tl.load(thr_ptr + row)
+        if SCALE:
+            temp = tl.load(temp_ptr + row)
         for start in range(0, CHUNK, BLOCK):
             cols = chunk * CHUNK + start + tl.arange(0, BLOCK)
-            x = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf"))
+            x = tl.load(x_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+            if SCALE:
+                # Correctly rounded, like torch.div: Triton lowers a plain fp32 `/` to the
+                # approximate div.full.f32 on NVIDIA GPUs, which would flip some tokens.
+                x = tl.div_rn(x, temp)
             h = _lowbias32(_lowbias32(cols.to(tl.uint32)) ^ key)
             u = (h >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
             s = x - tl.log(-tl.log(u))
@@ -276,10 +285,15 @@ if triton is not None:
 
 
 def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch.Tensor,
-                         offsets: torch.Tensor, chunk: int = 8192, block: int = 1024):
-    """Fused equivalent of masking x < thr, adding Gumbel noise and argmax: token ids int64 [B].
+                         offsets: torch.Tensor, temperatures: torch.Tensor | None = None,
+                         chunk: int = 8192, block: int = 1024):
+    """Fused equivalent of dividing x by temperatures, masking x < thr, adding Gumbel noise
+    and argmax: token ids int64 [B].
 
-    x: fp32 [B, V] with unit stride along V; thr: fp32 [B] or None; seeds, offsets: int64 [B].
+    x: fp32, bf16 or fp16 [B, V] with unit stride along V, upcast to fp32 in the kernel.
+    temperatures: fp32 [B], all > 0, or None when x is already scaled; the division is
+    correctly rounded, so the tokens are bitwise those for torch.div(x, temperatures[:, None]).
+    thr: fp32 [B] or None, compared with the scaled x. seeds, offsets: int64 [B].
     chunk, block: powers of two, block <= chunk; each program scans one chunk of one row.
     Reads x once and writes only [B, V / chunk] partials, instead of a dozen [B, V] passes.
     """
@@ -287,18 +301,37 @@ def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch
     n_chunks = triton.cdiv(vocab, chunk)
     vals = torch.empty(b, n_chunks, dtype=torch.float32, device=x.device)
     idx = torch.empty(b, n_chunks, dtype=torch.int32, device=x.device)
+    # Unused pointer arguments get x: the kernel never reads them.
     _gumbel_argmax_kernel[(b, n_chunks)](
-        x, x.stride(0), x if thr is None else thr, seeds, offsets, vals, idx, vocab, n_chunks,
-        CHUNK=chunk, BLOCK=block, HAS_THR=thr is not None)
+        x, x.stride(0), x if thr is None else thr, x if temperatures is None else temperatures,
+        seeds, offsets, vals, idx, vocab, n_chunks,
+        CHUNK=chunk, BLOCK=block, HAS_THR=thr is not None, SCALE=temperatures is not None)
     return idx.gather(1, vals.argmax(dim=-1, keepdim=True)).squeeze(1).long()
+
+
+def _use_triton(x: torch.Tensor) -> bool:
+    """Whether Sampler draws x's tokens with the fused Triton kernel rather than torch ops."""
+    return x.is_cuda and triton is not None
+
+
+def _fuse_scaling(logits: torch.Tensor, t: SamplingTensors, suppress) -> bool:
+    """Whether Sampler can hand the raw logits to the kernel, which then divides by temperature.
+
+    Only when nothing but the kernel reads the scaled logits: every row samples (no greedy
+    argmax), no filter needs a threshold and no token is suppressed. This skips _scaled's fp32
+    [B, V] copy, which at large batches costs more than the kernel.
+    """
+    return (_use_triton(logits) and logits.stride(-1) == 1 and suppress is None
+            and not (t.any_greedy or t.need_top_k or t.need_top_p or t.need_min_p))
 
 
 class Sampler(torch.nn.Module):
     """Picks one token per row from logits [B, V] (fp32, bf16 or fp16); see SamplingTensors.
 
-    On CUDA (with Triton) noise, masking and argmax are one fused kernel; elsewhere they are
-    torch ops over [B, V] temporaries. Both compute the same integer hash, so they agree
-    except where float rounding of log() flips a near-tie.
+    On CUDA (with Triton) noise, masking and argmax are one fused kernel, which also does the
+    temperature scaling when no filter, greedy row or suppressed token needs the scaled logits;
+    elsewhere they are torch ops over [B, V] temporaries. Both compute the same integer hash,
+    so they agree except where float rounding of log() flips a near-tie.
     """
 
     def __init__(self):
@@ -322,11 +355,13 @@ class Sampler(torch.nn.Module):
         """
         if t.all_greedy and suppress is None:
             return logits.argmax(dim=-1)
+        if _fuse_scaling(logits, t, suppress):
+            return gumbel_argmax_triton(logits, None, t.seeds, t.offsets, t.temperatures)
         x = _scaled(logits, t, suppress)
         if t.all_greedy:
             return x.argmax(dim=-1)
         thr, argmax = _thresholds(x, t)
-        if x.is_cuda and triton is not None:
+        if _use_triton(x):
             sampled = gumbel_argmax_triton(x, thr, t.seeds, t.offsets)
         else:
             if thr is not None:
