@@ -41,6 +41,9 @@ class TPGroup:
         return parts
 
 
+_SYMM_MEM_GROUP_NAMES: set[str] = set()  # see OneShotAllReduce.create
+
+
 class OneShotAllReduce:
     """All-reduce of small CUDA tensors through symmetric memory over NVLink.
 
@@ -62,8 +65,6 @@ class OneShotAllReduce:
         self.dtype = dtype
         self.max_numel = max_bytes // dtype.itemsize
         self.group_name = group.group_name
-        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # required before torch 2.8, a no-op after
-            symm_mem.enable_symm_mem_for_group(self.group_name)
         self.buffers = []
         for _ in range(2):
             buf = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
@@ -77,6 +78,17 @@ class OneShotAllReduce:
         Collective: every rank must call it."""
         if device.type != "cuda":
             return None
+        # torch caches symmetric-memory state per group *name* for the life of the process, and
+        # a later engine's process group gets the same name ("0") with a new store: a second
+        # rendezvous there would wait on the old one forever. So only the first engine of a
+        # process uses this path; the ranks agree on it before anyone rendezvouses (the workers
+        # are fresh processes and would otherwise try).
+        fresh = torch.tensor([int(group.group_name not in _SYMM_MEM_GROUP_NAMES)], device=device)
+        dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
+        if not fresh.item():
+            logger.info("one-shot all-reduce already used by an earlier engine in this process: NCCL only")
+            return None
+        _SYMM_MEM_GROUP_NAMES.add(group.group_name)
         ok, fast = True, None
         try:
             fast = cls(group, device, dtype, max_bytes)
