@@ -87,12 +87,19 @@ class LLM(LLMEngine):
                 for ids, p in requests:
                     seqs.append(self.add_request(ids, p))
                 self._run_to_completion(len(seqs), use_tqdm)
-            finally:
-                for seq in seqs:
-                    if not seq.is_finished:
-                        self.abort(seq)
-                self.cancel_in_flight()
+            except BaseException:
+                self._release(seqs)
+                raise
         return [self._result(seq) for seq in seqs]
+
+    def _release(self, seqs) -> None:
+        """A generate / stream ended early: abort its unfinished requests, forget the launched
+        step and every request's text state (nobody will read it)."""
+        for seq in seqs:
+            self.abort(seq)
+        self.cancel_in_flight()
+        for seq in seqs:
+            self.forget_text(seq)
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -159,10 +166,8 @@ class LLM(LLMEngine):
                         yield StreamOutput(index[o.seq.seq_id], o.new_token_ids, o.text, o.finished,
                                            o.finish_reason)
             finally:
-                for seq in seqs:
-                    if not seq.is_finished:
-                        self.abort(seq)
-                self.cancel_in_flight()
+                # Every finished increment handed out has already forgotten its text state.
+                self._release(seqs)
 
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **chat_template_kwargs) -> list[dict]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of

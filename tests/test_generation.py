@@ -850,6 +850,60 @@ def test_stream_early_close_leaves_engine_idle(llm, refs):
     assert_idle(llm)
 
 
+def test_stream_closed_while_a_final_token_is_in_flight_forgets_its_text(llm, refs):
+    """Overlap scheduling ends a max_tokens request when its last step is launched, before the
+    token reaches the host: closing the stream right then must still drop its text state."""
+    prompts = ["Hello, world!", "The capital of France is"]
+    it = llm.stream(prompts, [greedy(2), greedy(20)])
+    for inc in it:
+        if inc.index == 0:
+            assert not inc.finished  # request 0's second and last token is still in flight
+            break
+    it.close()
+    assert_idle(llm)
+    assert not llm._detok and not llm._streamed, "detokenizer state left behind by a closed stream"
+    assert llm.generate(prompts[:1], greedy(2), use_tqdm=False)[0]["token_ids"] == \
+        refs[prompts[0]]["token_ids"][:2]
+
+
+def test_generate_interrupted_mid_run_leaves_no_state_and_engine_usable(llm, refs, monkeypatch):
+    prompts = ["Hello, world!", "Once upon a time"]
+    params = [greedy(6), greedy(6, stop=["zzz"])]  # a stop string: tracked by a detokenizer
+    real = llm.model_runner.launch
+    calls = []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llm.model_runner, "launch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, params, use_tqdm=False)
+    monkeypatch.setattr(llm.model_runner, "launch", real)
+    assert_idle(llm)
+    assert not llm._detok and not llm._streamed
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [refs[p]["token_ids"][:6] for p in prompts]
+
+
+def test_abort_of_a_request_finished_at_launch_keeps_its_last_token(llm, refs):
+    """Engine API: abort() of a request that already ended (max_tokens reached when its last
+    step was launched) is a no-op; the next step still delivers that last token."""
+    prompt = "Hello, world!"
+    seq = llm.add_request(llm.tokenize(prompt), greedy(1))
+    first, _, _ = llm.step()          # launches the prefill; its token is still on the device
+    assert first == [] and seq.is_finished
+    llm.abort(seq)
+    outputs, _, _ = llm.step()        # nothing left to schedule: resolves the launched step
+    assert [o.new_token_ids for o in outputs] == [refs[prompt]["token_ids"][:1]]
+    assert seq.completion_token_ids == refs[prompt]["token_ids"][:1] and seq.finish_reason == "length"
+    assert not llm.has_unfinished()
+    llm.final_text(seq)
+    assert_idle(llm)
+
+
 def test_stream_bad_input_raises_and_engine_stays_usable(llm, refs):
     with pytest.raises(ValueError):
         list(llm.stream(["a", "b"], [greedy(3)]))

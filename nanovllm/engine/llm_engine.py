@@ -128,9 +128,16 @@ class LLMEngine:
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is, freeing its blocks."""
+        """Drop an unfinished request wherever it is, freeing its blocks. A finished one is left
+        alone: its last token may still be on its way (finished by max_tokens at launch)."""
+        if seq.is_finished:
+            return
         _drop_pending_token(seq)
         self.scheduler.finish(seq, "abort")
+        self.forget_text(seq)
+
+    def forget_text(self, seq: Sequence) -> None:
+        """Drop a request's detokenizer state (its text will not be read)."""
         self._detok.pop(seq.seq_id, None)
         self._streamed.discard(seq.seq_id)
 
