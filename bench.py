@@ -60,9 +60,14 @@ def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: 
 
 
 def git_commit() -> str:
+    """HEAD's short hash, with "-dirty" when the tree differs from it (then the hash alone does
+    not say what ran: e.g. a copy of a working tree shipped to another machine)."""
     try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
+        head = subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, text=True,
                                        stderr=subprocess.DEVNULL).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                                        text=True, stderr=subprocess.DEVNULL).strip()
+        return head + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
 

@@ -1,4 +1,5 @@
-"""The engine loop: validate requests, then schedule -> run the model -> account, step by step."""
+"""The engine loop: validate requests, then schedule -> launch the model -> account, step by step,
+with the accounting of step n done while the device runs step n+1 (see LLMEngine.step)."""
 
 from __future__ import annotations
 
