@@ -55,6 +55,8 @@ class Config:
     """Everything `LLM(model, **kwargs)` accepts. See README for the meaning of each field.
 
     `attention_backend` (None = automatic) forces one of `ATTENTION_BACKENDS`, for tests.
+    `custom_all_reduce` opts in to the symmetric-memory one-shot all-reduce for tensor
+    parallelism on CUDA (see utils/dist.py OneShotAllReduce for the trade-off).
     """
 
     model: str
@@ -73,6 +75,7 @@ class Config:
     seed: int = 0
     skip_tokenizer_init: bool = False
     attention_backend: str | None = None
+    custom_all_reduce: bool = False
     hf_config: object = field(init=False, repr=False, default=None)
 
     @classmethod
@@ -94,7 +97,7 @@ class Config:
         _field_is("num_kvcache_blocks", self.num_kvcache_blocks, int, "-1 (automatic) or an integer >= 1")
         _field_is("gpu_memory_utilization", self.gpu_memory_utilization, float, "a number in (0, 1]")
         _field_is("seed", self.seed, int, "an integer")
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce"):
             _field_is(name, getattr(self, name), bool, "True or False")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")

@@ -49,6 +49,7 @@ def test_keywords_and_defaults_are_the_spec(ckpt):
     ("kvcache_block_size", 1024),
     ("num_kvcache_blocks", -1), ("num_kvcache_blocks", 1), ("num_kvcache_blocks", 100000),
     ("enforce_eager", True), ("enable_prefix_caching", False), ("skip_tokenizer_init", True),
+    ("custom_all_reduce", True),
     ("load_format", "auto"), ("load_format", "safetensors"), ("load_format", "dummy"),
     ("seed", 0), ("seed", 12345),
     ("device", "cpu"), ("dtype", "float32"), ("dtype", torch.float32),
@@ -70,7 +71,8 @@ def test_valid_values_are_kept(ckpt, name, value):
     # in (0, 1]
     *[("gpu_memory_utilization", v) for v in (0, 0.0, -0.1, 1.0001, 2, "0.9", None, True, float("nan"))],
     # booleans
-    *[(n, v) for n in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init") for v in ("yes", None)],
+    *[(n, v) for n in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce")
+      for v in ("yes", None)],
     ("load_format", "pt"), ("load_format", "bin"), ("load_format", None),
     ("seed", 1.5), ("seed", "0"),
     ("device", "tpu"), ("device", "mps"),

@@ -186,7 +186,8 @@ def test_tp2_on_two_gpus_matches_tp1_8b_width(tmp_path):
     with LLM(path, skip_tokenizer_init=True, max_model_len=1024) as llm:
         ref = llm.model_runner.score(seq)
         ref_tokens = tokens(llm.generate(prompts, params, use_tqdm=False))
-    with LLM(path, skip_tokenizer_init=True, max_model_len=1024, tensor_parallel_size=2) as llm:
+    with LLM(path, skip_tokenizer_init=True, max_model_len=1024, tensor_parallel_size=2,
+             custom_all_reduce=True) as llm:
         # Two H200s of one host share NVLink: the symmetric-memory all-reduce must be in use
         # (it checked itself against NCCL at start-up), so these logits go through it.
         assert llm.model_runner.runner.tp.one_shot is not None

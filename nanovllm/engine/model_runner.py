@@ -66,7 +66,7 @@ class ModelRunner:
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         group = dist.group.WORLD if self.world_size > 1 else None
         one_shot = None
-        if self.world_size > 1 and self.device.type == "cuda":
+        if self.world_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
             from nanovllm.utils.dist import OneShotAllReduce
 
             one_shot = OneShotAllReduce.create(group, self.device, config.dtype)

@@ -57,6 +57,10 @@ class OneShotAllReduce:
     call in between, which the peer only reaches after its read. Calls through here must come
     in pairs per forward pass (the two row-parallel layers of every decoder layer), so each
     forward, and each CUDA graph, starts on the same buffer.
+
+    Opt-in (`LLM(..., custom_all_reduce=True)`): measured 3% faster for Qwen3-8B at TP=2 on
+    H200s, but its device-side barrier spins with no timeout, so a worker that dies mid-step
+    leaves rank 0's GPU stuck in that kernel, where NCCL's communicator can be aborted.
     """
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int):
