@@ -201,8 +201,8 @@ class LLMEngine:
 
     def final_text(self, seq: Sequence) -> str:
         """The finished request's output text (and forget its detokenizer)."""
-        self._streamed.discard(seq.seq_id)
-        detok = self._detok.pop(seq.seq_id, None)
+        detok = self._detok.get(seq.seq_id)
+        self.forget_text(seq)
         if detok is not None:
             detok.finish()
             return detok.text

@@ -193,6 +193,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
     def _to_device(self, data, dtype) -> torch.Tensor:
+        # A list or numpy array, through pinned memory: from pageable memory a host-to-device
+        # copy waits for the GPU to drain its queue, which would undo overlap scheduling.
         return host_to_device(data, dtype, self.device, self.pin)
 
     def prepare_prefill(self, step: "StepInput"):
@@ -213,20 +215,11 @@ class ModelRunner:
         slots = tables[seq_idx, positions // bs] * bs + positions % bs
         q_list, k_list = q_lens.tolist(), k_lens.tolist()
         has_prefix = k_list != q_list
-        table_tensor = self._np_to_device(tables.astype(np.int32)) if has_prefix else None
-        slot_mapping = self._pinned(slots.astype(np.int32))
+        table_tensor = self._to_device(tables, torch.int32) if has_prefix else None
+        slot_mapping = self._to_device(slots, torch.int32)
         meta = prefill_metadata(q_list, k_list, slot_mapping, table_tensor, self.device, self.pin)
         ids = self._to_device(list(itertools.chain.from_iterable(step.token_ids)), torch.long)
-        return ids, self._np_to_device(positions), meta, self._np_to_device(cu_q - 1)
-
-    def _pinned(self, array: np.ndarray) -> torch.Tensor:
-        t = torch.from_numpy(array)
-        return t.pin_memory() if self.pin else t
-
-    def _np_to_device(self, array: np.ndarray) -> torch.Tensor:
-        # From pageable memory a host-to-device copy waits for the GPU to drain its queue, which
-        # would undo overlap scheduling; from pinned memory it is queued like a kernel.
-        return self._pinned(array).to(self.device, non_blocking=True)
+        return ids, self._to_device(positions, torch.long), meta, self._to_device(cu_q - 1, torch.long)
 
     def prepare_decode(self, step: "StepInput", padded_bs: int):
         """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of the

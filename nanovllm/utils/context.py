@@ -39,7 +39,8 @@ class AttentionMetadata:
 
 
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
-    """A host list as a device tensor; from pinned memory the copy does not block the host."""
+    """A host list or numpy array as a device tensor; from pinned memory the copy does not block
+    the host."""
     return torch.tensor(data, dtype=dtype, pin_memory=pin_memory).to(device, non_blocking=pin_memory)
 
 
