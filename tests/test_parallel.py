@@ -81,14 +81,19 @@ def test_shutdown_leaves_no_process_and_engine_refuses_work(model_path):
     assert no_children()
 
 
+def assert_next_generate_raises_quickly(llm, match: str) -> None:
+    """A dead or failed worker surfaces in the caller as a RuntimeError within 30 s."""
+    t = time.time()
+    with pytest.raises(RuntimeError, match=match):
+        llm.generate(prompts(), SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert time.time() - t < 30
+
+
 def test_killed_worker_raises_quickly(model_path):
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     try:
         os.kill(llm.model_runner.procs[0].pid, signal.SIGKILL)
-        t = time.time()
-        with pytest.raises(RuntimeError, match="worker 1 .*died"):
-            llm.generate(prompts(), SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
-        assert time.time() - t < 30
+        assert_next_generate_raises_quickly(llm, "worker 1 .*died")
     finally:
         llm.shutdown()
     assert no_children()
@@ -100,10 +105,7 @@ def test_worker_exception_reaches_the_caller(model_path):
     try:
         # Make the worker fail inside its loop, as a bug in its step would.
         llm.model_runner.conns[0].send(("no_such_method", ()))
-        t = time.time()
-        with pytest.raises(RuntimeError, match="(?s)worker 1 .*AttributeError.*no_such_method"):
-            llm.generate(prompts(), SamplingParams(max_tokens=50, ignore_eos=True), use_tqdm=False)
-        assert time.time() - t < 30
+        assert_next_generate_raises_quickly(llm, "(?s)worker 1 .*AttributeError.*no_such_method")
     finally:
         llm.shutdown()
     assert no_children()
