@@ -147,8 +147,8 @@ def main(argv=None):
     ap.add_argument("--max-output-len", type=int, default=1024, help="max_tokens are randint(100, this)")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--custom-all-reduce", action="store_true",
-                    help="TP: symmetric-memory one-shot all-reduce (LLM custom_all_reduce=True)")
+    ap.add_argument("--nccl-all-reduce", action="store_true",
+                    help="TP: every all-reduce through NCCL (LLM custom_all_reduce=False)")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
@@ -184,7 +184,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
               tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=4096,
-              custom_all_reduce=args.custom_all_reduce, max_num_seqs=args.max_num_seqs,
+              custom_all_reduce=not args.nccl_all_reduce, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size)
     cold_start = time.perf_counter() - t0
 
@@ -208,7 +208,7 @@ def main(argv=None):
            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
-           "enforce_eager": args.enforce_eager, "custom_all_reduce": args.custom_all_reduce, "startup_s": llm.model_runner.startup_seconds}
+           "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce, "startup_s": llm.model_runner.startup_seconds}
 
     if args.latency:
         p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)

@@ -55,8 +55,9 @@ class Config:
     """Everything `LLM(model, **kwargs)` accepts. See README for the meaning of each field.
 
     `attention_backend` (None = automatic) forces one of `ATTENTION_BACKENDS`, for tests.
-    `custom_all_reduce` opts in to the symmetric-memory one-shot all-reduce for tensor
-    parallelism on CUDA (see utils/dist.py OneShotAllReduce for the trade-off).
+    `custom_all_reduce` (tensor parallelism on CUDA) fuses decode-sized all-reduces with the
+    RMSNorm after them in one symmetric-memory kernel (utils/dist.py FusedAllReduceNorm);
+    False keeps every all-reduce on NCCL.
     """
 
     model: str
@@ -75,7 +76,7 @@ class Config:
     seed: int = 0
     skip_tokenizer_init: bool = False
     attention_backend: str | None = None
-    custom_all_reduce: bool = False
+    custom_all_reduce: bool = True
     hf_config: object = field(init=False, repr=False, default=None)
 
     @classmethod

@@ -188,13 +188,22 @@ def test_tp2_on_two_gpus_matches_tp1_8b_width(tmp_path):
     with LLM(path, skip_tokenizer_init=True, max_model_len=1024) as llm:
         ref = llm.model_runner.score(seq)
         ref_tokens = tokens(llm.generate(prompts, params, use_tqdm=False))
-    with LLM(path, skip_tokenizer_init=True, max_model_len=1024, tensor_parallel_size=2,
-             custom_all_reduce=True) as llm:
-        # Two H200s of one host share NVLink: the symmetric-memory all-reduce must be in use
-        # (it checked itself against NCCL at start-up), so these logits go through it.
-        assert llm.model_runner.runner.tp.one_shot is not None
+    with LLM(path, skip_tokenizer_init=True, max_model_len=1024, tensor_parallel_size=2) as llm:
+        # Two H200s of one host share NVLink: the fused symmetric-memory all-reduce + RMSNorm
+        # must be in use (it checked itself against NCCL at start-up), so these logits and the
+        # decode steps (CUDA graphs) go through it.
+        assert llm.model_runner.runner.tp.fused_norm is not None
         out = llm.model_runner.score(seq)
         tp_tokens = tokens(llm.generate(prompts, params, use_tqdm=False))
+    with LLM(path, skip_tokenizer_init=True, max_model_len=1024, tensor_parallel_size=2,
+             custom_all_reduce=False) as llm:
+        assert llm.model_runner.runner.tp.fused_norm is None
+        nccl_out = llm.model_runner.score(seq)
+        nccl_tokens = tokens(llm.generate(prompts, params, use_tqdm=False))
+    # Two ranks: the kernel rounds the same one-add sum as NCCL and then normalises like the
+    # RMSNorm kernel, so both paths give bitwise the same logits and tokens.
+    assert torch.equal(out, nccl_out)
+    assert tp_tokens == nccl_tokens
     err = (out - ref).norm() / ref.norm()
     assert err < 2e-2, err.item()
     # bf16 sums in another order may flip near-ties: compare teacher-forced argmaxes position by
@@ -220,3 +229,38 @@ def test_tp2_dummy_8b_runs_bench_workload():
         assert [len(o["token_ids"]) for o in outs] == max_tokens
         assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
     assert no_children()
+
+
+_KILL_SCRIPT = """
+import os, signal, sys, time
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+assert llm.model_runner.runner.tp.fused_norm is not None, "fused all-reduce not in use"
+params = SamplingParams(max_tokens=200, ignore_eos=True)
+llm.generate([[1, 2, 3]] * 8, params, use_tqdm=False)  # graphs and kernels warm
+t = None
+try:
+    for n, _ in enumerate(llm.stream([[1, 2, 3]] * 8, params)):
+        if n == 40:  # mid-decode: the next steps go to the device before the watchdog can notice
+            os.kill(llm.model_runner.procs[0].pid, signal.SIGKILL)
+            t = time.time()
+except RuntimeError as e:
+    print(f"raised after {time.time() - t:.1f} s: {str(e).splitlines()[0]}")
+llm.shutdown()
+"""
+
+
+@pytest.mark.gpu
+@needs_two_gpus
+def test_killed_worker_releases_the_fused_all_reduce(model_path):
+    """A worker killed while rank 0's GPU may wait in the fused kernel's barrier: the caller
+    still gets the error quickly. In a fresh process, whose first TP engine uses that kernel."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, model_path], capture_output=True, text=True,
+                          timeout=180, cwd=root)
+    print(proc.stdout, proc.stderr[-3000:])
+    assert proc.returncode == 0
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("raised after"))
+    assert "worker 1" in line and float(line.split()[2]) < 30

@@ -65,12 +65,12 @@ class ModelRunner:
         self.world_size = config.tensor_parallel_size
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         group = dist.group.WORLD if self.world_size > 1 else None
-        one_shot = None
+        fused_norm = None
         if self.world_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
-            from nanovllm.utils.dist import OneShotAllReduce
+            from nanovllm.utils.dist import FusedAllReduceNorm
 
-            one_shot = OneShotAllReduce.create(group, self.device, config.dtype)
-        self.tp = TPGroup(self.rank, self.world_size, group, one_shot)
+            fused_norm = FusedAllReduceNorm.create(group, self.device, config.dtype, hf.hidden_size)
+        self.tp = TPGroup(self.rank, self.world_size, group, fused_norm)
         self.pin = self.device.type == "cuda"
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
 

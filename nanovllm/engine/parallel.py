@@ -150,8 +150,16 @@ class TensorParallelRunner:
                 pass
             self._failure = message
             logger.error(message)
-            _abort_process_group()
+            self._abort_waits()
             return
+
+    def _abort_waits(self) -> None:
+        """Release rank 0 from anything that waits for the workers: NCCL collectives and the
+        device-side barriers of the fused all-reduce."""
+        runner = getattr(self, "runner", None)
+        if runner is not None:
+            runner.tp.abort()
+        _abort_process_group()
 
     def _check(self) -> None:
         if self._failure:
@@ -199,7 +207,7 @@ class TensorParallelRunner:
         self._closed = True
         self._stop_watchdog.set()
         if self._failure:
-            _abort_process_group()  # nobody will complete the pending collectives
+            self._abort_waits()  # nobody will complete the pending collectives
         for conn in self.conns:
             try:
                 conn.send(("exit", ()))

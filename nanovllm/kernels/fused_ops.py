@@ -79,12 +79,19 @@ def _rms_norm_kernel(
         s = (x + r).to(dtype)
         tl.store(res_out_ptr + row * n_cols + offs, s, mask=mask)
         x = s.to(tl.float32)
+    tl.store(y_ptr + row * n_cols + offs, _rms_norm_row(x, w_ptr, offs, mask, n_cols, eps, dtype), mask=mask)
+
+
+@triton.jit
+def _rms_norm_row(x, w_ptr, offs, mask, n_cols, eps, dtype: tl.constexpr):
+    """weight * (x * rsqrt(mean(x^2) + eps)) of one fp32 row (masked lanes 0), rounded as
+    transformers does: the normed row to `dtype`, then the product with the weight."""
     var = tl.sum(x * x, axis=0) / n_cols
     normed = (x * tl.rsqrt(var + eps)).to(dtype).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     # Both factors are exact in fp32 and their product fits in its mantissa (bf16/fp16), so
     # rounding it once to the dtype equals torch's low-precision multiply.
-    tl.store(y_ptr + row * n_cols + offs, (normed * w).to(dtype), mask=mask)
+    return (normed * w).to(dtype)
 
 
 def rms_norm(

@@ -37,8 +37,7 @@ class VocabParallelEmbedding(nn.Module):
         local = x - self.vocab_start
         mask = (local >= 0) & (local < self.shard_size)
         y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        # NCCL: the one-shot path must be used an even number of times per forward.
-        return self.tp.all_reduce(y, one_shot=False)
+        return self.tp.all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):

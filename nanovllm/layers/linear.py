@@ -103,12 +103,17 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; partial products are summed across ranks."""
+    """Splits the input features; partial products are summed across ranks.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
+    With `reduce_results=False` the output is this rank's partial sum and the caller reduces
+    it (Qwen3 leaves it to the RMSNorm that follows, which fuses the all-reduce).
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         super().__init__(divide(input_size, current_tp_group().size), output_size, bias, tp_dim=1)
+        self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias, so the all-reduce counts it once.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(y) if self.reduce_results else y

@@ -45,7 +45,9 @@ class Qwen3Attention(nn.Module):
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
                                           config.num_key_value_heads, bias=bias)
-        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False)
+        # Its partial sums are all-reduced by the post-attention norm (fused there).
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=False,
+                                        reduce_results=False)
         self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -77,7 +79,8 @@ class Qwen3MLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        # Its partial sums are all-reduced by the next layer's input norm (or the final norm).
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, reduce_results=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -85,7 +88,12 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair)."""
+    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair).
+
+    Under tensor parallelism `hidden` leaves the block as this rank's partial sum of down_proj,
+    and each norm that takes a residual first sums its input over the ranks (all_reduce=True):
+    two all-reduces per layer, each fused with the norm after it.
+    """
 
     def __init__(self, config, rotary_emb: RotaryEmbedding):
         super().__init__()
@@ -99,9 +107,9 @@ class Qwen3DecoderLayer(nn.Module):
             residual = hidden
             hidden = self.input_layernorm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
+            hidden, residual = self.input_layernorm(hidden, residual, all_reduce=True)
         hidden = self.self_attn(positions, hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce=True)
         return self.mlp(hidden), residual
 
 
@@ -120,7 +128,7 @@ class Qwen3Model(nn.Module):
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, _ = self.norm(hidden, residual, all_reduce=True)
         return hidden
 
 
