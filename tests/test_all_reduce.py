@@ -139,6 +139,33 @@ def test_abort_word_releases_a_rank_whose_peer_never_comes():
     assert (ranks.flags[1][:, 0] == 1).all()  # the raise went out before the wait
 
 
+def prime(ranks, parts, residual, weight):
+    """Run every rank's kernel once alone (the abort word releases its wait), then clear the
+    state. CUDA loads a kernel's module lazily, at its first launch, and that load waits for
+    the running kernels of the device: a first launch of rank 1 while rank 0 spins on the same
+    GPU would wait forever."""
+    ranks.abort_word[0] = 1
+    for rank in range(ranks.world):
+        ranks.call(rank, parts[rank], residual, weight)
+        torch.cuda.synchronize()
+    ranks.abort_word[0] = 0
+    for t in ranks.flags + ranks.phase:
+        t.zero_()
+
+
+def finish_or_abort(ranks, timeout=30.0):
+    """Wait for the device; past the deadline release the kernels through the abort word and
+    fail with the flags' state, instead of hanging the test run."""
+    done, errors = _run_in_thread(torch.cuda.synchronize)
+    if done.wait(timeout):
+        assert not errors, errors
+        return
+    ranks.abort_word[0] = 1
+    released = done.wait(30)
+    state = [f.tolist() for f in ranks.flags] if released else "the abort word did not release them"
+    pytest.fail(f"the ranks' kernels did not meet within {timeout} s; flags: {state}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_two_ranks_concurrently_on_two_streams(dtype):
@@ -147,6 +174,8 @@ def test_two_ranks_concurrently_on_two_streams(dtype):
     world, hidden = 2, 4096
     ranks = Ranks(world, hidden, max_rows=512, programs=16, dtype=dtype)
     streams = [torch.cuda.Stream() for _ in range(world)]
+    parts, residual, norm = make_inputs(world, 1, hidden, dtype)
+    prime(ranks, parts, residual, norm.weight)
     for call in range(40):
         rows = random.choice([1, 7, 16, 255, 512])
         parts, residual, norm = make_inputs(world, rows, hidden, dtype)
@@ -155,7 +184,7 @@ def test_two_ranks_concurrently_on_two_streams(dtype):
         for rank, stream in enumerate(streams):
             with torch.cuda.stream(stream):
                 outs.append(ranks.call(rank, parts[rank], residual, norm.weight))
-        torch.cuda.synchronize()
+        finish_or_abort(ranks)
         y_ref, res_ref = reference(parts, residual, norm)
         for y, new_residual in outs:
             assert torch.equal(new_residual, res_ref)
@@ -173,14 +202,7 @@ def test_two_ranks_in_a_cuda_graph():
     parts, residual, norm = make_inputs(world, rows, hidden, dtype)
     streams = [torch.cuda.Stream() for _ in range(world)]
 
-    def both_ranks_eagerly():  # compiles the kernel outside the capture
-        torch.cuda.synchronize()
-        for rank, stream in enumerate(streams):
-            with torch.cuda.stream(stream):
-                ranks.call(rank, parts[rank], residual, norm.weight)
-        torch.cuda.synchronize()
-
-    both_ranks_eagerly()
+    prime(ranks, parts, residual, norm.weight)  # also compiles the kernels before the capture
     graphs, outs = [], []
     for rank, stream in enumerate(streams):  # capture each rank alone: no kernel runs while capturing
         graph = torch.cuda.CUDAGraph()
@@ -194,7 +216,7 @@ def test_two_ranks_in_a_cuda_graph():
         for graph, stream in zip(graphs, streams):
             with torch.cuda.stream(stream):
                 graph.replay()
-        torch.cuda.synchronize()
+        finish_or_abort(ranks)
         y_ref, res_ref = reference(parts, residual, norm)
         for y, new_residual in outs:
             assert torch.equal(new_residual, res_ref)

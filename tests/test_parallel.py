@@ -232,7 +232,8 @@ def test_tp2_dummy_8b_runs_bench_workload():
 
 
 _KILL_SCRIPT = """
-import os, signal, sys, time
+import faulthandler, os, signal, sys, time
+faulthandler.dump_traceback_later(120, exit=True)  # a hang shows where, then fails the test
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
 assert llm.model_runner.runner.tp.fused_norm is not None, "fused all-reduce not in use"

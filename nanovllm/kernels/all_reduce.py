@@ -40,7 +40,7 @@ def _spin_cas(ptr, expected, desired, abort_ptr, SEM: tl.constexpr, POLL: tl.con
     """Compare-and-swap *ptr from `expected` to `desired` at system scope, retrying until it
     succeeds or *abort_ptr is non-zero. Returns the abort word (0: the swap happened)."""
     old = tl.atomic_cas(ptr, expected, desired, sem=SEM, scope="sys")
-    aborted = tl.load(abort_ptr, volatile=True) * 0
+    aborted = 0
     spins = 0
     while (old != expected) & (aborted == 0):
         spins += 1

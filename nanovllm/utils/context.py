@@ -41,7 +41,10 @@ class AttentionMetadata:
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
     """A host list or numpy array as a device tensor; from pinned memory the copy does not block
     the host."""
-    return torch.tensor(data, dtype=dtype, pin_memory=pin_memory).to(device, non_blocking=pin_memory)
+    t = torch.as_tensor(data, dtype=dtype)
+    if pin_memory:  # (torch.tensor(..., pin_memory=True) refuses numpy arrays)
+        t = t.pin_memory()
+    return t.to(device, non_blocking=pin_memory)
 
 
 def prefill_metadata(query_lens: list[int], kv_lens: list[int], slot_mapping: torch.Tensor,
