@@ -233,7 +233,7 @@ def test_tp2_dummy_8b_runs_bench_workload():
 
 _KILL_SCRIPT = """
 import faulthandler, os, signal, sys, time
-faulthandler.dump_traceback_later(120, exit=True)  # a hang shows where, then fails the test
+faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where, then fails the test
 from nanovllm import LLM, SamplingParams
 llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
 assert llm.model_runner.runner.tp.fused_norm is not None, "fused all-reduce not in use"
@@ -260,8 +260,8 @@ def test_killed_worker_releases_the_fused_all_reduce(model_path):
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, model_path], capture_output=True, text=True,
-                          timeout=180, cwd=root)
-    print(proc.stdout, proc.stderr[-3000:])
+                          timeout=150, cwd=root)
+    print(proc.stdout, proc.stderr)
     assert proc.returncode == 0
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("raised after"))
     assert "worker 1" in line and float(line.split()[2]) < 30

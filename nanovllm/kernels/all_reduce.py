@@ -50,7 +50,9 @@ def _spin_cas(ptr, expected, desired, abort_ptr, SEM: tl.constexpr, POLL: tl.con
     return aborted
 
 
-@triton.jit
+# Not specialised on the row count: one compiled kernel serves every batch size (a first launch
+# of a new variant loads a module, which waits for the device, while a peer may be waiting on us).
+@triton.jit(do_not_specialize=["n_rows"])
 def _all_reduce_rms_norm_kernel(
     x_ptr,
     x_stride,
