@@ -233,9 +233,9 @@ def test_tp2_dummy_8b_runs_bench_workload():
 
 _KILL_SCRIPT = """
 import faulthandler, os, signal, sys, time
-faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where, then fails the test
+faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where, then fails the test
 from nanovllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, dtype="bfloat16", max_num_seqs=16)
 assert llm.model_runner.runner.tp.fused_norm is not None, "fused all-reduce not in use"
 params = SamplingParams(max_tokens=200, ignore_eos=True)
 llm.generate([[1, 2, 3]] * 8, params, use_tqdm=False)  # graphs and kernels warm
@@ -259,9 +259,15 @@ def test_killed_worker_releases_the_fused_all_reduce(model_path):
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _KILL_SCRIPT, model_path], capture_output=True, text=True,
-                          timeout=150, cwd=root)
-    print(proc.stdout, proc.stderr)
+    # Its own session, so that a timeout also ends the worker it spawned (which holds the pipes).
+    proc = subprocess.Popen([sys.executable, "-c", _KILL_SCRIPT, model_path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=root, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=200)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+    print(out, err)
     assert proc.returncode == 0
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("raised after"))
+    line = next(ln for ln in out.splitlines() if ln.startswith("raised after"))
     assert "worker 1" in line and float(line.split()[2]) < 30
