@@ -92,12 +92,32 @@ def assert_next_generate_raises_quickly(llm, match: str) -> None:
 def test_killed_worker_raises_quickly(model_path):
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     try:
-        os.kill(llm.model_runner.procs[0].pid, signal.SIGKILL)
+        proc = llm.model_runner.procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()  # dead before the next step: sending it work fails (often before the watchdog sees it)
         assert_next_generate_raises_quickly(llm, "worker 1 .*died")
     finally:
         llm.shutdown()
     assert no_children()
     assert not torch.distributed.is_initialized()
+
+
+def test_worker_dead_before_the_watchdog_notices(model_path, monkeypatch):
+    """Sending the next step to a dead worker fails (broken pipe) before the watchdog may have
+    reported it: the caller must still get the worker's death, not an OSError."""
+    import nanovllm.engine.parallel as parallel
+
+    llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    try:
+        monkeypatch.setattr(parallel, "wait", lambda objects, timeout: time.sleep(timeout) or [])  # a blind watchdog
+        time.sleep(0.5)  # let it leave the real wait() it may be in
+        proc = llm.model_runner.procs[0]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.join()
+        assert_next_generate_raises_quickly(llm, "worker 1 .*died")
+    finally:
+        llm.shutdown()
+    assert no_children()
 
 
 def test_worker_exception_reaches_the_caller(model_path):

@@ -66,6 +66,10 @@ class WorkerDied(RuntimeError):
     """A tensor-parallel worker process exited or raised."""
 
 
+def _death_message(rank: int, proc) -> str:
+    return f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+
+
 def _abort_process_group() -> None:
     """Abort pending collectives so a rank blocked in one returns with an error.
 
@@ -139,7 +143,7 @@ class TensorParallelRunner:
                 continue
             rank, proc = sentinels[ready[0]]
             proc.join(timeout=1)
-            message = f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
+            message = _death_message(rank, proc)
             conn = self.conns[rank - 1]
             try:
                 if conn.poll(0.5):
@@ -182,13 +186,16 @@ class TensorParallelRunner:
     def _all_ranks(self, method: str, arg):
         """Run `method(arg)` on every rank; rank 0's result."""
         self._check()
-        for conn in self.conns:
-            conn.send((method, (arg,)))
         try:
+            for conn in self.conns:
+                conn.send((method, (arg,)))  # BrokenPipeError if a worker died since the last step
             result = getattr(self.runner, method)(arg)
         except BaseException as e:
-            # A collective failing is almost always a dead peer: wait briefly for the watchdog.
+            # A failing send or collective is almost always a dead peer: wait briefly for the watchdog.
             self._watchdog.join(timeout=5)
+            dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+            if dead and not self._failure:  # the watchdog is still reading its last words
+                self._failure = _death_message(*dead[0])
             if self._failure:
                 self.shutdown()
                 raise WorkerDied(self._failure) from e
