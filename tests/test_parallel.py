@@ -120,6 +120,34 @@ def test_worker_dead_before_the_watchdog_notices(model_path, monkeypatch):
     assert no_children()
 
 
+def test_worker_dead_at_start_raises_instead_of_waiting_in_the_rendezvous(model_path):
+    """Killed while it imports torch, a worker never joins the process group's rendezvous; rank 0
+    must not wait there (its timeout is 10 minutes) but raise within seconds."""
+    import threading
+
+    result = {}
+
+    def construct():
+        try:
+            LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16).shutdown()
+            result["error"] = None
+        except BaseException as e:
+            result["error"] = e
+
+    before = set(mp.active_children())
+    thread = threading.Thread(target=construct, daemon=True)
+    thread.start()
+    deadline = time.time() + 10
+    while not (set(mp.active_children()) - before) and time.time() < deadline:
+        time.sleep(0.01)
+    (worker,) = set(mp.active_children()) - before
+    os.kill(worker.pid, signal.SIGKILL)
+    thread.join(30)
+    assert not thread.is_alive(), "LLM() still waits for the dead worker"
+    assert isinstance(result["error"], RuntimeError) and "worker 1" in str(result["error"]), result["error"]
+    assert no_children()
+
+
 def test_worker_exception_reaches_the_caller(model_path):
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     try:

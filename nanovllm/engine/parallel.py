@@ -41,6 +41,7 @@ def _worker_main(config: Config, rank: int, init_file: str, conn) -> None:
     from nanovllm.engine.model_runner import ModelRunner
 
     try:
+        conn.send(("joining", None))  # rank 0 joins the rendezvous only once every worker is alive
         init_process_group(config, rank, init_file)
         runner = ModelRunner(config)
         conn.send(("ready", runner.num_blocks))
@@ -114,12 +115,12 @@ class TensorParallelRunner:
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="nanovllm-tp-watchdog")
         self._watchdog.start()
         try:
+            # A worker that dies before it joins would leave rank 0 waiting in the rendezvous (not
+            # abortable) until its timeout: wait for every worker's word first, watchdog in view.
+            self._expect("joining")
             init_process_group(config, 0, self.init_file)
             self.runner = ModelRunner(config)
-            for rank, conn in enumerate(self.conns, start=1):
-                kind, payload = self._recv(rank, conn)
-                if kind != "ready":
-                    raise WorkerDied(f"tensor-parallel worker {rank} failed to start:\n{payload}")
+            self._expect("ready")
         except BaseException as e:
             self.shutdown()
             if self._failure:
@@ -128,11 +129,22 @@ class TensorParallelRunner:
         self.num_blocks = self.runner.num_blocks
         self.startup_seconds = self.runner.startup_seconds
 
+    def _expect(self, what: str) -> None:
+        for rank, conn in enumerate(self.conns, start=1):
+            kind, payload = self._recv(rank, conn)
+            if kind != what:
+                raise WorkerDied(f"tensor-parallel worker {rank} failed to start:\n{payload}")
+
     def _recv(self, rank, conn):
         while not conn.poll(0.1):
             if self._failure:
                 raise WorkerDied(self._failure)
-        return conn.recv()
+        try:
+            return conn.recv()
+        except (EOFError, OSError):  # it died; the watchdog may not have said so yet
+            proc = self.procs[rank - 1]
+            proc.join(timeout=5)
+            raise WorkerDied(self._failure or _death_message(rank, proc)) from None
 
     def _watch(self) -> None:
         """Notice a dead worker and abort the process group so that rank 0 cannot hang."""
