@@ -99,6 +99,25 @@ def test_one_rank_sums_peers_and_normalises(dtype, world, rank):
         assert (ranks.phase[rank] == call + 1).all()
 
 
+def test_call_counter_wraps_around():
+    """After 2**31 calls the int32 counter wraps to negative values: the halves must still
+    alternate (and stay inside the buffer)."""
+    hidden, rank = 32, 0
+    ranks = Ranks(2, hidden, max_rows=4, programs=2, dtype=torch.float32)
+    for t in ranks.phase:
+        t.fill_(2**31 - 2)
+    for call in range(3):  # counters 2**31 - 2, 2**31 - 1, -2**31: halves 0, 1, 0
+        parts, residual, norm = make_inputs(2, 3, hidden, torch.float32)
+        half = call % 2
+        ranks.peers_arrive(rank, parts, half)
+        y, new_residual = ranks.call(rank, parts[rank], residual, norm.weight)
+        y_ref, res_ref = reference(parts, residual, norm)
+        assert torch.equal(new_residual, res_ref)
+        assert_close(y, y_ref)
+        assert torch.equal(ranks.bufs[rank][half, :3], parts[rank])
+    assert (ranks.phase[rank] == -2**31 + 1).all()
+
+
 def test_rows_beyond_the_buffer_are_rejected():
     ranks = Ranks(2, 16, max_rows=4, programs=2, dtype=torch.float32)
     parts, residual, norm = make_inputs(2, 5, 16, torch.float32)

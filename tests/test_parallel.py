@@ -148,6 +148,38 @@ def test_worker_dead_at_start_raises_instead_of_waiting_in_the_rendezvous(model_
     assert no_children()
 
 
+_RANK0_SCRIPT = """
+import sys, time
+from nanovllm import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+print(llm.model_runner.procs[0].pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_exit_when_rank0_is_killed(model_path):
+    """kill -9 of the caller's process must not leave its workers running (holding GPUs)."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-c", _RANK0_SCRIPT, model_path], stdout=subprocess.PIPE,
+                            text=True, cwd=root)
+    try:
+        worker_pid = int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
+    deadline = time.time() + 15
+    while time.time() < deadline:
+        try:
+            os.kill(worker_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(worker_pid, signal.SIGKILL)
+    pytest.fail("the worker outlived rank 0 by 15 s")
+
+
 def test_worker_exception_reaches_the_caller(model_path):
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     try:

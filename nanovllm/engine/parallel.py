@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.utils.dist import abort_device_waits
 
 logger = logging.getLogger("nanovllm")
 
@@ -37,9 +38,19 @@ def init_process_group(config: Config, rank: int, init_file: str) -> None:
                             world_size=config.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
 
 
+def _exit_with_parent() -> None:
+    """End this worker when rank 0's process is gone, even if its main thread is stuck waiting
+    for the GPU (say, in a fused all-reduce whose peer will never come): exiting frees the GPU."""
+    parent = mp.parent_process()
+    if parent is not None:
+        parent.join()
+        os._exit(1)
+
+
 def _worker_main(config: Config, rank: int, init_file: str, conn) -> None:
     from nanovllm.engine.model_runner import ModelRunner
 
+    threading.Thread(target=_exit_with_parent, daemon=True, name="nanovllm-tp-parent-watch").start()
     try:
         conn.send(("joining", None))  # rank 0 joins the rendezvous only once every worker is alive
         init_process_group(config, rank, init_file)
@@ -171,10 +182,8 @@ class TensorParallelRunner:
 
     def _abort_waits(self) -> None:
         """Release rank 0 from anything that waits for the workers: NCCL collectives and the
-        device-side barriers of the fused all-reduce."""
-        runner = getattr(self, "runner", None)
-        if runner is not None:
-            runner.tp.abort()
+        device-side barriers of the fused all-reduce (also while the model runner is built)."""
+        abort_device_waits()
         _abort_process_group()
 
     def _check(self) -> None:
@@ -239,6 +248,9 @@ class TensorParallelRunner:
                 proc.join(timeout=5)
         for conn in self.conns:
             conn.close()
+        # The workers are gone (joined or killed): nothing may wait for them on the device, or
+        # the runner's final synchronize would.
+        abort_device_waits()
         if getattr(self, "runner", None) is not None:
             self.runner.shutdown()
         if dist.is_initialized():

@@ -17,8 +17,10 @@ Layouts and protocol (all ranks launch the same grid, G programs, for every call
   [p, r] on every peer (compare-and-swap 0 -> 1, release: its copied rows are visible before
   the flag), then lowers flag [p, q] of its own pad for every peer q (1 -> 0, acquire). A raise
   waits while the peer has not yet consumed the previous one, so flags never get lost.
-- every spin polls an abort word now and then (host-mapped memory that rank 0's watchdog sets
-  when a worker dies), so a dead peer cannot leave a GPU spinning forever.
+- every spin polls an abort word now and then (pinned host memory, read in place; rank 0's
+  watchdog sets it when a worker dies, and a worker whose rank 0 died exits), so a dead peer
+  cannot leave a GPU spinning forever. All programs must be resident at once: the grid is at
+  most one program per SM.
 Programs sum the ranks in rank order with fp32 accumulation, so every rank computes bitwise the
 same rows (ranks must keep identical residual streams).
 """
@@ -42,10 +44,13 @@ def _spin_cas(ptr, expected, desired, abort_ptr, SEM: tl.constexpr, POLL: tl.con
     old = tl.atomic_cas(ptr, expected, desired, sem=SEM, scope="sys")
     aborted = 0
     spins = 0
+    lanes = tl.arange(0, 32)
     while (old != expected) & (aborted == 0):
         spins += 1
         if spins % POLL == 0:
-            aborted = tl.load(abort_ptr, volatile=True)
+            # Every thread reads the word on its own; the reduction hands all of them one value,
+            # so no warp leaves the loop (with its barriers) an iteration before the others.
+            aborted = tl.max(tl.load(abort_ptr + lanes * 0, volatile=True), axis=0)
         old = tl.atomic_cas(ptr, expected, desired, sem=SEM, scope="sys")
     return aborted
 
@@ -88,8 +93,8 @@ def _all_reduce_rms_norm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     phase = tl.load(phase_ptr + pid)
-    tl.store(phase_ptr + pid, phase + 1)
-    half = (phase % 2).to(tl.int64) * max_rows * n_cols
+    tl.store(phase_ptr + pid, phase + 1)  # wraps after 2**31 calls; its parity stays right
+    half = (phase & 1).to(tl.int64) * max_rows * n_cols
 
     own = tl.load(addr_ptr + RANK).to(tl.pointer_type(dtype)) + half
     for i in range(pid, n_rows, num_programs):

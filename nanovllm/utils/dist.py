@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object = None  # a torch.distributed ProcessGroup when size > 1
-    fused_norm: "FusedAllReduceNorm | None" = None  # fast path for decode-sized CUDA tensors
+    fused_norm: "FusedAllReduceNorm | None" = None  # fast path for small (<= 8 MiB) CUDA tensors
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
@@ -45,38 +46,44 @@ class TPGroup:
         dist.gather(x, parts, dst=0, group=self.group)
         return parts
 
-    def abort(self) -> None:
-        """Make any device-side wait for a peer give up (the peer died); see FusedAllReduceNorm."""
-        if self.fused_norm is not None:
-            self.fused_norm.abort()
-
 
 _SYMM_MEM_GROUP_NAMES: set[str] = set()  # see FusedAllReduceNorm.create
+# Every live FusedAllReduceNorm of this process, so that a watchdog can release their device-side
+# waits even while the model runner that owns one is still being built.
+_LIVE_FUSED: "weakref.WeakSet[FusedAllReduceNorm]" = weakref.WeakSet()
+
+
+def abort_device_waits() -> None:
+    """Make every device-side wait for a peer in this process give up, for good (a peer died):
+    the fused kernels then finish with meaningless sums, and the engine must be closed."""
+    for fused in list(_LIVE_FUSED):
+        fused.abort_word[0] = 1
 
 
 class FusedAllReduceNorm:
-    """All-reduce + residual add + RMSNorm of decode-sized activations in one kernel per rank,
-    through symmetric memory over NVLink (the kernel and its protocol: kernels/all_reduce.py).
+    """All-reduce + residual add + RMSNorm of small activations (up to 8 MiB: decode steps, short
+    prefill chunks) in one kernel per rank, through symmetric memory over NVLink (the kernel and
+    its protocol: kernels/all_reduce.py).
 
     Replaces, twice per decoder layer, an NCCL all-reduce (~15-25 us at a few hundred rows:
     ring/proxy latency, not bandwidth) and the norm kernel after it. Its device-side waits
-    poll an abort word in pinned host memory, which the tensor-parallel watchdog sets when a
-    worker dies, so a dead peer cannot leave a GPU spinning.
+    poll an abort word in pinned host memory (read in place by the GPU through unified
+    addressing), which `abort_device_waits` sets when a peer dies: the TP watchdog on rank 0,
+    and a worker whose rank 0 is gone exits, so a dead peer cannot leave a GPU spinning.
     """
 
-    def __init__(self, group, device: torch.device, dtype: torch.dtype, hidden: int, max_bytes: int):
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, hidden: int, max_bytes: int,
+                 programs: int):
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.dtype, self.hidden = dtype, hidden
         self.max_rows = max(1, max_bytes // (hidden * dtype.itemsize))
-        # One program per SM at most, so all of them are resident at once: a program spinning at
-        # the barrier never waits for one that cannot be scheduled.
-        programs = min(128, torch.cuda.get_device_properties(device).multi_processor_count)
+        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        _LIVE_FUSED.add(self)
         self.buffer = symm_mem.empty(2 * self.max_rows * hidden, dtype=dtype, device=device)
         self.flags = symm_mem.empty(programs * self.world_size, dtype=torch.int32, device=device)
         self.flags.zero_()
-        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # the device reads it in place
         addresses = [a for t in (self.buffer, self.flags)
                      for a in self._peer_addresses(symm_mem.rendezvous(t, group.group_name), t)]
         self.addresses = torch.tensor(addresses + [self.abort_word.data_ptr()], dtype=torch.int64, device=device)
@@ -105,16 +112,29 @@ class FusedAllReduceNorm:
             logger.info("fused all-reduce already used by an earlier engine in this process: NCCL only")
             return None
         _SYMM_MEM_GROUP_NAMES.add(group.group_name)
-        ok, fused = True, None
-        try:
-            fused = cls(group, device, dtype, hidden, max_bytes)
-            ok = fused._self_check(group)
-        except Exception as e:  # not built with symmetric memory, no NVLink peer access, ...
-            logger.info("fused all-reduce unavailable, using NCCL only: %s", e)
-            ok = False
-        flag = torch.tensor([int(ok)], device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # all ranks or none
-        if not flag.item():
+        # Every rank must launch the same grid, and all of its programs must be resident at once
+        # (a program spinning at the barrier must never wait for one that cannot be scheduled):
+        # at most one program per SM of the smallest GPU.
+        sms = torch.tensor([min(128, torch.cuda.get_device_properties(device).multi_processor_count)], device=device)
+        dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
+        fused = None
+
+        def everyone(step) -> bool:  # all ranks or none: a rank alone in the kernel would spin forever
+            try:
+                ok = step()
+            except Exception as e:  # not built with symmetric memory, no NVLink peer access, ...
+                logger.info("fused all-reduce unavailable, using NCCL only: %s", e)
+                ok = False
+            flag = torch.tensor([int(ok)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+            return bool(flag.item())
+
+        def build() -> bool:
+            nonlocal fused
+            fused = cls(group, device, dtype, hidden, max_bytes, int(sms.item()))
+            return True
+
+        if not (everyone(build) and everyone(lambda: fused._self_check(group))):
             return None
         logger.info("fused all-reduce + RMSNorm over symmetric memory for up to %d rows", fused.max_rows)
         return fused
@@ -130,7 +150,8 @@ class FusedAllReduceNorm:
             x = torch.randn(rows, self.hidden, generator=gen, device=device).to(self.dtype)
             residual = torch.randn(rows, self.hidden, generator=gen, device=device).to(self.dtype)
             dist.broadcast(residual, src=0, group=group)  # ranks share the residual stream
-            weight = torch.ones(self.hidden, dtype=self.dtype, device=device)
+            weight = (1 + 0.2 * torch.randn(self.hidden, generator=gen, device=device)).to(self.dtype)
+            dist.broadcast(weight, src=0, group=group)
             summed = x.clone()
             dist.all_reduce(summed, group=group)
             want = rms_norm(summed, weight, 1e-6, residual)
@@ -150,9 +171,6 @@ class FusedAllReduceNorm:
 
         return all_reduce_rms_norm(x, residual, weight, eps, addresses=self.addresses, phase=self.phase,
                                    max_rows=self.max_rows, rank=self.rank, world_size=self.world_size)
-
-    def abort(self) -> None:
-        self.abort_word[0] = 1
 
 
 _SINGLE = TPGroup()
