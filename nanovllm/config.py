@@ -55,7 +55,7 @@ class Config:
     """Everything `LLM(model, **kwargs)` accepts. See README for the meaning of each field.
 
     `attention_backend` (None = automatic) forces one of `ATTENTION_BACKENDS`, for tests.
-    `custom_all_reduce` (tensor parallelism on CUDA) fuses decode-sized all-reduces with the
+    `custom_all_reduce` (tensor parallelism on CUDA) fuses all-reduces up to 8 MiB with the
     RMSNorm after them in one symmetric-memory kernel (utils/dist.py FusedAllReduceNorm);
     False keeps every all-reduce on NCCL.
     """

@@ -1,4 +1,5 @@
 import os
+import random
 
 import pytest
 import torch
@@ -16,3 +17,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def fresh_seed():
+    """New random inputs every run, with the seed printed so a failure can be replayed."""
+    seed = random.randrange(2**31)
+    print(f"seed {seed}")
+    torch.manual_seed(seed)
+    return seed

@@ -25,11 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def fresh_seed():
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
+pytestmark = pytest.mark.usefixtures("fresh_seed")  # tests/conftest.py
 
 
 class Ranks:

@@ -32,12 +32,7 @@ TOL = {
 EPS = 1e-6
 
 
-@pytest.fixture(autouse=True)
-def fresh_seed():
-    seed = random.randrange(2**31)
-    print(f"seed {seed}")
-    torch.manual_seed(seed)
-    return seed
+pytestmark = pytest.mark.usefixtures("fresh_seed")  # tests/conftest.py
 
 
 @pytest.fixture(autouse=True)
