@@ -315,7 +315,8 @@ _KILL_SCRIPT = """
 import faulthandler, os, signal, sys, time
 faulthandler.dump_traceback_later(150, exit=True)  # a hang shows where, then fails the test
 from nanovllm import LLM, SamplingParams
-llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, dtype="bfloat16", max_num_seqs=16)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16, dtype="bfloat16", max_num_seqs=16,
+          num_kvcache_blocks=512)
 assert llm.model_runner.runner.tp.fused_norm is not None, "fused all-reduce not in use"
 params = SamplingParams(max_tokens=200, ignore_eos=True)
 llm.generate([[1, 2, 3]] * 8, params, use_tqdm=False)  # graphs and kernels warm
@@ -328,6 +329,7 @@ try:
 except RuntimeError as e:
     print(f"raised after {time.time() - t:.1f} s: {str(e).splitlines()[0]}")
 llm.shutdown()
+print("shut down", flush=True)
 """
 
 
@@ -348,6 +350,10 @@ def test_killed_worker_releases_the_fused_all_reduce(model_path):
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
     print(out, err)
-    assert proc.returncode == 0
     line = next(ln for ln in out.splitlines() if ln.startswith("raised after"))
     assert "worker 1" in line and float(line.split()[2]) < 30
+    assert "shut down" in out.splitlines()
+    # torch 2.11 / NCCL 2.28: the abort thread that released the GPU returns only at exit, and
+    # torch then ends the process with SIGABRT (see parallel.NCCL_ABORT_WAIT_S). Any other end,
+    # or our timeout's SIGKILL, fails.
+    assert proc.returncode in (0, -signal.SIGABRT), proc.returncode

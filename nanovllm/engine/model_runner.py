@@ -318,15 +318,17 @@ class ModelRunner:
                 hidden = self._replay(step, graph_bs)[:n]
         return self.model.compute_logits(hidden)
 
-    def shutdown(self) -> None:
-        """Release the KV cache, graphs and weights (GPU memory goes back to the allocator)."""
+    def shutdown(self, synchronize: bool = True) -> None:
+        """Release the KV cache, graphs and weights (GPU memory goes back to the allocator).
+        synchronize=False when a kernel may never finish (a TP peer died and NCCL's abort hung):
+        then the memory stays cached rather than wait for the device."""
         self.graphs.clear()
         self.graph_hidden = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None
         self.model = None
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and synchronize:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 

@@ -18,6 +18,7 @@ import multiprocessing as mp
 import os
 import tempfile
 import threading
+import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import wait
@@ -82,6 +83,14 @@ def _death_message(rank: int, proc) -> str:
     return f"tensor-parallel worker {rank} (pid {proc.pid}) died with exit code {proc.exitcode}"
 
 
+# After a worker died, how long shutdown waits for rank 0's GPU to drain. Seen on 2xH200 (NCCL
+# 2.28.9, torch 2.11) with a SIGKILLed worker: the NCCL abort releases the kernels that wait for
+# the dead peer within moments, but the abort call itself only returns once this process exits
+# (and torch then ends the process with SIGABRT). So it runs in a thread of its own, rank 0
+# waits for its device, not for the abort, and the process group is not destroyed.
+NCCL_ABORT_WAIT_S = 10.0
+
+
 def _abort_process_group() -> None:
     """Abort pending collectives so a rank blocked in one returns with an error.
 
@@ -114,6 +123,8 @@ class TensorParallelRunner:
         self.procs, self.conns = [], []
         self._closed = False
         self._failure: str | None = None
+        self._abort_lock = threading.Lock()
+        self._abort_thread: threading.Thread | None = None
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(config, rank, self.init_file, child), daemon=True,
@@ -180,11 +191,33 @@ class TensorParallelRunner:
             self._abort_waits()
             return
 
-    def _abort_waits(self) -> None:
-        """Release rank 0 from anything that waits for the workers: NCCL collectives and the
-        device-side barriers of the fused all-reduce (also while the model runner is built)."""
+    def _abort_waits(self, wait_s: float = 0.0) -> bool:
+        """Release rank 0 from anything that waits for the workers: the device-side barriers of
+        the fused all-reduce (also while the model runner is built) and NCCL collectives. The
+        NCCL abort starts once, in its own thread; True if it finished within `wait_s`."""
         abort_device_waits()
-        _abort_process_group()
+        with self._abort_lock:
+            if self._abort_thread is None:
+                self._abort_thread = threading.Thread(target=_abort_process_group, daemon=True,
+                                                      name="nanovllm-nccl-abort")
+                self._abort_thread.start()
+        self._abort_thread.join(timeout=wait_s)
+        return not self._abort_thread.is_alive()
+
+    def _device_drained(self, timeout_s: float) -> bool:
+        """Whether the work queued on rank 0's device (collectives included: the compute stream
+        waits for them) finishes within `timeout_s`; polled, since a kernel waiting for a dead
+        peer may never finish."""
+        if self.config.device != "cuda" or not torch.cuda.is_initialized():
+            return True
+        done = torch.cuda.Event()
+        done.record()
+        end = time.monotonic() + timeout_s
+        while not done.query():
+            if time.monotonic() > end:
+                return False
+            time.sleep(0.005)
+        return True
 
     def _check(self) -> None:
         if self._failure:
@@ -234,8 +267,15 @@ class TensorParallelRunner:
             return
         self._closed = True
         self._stop_watchdog.set()
-        if self._failure:
-            self._abort_waits()  # nobody will complete the pending collectives
+        abort_finished = drained = True
+        if self._failure:  # nobody will complete the pending collectives
+            abort_finished = self._abort_waits()
+            drained = self._device_drained(NCCL_ABORT_WAIT_S)
+            if drained:  # gloo's abort returns at once; NCCL's (see above) may not
+                abort_finished = self._abort_waits(wait_s=2.0)
+            else:
+                logger.warning("rank 0's GPU is still waiting for the dead worker %.0f s after the abort; "
+                               "its memory is freed when this process exits", NCCL_ABORT_WAIT_S)
         for conn in self.conns:
             try:
                 conn.send(("exit", ()))
@@ -252,8 +292,8 @@ class TensorParallelRunner:
         # the runner's final synchronize would.
         abort_device_waits()
         if getattr(self, "runner", None) is not None:
-            self.runner.shutdown()
-        if dist.is_initialized():
+            self.runner.shutdown(synchronize=drained)
+        if abort_finished and dist.is_initialized():  # else destroying it would wait for the abort
             try:
                 dist.destroy_process_group()
             except Exception:
