@@ -149,6 +149,8 @@ def main(argv=None):
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--nccl-all-reduce", action="store_true",
                     help="TP: every all-reduce through NCCL (LLM custom_all_reduce=False)")
+    ap.add_argument("--gather-logits", action="store_true",
+                    help="TP: rank 0 gathers the logits and samples alone (default: every rank samples its vocabulary shard)")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
@@ -187,6 +189,8 @@ def main(argv=None):
               custom_all_reduce=not args.nccl_all_reduce, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size)
     cold_start = time.perf_counter() - t0
+    if args.tp > 1 and args.gather_logits:
+        llm.model_runner.sample_on_every_rank = False
 
     llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)  # warm-up
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
@@ -208,7 +212,8 @@ def main(argv=None):
            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
-           "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce, "startup_s": llm.model_runner.startup_seconds}
+           "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
+           "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds}
 
     if args.latency:
         p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)

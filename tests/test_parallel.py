@@ -55,6 +55,34 @@ def test_tp2_equals_tp1_with_preemption_and_prefix_hits(model_path):
     assert no_children()
 
 
+def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
+    """Seeded temperature sampling from per-shard candidates (every rank) gives exactly the
+    tokens of rank 0 sampling the gathered logits; batches that mix in top-k / min_tokens rows
+    switch to rank 0 and back (so the device-side tokens of the previous step must be
+    broadcast, or not, accordingly)."""
+    plain = [SamplingParams(temperature=t, max_tokens=n, ignore_eos=True, seed=s)
+             for t, n, s in ((0.8, 20, 1), (1.3, 9, 2), (0.0, 14, None), (0.6, 17, 4), (1.0, 12, 5))]
+    filtered = [SamplingParams(temperature=0.9, top_k=7, max_tokens=5, ignore_eos=True, seed=6),
+                SamplingParams(temperature=0.7, min_tokens=8, max_tokens=11, seed=7)]
+    batch = prompts() + [[11, 12, 13], [40] * 9]
+    params = plain + filtered
+    results = {}
+    with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        runner = llm.model_runner
+        calls = []
+        every_rank = runner.runner._sample_on_every_rank
+        runner.runner._sample_on_every_rank = lambda *a: calls.append(1) or every_rank(*a)
+        for on in (True, False):
+            runner.sample_on_every_rank = on
+            calls.clear()
+            results[on] = [tokens(llm.generate(batch, params, use_tqdm=False)),
+                           tokens(llm.generate(prompts(), plain, use_tqdm=False))]
+            # Used for most steps when on (all rows plain once the filtered ones finish), never when off.
+            assert (len(calls) > 10) if on else not calls
+    assert results[True] == results[False]
+    assert no_children()
+
+
 def test_two_engines_one_after_another_and_side_by_side(model_path):
     with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as a:
         first = tokens(a.generate(prompts()[:2], GREEDY, use_tqdm=False))

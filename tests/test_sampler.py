@@ -538,3 +538,60 @@ def test_cpu_and_cuda_agree_and_graph_capture():
     expected = sampler(new_logits.cuda(), t_gpu)
     torch.cuda.synchronize()
     assert torch.equal(static_out, expected)
+
+
+# ---------------------------------------------------------------- per-shard candidates (TP)
+
+def shard_pick(sampler, logits, t, bounds):
+    """Token per row from each vocabulary shard [bounds[i], bounds[i+1])'s candidates."""
+    cands = [sampler.candidates(logits[:, lo:hi], t, lo) for lo, hi in zip(bounds, bounds[1:])]
+    return sampler_mod.pick_candidates(torch.stack([c[0] for c in cands]), torch.stack([c[1] for c in cands]))
+
+
+@pytest.mark.parametrize("route", ["torch", "triton"])
+def test_shard_candidates_give_the_whole_vocabulary_token(route, monkeypatch):
+    if route == "triton":
+        if sampler_mod.triton is None:
+            pytest.skip("needs Triton")
+        monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)  # CPU: the interpreter
+    gen = torch.Generator()
+    seed = gen.seed()
+    sampler = Sampler()
+    vocab = 1000
+    for dtype in (torch.float32, torch.bfloat16):
+        logits, t_sampled = random_rows(gen, 10, vocab, dtype)
+        logits = logits.to(DEVICE if route == "triton" else "cpu")
+        temps = t_sampled.temperatures.tolist()
+        seeds, offsets = t_sampled.seeds.tolist(), t_sampled.offsets.tolist()
+        greedy = [0.0 if i % 3 == 0 else x for i, x in enumerate(temps)]
+        for row_temps in (temps, greedy, [0.0] * len(temps)):  # sampled, mixed, all greedy
+            t = SamplingTensors.temperature_only(row_temps, seeds, offsets, logits.device)
+            want = sampler(logits, t).cpu()
+            # Shard boundaries inside and on chunk edges, an empty-ish last shard, one shard.
+            for bounds in ([0, vocab], [0, 500, vocab], [0, 256, 613, 999, vocab]):
+                got = shard_pick(sampler, logits, t, bounds).cpu()
+                assert torch.equal(got, want), (seed, dtype, row_temps is greedy, bounds)
+
+
+def test_shard_candidates_break_ties_like_argmax():
+    # The largest logit appears in two shards: the lowest token id wins, as in argmax.
+    logits = torch.zeros(2, 12)
+    logits[:, [9, 4]] = 5.0
+    t = SamplingTensors.temperature_only([0.0, 0.0], [1, 2], [0, 0], "cpu")
+    got = shard_pick(Sampler(), logits, t, [0, 3, 6, 12])
+    assert got.tolist() == [4, 4]
+    # A shard offers its own first maximum, too.
+    logits[:, 2] = 5.0
+    assert shard_pick(Sampler(), logits, t, [0, 6, 12]).tolist() == [2, 2]
+
+
+def test_candidates_refuse_filters_and_filters_off_matches_build():
+    t = tensors([SP(temperature=0.7, top_k=5)])
+    with pytest.raises(ValueError, match="top-k"):
+        Sampler().candidates(torch.zeros(1, 8), t)
+    plain = [SP(), SP(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2), SP(temperature=1.3)]
+    filtered = [SP(top_k=3), SP(top_p=0.9), SP(min_p=0.1)]
+    assert all(sampler_mod.filters_off(p) for p in plain)
+    assert not any(sampler_mod.filters_off(p) for p in filtered)
+    flags = tensors(plain)
+    assert not (flags.need_top_k or flags.need_top_p or flags.need_min_p)

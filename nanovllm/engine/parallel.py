@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.layers.sampler import filters_off
 from nanovllm.utils.dist import abort_device_waits
 
 logger = logging.getLogger("nanovllm")
@@ -123,6 +124,10 @@ class TensorParallelRunner:
         self.procs, self.conns = [], []
         self._closed = False
         self._failure: str | None = None
+        # Sample on every rank when the batch allows it (see launch); False: always on rank 0
+        # (bench.py --gather-logits measures that path).
+        self.sample_on_every_rank = True
+        self._tokens_on_every_rank = False  # the last step's sampled tokens are on every rank
         self._abort_lock = threading.Lock()
         self._abort_thread: threading.Thread | None = None
         for rank in range(1, config.tensor_parallel_size):
@@ -226,12 +231,21 @@ class TensorParallelRunner:
             raise RuntimeError("this LLM has been shut down")
 
     def launch(self, batch, eos_token_ids=frozenset()):
-        """ModelRunner.launch across all ranks (rank 0 samples)."""
-        from nanovllm.engine.model_runner import StepInput
+        """ModelRunner.launch across all ranks. Rows with plain temperature (or greedy)
+        sampling are sampled on every rank from per-shard candidates; else rank 0 gathers the
+        logits and samples alone."""
+        from nanovllm.engine.model_runner import RowSampling, StepInput, suppressed_tokens
 
         step = StepInput.from_batch(batch)
-        logits = self._all_ranks("execute", step)
-        return self.runner.sample(logits, batch.seqs, eos_token_ids)
+        step.sync_prev = not self._tokens_on_every_rank
+        if self.sample_on_every_rank and all(filters_off(s.params) and not suppressed_tokens(s, eos_token_ids)
+                                             for s in batch.seqs):
+            step.sampling = RowSampling.from_seqs(batch.seqs)
+        self._tokens_on_every_rank = step.sampling is not None
+        out = self._all_ranks("execute", step)
+        if step.sampling is not None:
+            return self.runner.publish_tokens(len(batch.seqs))
+        return self.runner.sample(out, batch.seqs, eos_token_ids)
 
     def score(self, token_ids: list[int]):
         """Teacher-forced logits of one sequence across all ranks (see ModelRunner.score)."""

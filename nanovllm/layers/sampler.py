@@ -56,9 +56,10 @@ def _row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     return k
 
 
-def _token_hashes(vocab_size: int, device) -> torch.Tensor:
-    """lowbias32 of each token id [V], so that rows with related keys get unrelated noise."""
-    return _mix32_(torch.arange(vocab_size, dtype=torch.int64, device=device))
+def _token_hashes(vocab_size: int, device, start: int = 0) -> torch.Tensor:
+    """lowbias32 of token ids start..start+vocab_size-1 [V], so that rows with related keys get
+    unrelated noise (a vocabulary shard passes its first id)."""
+    return _mix32_(torch.arange(start, start + vocab_size, dtype=torch.int64, device=device))
 
 
 def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
@@ -111,15 +112,20 @@ class SamplingTensors:
         cause a sort.
         """
         temps, ks, ps, mps = [], [], [], []
-        sort_k = 0
         for p in params:
             greedy = p.temperature == 0.0
-            k = p.top_k if p.top_k > 0 and not greedy else 0
-            top_p = 1.0 if greedy else float(p.top_p)
             temps.append(float(p.temperature))
-            ks.append(k)
-            ps.append(top_p)
+            ks.append(p.top_k if p.top_k > 0 and not greedy else 0)
+            ps.append(1.0 if greedy else float(p.top_p))
             mps.append(0.0 if greedy else float(p.min_p))
+        return cls.from_lists(temps, ks, ps, mps, seeds, offsets, device, pin_memory)
+
+    @classmethod
+    def from_lists(cls, temps: list[float], ks: list[int], ps: list[float], mps: list[float],
+                   seeds: list[int], offsets: list[int], device, pin_memory: bool = False) -> SamplingTensors:
+        """Build from per-row values whose filters are already off (0, 1.0, 0.0) on greedy rows."""
+        sort_k = 0
+        for k, top_p in zip(ks, ps):
             if top_p < 1.0 and k == 0:
                 sort_k = -1
             elif sort_k >= 0:
@@ -145,6 +151,19 @@ class SamplingTensors:
             need_min_p=any(x > 0.0 for x in mps),
             sort_k=sort_k,
         )
+
+    @classmethod
+    def temperature_only(cls, temps: list[float], seeds: list[int], offsets: list[int], device,
+                         pin_memory: bool = False) -> SamplingTensors:
+        """Rows that sample from the plain temperature-scaled distribution (or greedily)."""
+        n = len(temps)
+        return cls.from_lists(temps, [0] * n, [1.0] * n, [0.0] * n, seeds, offsets, device, pin_memory)
+
+
+def filters_off(p: SamplingParams) -> bool:
+    """Whether `p` draws from the plain temperature-scaled distribution (greedy rows always do):
+    then a row's token is the best of per-vocabulary-shard candidates (see Sampler.candidates)."""
+    return p.temperature == 0.0 or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
 
 
 def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
@@ -237,13 +256,14 @@ if triton is not None:
 
     @triton.jit
     def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, temp_ptr, seed_ptr, offset_ptr, val_ptr,
-                              idx_ptr, vocab, n_chunks,
+                              idx_ptr, vocab, n_chunks, first_id,
                               CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THR: tl.constexpr,
                               SCALE: tl.constexpr):
         """Best (score, index) of one CHUNK of one row, score = x - log(-log u), u = hash_uniform.
 
         Grid (B, n_chunks). x (any float dtype) is upcast to fp32, then with SCALE divided by
         the row's temperature. Tokens whose (scaled) x is below the row's threshold score -inf.
+        Column j of x is token first_id + j (a vocabulary shard), for the noise and the index.
         Within a chunk the lowest index wins ties, matching torch.argmax once chunks are
         reduced in order.
         """
@@ -258,7 +278,7 @@ if triton is not None:
         key = _lowbias32(key ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
         x_row = x_ptr + row.to(tl.int64) * x_stride
         best = tl.full([BLOCK], float("-inf"), tl.float32)
-        best_i = tl.zeros([BLOCK], tl.int32) + chunk * CHUNK
+        best_i = tl.zeros([BLOCK], tl.int32) + chunk * CHUNK + first_id
         if HAS_THR:
             thr = tl.load(thr_ptr + row)
         if SCALE:
@@ -270,32 +290,31 @@ if triton is not None:
                 # Correctly rounded, like torch.div: Triton lowers a plain fp32 `/` to the
                 # approximate div.full.f32 on NVIDIA GPUs, which would flip some tokens.
                 x = tl.div_rn(x, temp)
-            h = _lowbias32(_lowbias32(cols.to(tl.uint32)) ^ key)
+            ids = cols + first_id
+            h = _lowbias32(_lowbias32(ids.to(tl.uint32)) ^ key)
             u = (h >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
             s = x - tl.log(-tl.log(u))
             if HAS_THR:
                 s = tl.where(x < thr, float("-inf"), s)
             better = s > best
             best = tl.where(better, s, best)
-            best_i = tl.where(better, cols, best_i)
+            best_i = tl.where(better, ids, best_i)
         top = tl.max(best, axis=0)
         top_i = tl.min(tl.where(best == top, best_i, 2147483647), axis=0)
         tl.store(val_ptr + row * n_chunks + chunk, top)
         tl.store(idx_ptr + row * n_chunks + chunk, top_i)
 
 
-def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch.Tensor,
-                         offsets: torch.Tensor, temperatures: torch.Tensor | None = None,
-                         chunk: int = 8192, block: int = 1024):
-    """Fused equivalent of dividing x by temperatures, masking x < thr, adding Gumbel noise
-    and argmax: token ids int64 [B].
+def gumbel_partials_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch.Tensor,
+                           offsets: torch.Tensor, temperatures: torch.Tensor | None = None,
+                           chunk: int = 8192, block: int = 1024, first_id: int = 0):
+    """Best (score fp32, token id int32) of every `chunk` columns of each row: [B, V / chunk] each.
 
-    x: fp32, bf16 or fp16 [B, V] with unit stride along V, upcast to fp32 in the kernel.
-    temperatures: fp32 [B], all > 0, or None when x is already scaled; the division is
-    correctly rounded, so the tokens are bitwise those for torch.div(x, temperatures[:, None]).
-    thr: fp32 [B] or None, compared with the scaled x. seeds, offsets: int64 [B].
-    chunk, block: powers of two, block <= chunk; each program scans one chunk of one row.
-    Reads x once and writes only [B, V / chunk] partials, instead of a dozen [B, V] passes.
+    x: fp32, bf16 or fp16 [B, V] with unit stride along V, upcast to fp32 in the kernel; its
+    column j is token first_id + j. temperatures: fp32 [B], all > 0, or None when x is already
+    scaled; the division is correctly rounded, so the scores are bitwise those of
+    torch.div(x, temperatures[:, None]). thr: fp32 [B] or None, compared with the scaled x.
+    seeds, offsets: int64 [B]. chunk, block: powers of two, block <= chunk.
     """
     b, vocab = x.shape
     n_chunks = triton.cdiv(vocab, chunk)
@@ -304,9 +323,29 @@ def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch
     # Unused pointer arguments get x: the kernel never reads them.
     _gumbel_argmax_kernel[(b, n_chunks)](
         x, x.stride(0), x if thr is None else thr, x if temperatures is None else temperatures,
-        seeds, offsets, vals, idx, vocab, n_chunks,
+        seeds, offsets, vals, idx, vocab, n_chunks, first_id,
         CHUNK=chunk, BLOCK=block, HAS_THR=thr is not None, SCALE=temperatures is not None)
+    return vals, idx
+
+
+def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch.Tensor,
+                         offsets: torch.Tensor, temperatures: torch.Tensor | None = None,
+                         chunk: int = 8192, block: int = 1024):
+    """Fused equivalent of dividing x by temperatures, masking x < thr, adding Gumbel noise
+    and argmax: token ids int64 [B] (arguments as for gumbel_partials_triton).
+
+    Reads x once and writes only [B, V / chunk] partials, instead of a dozen [B, V] passes.
+    """
+    vals, idx = gumbel_partials_triton(x, thr, seeds, offsets, temperatures, chunk, block)
     return idx.gather(1, vals.argmax(dim=-1, keepdim=True)).squeeze(1).long()
+
+
+def pick_candidates(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The token of each row from candidates [R, B] (scores fp32, token ids int64) of R
+    vocabulary shards in vocabulary order: the best score, ties to the lowest id, as an
+    argmax over the whole vocabulary would pick. Token ids int64 [B]."""
+    best = scores.argmax(dim=0, keepdim=True)  # the first maximum: the lowest shard
+    return ids.gather(0, best).squeeze(0)
 
 
 def _use_triton(x: torch.Tensor) -> bool:
@@ -336,13 +375,13 @@ class Sampler(torch.nn.Module):
 
     def __init__(self):
         super().__init__()
-        self._token_hashes: dict[tuple[int, torch.device], torch.Tensor] = {}
+        self._token_hashes: dict[tuple[int, torch.device, int], torch.Tensor] = {}
 
-    def _hashes(self, vocab_size: int, device: torch.device) -> torch.Tensor:
-        key = (vocab_size, device)
+    def _hashes(self, vocab_size: int, device: torch.device, start: int = 0) -> torch.Tensor:
+        key = (vocab_size, device, start)
         h = self._token_hashes.get(key)
         if h is None:
-            h = self._token_hashes[key] = _token_hashes(vocab_size, device)
+            h = self._token_hashes[key] = _token_hashes(vocab_size, device, start)
         return h
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
@@ -374,3 +413,36 @@ class Sampler(torch.nn.Module):
         if t.any_greedy:
             sampled = torch.where(t.temperatures == 0, argmax, sampled)
         return sampled
+
+    def candidates(self, logits: torch.Tensor, t: SamplingTensors, first_id: int = 0):
+        """One vocabulary shard's candidate per row: (score fp32 [B], token id int64 [B]).
+
+        logits [B, V_shard] hold tokens first_id, first_id + 1, ...; the rows must have their
+        filters off (see filters_off) and nothing suppressed. Greedy rows offer their largest
+        logit, the others their best logit / temperature + Gumbel noise (the same noise of the
+        same token ids as forward), so pick_candidates over every shard's candidates is
+        forward's token over the whole vocabulary. With tensor parallelism each rank sends
+        these two numbers per row instead of its [B, V_shard] logits.
+        """
+        if t.need_top_k or t.need_top_p or t.need_min_p:
+            raise ValueError("Sampler.candidates: top-k, top-p and min-p need the whole vocabulary")
+        greedy = logits.max(dim=-1) if t.any_greedy else None
+        if t.all_greedy:
+            return greedy.values.float(), greedy.indices + first_id
+        temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
+        if _use_triton(logits) and logits.stride(-1) == 1:
+            vals, idx = gumbel_partials_triton(logits, None, t.seeds, t.offsets, temps, first_id=first_id)
+            best = vals.argmax(dim=-1, keepdim=True)
+            scores, ids = vals.gather(1, best).squeeze(1), idx.gather(1, best).squeeze(1).long()
+        else:
+            x = torch.div(logits, temps[:, None])
+            u = hash_uniform(t.seeds, t.offsets, x.shape[-1], self._hashes(x.shape[-1], x.device, first_id))
+            x.sub_(u.log_().neg_().log_())
+            del u
+            scores, ids = x.max(dim=-1)
+            ids = ids + first_id
+        if greedy is not None:
+            is_greedy = t.temperatures == 0
+            scores = torch.where(is_greedy, greedy.values.float(), scores)
+            ids = torch.where(is_greedy, greedy.indices + first_id, ids)
+        return scores, ids

@@ -40,6 +40,14 @@ class TPGroup:
             return self.fused_norm(x, residual, weight, eps)
         return None
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x`, stacked in rank order: [size, *x.shape] on every rank."""
+        if self.size == 1:
+            return x[None]
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)  # the list form: any torch, any backend
+        return torch.stack(parts)
+
     def gather_to_rank0(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Every rank's `x` on rank 0 (in rank order); None on the other ranks."""
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
