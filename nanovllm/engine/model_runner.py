@@ -1,4 +1,4 @@
-"""Runs the model for one scheduled batch on one tensor-parallel rank, and samples on rank 0.
+"""Runs the model for one scheduled batch on one tensor-parallel rank, and samples.
 
 The runner turns a `ScheduledBatch` into packed input tensors (token ids, positions, KV slot
 mapping, block tables), runs the model eagerly or by replaying a captured CUDA graph (decode),
@@ -50,8 +50,9 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 class ModelRunner:
     """The model, its KV cache and its CUDA graphs on one tensor-parallel rank.
 
-    `run(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
-    `execute(step)` and rank 0 samples (see engine/parallel.py).
+    `launch(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
+    `execute(step)`, then either every rank samples its vocabulary shard (StepInput.sampling)
+    or rank 0 samples the gathered logits (see engine/parallel.py).
     """
 
     def __init__(self, config: Config):
