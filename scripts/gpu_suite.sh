@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything that needs the GPU, in one command (made for one call on the H200):
 #   bash scripts/gpu_suite.sh [bench args...]
-# Env: BENCH_ARGS (single-GPU benches), TP_BENCH_ARGS (the TP=2 bench), PROFILE_STARTUP=1,
+# Env: BENCH_ARGS (single-GPU benches), TP_BENCH_ARGS (the TP=2 bench), TP_AB_ARGS (a second TP=2
+# bench with these flags instead, e.g. --gather-logits), SKIP_TP1=1 (TP=2 benches only), PROFILE_STARTUP=1,
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
 # one would outlast the device's 10-minute limit.
 # 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
@@ -15,13 +16,17 @@ nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee
 
 # Benchmarks first: they are short and their numbers are what BENCHMARKS.md records.
 if [ -z "${SKIP_BENCH:-}" ]; then
-for m in qwen3-0.6b qwen3-8b; do
+for m in $([ -z "${SKIP_TP1:-}" ] && echo qwen3-0.6b qwen3-8b); do
   timeout 300 python3 bench.py --dummy "$m" --latency ${BENCH_ARGS:-} --json "$OUT/bench-$m.json" "$@" 2>&1 | tee "$OUT/bench-$m.log"
 done
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 ${TP_BENCH_ARGS:-} --json "$OUT/bench-qwen3-8b-tp2.json" "$@" 2>&1 \
     | tee "$OUT/bench-qwen3-8b-tp2.log"
+  if [ -n "${TP_AB_ARGS:-}" ]; then  # the same TP=2 run with other flags, for an A/B in one call
+    timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 $TP_AB_ARGS --json "$OUT/bench-qwen3-8b-tp2-b.json" "$@" 2>&1 \
+      | tee "$OUT/bench-qwen3-8b-tp2-b.log"
+  fi
 fi
 fi
 
@@ -43,7 +48,7 @@ python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 print(f"{'model':<14}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'cold s':>8}{'bs1 ms/tok':>12}")
-for m in ("qwen3-0.6b", "qwen3-8b", "qwen3-8b-tp2"):
+for m in ("qwen3-0.6b", "qwen3-8b", "qwen3-8b-tp2", "qwen3-8b-tp2-b"):
     f = os.path.join(out, f"bench-{m}.json")
     if not os.path.exists(f):
         print(f"{m:<14}  (no result)")
