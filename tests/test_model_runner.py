@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from nanovllm.engine.model_runner import DecodeBuffers, PendingTokens, StepInput
@@ -64,3 +65,38 @@ def test_step_input_marks_tokens_still_on_the_device():
 def test_pending_tokens_reads_only_its_rows():
     host = torch.tensor([5, 6, 7, 8], dtype=torch.int32)
     assert PendingTokens(host, 3, None).result() == [5, 6, 7]
+
+
+class _NeverDone:
+    """A CUDA event stand-in whose work never finishes (a collective waiting for a dead peer)."""
+
+    def query(self):
+        return False
+
+    def synchronize(self):
+        raise AssertionError("a checked wait must poll, not block")
+
+
+class _Done(_NeverDone):
+    def query(self):
+        return True
+
+
+def test_pending_tokens_with_a_check_stop_waiting_once_it_raises():
+    host = torch.tensor([7, 8, 9], dtype=torch.int32)
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) >= 5:
+            raise RuntimeError("worker 1 died")
+
+    with pytest.raises(RuntimeError, match="worker 1"):
+        PendingTokens(host, 2, _NeverDone(), check).result()
+    assert len(calls) == 5
+    # Completed, but the peer died meanwhile: the tokens may be garbage, so they are not returned.
+    calls.extend([1] * 10)
+    with pytest.raises(RuntimeError, match="worker 1"):
+        PendingTokens(host, 2, _Done(), check).result()
+    assert PendingTokens(host, 2, _Done(), lambda: None).result() == [7, 8]
+    assert PendingTokens(host, 3, None, lambda: None).result() == [7, 8, 9]

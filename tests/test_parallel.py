@@ -5,6 +5,7 @@ import multiprocessing as mp
 import os
 import signal
 import sys
+import threading
 import time
 
 import pytest
@@ -80,6 +81,24 @@ def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
             # Used for most steps when on (all rows plain once the filtered ones finish), never when off.
             assert (len(calls) > 10) if on else not calls
     assert results[True] == results[False]
+    assert no_children()
+
+
+def test_new_engine_refused_while_an_abort_is_pending(model_path, monkeypatch):
+    """While an earlier engine's NCCL abort still runs (it can outlive the engine on GPUs), a
+    new TP engine says so before it starts any process."""
+    from nanovllm.engine import parallel
+
+    release = threading.Event()
+    pending = threading.Thread(target=release.wait, daemon=True)
+    pending.start()
+    monkeypatch.setattr(parallel, "_unfinished_abort", pending)
+    try:
+        with pytest.raises(RuntimeError, match="restart the process"):
+            LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    finally:
+        release.set()
+        pending.join()
     assert no_children()
 
 

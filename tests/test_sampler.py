@@ -567,8 +567,8 @@ def test_shard_candidates_give_the_whole_vocabulary_token(route, monkeypatch):
         for row_temps in (temps, greedy, [0.0] * len(temps)):  # sampled, mixed, all greedy
             t = SamplingTensors.temperature_only(row_temps, seeds, offsets, logits.device)
             want = sampler(logits, t).cpu()
-            # Shard boundaries inside and on chunk edges, an empty-ish last shard, one shard.
-            for bounds in ([0, vocab], [0, 500, vocab], [0, 256, 613, 999, vocab]):
+            # Shard boundaries inside and on chunk edges, a one-token and an empty last shard.
+            for bounds in ([0, vocab], [0, 500, vocab], [0, 256, 613, 999, vocab], [0, 700, vocab, vocab]):
                 got = shard_pick(sampler, logits, t, bounds).cpu()
                 assert torch.equal(got, want), (seed, dtype, row_temps is greedy, bounds)
 

@@ -284,22 +284,24 @@ class ModelRunner:
         return self.sample(self.execute(StepInput.from_batch(batch)), batch.seqs, eos_token_ids)
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int]) -> "PendingTokens":
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], eos_token_ids: frozenset[int],
+               check=None) -> "PendingTokens":
         """The next token of each sequence from its logits row (rank 0 only), left in
         `prev_tokens` for the next step and copied to the host without blocking."""
         t, suppress = self.prepare_sampling(seqs, eos_token_ids)
         n = len(seqs)
         self.prev_tokens[:n].copy_(self.sampler(logits, t, suppress))
-        return self.publish_tokens(n)
+        return self.publish_tokens(n, check)
 
-    def publish_tokens(self, n: int) -> "PendingTokens":
-        """Start copying the step's sampled tokens (`prev_tokens[:n]`) to the host."""
+    def publish_tokens(self, n: int, check=None) -> "PendingTokens":
+        """Start copying the step's sampled tokens (`prev_tokens[:n]`) to the host (`check`:
+        see PendingTokens)."""
         self._flip ^= 1
         host, event = self._host_tokens[self._flip], self._token_events[self._flip]
         host[:n].copy_(self.prev_tokens[:n], non_blocking=self.pin)
         if event is not None:
             event.record()
-        return PendingTokens(host, n, event)
+        return PendingTokens(host, n, event, check)
 
     @torch.inference_mode()
     def execute(self, step: "StepInput") -> torch.Tensor | None:
@@ -476,14 +478,25 @@ class DecodeBuffers:
 
 
 class PendingTokens:
-    """Sampled tokens on their way to the host; `result()` waits for them (and only for them)."""
+    """Sampled tokens on their way to the host; `result()` waits for them (and only for them).
 
-    def __init__(self, host: torch.Tensor, n: int, event):
-        self._host, self._n, self._event = host, n, event
+    check: with tensor parallelism, raises once a peer died; then the wait polls the event and
+    calls it meanwhile and after, since a dead peer's collectives may never finish, or finish
+    (aborted) with garbage in the tokens."""
+
+    def __init__(self, host: torch.Tensor, n: int, event, check=None):
+        self._host, self._n, self._event, self._check = host, n, event, check
 
     def result(self) -> list[int]:
         if self._event is not None:
-            self._event.synchronize()
+            if self._check is None:
+                self._event.synchronize()
+            else:
+                while not self._event.query():
+                    self._check()
+                    time.sleep(0)  # lets the watchdog thread run
+        if self._check is not None:
+            self._check()
         return self._host[:self._n].tolist()
 
 

@@ -90,6 +90,9 @@ def _death_message(rank: int, proc) -> str:
 # (and torch then ends the process with SIGABRT). So it runs in a thread of its own, rank 0
 # waits for its device, not for the abort, and the process group is not destroyed.
 NCCL_ABORT_WAIT_S = 10.0
+# The last abort thread started in this process: while it runs, torch's process group is still
+# initialised and no new tensor-parallel engine can start (process-wide, like that group).
+_unfinished_abort: threading.Thread | None = None
 
 
 def _abort_process_group() -> None:
@@ -113,6 +116,10 @@ class TensorParallelRunner:
     def __init__(self, config: Config):
         from nanovllm.engine.model_runner import ModelRunner
 
+        if _unfinished_abort is not None and _unfinished_abort.is_alive():
+            raise RuntimeError("an earlier tensor-parallel engine of this process lost a worker and NCCL "
+                               "has not released its process group yet; restart the process to use "
+                               "tensor parallelism again")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process; "
                                "tensor_parallel_size > 1 needs to own the process group")
@@ -201,11 +208,13 @@ class TensorParallelRunner:
         the fused all-reduce (also while the model runner is built) and NCCL collectives. The
         NCCL abort starts once, in its own thread; True if it finished within `wait_s`."""
         abort_device_waits()
+        global _unfinished_abort
         with self._abort_lock:
             if self._abort_thread is None:
                 self._abort_thread = threading.Thread(target=_abort_process_group, daemon=True,
                                                       name="nanovllm-nccl-abort")
                 self._abort_thread.start()
+                _unfinished_abort = self._abort_thread
         self._abort_thread.join(timeout=wait_s)
         return not self._abort_thread.is_alive()
 
@@ -244,8 +253,15 @@ class TensorParallelRunner:
         self._tokens_on_every_rank = step.sampling is not None
         out = self._all_ranks("execute", step)
         if step.sampling is not None:
-            return self.runner.publish_tokens(len(batch.seqs))
-        return self.runner.sample(out, batch.seqs, eos_token_ids)
+            return self.runner.publish_tokens(len(batch.seqs), self._raise_if_failed)
+        return self.runner.sample(out, batch.seqs, eos_token_ids, self._raise_if_failed)
+
+    def _raise_if_failed(self) -> None:
+        """WorkerDied (after shutting down) once a worker died: called while rank 0 waits for
+        a step's tokens, which a dead peer may never complete, or complete with garbage."""
+        if self._failure:
+            self.shutdown()
+            raise WorkerDied(self._failure)
 
     def score(self, token_ids: list[int]):
         """Teacher-forced logits of one sequence across all ranks (see ModelRunner.score)."""

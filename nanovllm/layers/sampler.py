@@ -341,7 +341,7 @@ def gumbel_argmax_triton(x: torch.Tensor, thr: torch.Tensor | None, seeds: torch
 
 
 def pick_candidates(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The token of each row from candidates [R, B] (scores fp32, token ids int64) of R
+    """The token of each row from candidates [R, B] (float scores, integer token ids) of R
     vocabulary shards in vocabulary order: the best score, ties to the lowest id, as an
     argmax over the whole vocabulary would pick. Token ids int64 [B]."""
     best = scores.argmax(dim=0, keepdim=True)  # the first maximum: the lowest shard
@@ -426,6 +426,10 @@ class Sampler(torch.nn.Module):
         """
         if t.need_top_k or t.need_top_p or t.need_min_p:
             raise ValueError("Sampler.candidates: top-k, top-p and min-p need the whole vocabulary")
+        if logits.shape[-1] == 0:  # a last shard that holds only padding (tiny vocabularies)
+            n = logits.shape[0]
+            return (torch.full((n,), _NEG_INF, device=logits.device),
+                    torch.full((n,), first_id, dtype=torch.int64, device=logits.device))
         greedy = logits.max(dim=-1) if t.any_greedy else None
         if t.all_greedy:
             return greedy.values.float(), greedy.indices + first_id

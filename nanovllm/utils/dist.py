@@ -45,7 +45,9 @@ class TPGroup:
         if self.size == 1:
             return x[None]
         parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)  # the list form: any torch, any backend
+        # The list form: all_gather_into_tensor is deprecated in torch 2.13 and gloo wants other
+        # shapes there; for the small tensors this serves, the copies do not matter.
+        dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.stack(parts)
 
     def gather_to_rank0(self, x: torch.Tensor) -> list[torch.Tensor] | None:
