@@ -109,8 +109,7 @@ class ModelRunner:
         self._host_tokens = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=self.pin) for _ in range(2)]
         self._token_events = [torch.cuda.Event() if self.pin else None for _ in range(2)]
         self._flip = 0
-        self._sampling_cache = None
-        self._row_sampling_cache = None  # (temperatures, seeds, SamplingTensors) of _sample_on_every_rank
+        self._sampling_cache = None  # (key, SamplingTensors) of the last step, see _sampling_tensors
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The torch backend loops over sequences on the host: nothing a graph could replay.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
@@ -255,20 +254,10 @@ class ModelRunner:
         return self._splits[key]
 
     def prepare_sampling(self, seqs: list[Sequence], eos_token_ids: frozenset[int]):
-        """Sampling tensors for `seqs` (+ the min_tokens suppression pairs).
-
-        Consecutive decode steps usually sample the same sequences with the same parameters;
-        then only the per-row offsets (sequence lengths) are sent again.
-        """
-        ids = [s.seq_id for s in seqs]
+        """Sampling tensors for `seqs` (+ the min_tokens suppression pairs)."""
         offsets = [len(s) for s in seqs]
-        cached = self._sampling_cache
-        if cached is not None and cached[0] == ids:
-            t = dataclasses.replace(cached[1], offsets=self._to_device(offsets, torch.long))
-        else:
-            t = SamplingTensors.build([s.params for s in seqs], [s.seed for s in seqs], offsets, self.device,
-                                      pin_memory=self.pin)
-        self._sampling_cache = (ids, t)
+        t = self._sampling_tensors([s.seq_id for s in seqs], offsets, lambda: SamplingTensors.build(
+            [s.params for s in seqs], [s.seed for s in seqs], offsets, self.device, pin_memory=self.pin))
         rows, cols = [], []
         for i, s in enumerate(seqs):
             banned = suppressed_tokens(s, eos_token_ids)
@@ -276,6 +265,18 @@ class ModelRunner:
             cols.extend(banned)
         suppress = (self._to_device(rows, torch.long), self._to_device(cols, torch.long)) if rows else None
         return t, suppress
+
+    def _sampling_tensors(self, key, offsets: list[int], build) -> SamplingTensors:
+        """`build()`, or the last step's tensors with new offsets when `key` (what fixes the
+        per-row parameters) is unchanged: consecutive decode steps usually sample the same rows
+        with the same parameters, and then only the offsets (sequence lengths) change."""
+        cached = self._sampling_cache
+        if cached is not None and cached[0] == key:
+            t = dataclasses.replace(cached[1], offsets=self._to_device(offsets, torch.long))
+        else:
+            t = build()
+        self._sampling_cache = (key, t)
+        return t
 
     # ------------------------------------------------------------------ execution
     @torch.inference_mode()
@@ -334,12 +335,9 @@ class ModelRunner:
         tokens from all candidates. Sends two numbers per row and rank instead of gathering
         [rows, vocab] logits on rank 0 (39 MB per decode step of Qwen3 at batch 256), and the
         next step needs no broadcast of the tokens."""
-        cached = self._row_sampling_cache
-        if cached is not None and cached[0] == rows.temperatures and cached[1] == rows.seeds:
-            t = dataclasses.replace(cached[2], offsets=self._to_device(rows.offsets, torch.long))
-        else:  # as in prepare_sampling, consecutive decode steps only change the offsets
-            t = SamplingTensors.temperature_only(rows.temperatures, rows.seeds, rows.offsets, self.device, self.pin)
-        self._row_sampling_cache = (rows.temperatures, rows.seeds, t)
+        key = ("rows", rows.temperatures, rows.seeds)  # never equal to prepare_sampling's id list
+        t = self._sampling_tensors(key, rows.offsets, lambda: SamplingTensors.temperature_only(
+            rows.temperatures, rows.seeds, rows.offsets, self.device, self.pin))
         logits, first_id = self.model.compute_logit_shard(hidden)
         scores, ids = self.sampler.candidates(logits, t, first_id)
         # One collective for both: float64 holds the fp32 scores and the token ids exactly.
