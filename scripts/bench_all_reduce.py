@@ -1,7 +1,7 @@
 """Microbenchmark of the fused all-reduce + residual + RMSNorm kernel against NCCL + RMSNorm,
 on every GPU of the machine (one process per GPU), per row count.
 
-    python3 scripts/bench_all_reduce.py [--hidden 4096] [--rows 1 64 128 256 512]
+    PYTHONPATH=. python3 scripts/bench_all_reduce.py [--hidden 4096] [--rows 1 64 128 256 512]
 
 Each measurement replays a CUDA graph of 36 calls (what a decode step of a 36-layer model
 does between two GEMMs, without the GEMMs) and reports microseconds per call on rank 0.
@@ -17,28 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-CALLS, REPLAYS = 36, 30
+from timing import cuda_graph_us  # scripts/timing.py
 
-
-def _time_graph(fn) -> float:
-    """Microseconds per call of `fn` (collective: every rank runs the same sequence)."""
-    for _ in range(3):  # compile and warm up, eagerly, on every rank at once
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (CALLS * REPLAYS)
 
 
 def _worker(rank: int, world: int, init_file: str, args) -> None:
@@ -57,14 +37,14 @@ def _worker(rank: int, world: int, init_file: str, args) -> None:
     for rows in args.rows:
         x = torch.randn(rows, args.hidden, dtype=dtype, device=device)
         residual = torch.randn_like(x)
-        fused_us = _time_graph(lambda: fused(x, residual, weight, 1e-6))
+        fused_us = cuda_graph_us(lambda: fused(x, residual, weight, 1e-6), 36, 30, dist.barrier)
 
         def nccl():
             s = x.clone()
             dist.all_reduce(s)
             return rms_norm(s, weight, 1e-6, residual)
 
-        nccl_us = _time_graph(nccl)
+        nccl_us = cuda_graph_us(nccl, 36, 30, dist.barrier)
         lines.append(f"{rows:>6}{fused_us:>9.2f}{nccl_us:>9.2f}")
     if rank == 0:
         print(f"fused all-reduce + RMSNorm, hidden {args.hidden}, bf16, {world} GPUs, {fused.phase.numel()} programs; us per call")

@@ -1,6 +1,6 @@
 """Sweep of the Triton paged-decode kernel's KV split count against choose_num_splits' pick.
 
-    python3 scripts/bench_paged_decode.py [--json out.json]
+    PYTHONPATH=. python3 scripts/bench_paged_decode.py [--json out.json]
 
 For batch sizes 1-256, 8 and 4 kv heads (Qwen3-8B at TP=1 and TP=2) and a few context-length
 ranges, times every split count (CUDA graph of 20 calls) and prints the best one next to the
@@ -15,6 +15,7 @@ import json
 import torch
 
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
+from timing import cuda_graph_us  # scripts/timing.py
 
 BLOCK, HEAD_DIM, GROUP = 256, 128, 4
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -26,24 +27,6 @@ CASES = [
     ((64, 48, 32, 24, 16), 16, (1000, 4000)),
     ((16, 8, 4, 2, 1), 64, (4000, 16000)),
 ]
-
-
-def _time(fn, calls: int = 20, replays: int = 10) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
 
 
 def main() -> None:
@@ -63,11 +46,11 @@ def main() -> None:
                 q = torch.randn(batch, GROUP * kvh, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                 tables = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(batch, width)
                 ctx = torch.randint(lo, hi, (batch,), device="cuda", generator=gen, dtype=torch.int32)
-                times = {s: _time(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, s))
+                times = {s: cuda_graph_us(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, s))
                          for s in SPLITS if s <= width}
                 best = min(times, key=times.get)
                 rule = choose_num_splits(batch, kvh, width, num_sms=sms)
-                rule_us = times.get(rule) or _time(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, rule))
+                rule_us = times.get(rule) or cuda_graph_us(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, rule))
                 print(f"{batch:>4}{kvh:>4}{f'{lo}-{hi}':>12}{best:>6}{times[best]:>8.1f}{rule:>6}{rule_us:>8.1f}"
                       f"{rule_us / times[best] - 1:>7.1%}")
                 rows.append({"batch": batch, "kv_heads": kvh, "width": width, "ctx": [lo, hi], "rule": rule,

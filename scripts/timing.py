@@ -1,0 +1,29 @@
+"""Shared by the kernel microbenchmarks in this folder."""
+
+from __future__ import annotations
+
+import torch
+
+
+def cuda_graph_us(fn, calls: int = 20, replays: int = 10, before_timing=None) -> float:
+    """Microseconds per call of `fn`, replayed from a CUDA graph of `calls` calls, so that
+    launch gaps are those of the engine's decode graphs, not of Python. `fn` runs eagerly once
+    first (Triton compiles outside the capture); `before_timing` runs just before the clock
+    starts (a barrier, for collectives)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    if before_timing is not None:
+        before_timing()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * replays)
