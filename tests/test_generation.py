@@ -888,6 +888,68 @@ def test_generate_interrupted_mid_run_leaves_no_state_and_engine_usable(llm, ref
     assert [o["token_ids"] for o in outs] == [refs[p]["token_ids"][:6] for p in prompts]
 
 
+def test_engine_step_interrupted_while_waiting_aborts_only_the_steps_in_flight(llm, refs, monkeypatch):
+    """Engine API: waiting for step n's tokens raises (Ctrl-C) after step n+1 was launched on
+    them. The requests of both steps end with "abort"; a running request in neither step goes
+    on to the reference tokens, and the engine stays usable."""
+    a, c, d = PROMPTS[0], PROMPTS[1], PROMPTS[2]
+    real = llm.model_runner.launch
+    launches = []
+
+    class Interrupted:
+        def result(self):
+            raise KeyboardInterrupt
+
+    def launch(*args, **kwargs):
+        pending = real(*args, **kwargs)
+        launches.append(args[0])
+        return Interrupted() if len(launches) == 3 else pending
+
+    monkeypatch.setattr(llm.model_runner, "launch", launch)
+    seq_a = llm.add_request(llm.tokenize(a), greedy(6))
+    llm.step()                                       # launches A's prefill
+    llm.step()                                       # launches A's first decode
+    seq_c = llm.add_request(llm.tokenize(c), greedy(6))
+    llm.step()                                       # launches C's prefill (3rd launch)
+    seq_d = llm.add_request(llm.tokenize(d), greedy(6))
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()                                   # launches D's prefill, then waits for C's
+    assert [b.seqs for b in launches[2:]] == [[seq_c], [seq_d]]  # A was in neither step
+    assert (seq_c.finish_reason, seq_d.finish_reason) == ("abort", "abort")
+    assert not seq_a.is_finished
+    monkeypatch.setattr(llm.model_runner, "launch", real)
+    while llm.has_unfinished():
+        llm.step()
+    assert seq_a.completion_token_ids == refs[a]["token_ids"][:6]
+    for seq in (seq_a, seq_c, seq_d):
+        llm.final_text(seq)
+    assert_idle(llm)
+    outs = llm.generate([c, d], greedy(6), use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [refs[p]["token_ids"][:6] for p in (c, d)]
+
+
+def test_engine_step_interrupted_drops_the_unseen_last_token_of_a_finished_request(llm, refs, monkeypatch):
+    """A request that ended at launch (max_tokens) but whose last token never arrived ends as
+    "abort" without the placeholder token."""
+    real = llm.model_runner.launch
+
+    class Interrupted:
+        def result(self):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(llm.model_runner, "launch", lambda *a, **k: (real(*a, **k), Interrupted())[1])
+    seq = llm.add_request(llm.tokenize(PROMPTS[0]), greedy(1))
+    llm.step()                                       # launches the prefill; ends the request
+    assert seq.is_finished and len(seq.completion_token_ids) == 1
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()                                   # nothing to launch; waits for the prefill
+    assert seq.finish_reason == "abort" and seq.completion_token_ids == []
+    monkeypatch.setattr(llm.model_runner, "launch", real)
+    llm.final_text(seq)
+    assert_idle(llm)
+    assert llm.generate([PROMPTS[0]], greedy(2), use_tqdm=False)[0]["token_ids"] == refs[PROMPTS[0]]["token_ids"][:2]
+
+
 def test_abort_of_a_request_finished_at_launch_keeps_its_last_token(llm, refs):
     """Engine API: abort() of a request that already ended (max_tokens reached when its last
     step was launched) is a no-op; the next step still delivers that last token."""

@@ -159,7 +159,9 @@ class LLMEngine:
         """One engine step, overlapped with the device: schedule and launch step n+1, then wait
         for step n's tokens and account for them while the device runs n+1.
 
-        Returns step n's (outputs, tokens computed, was it a prefill step).
+        Returns step n's (outputs, tokens computed, was it a prefill step). If waiting for step n
+        raises (KeyboardInterrupt, a dead tensor-parallel worker), the requests of steps n and n+1
+        end with finish_reason "abort" and the exception propagates; other requests are untouched.
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
@@ -172,7 +174,13 @@ class LLMEngine:
         elif self._in_flight is None:
             raise RuntimeError("scheduler produced no work although requests are pending")
         done, self._in_flight = self._in_flight, None
-        outputs = self._resolve(*done) if done is not None else []
+        try:
+            outputs = self._resolve(*done) if done is not None else []
+        except BaseException:
+            # Waiting for step n failed (Ctrl-C, a dead TP worker, ...) with n+1 already launched
+            # on n's tokens: neither step can be accounted for any more, so their requests end.
+            self._abort_steps(done, launched)
+            raise
         if launched is not None:
             # After resolving step n: a sequence that step n stopped is skipped in n+1 (its row
             # was computed for nothing, one row once per request).
@@ -181,6 +189,18 @@ class LLMEngine:
         if done is None:
             return outputs, 0, batch.is_prefill
         return outputs, done[0].num_tokens, done[0].is_prefill
+
+    def _abort_steps(self, *steps) -> None:
+        """End the requests of launched steps whose tokens will never be read."""
+        for step in steps:
+            if step is None:
+                continue
+            for seq in step[0].seqs:
+                if not seq.is_finished:
+                    self.abort(seq)
+                elif seq.pending_row >= 0:  # ended at launch (max_tokens); its last token never came
+                    _drop_pending_token(seq)
+                    seq.finish_reason = "abort"
 
     def _resolve(self, batch, pending) -> list[StepOutput]:
         """Step n's tokens have arrived: fill them in, apply stop rules, build the outputs."""
