@@ -92,7 +92,7 @@ def test_new_engine_refused_while_an_abort_is_pending(model_path, monkeypatch):
     release = threading.Event()
     pending = threading.Thread(target=release.wait, daemon=True)
     pending.start()
-    monkeypatch.setattr(parallel, "_unfinished_abort", pending)
+    monkeypatch.setattr(parallel, "_lingering", [pending])
     try:
         with pytest.raises(RuntimeError, match="restart the process"):
             LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
@@ -193,6 +193,50 @@ def test_worker_dead_at_start_raises_instead_of_waiting_in_the_rendezvous(model_
     assert not thread.is_alive(), "LLM() still waits for the dead worker"
     assert isinstance(result["error"], RuntimeError) and "worker 1" in str(result["error"]), result["error"]
     assert no_children()
+
+
+_RENDEZVOUS_SCRIPT = """
+import multiprocessing as mp, os, signal, sys, time
+from nanovllm import LLM
+from nanovllm.engine import parallel
+
+real = parallel._rendezvous
+
+def worker_dies_after_joining(config, rank, init_file):
+    for child in mp.active_children():
+        os.kill(child.pid, signal.SIGKILL)
+    real(config, rank, init_file)
+
+parallel._rendezvous = worker_dies_after_joining
+t = time.time()
+try:
+    LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+except RuntimeError as e:
+    print(f"raised after {time.time() - t:.1f} s: {e}", flush=True)
+print("children:", len(mp.active_children()), flush=True)
+parallel._rendezvous = real
+try:
+    LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+except RuntimeError as e:
+    print(f"second engine: {e}", flush=True)
+os._exit(0)  # the orphaned rendezvous thread would wait out its timeout
+"""
+
+
+def test_worker_dead_in_the_rendezvous_raises_quickly(model_path):
+    """A worker that dies after it said it joins (in its own process-group init, say) must not
+    leave rank 0 in the rendezvous for its 10-minute timeout. In a subprocess: the rendezvous
+    thread it leaves behind stays until that process exits, and refuses new TP engines."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", _RENDEZVOUS_SCRIPT, model_path], capture_output=True, text=True,
+                         cwd=root, timeout=120).stdout
+    lines = out.splitlines()
+    assert len(lines) == 3 and lines[0].startswith("raised after"), out
+    assert float(lines[0].split()[2]) < 30 and "worker 1" in lines[0], out
+    assert lines[1] == "children: 0", out
+    assert "restart the process" in lines[2], out
 
 
 _RANK0_SCRIPT = """

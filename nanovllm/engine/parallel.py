@@ -36,6 +36,10 @@ logger = logging.getLogger("nanovllm")
 def init_process_group(config: Config, rank: int, init_file: str) -> None:
     if config.device == "cuda":
         torch.cuda.set_device(rank)
+    _rendezvous(config, rank, init_file)
+
+
+def _rendezvous(config: Config, rank: int, init_file: str) -> None:
     dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"file://{init_file}",
                             world_size=config.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
 
@@ -90,9 +94,14 @@ def _death_message(rank: int, proc) -> str:
 # (and torch then ends the process with SIGABRT). So it runs in a thread of its own, rank 0
 # waits for its device, not for the abort, and the process group is not destroyed.
 NCCL_ABORT_WAIT_S = 10.0
-# The last abort thread started in this process: while it runs, torch's process group is still
-# initialised and no new tensor-parallel engine can start (process-wide, like that group).
-_unfinished_abort: threading.Thread | None = None
+# Threads of earlier engines that still hold torch's process group or may yet create it (an NCCL
+# abort that has not returned, a rendezvous whose peer died): while one runs, no new
+# tensor-parallel engine can start in this process (process-wide, like that group).
+_lingering: list[threading.Thread] = []
+
+
+def _lingers(thread: threading.Thread) -> None:
+    _lingering[:] = [t for t in _lingering if t.is_alive()] + [thread]
 
 
 def _abort_process_group() -> None:
@@ -116,9 +125,9 @@ class TensorParallelRunner:
     def __init__(self, config: Config):
         from nanovllm.engine.model_runner import ModelRunner
 
-        if _unfinished_abort is not None and _unfinished_abort.is_alive():
-            raise RuntimeError("an earlier tensor-parallel engine of this process lost a worker and NCCL "
-                               "has not released its process group yet; restart the process to use "
+        if any(t.is_alive() for t in _lingering):
+            raise RuntimeError("an earlier tensor-parallel engine of this process lost a worker and its "
+                               "process group has not been released yet; restart the process to use "
                                "tensor parallelism again")
         if dist.is_initialized():
             raise RuntimeError("torch.distributed is already initialised in this process; "
@@ -152,7 +161,7 @@ class TensorParallelRunner:
             # A worker that dies before it joins would leave rank 0 waiting in the rendezvous (not
             # abortable) until its timeout: wait for every worker's word first, watchdog in view.
             self._expect("joining")
-            init_process_group(config, 0, self.init_file)
+            self._join_rendezvous()
             self.runner = ModelRunner(config)
             self._expect("ready")
         except BaseException as e:
@@ -162,6 +171,30 @@ class TensorParallelRunner:
             raise e
         self.num_blocks = self.runner.num_blocks
         self.startup_seconds = self.runner.startup_seconds
+
+    def _join_rendezvous(self) -> None:
+        """Rank 0's side of the process group's rendezvous, waited for in a thread: a worker that
+        dies in its own init, after it said it joins, would leave the call waiting for its
+        10-minute timeout, and nothing aborts a rendezvous. Raises once the watchdog sees a death."""
+        if self.config.device == "cuda":
+            torch.cuda.set_device(0)
+        errors = []
+
+        def join():
+            try:
+                _rendezvous(self.config, 0, self.init_file)
+            except BaseException as e:
+                errors.append(e)
+
+        thread = threading.Thread(target=join, daemon=True, name="nanovllm-tp-rendezvous")
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            if self._failure and thread.is_alive():
+                _lingers(thread)
+                raise WorkerDied(self._failure)
+        if errors:
+            raise errors[0]
 
     def _expect(self, what: str) -> None:
         for rank, conn in enumerate(self.conns, start=1):
@@ -208,13 +241,12 @@ class TensorParallelRunner:
         the fused all-reduce (also while the model runner is built) and NCCL collectives. The
         NCCL abort starts once, in its own thread; True if it finished within `wait_s`."""
         abort_device_waits()
-        global _unfinished_abort
         with self._abort_lock:
             if self._abort_thread is None:
                 self._abort_thread = threading.Thread(target=_abort_process_group, daemon=True,
                                                       name="nanovllm-nccl-abort")
                 self._abort_thread.start()
-                _unfinished_abort = self._abort_thread
+                _lingers(self._abort_thread)
         self._abort_thread.join(timeout=wait_s)
         return not self._abort_thread.is_alive()
 
