@@ -59,6 +59,29 @@ def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: 
     return (kv_reads * kv_per_token + steps * weight_bytes) / bandwidth
 
 
+# Kernel name fragments per kind of work, first match wins: what `--profile` sums up.
+KERNEL_KINDS = (
+    ("fused all-reduce + norm", ("_all_reduce_rms_norm",)),
+    ("nccl", ("nccl",)),
+    ("decode attention", ("_paged_decode",)),
+    ("prefill attention", ("flash_fwd", "flash_attn", "_flash_attention", "attention")),
+    ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitkreduce", "cublas")),
+    ("norm / rope / silu / kv store", ("_rms_norm", "_qk_norm", "_silu", "_store_kvcache")),
+    ("sampling", ("gumbel", "sampl", "argmax", "topk", "sort")),
+)
+
+
+def kernel_breakdown(kernels) -> dict[str, float]:
+    """Seconds of device time per kind of kernel (KERNEL_KINDS, else "other"), from
+    (kernel name, microseconds) pairs."""
+    out = {kind: 0.0 for kind, _ in KERNEL_KINDS} | {"other": 0.0}
+    for name, us in kernels:
+        low = name.lower()
+        kind = next((k for k, frags in KERNEL_KINDS if any(f in low for f in frags)), "other")
+        out[kind] += us / 1e6
+    return out
+
+
 def git_commit() -> str:
     """HEAD's short hash, with "-dirty" when the tree differs from it (then the hash alone does
     not say what ran: e.g. a copy of a working tree shipped to another machine)."""
@@ -159,7 +182,10 @@ def main(argv=None):
     ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
     ap.add_argument("--latency", action="store_true", help="also measure batch-1 decode ms/token")
     ap.add_argument("--profile", action="store_true",
-                    help="also print torch.profiler tables of a short run (the workload's prompts, 64 tokens each)")
+                    help="also print torch.profiler tables and device time per kind of kernel of a short run "
+                         "(the workload's prompts, --profile-tokens each)")
+    ap.add_argument("--profile-tokens", type=int, default=64,
+                    help="output tokens per request of the profiled run; 0: the workload's own (the whole run)")
     ap.add_argument("--profile-startup", action="store_true",
                     help="only construct the LLM, under cProfile, and print where the cold start goes")
     ap.add_argument("--json", help="write the figures to this file")
@@ -229,17 +255,27 @@ def main(argv=None):
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=64) for _ in prompts]
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.profile_tokens or n)
+                 for n in max_tokens]
+        cuda = torch.cuda.is_available()  # on a CPU the run is profiled too, with no kernels to list
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
             t = time.perf_counter()
             llm.generate(prompts, short, use_tqdm=False)
-            torch.cuda.synchronize()
+            if cuda:
+                torch.cuda.synchronize()
             wall = time.perf_counter() - t
         # GPU idle time = wall - kernel time: what host overhead between kernels costs.
-        busy = sum(e.time_range.elapsed_us() for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6
+        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(us for _, us in kernels) / 1e6
         print(f"profiled run: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)")
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+        breakdown = kernel_breakdown(kernels)
+        for kind, secs in breakdown.items():
+            print(f"  {kind:<32}{secs * 1e3:>10.1f} ms{secs / max(busy, 1e-9):>7.1%}")
+        res["profile"] = {"tokens": args.profile_tokens, "wall_s": round(wall, 3),
+                          "kernels_s": {k: round(v, 4) for k, v in breakdown.items()}}
+        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                        max_name_column_width=60))
         print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
     llm.shutdown()
     del llm

@@ -44,7 +44,8 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "3",
                            "--max-input-len", "120", "--max-output-len", "104", "--block-size", "16",
-                           "--latency", "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--latency", "--profile", "--profile-tokens", "3", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     prompts, max_tokens = bench.workload(3, 120, 104)
@@ -52,6 +53,8 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert res["output_tok_s"] > 0 and res["seconds"] > 0
     assert 0 <= res["fraction_of_floor"] <= 1 and res["floor_s"] >= 0  # tiny model on a CPU: ~0
     assert res["decode_ms_per_token_bs1"] > 0
+    assert res["profile"]["tokens"] == 3 and res["profile"]["wall_s"] > 0
+    assert set(res["profile"]["kernels_s"]) == {k for k, _ in bench.KERNEL_KINDS} | {"other"}
 
 
 def test_startup_profile_names_where_the_cold_start_goes(tmp_path):
@@ -60,3 +63,23 @@ def test_startup_profile_names_where_the_cold_start_goes(tmp_path):
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "cumulative" in proc.stdout and "model_runner.py" in proc.stdout
+
+
+def test_kernel_breakdown_sorts_profiled_kernels_by_kind():
+    kernels = [  # names as the H200 profiles print them
+        ("nvjet_sm90_tst_192x192_64x4_2x1_v_bz_coopB_TNN", 100.0),
+        ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 2.0),
+        ("_paged_decode_split_kernel", 50.0),
+        ("_paged_decode_merge_kernel", 5.0),
+        ("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 30.0),
+        ("_all_reduce_rms_norm_kernel", 20.0),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128>>", 40.0),
+        ("_rms_norm_kernel", 3.0),
+        ("_qk_norm_rope_kernel", 1.5),
+        ("_gumbel_argmax_kernel", 7.0),
+        ("void at::native::vectorized_gather_kernel<16, long>(char*, char*)", 4.0),
+    ]
+    got = {k: round(v * 1e6, 6) for k, v in bench.kernel_breakdown(kernels).items()}
+    assert got == {"fused all-reduce + norm": 20.0, "nccl": 30.0, "decode attention": 55.0,
+                   "prefill attention": 40.0, "gemm": 102.0, "norm / rope / silu / kv store": 4.5,
+                   "sampling": 7.0, "other": 4.0}
