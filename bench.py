@@ -63,8 +63,8 @@ def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: 
 KERNEL_KINDS = (
     ("fused all-reduce + norm", ("_all_reduce_rms_norm",)),
     ("nccl", ("nccl",)),
-    ("decode attention", ("_paged_decode",)),
-    ("prefill attention", ("flash_fwd", "flash_attn", "_flash_attention", "attention")),
+    ("decode attention", ("_paged_decode", "splitkv")),  # ours; flash-attn's decode kernels
+    ("prefill attention", ("flash_fwd", "flash_attn", "_flash_attention", "fmha", "attention")),
     ("gemm", ("nvjet", "gemm", "xmma", "cutlass", "splitkreduce", "cublas")),
     ("norm / rope / silu / kv store", ("_rms_norm", "_qk_norm", "_silu", "_store_kvcache")),
     ("sampling", ("gumbel", "sampl", "argmax", "topk", "sort")),

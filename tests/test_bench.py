@@ -77,9 +77,12 @@ def test_kernel_breakdown_sorts_profiled_kernels_by_kind():
         ("_rms_norm_kernel", 3.0),
         ("_qk_norm_rope_kernel", 1.5),
         ("_gumbel_argmax_kernel", 7.0),
+        ("void flash::flash_fwd_splitkv_kernel<Flash_fwd_kernel_traits<128, 64, 128>>", 6.0),
+        ("void flash::flash_fwd_splitkv_combine_kernel<Flash_fwd_kernel_traits<128>>", 1.0),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", 9.0),
         ("void at::native::vectorized_gather_kernel<16, long>(char*, char*)", 4.0),
     ]
     got = {k: round(v * 1e6, 6) for k, v in bench.kernel_breakdown(kernels).items()}
-    assert got == {"fused all-reduce + norm": 20.0, "nccl": 30.0, "decode attention": 55.0,
-                   "prefill attention": 40.0, "gemm": 102.0, "norm / rope / silu / kv store": 4.5,
+    assert got == {"fused all-reduce + norm": 20.0, "nccl": 30.0, "decode attention": 62.0,
+                   "prefill attention": 49.0, "gemm": 102.0, "norm / rope / silu / kv store": 4.5,
                    "sampling": 7.0, "other": 4.0}

@@ -866,22 +866,38 @@ def test_stream_closed_while_a_final_token_is_in_flight_forgets_its_text(llm, re
         refs[prompts[0]]["token_ids"][:2]
 
 
+class _InterruptedWait:
+    """Pending tokens whose wait is interrupted (Ctrl-C while the host waits for the device)."""
+
+    def result(self):
+        raise KeyboardInterrupt
+
+
+def interrupt_launch(llm, monkeypatch, n: int, where: str) -> list:
+    """Make the n-th launch from now fail: `where` = "launch" raises KeyboardInterrupt inside it,
+    "wait" launches and hands back tokens whose wait raises. Returns the batches launched (the
+    n-th included when it was launched); `monkeypatch.undo()` restores the runner."""
+    real = llm.model_runner.launch
+    launches = []
+
+    def launch(*args, **kwargs):
+        if len(launches) + 1 == n and where == "launch":
+            raise KeyboardInterrupt
+        pending = real(*args, **kwargs)
+        launches.append(args[0])
+        return _InterruptedWait() if len(launches) == n else pending
+
+    monkeypatch.setattr(llm.model_runner, "launch", launch)
+    return launches
+
+
 def test_generate_interrupted_mid_run_leaves_no_state_and_engine_usable(llm, refs, monkeypatch):
     prompts = ["Hello, world!", "Once upon a time"]
     params = [greedy(6), greedy(6, stop=["zzz"])]  # a stop string: tracked by a detokenizer
-    real = llm.model_runner.launch
-    calls = []
-
-    def interrupted(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(llm.model_runner, "launch", interrupted)
+    interrupt_launch(llm, monkeypatch, 3, "launch")
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, params, use_tqdm=False)
-    monkeypatch.setattr(llm.model_runner, "launch", real)
+    monkeypatch.undo()
     assert_idle(llm)
     assert not llm._detok and not llm._streamed
     outs = llm.generate(prompts, params, use_tqdm=False)
@@ -893,19 +909,7 @@ def test_engine_step_interrupted_while_waiting_aborts_only_the_steps_in_flight(l
     them. The requests of both steps end with "abort"; a running request in neither step goes
     on to the reference tokens, and the engine stays usable."""
     a, c, d = PROMPTS[0], PROMPTS[1], PROMPTS[2]
-    real = llm.model_runner.launch
-    launches = []
-
-    class Interrupted:
-        def result(self):
-            raise KeyboardInterrupt
-
-    def launch(*args, **kwargs):
-        pending = real(*args, **kwargs)
-        launches.append(args[0])
-        return Interrupted() if len(launches) == 3 else pending
-
-    monkeypatch.setattr(llm.model_runner, "launch", launch)
+    launches = interrupt_launch(llm, monkeypatch, 3, "wait")
     seq_a = llm.add_request(llm.tokenize(a), greedy(6))
     llm.step()                                       # launches A's prefill
     llm.step()                                       # launches A's first decode
@@ -917,7 +921,7 @@ def test_engine_step_interrupted_while_waiting_aborts_only_the_steps_in_flight(l
     assert [b.seqs for b in launches[2:]] == [[seq_c], [seq_d]]  # A was in neither step
     assert (seq_c.finish_reason, seq_d.finish_reason) == ("abort", "abort")
     assert not seq_a.is_finished
-    monkeypatch.setattr(llm.model_runner, "launch", real)
+    monkeypatch.undo()
     while llm.has_unfinished():
         llm.step()
     assert seq_a.completion_token_ids == refs[a]["token_ids"][:6]
@@ -928,23 +932,42 @@ def test_engine_step_interrupted_while_waiting_aborts_only_the_steps_in_flight(l
     assert [o["token_ids"] for o in outs] == [refs[p]["token_ids"][:6] for p in (c, d)]
 
 
+@pytest.mark.parametrize("where", ["wait", "launch"])
+def test_engine_step_interrupted_between_two_decodes_of_the_same_requests(llm, refs, monkeypatch, where):
+    """The usual case: steps n and n+1 decode the same requests, and the wait for n or the launch
+    of n+1 (part of which may be queued, over n's tokens on the device) is interrupted. The
+    requests end as "abort" with only tokens that arrived, and the engine stays usable."""
+    a, b = PROMPTS[0], PROMPTS[3]
+    interrupt_launch(llm, monkeypatch, 3 if where == "wait" else 4, where)
+    seq_a = llm.add_request(llm.tokenize(a), greedy(8))
+    seq_b = llm.add_request(llm.tokenize(b), greedy(8))
+    for _ in range(3):
+        llm.step()                                   # prefill, decode 1, decode 2 (3rd launch)
+    with pytest.raises(KeyboardInterrupt):
+        llm.step()                                   # launches decode 3, waits for decode 2
+    # "wait": decode 2 never arrives; "launch": decode 3's launch fails with decode 2 in flight.
+    for seq, prompt in ((seq_a, a), (seq_b, b)):
+        assert seq.finish_reason == "abort"
+        assert seq.completion_token_ids == refs[prompt]["token_ids"][:2]  # prefill's and decode 1's
+        llm.final_text(seq)
+    assert not llm.has_unfinished()
+    monkeypatch.undo()
+    assert_idle(llm)
+    outs = llm.generate([a, b], greedy(8), use_tqdm=False)
+    assert [o["token_ids"] for o in outs] == [refs[p]["token_ids"][:8] for p in (a, b)]
+
+
 def test_engine_step_interrupted_drops_the_unseen_last_token_of_a_finished_request(llm, refs, monkeypatch):
     """A request that ended at launch (max_tokens) but whose last token never arrived ends as
     "abort" without the placeholder token."""
-    real = llm.model_runner.launch
-
-    class Interrupted:
-        def result(self):
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(llm.model_runner, "launch", lambda *a, **k: (real(*a, **k), Interrupted())[1])
+    interrupt_launch(llm, monkeypatch, 1, "wait")
     seq = llm.add_request(llm.tokenize(PROMPTS[0]), greedy(1))
     llm.step()                                       # launches the prefill; ends the request
     assert seq.is_finished and len(seq.completion_token_ids) == 1
     with pytest.raises(KeyboardInterrupt):
         llm.step()                                   # nothing to launch; waits for the prefill
     assert seq.finish_reason == "abort" and seq.completion_token_ids == []
-    monkeypatch.setattr(llm.model_runner, "launch", real)
+    monkeypatch.undo()
     llm.final_text(seq)
     assert_idle(llm)
     assert llm.generate([PROMPTS[0]], greedy(2), use_tqdm=False)[0]["token_ids"] == refs[PROMPTS[0]]["token_ids"][:2]

@@ -211,9 +211,18 @@ def test_paged_decode(num_heads, num_kv_heads, block_size, max_ctx, num_splits, 
 
 
 def test_paged_decode_head_dim_128_many_splits():
-    # More splits than some sequences have blocks: those splits are empty and must weigh 0.
-    lens = _random_context_lens(4, 16, 120)
+    # 6 splits of each sequence's own tiles (64 tokens at head_dim 128, fp16), which the table's
+    # capacity (640 tokens = 10 tiles) leaves at 6: sequences shorter than 6 tiles have empty
+    # splits, which must weigh 0, and a full one splits unevenly (2, 2, 2, 2, 1, 1 tiles).
+    lens = [1, 0, 330, 640] + [random.randint(1, 640) for _ in range(4)]
     _check_decode(lens, 4, 2, 128, 16, 6, torch.float16)
+
+
+def test_paged_decode_without_blocks_gives_zeros():
+    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs([0, 0], 2, 1, 32, 16, torch.float32, DEVICE)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k_cache, v_cache, block_tables[:, :0], ctx, 0.2, 4, out=out)
+    assert (out == 0).all()
 
 
 def test_paged_decode_strided_q_and_out():

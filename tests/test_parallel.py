@@ -196,42 +196,45 @@ def test_worker_dead_at_start_raises_instead_of_waiting_in_the_rendezvous(model_
 
 
 _RENDEZVOUS_SCRIPT = """
-import multiprocessing as mp, os, signal, sys, time
+import multiprocessing as mp, os, sys, time
 from nanovllm import LLM
 from nanovllm.engine import parallel
 
-real = parallel._rendezvous
 
-def worker_dies_after_joining(config, rank, init_file):
-    for child in mp.active_children():
-        os.kill(child.pid, signal.SIGKILL)
-    real(config, rank, init_file)
+def joins_then_dies(config, rank, init_file, conn):
+    conn.send(("joining", None))  # says it joins the rendezvous, then dies before it does
+    os._exit(1)
 
-parallel._rendezvous = worker_dies_after_joining
-t = time.time()
-try:
-    LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
-except RuntimeError as e:
-    print(f"raised after {time.time() - t:.1f} s: {e}", flush=True)
-print("children:", len(mp.active_children()), flush=True)
-parallel._rendezvous = real
-try:
-    LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
-except RuntimeError as e:
-    print(f"second engine: {e}", flush=True)
-os._exit(0)  # the orphaned rendezvous thread would wait out its timeout
+
+if __name__ == "__main__":
+    parallel._worker_main = joins_then_dies
+    t = time.time()
+    try:
+        LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+    except RuntimeError as e:
+        print(f"raised after {time.time() - t:.1f} s: {e}", flush=True)
+    print("children:", len(mp.active_children()), flush=True)
+    try:
+        LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+    except RuntimeError as e:
+        print(f"second engine: {e}", flush=True)
+    os._exit(0)  # the orphaned rendezvous thread would wait out its timeout
 """
 
 
-def test_worker_dead_in_the_rendezvous_raises_quickly(model_path):
+def test_worker_dead_in_the_rendezvous_raises_quickly(model_path, tmp_path):
     """A worker that dies after it said it joins (in its own process-group init, say) must not
-    leave rank 0 in the rendezvous for its 10-minute timeout. In a subprocess: the rendezvous
-    thread it leaves behind stays until that process exits, and refuses new TP engines."""
+    leave rank 0 in the rendezvous for its 10-minute timeout. In a subprocess (a script file, so
+    that its worker function can be spawned): the rendezvous thread it leaves behind stays until
+    that process exits, and refuses new TP engines meanwhile."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", _RENDEZVOUS_SCRIPT, model_path], capture_output=True, text=True,
-                         cwd=root, timeout=120).stdout
+    script = tmp_path / "rendezvous.py"
+    script.write_text(_RENDEZVOUS_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script), model_path], capture_output=True, text=True,
+                         cwd=root, env=env, timeout=120).stdout
     lines = out.splitlines()
     assert len(lines) == 3 and lines[0].startswith("raised after"), out
     assert float(lines[0].split()[2]) < 30 and "worker 1" in lines[0], out

@@ -159,9 +159,10 @@ class LLMEngine:
         """One engine step, overlapped with the device: schedule and launch step n+1, then wait
         for step n's tokens and account for them while the device runs n+1.
 
-        Returns step n's (outputs, tokens computed, was it a prefill step). If waiting for step n
-        raises (KeyboardInterrupt, a dead tensor-parallel worker), the requests of steps n and n+1
-        end with finish_reason "abort" and the exception propagates; other requests are untouched.
+        Returns step n's (outputs, tokens computed, was it a prefill step). If launching step n+1
+        or waiting for step n raises (KeyboardInterrupt, a dead tensor-parallel worker), the
+        requests of both steps end with finish_reason "abort" and the exception propagates; other
+        requests are untouched.
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
@@ -170,7 +171,14 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         launched = None
         if batch is not None:
-            launched = (batch, self.model_runner.launch(batch, self.eos_token_ids))
+            try:
+                launched = (batch, self.model_runner.launch(batch, self.eos_token_ids))
+            except BaseException:
+                # Part of step n+1 may be queued already, overwriting step n's tokens on the device
+                # that a later step would read: neither can be trusted.
+                done, self._in_flight = self._in_flight, None
+                self._abort_steps(done, (batch, None))
+                raise
         elif self._in_flight is None:
             raise RuntimeError("scheduler produced no work although requests are pending")
         done, self._in_flight = self._in_flight, None

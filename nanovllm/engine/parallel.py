@@ -98,25 +98,29 @@ NCCL_ABORT_WAIT_S = 10.0
 # abort that has not returned, a rendezvous whose peer died): while one runs, no new
 # tensor-parallel engine can start in this process (process-wide, like that group).
 _lingering: list[threading.Thread] = []
+_lingering_lock = threading.Lock()  # the watchdog and the caller's thread both add to it
 
 
 def _lingers(thread: threading.Thread) -> None:
-    _lingering[:] = [t for t in _lingering if t.is_alive()] + [thread]
+    with _lingering_lock:
+        _lingering[:] = [t for t in _lingering if t.is_alive()] + [thread]
 
 
-def _abort_process_group() -> None:
-    """Abort pending collectives so a rank blocked in one returns with an error.
+def _abort_process_group() -> bool:
+    """Abort pending collectives so a rank blocked in one returns with an error. False if there
+    was no process group to abort.
 
     `_abort_process_group` is private torch API (present in 2.11 and 2.13); without it, gloo still
     fails fast when a peer's sockets close, while NCCL would wait for its timeout.
     """
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
     if abort is None or not dist.is_initialized():
-        return
+        return False
     try:
         abort()
     except Exception as e:  # the group may already be gone
         logger.debug("aborting the process group failed: %s", e)
+    return True
 
 
 class TensorParallelRunner:
@@ -146,6 +150,7 @@ class TensorParallelRunner:
         self._tokens_on_every_rank = False  # the last step's sampled tokens are on every rank
         self._abort_lock = threading.Lock()
         self._abort_thread: threading.Thread | None = None
+        self._group_aborted = False
         for rank in range(1, config.tensor_parallel_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, args=(config, rank, self.init_file, child), daemon=True,
@@ -193,8 +198,21 @@ class TensorParallelRunner:
             if self._failure and thread.is_alive():
                 _lingers(thread)
                 raise WorkerDied(self._failure)
+        # A worker that died after it published its address makes gloo's rendezvous fail at once,
+        # maybe before the watchdog has said so; and one may die just as the rendezvous ends.
+        if (errors and self._worker_death(timeout=5)) or self._failure:
+            raise WorkerDied(self._failure)
         if errors:
             raise errors[0]
+
+    def _worker_death(self, timeout: float) -> str | None:
+        """After an error that a dead worker would explain: the watchdog's word on it (waited for
+        up to `timeout` s), or a death it has not reported yet."""
+        self._watchdog.join(timeout=timeout)  # it returns once it has seen a death
+        dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
+        if dead and not self._failure:  # the watchdog is still reading its last words
+            self._failure = _death_message(*dead[0])
+        return self._failure
 
     def _expect(self, what: str) -> None:
         for rank, conn in enumerate(self.conns, start=1):
@@ -239,12 +257,16 @@ class TensorParallelRunner:
     def _abort_waits(self, wait_s: float = 0.0) -> bool:
         """Release rank 0 from anything that waits for the workers: the device-side barriers of
         the fused all-reduce (also while the model runner is built) and NCCL collectives. The
-        NCCL abort starts once, in its own thread; True if it finished within `wait_s`."""
+        NCCL abort starts once, in its own thread (again if the first one came before the process
+        group existed); True if it finished within `wait_s`."""
         abort_device_waits()
         with self._abort_lock:
-            if self._abort_thread is None:
-                self._abort_thread = threading.Thread(target=_abort_process_group, daemon=True,
-                                                      name="nanovllm-nccl-abort")
+            earlier = self._abort_thread
+            if earlier is None or (not earlier.is_alive() and not self._group_aborted and dist.is_initialized()):
+                def abort():
+                    self._group_aborted = _abort_process_group()
+
+                self._abort_thread = threading.Thread(target=abort, daemon=True, name="nanovllm-nccl-abort")
                 self._abort_thread.start()
                 _lingers(self._abort_thread)
         self._abort_thread.join(timeout=wait_s)
@@ -308,11 +330,7 @@ class TensorParallelRunner:
             result = getattr(self.runner, method)(arg)
         except BaseException as e:
             # A failing send or collective is almost always a dead peer: wait briefly for the watchdog.
-            self._watchdog.join(timeout=5)
-            dead = [(rank, p) for rank, p in enumerate(self.procs, start=1) if not p.is_alive()]
-            if dead and not self._failure:  # the watchdog is still reading its last words
-                self._failure = _death_message(*dead[0])
-            if self._failure:
+            if self._worker_death(timeout=5):
                 self.shutdown()
                 raise WorkerDied(self._failure) from e
             # Rank 0 alone failed (out of memory, Ctrl-C...): the workers are still inside this

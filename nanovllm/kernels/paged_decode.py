@@ -286,7 +286,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     tile, num_warps, num_stages = _launch_config(head_dim, q.element_size())
     # Splits beyond the table's capacity in tiles could never get tokens.
-    num_splits = min(num_splits, triton.cdiv(max_blocks * block_size, tile))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_blocks * block_size, tile)))
     if num_splits > 1:
         part_out = torch.empty(
             (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
