@@ -384,6 +384,12 @@ class Sampler(torch.nn.Module):
             h = self._token_hashes[key] = _token_hashes(vocab_size, device, start)
         return h
 
+    def _add_gumbel_(self, x: torch.Tensor, t: SamplingTensors, first_id: int = 0) -> torch.Tensor:
+        """x += the rows' Gumbel noise of token ids first_id, first_id + 1, ... (in place; x)."""
+        u = hash_uniform(t.seeds, t.offsets, x.shape[-1], self._hashes(x.shape[-1], x.device, first_id))
+        # Gumbel-max: log p + Gumbel noise, with Gumbel = -log(E), E = -log(u) ~ Exp(1).
+        return x.sub_(u.log_().neg_().log_())
+
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
                 suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Token ids int64 [B]. logits is not modified.
@@ -405,11 +411,7 @@ class Sampler(torch.nn.Module):
         else:
             if thr is not None:
                 x.masked_fill_(x < thr[:, None], _NEG_INF)
-            u = hash_uniform(t.seeds, t.offsets, x.shape[-1], self._hashes(x.shape[-1], x.device))
-            # Gumbel-max: log p + Gumbel noise, with Gumbel = -log(E), E = -log(u) ~ Exp(1).
-            x.sub_(u.log_().neg_().log_())
-            del u
-            sampled = x.argmax(dim=-1)
+            sampled = self._add_gumbel_(x, t).argmax(dim=-1)
         if t.any_greedy:
             sampled = torch.where(t.temperatures == 0, argmax, sampled)
         return sampled
@@ -439,11 +441,7 @@ class Sampler(torch.nn.Module):
             best = vals.argmax(dim=-1, keepdim=True)
             scores, ids = vals.gather(1, best).squeeze(1), idx.gather(1, best).squeeze(1).long()
         else:
-            x = torch.div(logits, temps[:, None])
-            u = hash_uniform(t.seeds, t.offsets, x.shape[-1], self._hashes(x.shape[-1], x.device, first_id))
-            x.sub_(u.log_().neg_().log_())
-            del u
-            scores, ids = x.max(dim=-1)
+            scores, ids = self._add_gumbel_(torch.div(logits, temps[:, None]), t, first_id).max(dim=-1)
             ids = ids + first_id
         if greedy is not None:
             is_greedy = t.temperatures == 0
