@@ -227,9 +227,7 @@ class TensorParallelRunner:
         try:
             return conn.recv()
         except (EOFError, OSError):  # it died; the watchdog may not have said so yet
-            proc = self.procs[rank - 1]
-            proc.join(timeout=5)
-            raise WorkerDied(self._failure or _death_message(rank, proc)) from None
+            raise WorkerDied(self._worker_death(timeout=5) or _death_message(rank, self.procs[rank - 1])) from None
 
     def _watch(self) -> None:
         """Notice a dead worker and abort the process group so that rank 0 cannot hang."""
