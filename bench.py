@@ -82,6 +82,76 @@ def kernel_breakdown(kernels) -> dict[str, float]:
     return out
 
 
+class StepTimeline:
+    """Where a run's wall time goes, step by step: each engine step's share (the time between
+    consecutive returns of `LLM.step`) and how much of it the host spent waiting for the
+    device's tokens, grouped into prefill steps and decode steps by batch size. A group whose
+    wait is a small part of its time was host-bound there.
+
+    Use as a context manager around one generate(); it wraps `llm.step` and
+    `PendingTokens.result` for that long.
+    """
+
+    BUCKETS = (192, 128, 64, 32, 16, 8, 1)  # decode groups: batch sizes >= these
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.steps: list[tuple[bool, int, float, float]] = []  # (is prefill, tokens, seconds, waited)
+
+    def __enter__(self):
+        from nanovllm.engine.model_runner import PendingTokens
+
+        self._cls, self._result, self._waited = PendingTokens, PendingTokens.result, 0.0
+        timeline, step = self, self.llm.step
+
+        def result(pending):
+            t = time.perf_counter()
+            try:
+                return timeline._result(pending)
+            finally:
+                timeline._waited += time.perf_counter() - t
+
+        def timed_step():
+            out = step()
+            now = time.perf_counter()
+            timeline.steps.append((out[2], out[1], now - timeline._last, timeline._waited))
+            timeline._last, timeline._waited = now, 0.0
+            return out
+
+        PendingTokens.result = result
+        self.llm.step = timed_step
+        self._last = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        self._cls.result = self._result
+        del self.llm.step  # back to the class's method
+
+    def summary(self) -> list[dict]:
+        """One row per group: steps, seconds, ms per step, the waited fraction."""
+        groups: dict[str, list] = {}
+        for is_prefill, tokens, secs, waited in self.steps:
+            if tokens == 0:  # the first call only launches
+                name = "launch"
+            elif is_prefill:
+                name = "prefill"
+            else:
+                name = "decode bs>=%d" % next(b for b in self.BUCKETS if tokens >= b)
+            g = groups.setdefault(name, [0, 0, 0.0, 0.0])
+            g[0] += 1
+            g[1] += tokens
+            g[2] += secs
+            g[3] += waited
+        return [{"group": k, "steps": n, "tokens": tok, "seconds": round(s, 4), "ms_per_step": round(s / n * 1e3, 3),
+                 "waited": round(w / max(s, 1e-12), 3)} for k, (n, tok, s, w) in groups.items()]
+
+    def table(self) -> str:
+        rows = [f"{'steps of the run':<18}{'steps':>7}{'tokens':>9}{'seconds':>9}{'ms/step':>9}{'waited':>8}"]
+        rows += [f"{r['group']:<18}{r['steps']:>7}{r['tokens']:>9}{r['seconds']:>9.3f}{r['ms_per_step']:>9.3f}"
+                 f"{r['waited']:>8.0%}" for r in self.summary()]
+        return "\n".join(rows)
+
+
 def git_commit() -> str:
     """HEAD's short hash, with "-dirty" when the tree differs from it (then the hash alone does
     not say what ran: e.g. a copy of a working tree shipped to another machine)."""
@@ -223,10 +293,12 @@ def main(argv=None):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    with StepTimeline(llm) as timeline:  # two clock reads and an append per step
+        outs = llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
+    print(timeline.table())
     out_tokens = sum(len(o["token_ids"]) for o in outs)
     if out_tokens != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
@@ -239,7 +311,8 @@ def main(argv=None):
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
-           "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds}
+           "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds,
+           "timeline": timeline.summary()}
 
     if args.latency:
         p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)

@@ -12,6 +12,7 @@ import tiny_model as tm  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import bench  # noqa: E402
+import torch  # noqa: E402
 from nanovllm.config import load_hf_config  # noqa: E402
 
 
@@ -55,6 +56,11 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert res["decode_ms_per_token_bs1"] > 0
     assert res["profile"]["tokens"] == 3 and res["profile"]["wall_s"] > 0
     assert set(res["profile"]["kernels_s"]) == {k for k, _ in bench.KERNEL_KINDS} | {"other"}
+    groups = {g["group"]: g for g in res["timeline"]}
+    assert groups["prefill"]["tokens"] == sum(map(len, prompts))  # one chunk each; no shared blocks
+    decode = sum(g["tokens"] for name, g in groups.items() if name.startswith("decode"))
+    assert decode >= sum(max_tokens) - len(prompts)  # every token after the first, plus rows of ended requests
+    assert 0 < sum(g["seconds"] for g in groups.values()) <= res["seconds"]
 
 
 def test_startup_profile_names_where_the_cold_start_goes(tmp_path):
@@ -86,3 +92,29 @@ def test_kernel_breakdown_sorts_profiled_kernels_by_kind():
     assert got == {"fused all-reduce + norm": 20.0, "nccl": 30.0, "decode attention": 62.0,
                    "prefill attention": 49.0, "gemm": 102.0, "norm / rope / silu / kv store": 4.5,
                    "sampling": 7.0, "other": 4.0}
+
+
+def test_step_timeline_groups_steps_and_counts_the_waits():
+    from nanovllm.engine.model_runner import PendingTokens
+
+    class FakeEngine:  # returns what LLM.step returns: (outputs, tokens, is prefill)
+        def __init__(self):
+            self.script = [(0, True), (300, True), (256, False), (200, False), (7, False), (1, False)]
+
+        def step(self):
+            tokens, is_prefill = self.script.pop(0)
+            if tokens:
+                PendingTokens(torch.tensor([5, 6]), 2, None).result()
+            return [], tokens, is_prefill
+
+    llm = FakeEngine()
+    original = PendingTokens.result
+    with bench.StepTimeline(llm) as timeline:
+        for _ in range(6):
+            llm.step()
+    assert PendingTokens.result is original and "step" not in vars(llm)  # unwrapped again
+    rows = {r["group"]: r for r in timeline.summary()}
+    assert {k: (r["steps"], r["tokens"]) for k, r in rows.items()} == {
+        "launch": (1, 0), "prefill": (1, 300), "decode bs>=192": (2, 456), "decode bs>=1": (2, 8)}
+    assert rows["launch"]["waited"] == 0 and all(0 < r["waited"] <= 1 for k, r in rows.items() if k != "launch")
+    assert "decode bs>=192" in timeline.table()
