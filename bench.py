@@ -256,6 +256,9 @@ def main(argv=None):
                          "(the workload's prompts, --profile-tokens each)")
     ap.add_argument("--profile-tokens", type=int, default=64,
                     help="output tokens per request of the profiled run; 0: the workload's own (the whole run)")
+    ap.add_argument("--profile-fresh-prompts", action="store_true",
+                    help="profile with prompts the prefix cache has not seen (every token id + 1), so the "
+                         "profiled run prefills them all")
     ap.add_argument("--profile-startup", action="store_true",
                     help="only construct the LLM, under cProfile, and print where the cold start goes")
     ap.add_argument("--json", help="write the figures to this file")
@@ -331,9 +334,10 @@ def main(argv=None):
         short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.profile_tokens or n)
                  for n in max_tokens]
         cuda = torch.cuda.is_available()  # on a CPU the run is profiled too, with no kernels to list
+        profiled = [[(t + 1) % 10_001 for t in p] for p in prompts] if args.profile_fresh_prompts else prompts
         with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
             t = time.perf_counter()
-            llm.generate(prompts, short, use_tqdm=False)
+            llm.generate(profiled, short, use_tqdm=False)
             if cuda:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
@@ -345,7 +349,8 @@ def main(argv=None):
         breakdown = kernel_breakdown(kernels)
         for kind, secs in breakdown.items():
             print(f"  {kind:<32}{secs * 1e3:>10.1f} ms{secs / max(busy, 1e-9):>7.1%}")
-        res["profile"] = {"tokens": args.profile_tokens, "wall_s": round(wall, 3),
+        res["profile"] = {"tokens": args.profile_tokens, "fresh_prompts": args.profile_fresh_prompts,
+                          "wall_s": round(wall, 3),
                           "kernels_s": {k: round(v, 4) for k, v in breakdown.items()}}
         print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
                                         max_name_column_width=60))

@@ -272,6 +272,10 @@ def test_paged_decode_rejects_bad_arguments():
         paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.2, 0)
     with pytest.raises(ValueError, match="out"):
         paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.2, 1, out=q.half())
+    many = 65536  # one more row than the grid's second dimension holds
+    with pytest.raises(ValueError, match="65535"):
+        paged_decode_attention(q[:1].expand(many, -1, -1), k_cache, v_cache, block_tables[:1].expand(many, -1),
+                               ctx[:1].expand(many), 0.2, 1)
 
 
 def test_choose_num_splits():

@@ -148,6 +148,19 @@ def test_decode_schedules_every_running_sequence():
     assert all(s.is_finished for s in seqs) and not sched.has_unfinished()
 
 
+def test_decode_rows_come_longest_context_first_without_reordering_the_queue():
+    sched = make_sched()
+    lens = [3, 9, 5, 9, 1]
+    seqs = [add(sched, range(100, 100 + n), max_tokens=4) for n in lens]
+    step(sched)  # prefill, in arrival order
+    for _ in range(2):
+        batch, _ = step(sched)
+        assert not batch.is_prefill
+        # Longest first (the decode kernel's tail is shorter), ties in queue order.
+        assert batch.seqs == [seqs[1], seqs[3], seqs[2], seqs[0], seqs[4]]
+        assert list(sched.running) == seqs  # preemption still picks the newest
+
+
 def test_decode_batch_is_capped_by_the_token_budget():
     sched = make_sched(budget=2)
     seqs = [add(sched, [i], max_tokens=3) for i in range(3)]

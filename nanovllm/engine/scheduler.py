@@ -113,6 +113,10 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         if not scheduled:
             return None
+        # Rows longest context first: the decode attention kernel starts its programs in row
+        # order, and the longest ones starting first shorten the tail (see kernels/paged_decode.py).
+        # Stable, and every length grows by one per step, so the order holds from step to step.
+        scheduled.sort(key=len, reverse=True)
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
 
     def _preempt(self, seq: Sequence) -> None:
