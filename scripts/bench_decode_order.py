@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from timing import cuda_graph_us  # scripts/timing.py
+from timing import cuda_graph_us, random_paged_batch  # scripts/timing.py
 
 BLOCK, HEAD_DIM, GROUP, WIDTH = 256, 128, 4, 16
 
@@ -27,12 +27,7 @@ def main() -> None:
     for kvh in (4, 8):
         for lo, hi in ((100, 1100), (500, 2000), (200, 4000)):
             for batch in (256, 192, 128, 64, 32):
-                blocks = batch * WIDTH
-                k = torch.randn(blocks, BLOCK, kvh, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn_like(k)
-                q = torch.randn(batch, GROUP * kvh, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                tables = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(batch, WIDTH)
-                ctx = torch.randint(lo, hi, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+                q, k, v, tables, ctx = random_paged_batch(batch, kvh, WIDTH, (lo, hi), gen, BLOCK, HEAD_DIM, GROUP)
                 order = torch.argsort(ctx, descending=True, stable=True)
                 q_s, tables_s, ctx_s = q[order].contiguous(), tables[order].contiguous(), ctx[order].contiguous()
                 splits = choose_num_splits(batch, kvh, WIDTH, num_sms=sms)

@@ -15,7 +15,7 @@ import json
 import torch
 
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from timing import cuda_graph_us  # scripts/timing.py
+from timing import cuda_graph_us, random_paged_batch  # scripts/timing.py
 
 BLOCK, HEAD_DIM, GROUP = 256, 128, 4
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -40,12 +40,7 @@ def main() -> None:
     for batches, width, (lo, hi) in CASES:
         for kvh in (8, 4):
             for batch in batches:
-                blocks = batch * width
-                k = torch.randn(blocks, BLOCK, kvh, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                v = torch.randn_like(k)
-                q = torch.randn(batch, GROUP * kvh, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-                tables = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(batch, width)
-                ctx = torch.randint(lo, hi, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+                q, k, v, tables, ctx = random_paged_batch(batch, kvh, width, (lo, hi), gen, BLOCK, HEAD_DIM, GROUP)
                 times = {s: cuda_graph_us(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, s))
                          for s in SPLITS if s <= width}
                 best = min(times, key=times.get)

@@ -27,3 +27,17 @@ def cuda_graph_us(fn, calls: int = 20, replays: int = 10, before_timing=None) ->
     end.record()
     end.synchronize()
     return start.elapsed_time(end) * 1e3 / (calls * replays)
+
+
+def random_paged_batch(batch: int, kv_heads: int, width: int, ctx_range: tuple[int, int], gen: torch.Generator,
+                       block: int = 256, head_dim: int = 128, group: int = 4):
+    """Random decode-attention inputs in bf16 on the GPU: (q, k_cache, v_cache, block_tables,
+    context_lens) for `batch` sequences of `width` blocks each (shuffled over the cache) and
+    context lengths drawn from [lo, hi)."""
+    blocks = batch * width
+    k = torch.randn(blocks, block, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    q = torch.randn(batch, group * kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    tables = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(batch, width)
+    ctx = torch.randint(*ctx_range, (batch,), device="cuda", generator=gen, dtype=torch.int32)
+    return q, k, v, tables, ctx
