@@ -89,7 +89,8 @@ class StepTimeline:
     wait is a small part of its time was host-bound there.
 
     Use as a context manager around one generate(); it wraps `llm.step` and
-    `PendingTokens.result` for that long.
+    `PendingTokens.result` for that long (the latter for the whole process: time one engine
+    at a time).
     """
 
     BUCKETS = (192, 128, 64, 32, 16, 8, 1)  # decode groups: batch sizes >= these
@@ -119,13 +120,17 @@ class StepTimeline:
             return out
 
         PendingTokens.result = result
+        self._own_step = vars(self.llm).get("step")  # an instance-level step someone set before us
         self.llm.step = timed_step
         self._last = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         self._cls.result = self._result
-        del self.llm.step  # back to the class's method
+        if self._own_step is None:
+            del self.llm.step  # back to the class's method
+        else:
+            self.llm.step = self._own_step
 
     def summary(self) -> list[dict]:
         """One row per group: steps, seconds, ms per step, the waited fraction."""
@@ -257,8 +262,8 @@ def main(argv=None):
     ap.add_argument("--profile-tokens", type=int, default=64,
                     help="output tokens per request of the profiled run; 0: the workload's own (the whole run)")
     ap.add_argument("--profile-fresh-prompts", action="store_true",
-                    help="profile with prompts the prefix cache has not seen (every token id + 1), so the "
-                         "profiled run prefills them all")
+                    help="profile with prompts the prefix cache has not seen (every token id + 1, modulo "
+                         "10,001: the workload's ids are 0-10,000), so the profiled run prefills them all")
     ap.add_argument("--profile-startup", action="store_true",
                     help="only construct the LLM, under cProfile, and print where the cold start goes")
     ap.add_argument("--json", help="write the figures to this file")
@@ -335,7 +340,8 @@ def main(argv=None):
                  for n in max_tokens]
         cuda = torch.cuda.is_available()  # on a CPU the run is profiled too, with no kernels to list
         profiled = [[(t + 1) % 10_001 for t in p] for p in prompts] if args.profile_fresh_prompts else prompts
-        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof, \
+                StepTimeline(llm) as profiled_steps:
             t = time.perf_counter()
             llm.generate(profiled, short, use_tqdm=False)
             if cuda:
@@ -350,6 +356,7 @@ def main(argv=None):
         for kind, secs in breakdown.items():
             print(f"  {kind:<32}{secs * 1e3:>10.1f} ms{secs / max(busy, 1e-9):>7.1%}")
         res["profile"] = {"tokens": args.profile_tokens, "fresh_prompts": args.profile_fresh_prompts,
+                          "prefill_tokens": sum(n for prefill, n, _, _ in profiled_steps.steps if prefill),
                           "wall_s": round(wall, 3),
                           "kernels_s": {k: round(v, 4) for k, v in breakdown.items()}}
         print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,

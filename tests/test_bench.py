@@ -55,6 +55,8 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert 0 <= res["fraction_of_floor"] <= 1 and res["floor_s"] >= 0  # tiny model on a CPU: ~0
     assert res["decode_ms_per_token_bs1"] > 0
     assert res["profile"]["tokens"] == 3 and res["profile"]["fresh_prompts"] and res["profile"]["wall_s"] > 0
+    # The timed run cached every full block of these prompts; fresh prompts miss that cache.
+    assert res["profile"]["prefill_tokens"] == sum(map(len, prompts))
     assert set(res["profile"]["kernels_s"]) == {k for k, _ in bench.KERNEL_KINDS} | {"other"}
     groups = {g["group"]: g for g in res["timeline"]}
     assert groups["prefill"]["tokens"] == sum(map(len, prompts))  # one chunk each; no shared blocks
@@ -113,6 +115,10 @@ def test_step_timeline_groups_steps_and_counts_the_waits():
         for _ in range(6):
             llm.step()
     assert PendingTokens.result is original and "step" not in vars(llm)  # unwrapped again
+    patched = llm.step = lambda: ([], 1, False)  # an instance-level step from before survives
+    with bench.StepTimeline(llm):
+        llm.step()
+    assert llm.step is patched
     rows = {r["group"]: r for r in timeline.summary()}
     assert {k: (r["steps"], r["tokens"]) for k, r in rows.items()} == {
         "launch": (1, 0), "prefill": (1, 300), "decode bs>=192": (2, 456), "decode bs>=1": (2, 8)}

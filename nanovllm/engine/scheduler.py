@@ -113,9 +113,10 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         if not scheduled:
             return None
-        # Rows longest context first: the decode attention kernel starts its programs in row
-        # order, and the longest ones starting first shorten the tail (see kernels/paged_decode.py).
-        # Stable, and every length grows by one per step, so the order holds from step to step.
+        # Rows longest context first: the Triton decode attention kernel starts its programs in
+        # row order, and the longest ones starting first shorten the tail (kernels/paged_decode.py;
+        # other backends do not care). Stable, and every length grows by one per step, so the
+        # order holds from step to step. Outputs of a step come in this order too.
         scheduled.sort(key=len, reverse=True)
         return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
 

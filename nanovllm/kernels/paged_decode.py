@@ -43,11 +43,12 @@ def _paged_decode_split_kernel(
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
-    Grid (num_kv_heads * num_splits, B): program (kvh * num_splits + split, b). The GPU starts
-    programs in grid order, so a sequence's programs start together and sequences start in
-    row order; rows ordered longest context first (the scheduler's decode order) keep the
-    longest work from starting last. On an H200 (scripts/bench_decode_order.py, 30 shapes)
-    that took 7% off unsorted rows, and 8% off the former (B, kvh, split) grid. The
+    Grid (num_kv_heads * num_splits, B): program (kvh * num_splits + split, b). GPUs start
+    programs in about grid order (observed, not promised by CUDA), so a sequence's programs
+    start together and sequences start in row order; rows ordered longest context first (the
+    scheduler's decode order) keep the longest work from starting last. On an H200
+    (scripts/bench_decode_order.py, 30 shapes) that took 7% off unsorted rows; against the
+    former (B, kvh, split) grid with unsorted rows, 8% (measured once, BENCHMARKS.md). The
     sequence's own context (not the table's width) is
     cut into num_splits runs of whole TILEs, as even as TILE allows; split s takes run s (empty
     when the context has fewer tiles than splits), walked TILE tokens at a time with an fp32
