@@ -1,6 +1,11 @@
-"""Prefill-sized row-parallel GEMM + all-reduce + residual RMSNorm on 2+ GPUs: one after the
+"""Prefill-sized row-parallel GEMM + all-reduce + residual RMSNorm on 2 GPUs: one after the
 other (what the engine does), the GEMM cut into row chunks whose all-reduces (NCCL, async)
-overlap the next chunk's GEMM, and the fused symmetric-memory kernel instead of NCCL + norm.
+may overlap the next chunk's GEMM (on NCCL's default or a high-priority stream), and the fused
+symmetric-memory kernel instead of NCCL + norm.
+
+Measured on 2xH200 (BENCHMARKS.md): the chunks do not overlap on the default stream, nor with
+torch._C._set_sm_carveout_experimental (which cuBLAS's nvjet kernels ignore); the
+high-priority variant has not run yet.
 
     PYTHONPATH=.:scripts python3 scripts/bench_prefill_all_reduce.py
 
@@ -19,7 +24,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 HIDDEN = 4096
-ROWS = (8192, 16384)
+ROWS = (4096, 8192, 16384)
 LAYERS = (("o", 4096 // 2), ("down", 12288 // 2))
 
 
@@ -46,6 +51,10 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     device, dtype = torch.device("cuda", rank), torch.bfloat16
     fused = FusedAllReduceNorm.create(dist.group.WORLD, device, dtype, HIDDEN, max_bytes=max(ROWS) * HIDDEN * 2)
     norm_w = torch.ones(HIDDEN, dtype=dtype, device=device)
+    # NCCL on a high-priority stream: its blocks are dispatched ahead of the GEMM's as SMs free up.
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = True
+    high_priority = dist.new_group(list(range(world)), backend="nccl", pg_options=options)
     lines = []
     for name, k in LAYERS:
         w = torch.randn(HIDDEN, k, dtype=dtype, device=device) / k ** 0.5
@@ -58,36 +67,29 @@ def _worker(rank: int, world: int, init_file: str) -> None:
                 dist.all_reduce(y)
                 return rms_norm(y, norm_w, 1e-6, residual)
 
-            def chunked(n, carveout=0):
-                # cuBLAS leaves `carveout` SMs free, so that NCCL's kernel can run beside the GEMM
-                torch._C._set_sm_carveout_experimental(carveout or None)
+            def chunked(n, group=None):
                 y = torch.empty(rows, HIDDEN, dtype=dtype, device=device)
                 works = []
                 for xc, yc in zip(x.chunk(n), y.chunk(n)):
                     torch.matmul(xc, w.t(), out=yc)
-                    works.append(dist.all_reduce(yc, async_op=True))
-                torch._C._set_sm_carveout_experimental(None)
+                    works.append(dist.all_reduce(yc, group=group, async_op=True))
                 for work in works:
                     work.wait()
                 return rms_norm(y, norm_w, 1e-6, residual)
 
-            def gemm(carveout):
-                torch._C._set_sm_carveout_experimental(carveout or None)
-                y = F.linear(x, w)
-                torch._C._set_sm_carveout_experimental(None)
-                return y
-
-            t = {"gemm": _ms(lambda: F.linear(x, w)), "gemm-16": _ms(lambda: gemm(16)), "serial": _ms(serial)}
+            t = {"gemm": _ms(lambda: F.linear(x, w)), "serial": _ms(serial)}
             for n in (2, 4):
-                for c in (0, 8, 16, 32):
-                    t[f"c{n}-{c}"] = _ms(lambda: chunked(n, c))
+                t[f"c{n}"] = _ms(lambda: chunked(n))
+            for n in (2, 4):
+                t[f"c{n}-hp"] = _ms(lambda: chunked(n, high_priority))
             if fused is not None:
                 t["fused"] = _ms(lambda: fused(F.linear(x, w), residual, norm_w, 1e-6))
             lines.append(f"{name:>6}{rows:>7}" + "".join(f"{v:>9.3f}" for v in t.values()))
     if rank == 0:
         print("row-parallel GEMM + all-reduce + RMSNorm, ms per call, bf16,", world, "GPUs")
         print(f"{'gemm':>6}{'rows':>7}" + "".join(f"{c:>9}" for c in t))
-        print("cN-S: N row chunks, async NCCL per chunk, cuBLAS leaving S SMs free")
+        print("cN: N row chunks, each chunk's NCCL all-reduce async behind the next chunk's GEMM; "
+              "-hp: NCCL on a high-priority stream")
         print("\n".join(lines))
     dist.barrier()
     dist.destroy_process_group()
