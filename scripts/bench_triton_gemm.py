@@ -1,0 +1,90 @@
+"""Can a Triton GEMM keep up with cuBLAS on the row-parallel decode GEMMs of Qwen3-8B at TP=2?
+
+    PYTHONPATH=.:scripts python3 scripts/bench_triton_gemm.py
+
+The question behind it: the decode all-reduces cost TP=2 ~0.7 s of the bench (BENCHMARKS.md).
+A GEMM of our own could push each finished output tile into the peer's buffer from its epilogue,
+so the all-reduce's transfer would hide behind the GEMM. That only pays if the GEMM itself is
+within ~10% of cuBLAS. This times a plain tiled Triton GEMM (y = x @ W^T, bf16 in, fp32
+accumulation, bf16 out; the best of a small grid of tile configs per shape) against F.linear
+for o_proj (K=2048) and down_proj (K=6144) into hidden 4096, M = 1-256, from CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from timing import cuda_graph_us  # scripts/timing.py
+
+HIDDEN = 4096
+SHAPES = (("o_proj", 2048), ("down_proj", 6144))
+BATCHES = (1, 8, 16, 64, 128, 192, 256)
+CONFIGS = [dict(BM=bm, BN=bn, BK=64, num_stages=s, num_warps=w)
+           for bm, bn, s, w in itertools.product((16, 64, 128), (64, 128), (3, 5), (4, 8))]
+
+
+@triton.jit
+def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """y[M, N] = x[M, K] @ w[N, K]^T. Grid (cdiv(N, BN), cdiv(M, BM)); K a multiple of BK."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ks = tl.arange(0, BK)
+    x_tile = x_ptr + rows[:, None] * stride_x + ks[None, :]
+    w_tile = w_ptr + cols[:, None] * stride_w + ks[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(0, K, BK):
+        a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
+        b = tl.load(w_tile, mask=cols[:, None] < N, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        x_tile += BK
+        w_tile += BK
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) -> torch.Tensor:
+    m, k = x.shape
+    n = w.shape[0]
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
+    _gemm_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=cfg["BM"], BN=cfg["BN"],
+                       BK=cfg["BK"], num_stages=cfg["num_stages"], num_warps=cfg["num_warps"])
+    return y
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    print(f"{'gemm':>10}{'M':>5}{'cublas us':>11}{'triton us':>11}{'ratio':>7}  best config")
+    for name, k in SHAPES:
+        w = torch.randn(HIDDEN, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        for m in BATCHES:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            y = torch.empty(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
+            want = F.linear(x, w).float()
+            cublas = cuda_graph_us(lambda: F.linear(x, w), 36, 20)
+            best, best_cfg = float("inf"), None
+            for cfg in CONFIGS:
+                if cfg["BM"] > max(16, triton.next_power_of_2(m)):
+                    continue  # tiles taller than the batch only add padding
+                y.fill_(float("nan"))
+                try:
+                    got = triton_linear(x, w, y, cfg).float()
+                except triton.runtime.errors.OutOfResources:  # too much shared memory for this tile
+                    continue
+                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+                    raise SystemExit(f"{name} M={m} {cfg}: wrong result")
+                us = cuda_graph_us(lambda: triton_linear(x, w, y, cfg), 36, 10)
+                if us < best:
+                    best, best_cfg = us, cfg
+            print(f"{name:>10}{m:>5}{cublas:>11.1f}{best:>11.1f}{best / cublas:>7.2f}  {best_cfg}")
+
+
+if __name__ == "__main__":
+    main()
