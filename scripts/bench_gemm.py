@@ -13,16 +13,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from timing import cuda_graph_us  # scripts/timing.py
+from timing import cuda_graph_us, qwen3_8b_gemms  # scripts/timing.py
 
-HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
 BATCHES = (1, 16, 64, 96, 128, 192, 256)
-
-
-def shapes(tp: int):
-    """(name, K, N) of each decode GEMM on one rank."""
-    return [("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM // tp), ("o", HEADS * HEAD_DIM // tp, HIDDEN),
-            ("gate_up", HIDDEN, 2 * INTER // tp), ("down", INTER // tp, HIDDEN)]
 
 
 def split_k(x: torch.Tensor, w: torch.Tensor, s: int) -> torch.Tensor:
@@ -36,7 +29,7 @@ def main() -> None:
     torch.manual_seed(0)
     print(f"{'tp':>3}{'gemm':>8}{'M':>5}{'floor':>8}{'linear':>8}{'sk2':>8}{'sk4':>8}{'best':>6}")
     for tp in (1, 2):
-        for name, k, n in shapes(tp):
+        for name, k, n in qwen3_8b_gemms(tp):
             w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
             for m in BATCHES:
                 x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -23,9 +23,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-HIDDEN = 4096
+from timing import HIDDEN, row_parallel_gemms  # scripts/timing.py
+
 ROWS = (4096, 8192, 16384)
-LAYERS = (("o", 4096 // 2), ("down", 12288 // 2))
 
 
 def _ms(fn, reps: int = 10) -> float:
@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, init_file: str) -> None:
     options.is_high_priority_stream = True
     high_priority = dist.new_group(list(range(world)), backend="nccl", pg_options=options)
     lines = []
-    for name, k in LAYERS:
+    for name, k in row_parallel_gemms(2):
         w = torch.randn(HIDDEN, k, dtype=dtype, device=device) / k ** 0.5
         for rows in ROWS:
             x = torch.randn(rows, k, dtype=dtype, device=device)

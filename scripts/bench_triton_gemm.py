@@ -19,10 +19,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from timing import cuda_graph_us  # scripts/timing.py
+from timing import HIDDEN, cuda_graph_us, row_parallel_gemms  # scripts/timing.py
 
-HIDDEN = 4096
-SHAPES = (("o_proj", 2048), ("down_proj", 6144))
 BATCHES = (1, 8, 16, 64, 128, 192, 256)
 CONFIGS = [dict(BM=bm, BN=bn, BK=64, num_stages=s, num_warps=w)
            for bm, bn, s, w in itertools.product((16, 64, 128), (64, 128), (3, 5), (4, 8))]
@@ -62,7 +60,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) 
 def main() -> None:
     torch.manual_seed(0)
     print(f"{'gemm':>10}{'M':>5}{'cublas us':>11}{'triton us':>11}{'ratio':>7}  best config")
-    for name, k in SHAPES:
+    for name, k in row_parallel_gemms(2):
         w = torch.randn(HIDDEN, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         for m in BATCHES:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

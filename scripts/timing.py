@@ -41,3 +41,19 @@ def random_paged_batch(batch: int, kv_heads: int, width: int, ctx_range: tuple[i
     tables = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(batch, width)
     ctx = torch.randint(*ctx_range, (batch,), device="cuda", generator=gen, dtype=torch.int32)
     return q, k, v, tables, ctx
+
+
+# Qwen3-8B's sizes, for the GEMM and all-reduce microbenchmarks.
+HIDDEN, INTER, HEADS, KV_HEADS, HEAD_DIM = 4096, 12288, 32, 8, 128
+
+
+def qwen3_8b_gemms(tp: int) -> list[tuple[str, int, int]]:
+    """(name, K, N) of each decoder-layer GEMM on one of `tp` ranks; o and down are the
+    row-parallel ones (N = HIDDEN, their outputs are all-reduced)."""
+    return [("qkv", HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM // tp), ("o", HEADS * HEAD_DIM // tp, HIDDEN),
+            ("gate_up", HIDDEN, 2 * INTER // tp), ("down", INTER // tp, HIDDEN)]
+
+
+def row_parallel_gemms(tp: int) -> list[tuple[str, int]]:
+    """(name, K) of qwen3_8b_gemms' row-parallel GEMMs (N = HIDDEN)."""
+    return [(name, k) for name, k, n in qwen3_8b_gemms(tp) if name in ("o", "down")]
