@@ -48,11 +48,12 @@ def _paged_decode_split_kernel(
     start together and sequences start in row order; rows ordered longest context first (the
     scheduler's decode order) keep the longest work from starting last. On an H200
     (scripts/bench_decode_order.py, 30 shapes) that took 7% off unsorted rows; against the
-    former (B, kvh, split) grid with unsorted rows, 8% (measured once, BENCHMARKS.md). The
-    sequence's own context (not the table's width) is
-    cut into num_splits runs of whole TILEs, as even as TILE allows; split s takes run s (empty
-    when the context has fewer tiles than splits), walked TILE tokens at a time with an fp32
-    online softmax kept in the log2 domain (qk_scale already includes log2(e)).
+    former (B, kvh, split) grid with unsorted rows, 8% (measured once, BENCHMARKS.md).
+
+    The sequence's own context (not the table's width) is cut into num_splits runs of whole
+    TILEs, as even as TILE allows; split s takes run s (empty when the context has fewer tiles
+    than splits), walked TILE tokens at a time with an fp32 online softmax kept in the log2
+    domain (qk_scale already includes log2(e)).
 
     WRITE_PARTIAL False (one split): writes the normalised result straight into out (q's
     dtype). True: writes the normalised partial output to part_out [B, NUM_HEADS,
@@ -181,9 +182,8 @@ def choose_num_splits(
     lengths; beyond that they only add merge traffic. Over scripts/bench_paged_decode.py's
     sweep on an H200 (B = 1-256, 4 and 8 kv heads, contexts up to 16k) this rule came within
     0.9% of the best split counts in total (worst case 4.6%, nearest swept count); three per
-    SM lost 2.8%. Never more than
-    max_blocks_per_seq: the table's width bounds the longest context, and splits of less
-    than a block's worth of tokens would not pay for their merge.
+    SM lost 2.8%. Never more than max_blocks_per_seq: the table's width bounds the longest
+    context, and splits of less than a block's worth of tokens would not pay for their merge.
     """
     for name, value in (
         ("batch_size", batch_size),
@@ -228,9 +228,9 @@ def paged_decode_attention(
     cached tokens (the decode token included, hence no causal mask); a length of 0 gives a
     zero output row. num_splits: KV splits per sequence (see choose_num_splits), each
     taking an even share of the sequence's own context in whole TILEs; rows sorted longest
-    context first run fastest (see the split kernel). The launch grid
-    depends only on shapes and num_splits, and nothing syncs with the host, so the call can
-    be captured in a CUDA graph (call it once eagerly first so the kernels are compiled).
+    context first run fastest (see the split kernel). The launch grid depends only on shapes
+    and num_splits, and nothing syncs with the host, so the call can be captured in a CUDA
+    graph (call it once eagerly first so the kernels are compiled).
     out: optional [B, num_heads, head_dim] buffer of q's
     dtype (stride(-1) == 1). Returns out.
     """
