@@ -313,12 +313,14 @@ def main(argv=None):
     in_tokens = sum(map(len, prompts))
     floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth) \
         / args.tp
+    rank0 = getattr(llm.model_runner, "runner", llm.model_runner)  # TP: rank 0's ModelRunner
     res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
            "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
+           "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds,
            "timeline": timeline.summary()}
 

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from nanovllm.kernels.all_reduce import all_reduce_rms_norm
+from nanovllm.kernels.all_reduce import all_reduce_rms_norm, wait_count
 from nanovllm.layers.layernorm import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -236,3 +236,62 @@ def test_two_ranks_in_a_cuda_graph():
         for y, new_residual in outs:
             assert torch.equal(new_residual, res_ref)
             assert_close(y, y_ref)
+
+
+# ----------------------------------------------------------------------------- wait_count
+
+
+def _abort_address(abort_word):
+    return torch.tensor([abort_word.data_ptr()], dtype=torch.int64, device=DEVICE)
+
+
+def test_wait_count_returns_once_the_count_is_reached_or_aborted():
+    abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=DEVICE == "cuda")
+    count = torch.tensor([random.randint(1, 1000)], dtype=torch.int32, device=DEVICE)
+    for target in (0, int(count)):  # reached: returns at once
+        wait_count(count, target, _abort_address(abort_word))
+    done, errors = _run_in_thread(lambda: (wait_count(count, int(count) + 1, _abort_address(abort_word), poll=4),
+                                           torch.cuda.synchronize() if DEVICE == "cuda" else None))
+    assert not done.wait(1.0), "returned although the count was never reached"
+    abort_word[0] = 1
+    assert done.wait(60), "the abort word did not end the wait"
+    assert not errors, errors
+    with pytest.raises(ValueError, match="int32"):
+        wait_count(count.long(), 1, _abort_address(abort_word))
+    with pytest.raises(ValueError, match="range"):
+        wait_count(count, 2**31, _abort_address(abort_word))
+
+
+@pytest.mark.gpu
+def test_wait_count_holds_its_stream_until_another_stream_writes_the_count():
+    """The copy-engine exchange's shape: the count arrives from another stream, later."""
+    abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    address = _abort_address(abort_word)
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    waiting, writing = torch.cuda.Stream(), torch.cuda.Stream()
+    out = torch.zeros(1, device="cuda")
+    # CUDA loads a kernel's module at its first launch, and the load waits for the running
+    # kernels: a first launch while the wait spins would wait for the spin. So launch each first.
+    wait_count(count, 0, address)
+    torch.cuda._sleep(1)
+    out.clone().fill_(0.0)
+    count.fill_(0)
+    torch.cuda.synchronize()
+    result = {}
+
+    def body():
+        with torch.cuda.stream(waiting):
+            wait_count(count, 3, address)
+            out.fill_(1.0)  # must not run before the count is 3
+        with torch.cuda.stream(writing):
+            torch.cuda._sleep(50_000_000)  # ~25 ms: the waiting kernel is surely spinning by then
+            result["before"] = out.clone()  # still 0 if the wait held the other stream
+            count.fill_(3)
+        torch.cuda.synchronize()
+
+    done, errors = _run_in_thread(body)
+    if not done.wait(30):
+        abort_word[0] = 1
+        pytest.fail("the wait did not see the count written by the other stream")
+    assert not errors, errors
+    assert result["before"].item() == 0.0 and out.item() == 1.0

@@ -100,6 +100,26 @@ def test_rms_norm_matches_reference(dtype, hidden, with_residual):
     assert_matches(y, y_ref)
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_adds_a_peers_partial_sum_first(dtype, with_residual):
+    """addend: what a two-rank all-reduce would sum, (x + addend) rounded, then as before."""
+    rows, hidden = random.randint(1, 5), 72
+    norm = make_rms_norm(hidden, dtype, DEVICE)
+    x, addend = ((3 * torch.randn(rows, hidden, device=DEVICE)).to(dtype) for _ in range(2))
+    summed = (x.float() + addend.float()).to(dtype)
+    if not with_residual:
+        assert_matches(rms_norm(x, norm.weight, EPS, addend=addend), norm(summed))
+        return
+    residual = torch.randn(rows, hidden, device=DEVICE).to(dtype)
+    y, new_residual = rms_norm(x, norm.weight, EPS, residual, addend=addend)
+    y_ref, res_ref = norm(summed, residual)
+    assert torch.equal(new_residual, res_ref)
+    assert_matches(y, y_ref)
+    with pytest.raises(ValueError, match="addend"):
+        rms_norm(x, norm.weight, EPS, residual, addend=addend[:, :-1])
+
+
 def test_rms_norm_strided_rows_and_leading_dims():
     hidden = 40
     norm = make_rms_norm(hidden, torch.float16, DEVICE)

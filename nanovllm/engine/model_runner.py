@@ -66,12 +66,16 @@ class ModelRunner:
         self.world_size = config.tensor_parallel_size
         self.rank = dist.get_rank() if self.world_size > 1 else 0
         group = dist.group.WORLD if self.world_size > 1 else None
-        fused_norm = None
+        fused_norm = copy_engine = None
         if self.world_size > 1 and self.device.type == "cuda" and config.custom_all_reduce:
-            from nanovllm.utils.dist import FusedAllReduceNorm
+            from nanovllm.utils.dist import CopyEngineAllReduce, FusedAllReduceNorm
 
             fused_norm = FusedAllReduceNorm.create(group, self.device, config.dtype, hf.hidden_size)
-        self.tp = TPGroup(self.rank, self.world_size, group, fused_norm)
+            if fused_norm is not None:  # it owns the group's symmetric-memory rendezvous
+                # Up to 128 MiB per buffer half (16k rows of Qwen3-8B); longer chunks use NCCL.
+                max_rows = min(config.max_num_batched_tokens, (128 << 20) // (hf.hidden_size * config.dtype.itemsize))
+                copy_engine = CopyEngineAllReduce.create(group, self.device, config.dtype, hf.hidden_size, max_rows)
+        self.tp = TPGroup(self.rank, self.world_size, group, fused_norm, copy_engine)
         self.pin = self.device.type == "cuda"
         self.max_blocks_per_seq = math.ceil(config.max_model_len / self.block_size)
 

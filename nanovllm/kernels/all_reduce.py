@@ -155,3 +155,36 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
         num_warps=_num_warps(block), enable_fp_fusion=False,
     )
     return y, res_out
+
+
+# ----------------------------------------------------------------------------- arrival count wait
+# For the copy-engine exchange of prefill-sized partial sums (utils/dist.py CopyEngineAllReduce):
+# the peer's copy stream bumps a counter in this rank's memory after each chunk of rows it
+# copied here, and this kernel holds the stream until the count is reached.
+
+
+@triton.jit(do_not_specialize=["target"])
+def _wait_count_kernel(count_ptr, target, addr_ptr, POLL: tl.constexpr):
+    """Return once the int32 *count_ptr >= target (acquire, system scope: the rows copied before
+    the count was written are visible to the kernels after this one), or once the abort word
+    (host-mapped int32 at the address in addr_ptr[0]) is non-zero. One program."""
+    abort_ptr = tl.load(addr_ptr).to(tl.pointer_type(tl.int32))
+    seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="sys")
+    spins = 0
+    aborted = 0
+    while (seen < target) & (aborted == 0):
+        spins += 1
+        if spins % POLL == 0:
+            aborted = tl.load(abort_ptr, volatile=True)
+        seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="sys")
+
+
+def wait_count(count: torch.Tensor, target: int, abort_address: torch.Tensor, poll: int = _ABORT_POLL_INTERVAL) -> None:
+    """Hold the current stream until `count` (int32 [1], written by a peer) reaches `target`.
+    `abort_address`: int64 [1] on the device, the address of a host-mapped int32 abort word
+    that ends the wait early (a dead peer). Capturable; no host sync."""
+    if count.dtype != torch.int32 or count.numel() != 1:
+        raise ValueError(f"count must be one int32, got {count.dtype} x {count.numel()}")
+    if not 0 <= target < 2**31:
+        raise ValueError(f"target {target} is outside int32's range")
+    _wait_count_kernel[(1,)](count, target, abort_address, POLL=poll, num_warps=1)

@@ -50,6 +50,8 @@ def _check_same_device(**tensors: torch.Tensor) -> None:
 def _rms_norm_kernel(
     x_ptr,
     x_stride,
+    add_ptr,
+    add_stride,
     res_ptr,
     res_stride,
     w_ptr,
@@ -57,6 +59,7 @@ def _rms_norm_kernel(
     res_out_ptr,
     n_cols,
     eps,
+    HAS_ADDEND: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -67,13 +70,18 @@ def _rms_norm_kernel(
     masked (they load 0, which leaves the sum of squares alone). With HAS_RESIDUAL, s is rounded
     to the dtype (torch adds in the activation dtype) and stored to res_out. The normed row is
     rounded to the dtype before the weight product, and the product is rounded again, as
-    transformers' Qwen3RMSNorm does (`weight * normed.to(dtype)`).
+    transformers' Qwen3RMSNorm does (`weight * normed.to(dtype)`). With HAS_ADDEND, x[r] is first
+    replaced by (x[r] + addend[r]) rounded to the dtype (a peer's partial sum: what a two-rank
+    all-reduce would have produced).
     """
     row = tl.program_id(0).to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
     x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_ADDEND:
+        a = tl.load(add_ptr + row * add_stride + offs, mask=mask, other=0.0).to(tl.float32)
+        x = (x + a).to(dtype).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + offs, mask=mask, other=0.0).to(tl.float32)
         s = (x + r).to(dtype)
@@ -99,6 +107,7 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    addend: torch.Tensor | None = None,
 ):
     """RMSNorm over the last dim of x: `y` or, with `residual`, `(y, x + residual)`.
 
@@ -106,7 +115,8 @@ def rms_norm(
     row stride are used as is; other layouts are flattened with reshape). weight: [hidden],
     same dtype. residual: same shape and dtype as x. Without residual y = norm(x); with it
     s = (x + residual) rounded to the dtype and the result is (norm(s), s). Outputs are new
-    contiguous tensors of x's shape and dtype. hidden <= 32768.
+    contiguous tensors of x's shape and dtype. hidden <= 32768. `addend` (like residual): x is
+    replaced by (x + addend) rounded to the dtype first, e.g. to finish a two-rank all-reduce.
     """
     _check_float("x", x)
     if x.dim() < 1 or x.shape[-1] == 0:
@@ -121,15 +131,14 @@ def rms_norm(
     if x.stride(-1) != 1:
         raise ValueError("x needs a contiguous last dimension (stride(-1) == 1)")
     tensors = {"x": x, "weight": weight}
-    if residual is not None:
-        if residual.shape != x.shape or residual.dtype != x.dtype:
-            raise ValueError(
-                f"residual {tuple(residual.shape)} {residual.dtype} must match x "
-                f"{tuple(x.shape)} {x.dtype}"
-            )
-        if residual.stride(-1) != 1:
-            raise ValueError("residual needs a contiguous last dimension (stride(-1) == 1)")
-        tensors["residual"] = residual
+    for name, t in (("residual", residual), ("addend", addend)):
+        if t is None:
+            continue
+        if t.shape != x.shape or t.dtype != x.dtype:
+            raise ValueError(f"{name} {tuple(t.shape)} {t.dtype} must match x {tuple(x.shape)} {x.dtype}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension (stride(-1) == 1)")
+        tensors[name] = t
     _check_same_device(**tensors)
 
     x2 = x.reshape(-1, hidden)
@@ -139,10 +148,13 @@ def rms_norm(
     if rows > 0:
         weight = weight.contiguous()
         r2 = residual.reshape(-1, hidden) if residual is not None else x2
+        a2 = addend.reshape(-1, hidden) if addend is not None else x2
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
             x2,
             x2.stride(0),
+            a2,
+            a2.stride(0),
             r2,
             r2.stride(0),
             weight,
@@ -150,6 +162,7 @@ def rms_norm(
             res_out if res_out is not None else y,  # unused without a residual
             hidden,
             float(eps),
+            HAS_ADDEND=addend is not None,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,
             num_warps=_num_warps(block),

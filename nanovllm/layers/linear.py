@@ -114,6 +114,8 @@ class RowParallelLinear(LinearBase):
         self.reduce_results = reduce_results
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.reduce_results and self.bias is None:
+            return self.tp.row_parallel(x, self.weight)  # the norm after it sums over the ranks
         # Only rank 0 adds the bias, so the all-reduce counts it once.
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         return self.tp.all_reduce(y) if self.reduce_results else y

@@ -15,6 +15,7 @@ import weakref
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 logger = logging.getLogger("nanovllm")
 
@@ -25,6 +26,7 @@ class TPGroup:
     size: int = 1
     group: object = None  # a torch.distributed ProcessGroup when size > 1
     fused_norm: "FusedAllReduceNorm | None" = None  # fast path for small (<= 8 MiB) CUDA tensors
+    copy_engine: "CopyEngineAllReduce | None" = None  # prefill-sized partial sums at TP=2
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
@@ -32,10 +34,19 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's partial sums x @ weight.T of a row-parallel layer (no bias), to be summed
+        by `all_reduce_rms_norm`. Prefill-sized ones may already be on their way to the peer."""
+        if self.copy_engine is not None and self.copy_engine.takes(x, weight):
+            return self.copy_engine.linear(x, weight)
+        return F.linear(x, weight)
+
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         """(norm(s + residual) * weight, s + residual) with s = the sum of `x` over the ranks,
         in one fused kernel when `x` fits its buffers; None otherwise (the caller all-reduces
         and normalises separately)."""
+        if self.copy_engine is not None and self.copy_engine.is_pending(x):
+            return self.copy_engine.finish(x, residual, weight, eps)
         if self.fused_norm is not None and self.fused_norm.fits(x, residual):
             return self.fused_norm(x, residual, weight, eps)
         return None
@@ -58,9 +69,24 @@ class TPGroup:
 
 
 _SYMM_MEM_GROUP_NAMES: set[str] = set()  # see FusedAllReduceNorm.create
-# Every live FusedAllReduceNorm of this process, so that a watchdog can release their device-side
-# waits even while the model runner that owns one is still being built.
-_LIVE_FUSED: "weakref.WeakSet[FusedAllReduceNorm]" = weakref.WeakSet()
+# Every live FusedAllReduceNorm / CopyEngineAllReduce of this process (each has an `abort_word`),
+# so that a watchdog can release their device-side waits even while the model runner that owns
+# one is still being built.
+_LIVE_FUSED: weakref.WeakSet = weakref.WeakSet()
+
+
+def _on_every_rank(step, group, device: torch.device, what: str) -> bool:
+    """Run `step()` on this rank and return whether it returned True on *every* rank of `group`
+    (an exception counts as False and is logged). All or none: a rank alone in a kernel that
+    waits for its peers would spin forever. Collective."""
+    try:
+        ok = step()
+    except Exception as e:  # not built with symmetric memory, no NVLink peer access, ...
+        logger.info("%s unavailable: %s", what, e)
+        ok = False
+    flag = torch.tensor([int(bool(ok))], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
 
 
 def abort_device_waits() -> None:
@@ -129,22 +155,14 @@ class FusedAllReduceNorm:
         dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
         fused = None
 
-        def everyone(step) -> bool:  # all ranks or none: a rank alone in the kernel would spin forever
-            try:
-                ok = step()
-            except Exception as e:  # not built with symmetric memory, no NVLink peer access, ...
-                logger.info("fused all-reduce unavailable, using NCCL only: %s", e)
-                ok = False
-            flag = torch.tensor([int(ok)], device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-            return bool(flag.item())
-
         def build() -> bool:
             nonlocal fused
             fused = cls(group, device, dtype, hidden, max_bytes, int(sms.item()))
             return True
 
-        if not (everyone(build) and everyone(lambda: fused._self_check(group))):
+        what = "fused all-reduce (NCCL only)"
+        if not (_on_every_rank(build, group, device, what)
+                and _on_every_rank(lambda: fused._self_check(group), group, device, what)):
             return None
         logger.info("fused all-reduce + RMSNorm over symmetric memory for up to %d rows", fused.max_rows)
         return fused
@@ -181,6 +199,146 @@ class FusedAllReduceNorm:
 
         return all_reduce_rms_norm(x, residual, weight, eps, addresses=self.addresses, phase=self.phase,
                                    max_rows=self.max_rows, rank=self.rank, world_size=self.world_size)
+
+
+class CopyEngineAllReduce:
+    """The all-reduce of prefill-sized partial sums at TP=2, hidden behind the GEMM making them.
+
+    NCCL takes ~0.45 ms for a 16k-row all-reduce (128 MiB) and cannot run beside cuBLAS: its
+    kernel needs SMs the GEMM holds (BENCHMARKS.md). Copy engines need no SMs. So the row-parallel
+    GEMM runs in row chunks, and as each chunk finishes a side stream copies it into the peer's
+    receive buffer (cudaMemcpyAsync over NVLink, ~385 GB/s on H200) and then writes the number of
+    chunks sent so far into the peer's counter (cuStreamWriteValue32, ordered after the copy). The
+    norm after the layer waits on the device for the peer's count and adds the received rows in
+    its residual + RMSNorm kernel, so only the last chunk's copy is left exposed. Measured at 16k
+    rows: o_proj + all-reduce + norm 0.97 -> 0.72 ms, down_proj 1.77 -> 1.46 ms.
+
+    Two ranks only: with N ranks each would copy its rows N - 1 times, where NCCL's ring moves
+    2(N - 1)/N of them. Rows: MIN_ROWS .. max_rows (below, NCCL is as fast: no gain at 4k rows).
+
+    Layout per rank: recv [2, max_rows, hidden], count int32 [1]. Exchanges alternate halves. A
+    rank writes half h again two exchanges later, and only after its own exchange in between
+    received the peer's rows, which the peer sends after (stream order) its norm of the exchange
+    before, i.e. after it finished reading half h. Both ranks send the same number of chunks in
+    the same order (they run the same batches), so each waits for its own count of chunks sent.
+    """
+
+    MIN_ROWS = 8192
+    CHUNK_ROWS = 4096  # 4 chunks at 16k rows: measured best for o_proj, within 3% of 8 for down_proj
+
+    def __init__(self, group, device: torch.device, dtype: torch.dtype, hidden: int, max_rows: int):
+        import torch.distributed._symmetric_memory as symm_mem
+        from torch._C._distributed_c10d import _SymmetricMemory
+
+        if dist.get_world_size(group) != 2:
+            raise ValueError("the copy-engine all-reduce is for two ranks")
+        self.dtype, self.hidden, self.max_rows = dtype, hidden, max_rows
+        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+        _LIVE_FUSED.add(self)
+        self.abort_address = torch.tensor([self.abort_word.data_ptr()], dtype=torch.int64, device=device)
+        self._write_value = _SymmetricMemory.stream_write_value32
+        peer = 1 - dist.get_rank(group)
+        recv = symm_mem.empty(2 * max_rows * hidden, dtype=dtype, device=device)
+        self.count = symm_mem.empty(1, dtype=torch.int32, device=device)
+        self.count.zero_()
+        self.peer_recv = symm_mem.rendezvous(recv, group.group_name).get_buffer(peer, (2, max_rows, hidden), dtype)
+        # cuStreamWriteValue32 takes a uint32 word; the waiting kernel reads it as int32.
+        self.peer_count = symm_mem.rendezvous(self.count, group.group_name).get_buffer(peer, (1,), torch.uint32)
+        self.recv = recv.view(2, max_rows, hidden)
+        self.side = torch.cuda.Stream(device)
+        self.sent = 0  # chunks sent so far, and so the count the peer's chunks reach here
+        self.exchanges = 0
+        self._pending = None  # (partial sums, half) of the exchange the next norm finishes
+        torch.cuda.synchronize(device)
+        dist.barrier(group=group)  # every rank's count is zero before anyone writes one
+
+    @classmethod
+    def create(cls, group, device: torch.device, dtype: torch.dtype, hidden: int, max_rows: int):
+        """The copy-engine path if it works on every rank of `group` (checked against chunked
+        GEMMs + NCCL + RMSNorm), else None. Two ranks, after FusedAllReduceNorm.create succeeded
+        in this engine (it owns the symmetric-memory rendezvous of the group). Collective."""
+        if dist.get_world_size(group) != 2 or max_rows < cls.MIN_ROWS:
+            return None
+        made = None
+
+        def build() -> bool:
+            nonlocal made
+            made = cls(group, device, dtype, hidden, max_rows)
+            return True
+
+        what = "copy-engine all-reduce (NCCL for prefill)"
+        if not (_on_every_rank(build, group, device, what)
+                and _on_every_rank(lambda: made._self_check(group), group, device, what)):
+            return None
+        logger.info("copy-engine all-reduce for %d-%d rows", cls.MIN_ROWS, max_rows)
+        return made
+
+    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        # Eager prefill only: a CUDA graph would freeze the chunk counts it waits for.
+        return (x.is_cuda and x.dim() == 2 and self.MIN_ROWS <= x.shape[0] <= self.max_rows
+                and x.dtype == self.dtype and weight.shape[0] == self.hidden
+                and not torch.cuda.is_current_stream_capturing())
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x @ weight.T (this rank's partial sums), each row chunk sent to the peer as soon as
+        the GEMM has produced it. `finish` must follow before the next exchange."""
+        if self._pending is not None:
+            raise RuntimeError("the previous copy-engine exchange was never finished by a norm")
+        rows = x.shape[0]
+        half = self.exchanges % 2
+        self.exchanges += 1
+        y = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
+        step = self._chunk_rows(rows)
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            torch.mm(x[start:stop], weight.t(), out=y[start:stop])
+            self.side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self.side):
+                self.peer_recv[half, start:stop].copy_(y[start:stop], non_blocking=True)
+                self.sent += 1
+                self._write_value(self.peer_count, 0, self.sent)
+        self._pending = (y, half)
+        return y
+
+    def _chunk_rows(self, rows: int) -> int:
+        return -(-rows // max(1, rows // self.CHUNK_ROWS))
+
+    def is_pending(self, x: torch.Tensor) -> bool:
+        return self._pending is not None and self._pending[0] is x
+
+    def finish(self, y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(norm(s + residual) * weight, s + residual), s = y + the peer's partial sums."""
+        from nanovllm.kernels.all_reduce import wait_count
+        from nanovllm.kernels.fused_ops import rms_norm
+
+        half = self._pending[1]
+        self._pending = None
+        wait_count(self.count, self.sent, self.abort_address)
+        torch.cuda.current_stream().wait_stream(self.side)  # y is ours again once it is sent
+        return rms_norm(y, weight, eps, residual, addend=self.recv[half, :y.shape[0]])
+
+    def _self_check(self, group) -> bool:
+        """Both halves and a partial last chunk, bitwise against the same GEMM chunks summed by
+        NCCL and normalised by the RMSNorm kernel (two ranks: one add, rounded alike)."""
+        from nanovllm.kernels.fused_ops import rms_norm
+
+        device = self.recv.device
+        gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
+        ok = True
+        for rows in (self.MIN_ROWS + 3, self.max_rows):
+            x = torch.randn(rows, 256, generator=gen, device=device).to(self.dtype)
+            w = (torch.randn(self.hidden, 256, generator=gen, device=device) / 16).to(self.dtype)
+            residual = torch.randn(rows, self.hidden, generator=gen, device=device).to(self.dtype)
+            dist.broadcast(residual, src=0, group=group)
+            norm_w = (1 + 0.2 * torch.randn(self.hidden, generator=gen, device=device)).to(self.dtype)
+            dist.broadcast(norm_w, src=0, group=group)
+            got = self.finish(self.linear(x, w), residual, norm_w, 1e-6)
+            step = self._chunk_rows(rows)
+            summed = torch.cat([torch.mm(x[i:i + step], w.t()) for i in range(0, rows, step)])
+            dist.all_reduce(summed, group=group)
+            want = rms_norm(summed, norm_w, 1e-6, residual)
+            ok &= all(torch.equal(g, w_) for g, w_ in zip(got, want))
+        return bool(ok)
 
 
 _SINGLE = TPGroup()
