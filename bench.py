@@ -61,7 +61,7 @@ def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: 
 
 # Kernel name fragments per kind of work, first match wins: what `--profile` sums up.
 KERNEL_KINDS = (
-    ("fused all-reduce + norm", ("_all_reduce_rms_norm",)),
+    ("fused all-reduce + norm", ("_all_reduce_rms_norm", "_wait_count")),  # + the copy-engine wait
     ("nccl", ("nccl",)),
     ("decode attention", ("_paged_decode", "splitkv")),  # ours; flash-attn's decode kernels
     ("prefill attention", ("flash_fwd", "flash_attn", "_flash_attention", "fmha", "attention")),

@@ -476,15 +476,20 @@ def worker(rank, init, seed):
     w = (torch.randn(hidden, k, generator=gen, device=device) / 16).to(dtype)
     norm_w = (1 + 0.2 * torch.randn(hidden, generator=gen, device=device)).to(dtype)
     dist.broadcast(norm_w, src=0)
-    calls = []
-    for call in range(30):  # no host sync in between: ranks drift apart, the halves must hold
+    inputs = []
+    for _ in range(30):
         rows = rows_of.choice([8192, 9001, 12288, 12288, 300])  # 300 rows: the fused kernel
-        x = torch.randn(rows, k, generator=gen, device=device).to(dtype)
         residual = torch.randn(rows, hidden, generator=gen, device=device).to(dtype)
         dist.broadcast(residual, src=0)
+        inputs.append((torch.randn(rows, k, generator=gen, device=device).to(dtype), residual))
+    torch.cuda.synchronize()
+    calls = []
+    for call, (x, residual) in enumerate(inputs):  # no collective but the exchanges themselves
+        partial = tp.row_parallel(x, w)
         if rank == 1 and call % 3 == 0:
-            torch.cuda._sleep(5_000_000)  # rank 0 runs ahead
-        calls.append((x, residual, tp.all_reduce_rms_norm(tp.row_parallel(x, w), residual, norm_w, 1e-6)))
+            # Rank 1 reads this exchange's half late, while rank 0 goes on to send the next one.
+            torch.cuda._sleep(20_000_000)
+        calls.append((x, residual, tp.all_reduce_rms_norm(partial, residual, norm_w, 1e-6)))
     assert ce.exchanges - checked == sum(x.shape[0] >= 8192 for x, _, _ in calls)
     for x, residual, got in calls:
         rows = x.shape[0]
@@ -493,6 +498,28 @@ def worker(rank, init, seed):
         dist.all_reduce(summed)
         want = rms_norm(summed, norm_w, 1e-6, residual)
         assert all(torch.equal(g, w_) for g, w_ in zip(got, want)), f"{rows} rows differ from NCCL"
+
+    # Misuse is refused without disturbing the exchange in flight; graphs never take this path.
+    x = torch.randn(8192, k, generator=gen, device=device).to(dtype)
+    residual = torch.randn(8192, hidden, generator=gen, device=device).to(dtype)
+    dist.broadcast(residual, src=0)
+    partial = ce.linear(x, w)
+    for bad in (lambda: ce.linear(x, w), lambda: ce.finish(partial.clone(), residual, norm_w, 1e-6)):
+        try:
+            bad()
+            raise SystemExit("misuse was not refused")
+        except RuntimeError as e:
+            assert "copy-engine" in str(e), e
+    got = ce.finish(partial, residual, norm_w, 1e-6)
+    summed = torch.cat([torch.mm(x[i:i + 4096], w.t()) for i in range(0, 8192, 4096)])
+    dist.all_reduce(summed)
+    assert all(torch.equal(g, w_) for g, w_ in zip(got, rms_norm(summed, norm_w, 1e-6, residual)))
+    scratch = torch.zeros(1, device=device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        scratch.add_(1)
+        assert not ce.takes(x, w)
+    assert ce.takes(x, w)
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {len(calls)} calls, {ce.exchanges} by copy engine, all equal to NCCL", flush=True)
@@ -508,8 +535,9 @@ if __name__ == "__main__":
 @needs_two_gpus
 def test_copy_engine_all_reduce_equals_nccl_over_many_calls(tmp_path, fresh_seed):
     """Two real ranks, 30 row-parallel GEMM + all-reduce + norms of mixed sizes back to back
-    (copy-engine exchanges and fused-kernel calls interleaved, rank 1 held back now and then):
-    every result bitwise what the same GEMM chunks summed by NCCL give."""
+    (copy-engine exchanges and fused-kernel calls interleaved; now and then rank 1 reads an
+    exchange late while rank 0 sends the next): every result bitwise what the same GEMM chunks
+    summed by NCCL give. Then misuse is refused and CUDA-graph capture does not take the path."""
     import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -72,7 +72,7 @@ class ModelRunner:
 
             fused_norm = FusedAllReduceNorm.create(group, self.device, config.dtype, hf.hidden_size)
             if fused_norm is not None:  # it owns the group's symmetric-memory rendezvous
-                # Up to 128 MiB per buffer half (16k rows of Qwen3-8B); longer chunks use NCCL.
+                # Up to 128 MiB per buffer half (16k rows of Qwen3-8B); longer prefill steps use NCCL.
                 max_rows = min(config.max_num_batched_tokens, (128 << 20) // (hf.hidden_size * config.dtype.itemsize))
                 copy_engine = CopyEngineAllReduce.create(group, self.device, config.dtype, hf.hidden_size, max_rows)
         self.tp = TPGroup(self.rank, self.world_size, group, fused_norm, copy_engine)
@@ -178,7 +178,9 @@ class ModelRunner:
         decode_peak = torch.cuda.max_memory_allocated() - base + sampler_peak
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        budget = total * self.config.gpu_memory_utilization - base - prefill_peak - decode_peak
+        # The all-reduce paths' symmetric memory comes from its own allocator, outside these counts.
+        held = base + self.tp.symmetric_memory_bytes()
+        budget = total * self.config.gpu_memory_utilization - held - prefill_peak - decode_peak
         headroom = free - prefill_peak - decode_peak - (256 << 20)
         return int(min(budget, headroom) // per_block)
 

@@ -38,19 +38,25 @@ _ABORT_POLL_INTERVAL = 1024
 
 
 @triton.jit
+def _abort_word(abort_ptr):
+    """The abort word, the same value in every thread of the program."""
+    # Every thread reads the word on its own; the reduction hands all of them one value, so no
+    # warp leaves a spin loop (with its barriers) an iteration before the others.
+    lanes = tl.arange(0, 32)
+    return tl.max(tl.load(abort_ptr + lanes * 0, volatile=True), axis=0)
+
+
+@triton.jit
 def _spin_cas(ptr, expected, desired, abort_ptr, SEM: tl.constexpr, POLL: tl.constexpr):
     """Compare-and-swap *ptr from `expected` to `desired` at system scope, retrying until it
     succeeds or *abort_ptr is non-zero. Returns the abort word (0: the swap happened)."""
     old = tl.atomic_cas(ptr, expected, desired, sem=SEM, scope="sys")
     aborted = 0
     spins = 0
-    lanes = tl.arange(0, 32)
     while (old != expected) & (aborted == 0):
         spins += 1
         if spins % POLL == 0:
-            # Every thread reads the word on its own; the reduction hands all of them one value,
-            # so no warp leaves the loop (with its barriers) an iteration before the others.
-            aborted = tl.max(tl.load(abort_ptr + lanes * 0, volatile=True), axis=0)
+            aborted = _abort_word(abort_ptr)
         old = tl.atomic_cas(ptr, expected, desired, sem=SEM, scope="sys")
     return aborted
 
@@ -175,7 +181,7 @@ def _wait_count_kernel(count_ptr, target, addr_ptr, POLL: tl.constexpr):
     while (seen < target) & (aborted == 0):
         spins += 1
         if spins % POLL == 0:
-            aborted = tl.load(abort_ptr, volatile=True)
+            aborted = _abort_word(abort_ptr)
         seen = tl.atomic_add(count_ptr, 0, sem="acquire", scope="sys")
 
 

@@ -30,8 +30,9 @@ class RMSNorm(nn.Module):
         both compute the same residual stream. On CUDA one fused Triton kernel does it all (the
         plain version is ~6 kernels per call: casts, square, mean, rsqrt, two multiplies).
         `all_reduce=True` (with a residual): `x` is this rank's partial sum of a row-parallel
-        layer and is summed over the tensor-parallel ranks first, fused into the same kernel
-        where the group has the symmetric-memory path.
+        layer and is summed over the tensor-parallel ranks first: fused into the same kernel
+        where the group has the symmetric-memory path, or finishing the copy-engine exchange
+        that the layer started (TPGroup.all_reduce_rms_norm), else NCCL.
         """
         if all_reduce and self.tp.size > 1:
             fused = self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)

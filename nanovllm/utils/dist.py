@@ -35,21 +35,27 @@ class TPGroup:
         return x
 
     def row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sums x @ weight.T of a row-parallel layer (no bias), to be summed
-        by `all_reduce_rms_norm`. Prefill-sized ones may already be on their way to the peer."""
+        """This rank's partial sums x @ weight.T of a row-parallel layer (no bias). The caller
+        must hand this very tensor to `all_reduce_rms_norm`: prefill-sized ones may already be on
+        their way to the peer, and that call finishes the exchange."""
         if self.copy_engine is not None and self.copy_engine.takes(x, weight):
             return self.copy_engine.linear(x, weight)
         return F.linear(x, weight)
 
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         """(norm(s + residual) * weight, s + residual) with s = the sum of `x` over the ranks,
-        in one fused kernel when `x` fits its buffers; None otherwise (the caller all-reduces
-        and normalises separately)."""
+        through the copy-engine exchange that `row_parallel` started for `x`, or the fused
+        kernel when `x` fits its buffers; None otherwise (the caller all-reduces and normalises
+        separately)."""
         if self.copy_engine is not None and self.copy_engine.is_pending(x):
             return self.copy_engine.finish(x, residual, weight, eps)
         if self.fused_norm is not None and self.fused_norm.fits(x, residual):
             return self.fused_norm(x, residual, weight, eps)
         return None
+
+    def symmetric_memory_bytes(self) -> int:
+        """Device memory held by the symmetric-memory paths (not in the caching allocator's count)."""
+        return sum(p.symmetric_memory_bytes() for p in (self.fused_norm, self.copy_engine) if p is not None)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x`, stacked in rank order: [size, *x.shape] on every rank."""
@@ -69,10 +75,17 @@ class TPGroup:
 
 
 _SYMM_MEM_GROUP_NAMES: set[str] = set()  # see FusedAllReduceNorm.create
-# Every live FusedAllReduceNorm / CopyEngineAllReduce of this process (each has an `abort_word`),
-# so that a watchdog can release their device-side waits even while the model runner that owns
-# one is still being built.
-_LIVE_FUSED: weakref.WeakSet = weakref.WeakSet()
+# Every live FusedAllReduceNorm / CopyEngineAllReduce of this process, so that a watchdog can
+# release their device-side waits even while the model runner that owns one is still being built.
+_LIVE_DEVICE_WAITERS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _new_abort_word(owner) -> torch.Tensor:
+    """A zeroed int32 in pinned host memory that `owner`'s device-side waits poll (read in place
+    through unified addressing); `abort_device_waits` sets it."""
+    word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    _LIVE_DEVICE_WAITERS.add(owner)
+    return word
 
 
 def _on_every_rank(step, group, device: torch.device, what: str) -> bool:
@@ -89,11 +102,28 @@ def _on_every_rank(step, group, device: torch.device, what: str) -> bool:
     return bool(flag.item())
 
 
+def _create_on_every_rank(make, group, device: torch.device, what: str):
+    """`make()` on every rank, then the made object's `_self_check(group)`: the object, or None
+    on every rank if either step failed on any rank. Collective."""
+    made = None
+
+    def build() -> bool:
+        nonlocal made
+        made = make()
+        return True
+
+    if _on_every_rank(build, group, device, what) and _on_every_rank(lambda: made._self_check(group), group,
+                                                                      device, what):
+        return made
+    return None
+
+
 def abort_device_waits() -> None:
     """Make every device-side wait for a peer in this process give up, for good (a peer died):
-    the fused kernels then finish with meaningless sums, and the engine must be closed."""
-    for fused in list(_LIVE_FUSED):
-        fused.abort_word[0] = 1
+    the fused kernel and the copy-engine wait then finish with meaningless sums, and the engine
+    must be closed."""
+    for waiter in list(_LIVE_DEVICE_WAITERS):
+        waiter.abort_word[0] = 1
 
 
 class FusedAllReduceNorm:
@@ -115,8 +145,7 @@ class FusedAllReduceNorm:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.dtype, self.hidden = dtype, hidden
         self.max_rows = max(1, max_bytes // (hidden * dtype.itemsize))
-        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        _LIVE_FUSED.add(self)
+        self.abort_word = _new_abort_word(self)
         self.buffer = symm_mem.empty(2 * self.max_rows * hidden, dtype=dtype, device=device)
         self.flags = symm_mem.empty(programs * self.world_size, dtype=torch.int32, device=device)
         self.flags.zero_()
@@ -153,16 +182,9 @@ class FusedAllReduceNorm:
         # at most one program per SM of the smallest GPU.
         sms = torch.tensor([min(128, torch.cuda.get_device_properties(device).multi_processor_count)], device=device)
         dist.all_reduce(sms, op=dist.ReduceOp.MIN, group=group)
-        fused = None
-
-        def build() -> bool:
-            nonlocal fused
-            fused = cls(group, device, dtype, hidden, max_bytes, int(sms.item()))
-            return True
-
-        what = "fused all-reduce (NCCL only)"
-        if not (_on_every_rank(build, group, device, what)
-                and _on_every_rank(lambda: fused._self_check(group), group, device, what)):
+        fused = _create_on_every_rank(lambda: cls(group, device, dtype, hidden, max_bytes, int(sms.item())),
+                                      group, device, "fused all-reduce (NCCL only)")
+        if fused is None:
             return None
         logger.info("fused all-reduce + RMSNorm over symmetric memory for up to %d rows", fused.max_rows)
         return fused
@@ -189,6 +211,9 @@ class FusedAllReduceNorm:
             else:  # NCCL rounds after every hop of its ring, the kernel once
                 ok &= all(torch.allclose(g.float(), w.float(), rtol=2e-2, atol=2e-2) for g, w in zip(got, want))
         return bool(ok)
+
+    def symmetric_memory_bytes(self) -> int:
+        return self.buffer.nbytes + self.flags.nbytes
 
     def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
         return (residual is not None and x.is_cuda and x.dim() == 2 and x.shape[0] <= self.max_rows and x.shape[1] == self.hidden
@@ -233,8 +258,7 @@ class CopyEngineAllReduce:
         if dist.get_world_size(group) != 2:
             raise ValueError("the copy-engine all-reduce is for two ranks")
         self.dtype, self.hidden, self.max_rows = dtype, hidden, max_rows
-        self.abort_word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        _LIVE_FUSED.add(self)
+        self.abort_word = _new_abort_word(self)
         self.abort_address = torch.tensor([self.abort_word.data_ptr()], dtype=torch.int64, device=device)
         self._write_value = _SymmetricMemory.stream_write_value32
         peer = 1 - dist.get_rank(group)
@@ -249,6 +273,7 @@ class CopyEngineAllReduce:
         self.sent = 0  # chunks sent so far, and so the count the peer's chunks reach here
         self.exchanges = 0
         self._pending = None  # (partial sums, half) of the exchange the next norm finishes
+        self._broken = False  # an exchange failed half-way: the ranks' counts may disagree
         torch.cuda.synchronize(device)
         dist.barrier(group=group)  # every rank's count is zero before anyone writes one
 
@@ -257,21 +282,21 @@ class CopyEngineAllReduce:
         """The copy-engine path if it works on every rank of `group` (checked against chunked
         GEMMs + NCCL + RMSNorm), else None. Two ranks, after FusedAllReduceNorm.create succeeded
         in this engine (it owns the symmetric-memory rendezvous of the group). Collective."""
-        if dist.get_world_size(group) != 2 or max_rows < cls.MIN_ROWS:
+        if dist.get_world_size(group) != 2 or group.group_name not in _SYMM_MEM_GROUP_NAMES:
+            return None  # not two ranks, or no fused path in this engine (see above)
+        if max_rows < cls.MIN_ROWS:
+            logger.info("copy-engine all-reduce off: prefill steps of at most %d tokens are below its %d rows",
+                        max_rows, cls.MIN_ROWS)
             return None
-        made = None
-
-        def build() -> bool:
-            nonlocal made
-            made = cls(group, device, dtype, hidden, max_rows)
-            return True
-
-        what = "copy-engine all-reduce (NCCL for prefill)"
-        if not (_on_every_rank(build, group, device, what)
-                and _on_every_rank(lambda: made._self_check(group), group, device, what)):
+        made = _create_on_every_rank(lambda: cls(group, device, dtype, hidden, max_rows), group, device,
+                                     "copy-engine all-reduce (NCCL for prefill)")
+        if made is None:
             return None
         logger.info("copy-engine all-reduce for %d-%d rows", cls.MIN_ROWS, max_rows)
         return made
+
+    def symmetric_memory_bytes(self) -> int:
+        return self.recv.nbytes + self.count.nbytes
 
     def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         # Eager prefill only: a CUDA graph would freeze the chunk counts it waits for.
@@ -282,23 +307,35 @@ class CopyEngineAllReduce:
     def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.T (this rank's partial sums), each row chunk sent to the peer as soon as
         the GEMM has produced it. `finish` must follow before the next exchange."""
+        self._usable()
         if self._pending is not None:
-            raise RuntimeError("the previous copy-engine exchange was never finished by a norm")
+            raise RuntimeError("copy-engine all-reduce: the previous exchange was never finished (its partial "
+                               "sums must go to TPGroup.all_reduce_rms_norm as returned)")
         rows = x.shape[0]
-        half = self.exchanges % 2
-        self.exchanges += 1
         y = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
+        y.record_stream(self.side)  # its memory is not reused before the copies have read it
+        half = self.exchanges % 2
         step = self._chunk_rows(rows)
-        for start in range(0, rows, step):
-            stop = min(rows, start + step)
-            torch.mm(x[start:stop], weight.t(), out=y[start:stop])
-            self.side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(self.side):
-                self.peer_recv[half, start:stop].copy_(y[start:stop], non_blocking=True)
-                self.sent += 1
-                self._write_value(self.peer_count, 0, self.sent)
+        try:
+            self.exchanges += 1
+            for start in range(0, rows, step):
+                stop = min(rows, start + step)
+                torch.mm(x[start:stop], weight.t(), out=y[start:stop])
+                self.side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self.side):
+                    self.peer_recv[half, start:stop].copy_(y[start:stop], non_blocking=True)
+                    self.sent += 1
+                    self._write_value(self.peer_count, 0, self.sent)
+        except BaseException:
+            self._broken = True  # the peer may have sent more chunks than we did
+            raise
         self._pending = (y, half)
         return y
+
+    def _usable(self) -> None:
+        if self._broken:
+            raise RuntimeError("copy-engine all-reduce: an earlier exchange failed half-way, so the ranks' "
+                               "chunk counts may disagree; this engine must be restarted")
 
     def _chunk_rows(self, rows: int) -> int:
         return -(-rows // max(1, rows // self.CHUNK_ROWS))
@@ -307,15 +344,23 @@ class CopyEngineAllReduce:
         return self._pending is not None and self._pending[0] is x
 
     def finish(self, y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-        """(norm(s + residual) * weight, s + residual), s = y + the peer's partial sums."""
+        """(norm(s + residual) * weight, s + residual), s = y + the peer's partial sums; y must
+        be the tensor the last `linear` returned."""
         from nanovllm.kernels.all_reduce import wait_count
         from nanovllm.kernels.fused_ops import rms_norm
 
+        self._usable()
+        if not self.is_pending(y):
+            raise RuntimeError("copy-engine all-reduce: finish() needs the partial sums of the last linear()")
         half = self._pending[1]
+        try:
+            wait_count(self.count, self.sent, self.abort_address)
+            out = rms_norm(y, weight, eps, residual, addend=self.recv[half, :y.shape[0]])
+        except BaseException:
+            self._broken = True  # a wait may be queued whose rows nobody reads
+            raise
         self._pending = None
-        wait_count(self.count, self.sent, self.abort_address)
-        torch.cuda.current_stream().wait_stream(self.side)  # y is ours again once it is sent
-        return rms_norm(y, weight, eps, residual, addend=self.recv[half, :y.shape[0]])
+        return out
 
     def _self_check(self, group) -> bool:
         """Both halves and a partial last chunk, bitwise against the same GEMM chunks summed by
