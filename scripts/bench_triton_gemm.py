@@ -8,6 +8,10 @@ so the all-reduce's transfer would hide behind the GEMM. That only pays if the G
 within ~10% of cuBLAS. This times a plain tiled Triton GEMM (y = x @ W^T, bf16 in, fp32
 accumulation, bf16 out; the best of a small grid of tile configs per shape) against F.linear
 for o_proj (K=2048) and down_proj (K=6144) into hidden 4096, M = 1-256, from CUDA graphs.
+For M <= 64 it also times a split-K variant (narrow tiles, K in 1-8 slices, fp32 partials).
+
+Measured 2026-11-30 (2xH200 call, plain tiles only): 1.1-1.7x cuBLAS's time, e.g. down_proj at
+M = 1: 23.7 against 14.9 us (BENCHMARKS.md). The split-K rows have not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -24,6 +28,11 @@ from timing import HIDDEN, cuda_graph_us, row_parallel_gemms  # scripts/timing.p
 BATCHES = (1, 8, 16, 64, 128, 192, 256)
 CONFIGS = [dict(BM=bm, BN=bn, BK=64, num_stages=s, num_warps=w)
            for bm, bn, s, w in itertools.product((16, 64, 128), (64, 128), (3, 5), (4, 8))]
+# Skinny M: BN = 64 leaves 64 programs for 132 SMs (N = 4096), too few to draw the weight-read
+# rate. Narrower tiles and K slices give 128-1024 programs.
+SPLIT_K_BATCHES = (1, 8, 16, 64)
+SPLIT_K_CONFIGS = [dict(BM=16, BN=bn, BK=bk, SPLIT_K=sk, num_stages=4, num_warps=4)
+                   for bn, bk, sk in itertools.product((32, 64), (64, 128), (1, 2, 4, 8))]
 
 
 @triton.jit
@@ -48,6 +57,43 @@ def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
              mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+@triton.jit
+def _gemm_split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, stride_w,
+                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """part[s, M, N] (fp32) = x[:, ks] @ w[:, ks]^T over the s-th of SPLIT_K equal slices of K.
+    Grid (cdiv(N, BN), cdiv(M, BM), SPLIT_K); K / SPLIT_K a multiple of BK. The slices are what a
+    push epilogue would send (the norm after it sums them), so no reduction is timed here."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    k_per = K // SPLIT_K
+    rows = pid_m * BM + tl.arange(0, BM)
+    cols = pid_n * BN + tl.arange(0, BN)
+    ks = pid_k * k_per + tl.arange(0, BK)
+    x_tile = x_ptr + rows[:, None] * stride_x + ks[None, :]
+    w_tile = w_ptr + cols[:, None] * stride_w + ks[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(0, k_per, BK):
+        a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
+        b = tl.load(w_tile, mask=cols[:, None] < N, other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        x_tile += BK
+        w_tile += BK
+    out = part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
+    tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def triton_split_k(x: torch.Tensor, w: torch.Tensor, part: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """part: fp32 [SPLIT_K, M, N]; returns it filled with the K slices' partial products."""
+    m, k = x.shape
+    n = w.shape[0]
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), cfg["SPLIT_K"])
+    _gemm_split_k_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), BM=cfg["BM"], BN=cfg["BN"],
+                               BK=cfg["BK"], SPLIT_K=cfg["SPLIT_K"], num_stages=cfg["num_stages"],
+                               num_warps=cfg["num_warps"])
+    return part
+
+
 def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
@@ -59,7 +105,8 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) 
 
 def main() -> None:
     torch.manual_seed(0)
-    print(f"{'gemm':>10}{'M':>5}{'cublas us':>11}{'triton us':>11}{'ratio':>7}  best config")
+    print(f"{'gemm':>10}{'M':>5}{'cublas us':>11}{'triton us':>11}{'ratio':>7}  best config "
+          "(split-K rows: fp32 partial products per K slice, not summed)")
     for name, k in row_parallel_gemms(2):
         w = torch.randn(HIDDEN, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
         for m in BATCHES:
@@ -82,6 +129,28 @@ def main() -> None:
                 if us < best:
                     best, best_cfg = us, cfg
             print(f"{name:>10}{m:>5}{cublas:>11.1f}{best:>11.1f}{best / cublas:>7.2f}  {best_cfg}")
+            if m in SPLIT_K_BATCHES:
+                best, best_cfg = split_k_best(x, w, want)
+                print(f"{name + ' sk':>10}{m:>5}{cublas:>11.1f}{best:>11.1f}{best / cublas:>7.2f}  {best_cfg}")
+
+
+def split_k_best(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> tuple[float, dict]:
+    """Fastest SPLIT_K_CONFIGS entry for y = x @ w^T (checked against `want`), in us."""
+    best, best_cfg = float("inf"), None
+    for cfg in SPLIT_K_CONFIGS:
+        if (x.shape[1] // cfg["SPLIT_K"]) % cfg["BK"]:
+            continue
+        part = torch.full((cfg["SPLIT_K"], x.shape[0], w.shape[0]), float("nan"), device=x.device)
+        try:
+            got = triton_split_k(x, w, part, cfg).sum(0)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+            raise SystemExit(f"split-K M={x.shape[0]} {cfg}: wrong result")
+        us = cuda_graph_us(lambda: triton_split_k(x, w, part, cfg), 36, 10)
+        if us < best:
+            best, best_cfg = us, cfg
+    return best, best_cfg
 
 
 if __name__ == "__main__":
