@@ -235,8 +235,8 @@ class CopyEngineAllReduce:
     receive buffer (cudaMemcpyAsync over NVLink, ~385 GB/s on H200) and then writes the number of
     chunks sent so far into the peer's counter (cuStreamWriteValue32, ordered after the copy). The
     norm after the layer waits on the device for the peer's count and adds the received rows in
-    its residual + RMSNorm kernel, so only the last chunk's copy is left exposed. Measured at 16k
-    rows: o_proj + all-reduce + norm 0.97 -> 0.72 ms, down_proj 1.77 -> 1.46 ms.
+    its residual + RMSNorm kernel, so only the last chunk's copy is left exposed. On 2xH200 it
+    took TP=2's prefill phase of the bench from 1.85 s to 1.70-1.77 s (BENCHMARKS.md).
 
     Two ranks only: with N ranks each would copy its rows N - 1 times, where NCCL's ring moves
     2(N - 1)/N of them. Rows: MIN_ROWS .. max_rows (below, NCCL is as fast: no gain at 4k rows).
@@ -249,7 +249,7 @@ class CopyEngineAllReduce:
     """
 
     MIN_ROWS = 8192
-    CHUNK_ROWS = 4096  # 4 chunks at 16k rows: measured best for o_proj, within 3% of 8 for down_proj
+    CHUNK_ROWS = 4096  # 2-4 chunks: the best counts at 8k-16k rows, measured with a wide spread
 
     def __init__(self, group, device: torch.device, dtype: torch.dtype, hidden: int, max_rows: int):
         import torch.distributed._symmetric_memory as symm_mem
@@ -312,6 +312,8 @@ class CopyEngineAllReduce:
             raise RuntimeError("copy-engine all-reduce: the previous exchange was never finished (its partial "
                                "sums must go to TPGroup.all_reduce_rms_norm as returned)")
         rows = x.shape[0]
+        if rows > self.max_rows:
+            raise ValueError(f"{rows} rows exceed the receive buffer's {self.max_rows}")
         y = torch.empty(rows, self.hidden, dtype=x.dtype, device=x.device)
         y.record_stream(self.side)  # its memory is not reused before the copies have read it
         half = self.exchanges % 2
@@ -370,7 +372,7 @@ class CopyEngineAllReduce:
         device = self.recv.device
         gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
         ok = True
-        for rows in (self.MIN_ROWS + 3, self.max_rows):
+        for rows in (min(self.MIN_ROWS + 3, self.max_rows), self.max_rows):
             x = torch.randn(rows, 256, generator=gen, device=device).to(self.dtype)
             w = (torch.randn(self.hidden, 256, generator=gen, device=device) / 16).to(self.dtype)
             residual = torch.randn(rows, self.hidden, generator=gen, device=device).to(self.dtype)
