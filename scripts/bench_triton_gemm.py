@@ -36,33 +36,12 @@ SPLIT_K_CONFIGS = [dict(BM=16, BN=bn, BK=bk, SPLIT_K=sk, num_stages=4, num_warps
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_x, stride_w, stride_y,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """y[M, N] = x[M, K] @ w[N, K]^T. Grid (cdiv(N, BN), cdiv(M, BM)); K a multiple of BK."""
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BM + tl.arange(0, BM)
-    cols = pid_n * BN + tl.arange(0, BN)
-    ks = tl.arange(0, BK)
-    x_tile = x_ptr + rows[:, None] * stride_x + ks[None, :]
-    w_tile = w_ptr + cols[:, None] * stride_w + ks[None, :]
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for _ in range(0, K, BK):
-        a = tl.load(x_tile, mask=rows[:, None] < M, other=0.0)
-        b = tl.load(w_tile, mask=cols[:, None] < N, other=0.0)
-        acc = tl.dot(a, tl.trans(b), acc)
-        x_tile += BK
-        w_tile += BK
-    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-
-@triton.jit
-def _gemm_split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, stride_w,
-                         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
-    """part[s, M, N] (fp32) = x[:, ks] @ w[:, ks]^T over the s-th of SPLIT_K equal slices of K.
-    Grid (cdiv(N, BN), cdiv(M, BM), SPLIT_K); K / SPLIT_K a multiple of BK. The slices are what a
-    push epilogue would send (the norm after it sums them), so no reduction is timed here."""
+def _gemm_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out, slice_stride,
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr):
+    """out[s] = x[:, ks] @ w[:, ks]^T over the s-th of SPLIT_K equal slices ks of K (x [M, K],
+    w [N, K], out[s] rows `stride_out` apart, slices `slice_stride` apart), accumulated in fp32
+    and stored in out's dtype. Grid (cdiv(N, BN), cdiv(M, BM), SPLIT_K); K / SPLIT_K a multiple
+    of BK. SPLIT_K = 1 is the plain GEMM."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -79,28 +58,30 @@ def _gemm_split_k_kernel(x_ptr, w_ptr, part_ptr, M, N, K, stride_x, stride_w,
         acc = tl.dot(a, tl.trans(b), acc)
         x_tile += BK
         w_tile += BK
-    out = part_ptr + pid_k.to(tl.int64) * M * N + rows[:, None] * N + cols[None, :]
-    tl.store(out, acc, mask=(rows[:, None] < M) & (cols[None, :] < N))
+    out = out_ptr + pid_k.to(tl.int64) * slice_stride + rows[:, None] * stride_out + cols[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def triton_split_k(x: torch.Tensor, w: torch.Tensor, part: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """part: fp32 [SPLIT_K, M, N]; returns it filled with the K slices' partial products."""
+def _launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, slice_stride: int, cfg: dict) -> torch.Tensor:
     m, k = x.shape
     n = w.shape[0]
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), cfg["SPLIT_K"])
-    _gemm_split_k_kernel[grid](x, w, part, m, n, k, x.stride(0), w.stride(0), BM=cfg["BM"], BN=cfg["BN"],
-                               BK=cfg["BK"], SPLIT_K=cfg["SPLIT_K"], num_stages=cfg["num_stages"],
-                               num_warps=cfg["num_warps"])
-    return part
+    split_k = cfg.get("SPLIT_K", 1)
+    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]), split_k)
+    _gemm_kernel[grid](x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(-2), slice_stride, BM=cfg["BM"],
+                       BN=cfg["BN"], BK=cfg["BK"], SPLIT_K=split_k, num_stages=cfg["num_stages"],
+                       num_warps=cfg["num_warps"])
+    return out
 
 
 def triton_linear(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, cfg: dict) -> torch.Tensor:
-    m, k = x.shape
-    n = w.shape[0]
-    grid = (triton.cdiv(n, cfg["BN"]), triton.cdiv(m, cfg["BM"]))
-    _gemm_kernel[grid](x, w, y, m, n, k, x.stride(0), w.stride(0), y.stride(0), BM=cfg["BM"], BN=cfg["BN"],
-                       BK=cfg["BK"], num_stages=cfg["num_stages"], num_warps=cfg["num_warps"])
-    return y
+    """y = x @ w^T in y's dtype (cfg without SPLIT_K)."""
+    return _launch(x, w, y, 0, cfg)
+
+
+def triton_split_k(x: torch.Tensor, w: torch.Tensor, part: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """part: fp32 [SPLIT_K, M, N], filled with the K slices' partial products: what a push
+    epilogue would send (the norm after it sums them), so no reduction is timed here."""
+    return _launch(x, w, part, part.stride(0), cfg)
 
 
 def main() -> None:
