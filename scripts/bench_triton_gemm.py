@@ -95,40 +95,48 @@ def main() -> None:
             y = torch.empty(m, HIDDEN, device="cuda", dtype=torch.bfloat16)
             want = F.linear(x, w).float()
             cublas = cuda_graph_us(lambda: F.linear(x, w), 36, 20)
-            best, best_cfg = float("inf"), None
-            for cfg in CONFIGS:
-                if cfg["BM"] > max(16, triton.next_power_of_2(m)):
-                    continue  # tiles taller than the batch only add padding
-                y.fill_(float("nan"))
-                try:
-                    got = triton_linear(x, w, y, cfg).float()
-                except triton.runtime.errors.OutOfResources:  # too much shared memory for this tile
-                    continue
-                if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
-                    raise SystemExit(f"{name} M={m} {cfg}: wrong result")
-                us = cuda_graph_us(lambda: triton_linear(x, w, y, cfg), 36, 10)
-                if us < best:
-                    best, best_cfg = us, cfg
+            best, best_cfg = fastest(CONFIGS, lambda cfg: plain(x, w, y, cfg), lambda out: out.float(), want,
+                                     f"{name} M={m}")
             print(f"{name:>10}{m:>5}{cublas:>11.1f}{best:>11.1f}{best / cublas:>7.2f}  {best_cfg}")
             if m in SPLIT_K_BATCHES:
-                best, best_cfg = split_k_best(x, w, want)
+                best, best_cfg = fastest(SPLIT_K_CONFIGS, lambda cfg: split_k(x, w, cfg), lambda out: out.sum(0), want,
+                                         f"{name} split-K M={m}")
                 print(f"{name + ' sk':>10}{m:>5}{cublas:>11.1f}{best:>11.1f}{best / cublas:>7.2f}  {best_cfg}")
 
 
-def split_k_best(x: torch.Tensor, w: torch.Tensor, want: torch.Tensor) -> tuple[float, dict]:
-    """Fastest SPLIT_K_CONFIGS entry for y = x @ w^T (checked against `want`), in us."""
+def plain(x, w, y, cfg):
+    """A launcher of the plain GEMM into y (poisoned first), or None for tiles taller than the
+    batch (they only add padding)."""
+    if cfg["BM"] > max(16, triton.next_power_of_2(x.shape[0])):
+        return None
+    y.fill_(float("nan"))
+    return lambda: triton_linear(x, w, y, cfg)
+
+
+def split_k(x, w, cfg):
+    """A launcher of the split-K GEMM into fresh NaN partials, or None if K does not split into
+    whole BK tiles."""
+    if (x.shape[1] // cfg["SPLIT_K"]) % cfg["BK"]:
+        return None
+    part = torch.full((cfg["SPLIT_K"], x.shape[0], w.shape[0]), float("nan"), device=x.device)
+    return lambda: triton_split_k(x, w, part, cfg)
+
+
+def fastest(configs, make, result, want: torch.Tensor, what: str) -> tuple[float, dict]:
+    """The fastest of `configs` in us: make(cfg) gives a launcher (or None: skip), whose output,
+    through result(), must match `want`."""
     best, best_cfg = float("inf"), None
-    for cfg in SPLIT_K_CONFIGS:
-        if (x.shape[1] // cfg["SPLIT_K"]) % cfg["BK"]:
+    for cfg in configs:
+        launch = make(cfg)
+        if launch is None:
             continue
-        part = torch.full((cfg["SPLIT_K"], x.shape[0], w.shape[0]), float("nan"), device=x.device)
         try:
-            got = triton_split_k(x, w, part, cfg).sum(0)
-        except triton.runtime.errors.OutOfResources:
+            got = result(launch())
+        except triton.runtime.errors.OutOfResources:  # too much shared memory for this tile
             continue
         if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
-            raise SystemExit(f"split-K M={x.shape[0]} {cfg}: wrong result")
-        us = cuda_graph_us(lambda: triton_split_k(x, w, part, cfg), 36, 10)
+            raise SystemExit(f"{what} {cfg}: wrong result")
+        us = cuda_graph_us(launch, 36, 10)
         if us < best:
             best, best_cfg = us, cfg
     return best, best_cfg
