@@ -253,8 +253,8 @@ class TensorParallelRunner:
             return
 
     def _abort_waits(self, wait_s: float = 0.0) -> bool:
-        """Release rank 0 from anything that waits for the workers: the device-side barriers of
-        the fused all-reduce (also while the model runner is built) and NCCL collectives. The
+        """Release rank 0 from anything that waits for the workers: the device-side waits of the
+        fused and copy-engine all-reduces (also while the model runner is built) and NCCL collectives. The
         NCCL abort starts once, in its own thread (again if the first one came before the process
         group existed); True if it finished within `wait_s`."""
         abort_device_waits()
