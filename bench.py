@@ -249,6 +249,8 @@ def main(argv=None):
                     help="TP: every all-reduce through NCCL (LLM custom_all_reduce=False)")
     ap.add_argument("--gather-logits", action="store_true",
                     help="TP: rank 0 gathers the logits and samples alone (default: every rank samples its vocabulary shard)")
+    ap.add_argument("--decode-blas", choices=["cublas", "cublaslt"],
+                    help="BLAS library of the decode graphs' GEMMs (sets NANOVLLM_DECODE_BLAS; default cublaslt)")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
@@ -268,6 +270,8 @@ def main(argv=None):
                     help="only construct the LLM, under cProfile, and print where the cold start goes")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
+    if args.decode_blas:
+        os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # TP workers inherit it
 
     import torch
 
@@ -320,7 +324,7 @@ def main(argv=None):
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
-           "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
+           "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": rank0.decode_blas,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds,
            "timeline": timeline.summary()}
 

@@ -39,6 +39,23 @@ def resolve_model_path(model: str) -> str:
     raise FileNotFoundError(f"model folder {model!r} does not exist")
 
 
+# The BLAS library the decode graphs' GEMMs are captured with. cuBLASLt's heuristics pick faster
+# kernels than cuBLAS's for most of Qwen3-8B's decode GEMMs on an H200 (cold-L2 sweep, M = 8-256,
+# scripts/bench_gemm.py --blas: -5.6% GEMM time on TP=2's halved shapes, -1.9% at TP=1; e.g.
+# TP=2's gate_up at M = 192 takes 32.0 us instead of 45.2). A graph keeps the kernels it was
+# captured with, so the process-wide setting is switched for the capture only. Override with
+# NANOVLLM_DECODE_BLAS=cublas to compare.
+DECODE_BLAS_LIBRARIES = ("cublas", "cublaslt")
+
+
+def decode_blas_library() -> str:
+    """NANOVLLM_DECODE_BLAS (default cublaslt), checked."""
+    name = os.environ.get("NANOVLLM_DECODE_BLAS", "cublaslt")
+    if name not in DECODE_BLAS_LIBRARIES:
+        raise ValueError(f"NANOVLLM_DECODE_BLAS must be one of {DECODE_BLAS_LIBRARIES}, got {name!r}")
+    return name
+
+
 def _field_is(name: str, value, kind, what: str):
     if kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
@@ -120,6 +137,7 @@ class Config:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
+        decode_blas_library()  # a bad NANOVLLM_DECODE_BLAS fails here, before any work
         if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
             raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
         if self.attention_backend == "flash_attn" and bs % 256:

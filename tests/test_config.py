@@ -164,3 +164,26 @@ def test_hf_config_is_loaded(ckpt):
     assert hf.model_type == "qwen3"
     assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_hidden_layers) == (4, 2, 16, 2)
     assert hf.max_position_embeddings == 512
+
+
+@pytest.mark.parametrize("value", ["cublas", "cublaslt"])
+def test_decode_blas_environment_variable_is_kept(ckpt, monkeypatch, value):
+    from nanovllm.config import decode_blas_library
+
+    monkeypatch.setenv("NANOVLLM_DECODE_BLAS", value)
+    Config.from_kwargs(ckpt)
+    assert decode_blas_library() == value
+
+
+def test_decode_blas_defaults_to_cublaslt(monkeypatch):
+    from nanovllm.config import decode_blas_library
+
+    monkeypatch.delenv("NANOVLLM_DECODE_BLAS", raising=False)
+    assert decode_blas_library() == "cublaslt"
+
+
+@pytest.mark.parametrize("value", ["cuBLASLt", "hipblas", ""])
+def test_bad_decode_blas_environment_variable_raises_before_any_work(ckpt, monkeypatch, value):
+    monkeypatch.setenv("NANOVLLM_DECODE_BLAS", value)
+    with pytest.raises(ValueError, match="NANOVLLM_DECODE_BLAS"):
+        Config.from_kwargs(ckpt)

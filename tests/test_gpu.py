@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_model as tm  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.config import decode_blas_library  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,10 +90,14 @@ def test_cuda_graph_decode_equals_eager(bf16_model, max_num_seqs):
     prompts = prompts_of([3, 30, 64, 100, 17, 250, 9, 40, 77, 5, 12, 300, 45])
     params = [SamplingParams(temperature=0, max_tokens=10 + 3 * i, ignore_eos=True) for i in range(len(prompts))]
     runs = {}
+    blas_before = torch.backends.cuda.preferred_blas_library()
     for eager in (True, False):
         llm = LLM(bf16_model, dtype="float32", enforce_eager=eager, max_num_seqs=max_num_seqs, kvcache_block_size=16)
         assert bool(llm.model_runner.graphs) != eager
         if not eager:
+            # Captured with cuBLASLt by default; the process-wide choice is back as it was.
+            assert llm.model_runner.decode_blas == decode_blas_library()
+            assert torch.backends.cuda.preferred_blas_library() == blas_before
             assert max(llm.model_runner.graph_sizes) == max_num_seqs
             assert llm.model_runner.decode_buffers.width * 16 >= llm.config.max_model_len
         runs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -100,3 +100,26 @@ def test_pending_tokens_with_a_check_stop_waiting_once_it_raises():
         PendingTokens(host, 2, _Done(), check).result()
     assert PendingTokens(host, 2, _Done(), lambda: None).result() == [7, 8]
     assert PendingTokens(host, 3, None, lambda: None).result() == [7, 8, 9]
+
+
+def test_preferred_blas_switches_for_the_block_and_restores_after_an_error(monkeypatch):
+    from nanovllm.engine import model_runner
+
+    current = ["cublas"]
+    calls = []
+
+    def fake(backend=None):
+        if backend is not None:
+            calls.append(backend)
+            current[0] = backend
+        return current[0]
+
+    monkeypatch.setattr(torch.backends.cuda, "preferred_blas_library", fake)
+    with model_runner.preferred_blas("cublaslt"):
+        assert current[0] == "cublaslt"
+    assert current[0] == "cublas"
+    with pytest.raises(RuntimeError, match="capture failed"):
+        with model_runner.preferred_blas("cublaslt"):
+            raise RuntimeError("capture failed")
+    assert current[0] == "cublas"
+    assert calls == ["cublaslt", "cublas", "cublaslt", "cublas"]

@@ -14,6 +14,7 @@ while the GPU runs step n.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config
+from nanovllm.config import Config, decode_blas_library
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
@@ -39,6 +40,17 @@ from nanovllm.utils.loader import init_dummy, load_model
 logger = logging.getLogger("nanovllm")
 
 CPU_KV_CACHE_BYTES = 1 << 30  # automatic KV-cache size on CPU
+
+
+@contextlib.contextmanager
+def preferred_blas(name: str):
+    """Make torch's CUDA GEMMs use the BLAS library `name` inside the block, then restore."""
+    before = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(before)
 
 
 def graph_batch_sizes(max_bs: int) -> list[int]:
@@ -115,6 +127,7 @@ class ModelRunner:
         self._flip = 0
         self._sampling_cache = None  # (key, SamplingTensors) of the last step, see _sampling_tensors
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.decode_blas = decode_blas_library()
         # The torch backend loops over sequences on the host: nothing a graph could replay.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self._capture_cuda_graphs()
@@ -389,6 +402,11 @@ class ModelRunner:
         dev = self.device
         self.graph_hidden = torch.zeros(max_bs, self.config.hf_config.hidden_size, dtype=self.dtype, device=dev)
         buffers = self.decode_buffers
+        with preferred_blas(self.decode_blas):
+            self._capture_each(buffers, width)
+        logger.info("captured CUDA graphs for decode batch sizes %s (%s)", self.graph_sizes, self.decode_blas)
+
+    def _capture_each(self, buffers: "DecodeBuffers", width: int) -> None:
         pool = None
         for bs in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its pool
             ids, pos, slots, ctx, src, tables = buffers.views(bs)
@@ -406,7 +424,6 @@ class ModelRunner:
             pool = graph.pool() if pool is None else pool
             self.graphs[bs] = graph
             torch.cuda.synchronize()
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.graph_sizes)
 
     def _replay(self, step: "StepInput", bs: int) -> torch.Tensor:
         self.decode_buffers.load(step, bs)  # writes straight into the graph's input tensors
