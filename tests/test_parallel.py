@@ -557,7 +557,9 @@ from nanovllm import LLM
 
 path, out_file = sys.argv[1], sys.argv[2]
 seq = torch.randint(0, 150000, (9000,), generator=torch.Generator().manual_seed(2)).tolist()
-kw = dict(skip_tokenizer_init=True, max_model_len=9216, tensor_parallel_size=2)
+# A small KV cache: score()'s 9k rows of full-vocabulary logits (several GB) are not in the
+# engine's memory budget, and this process must not depend on what the parent test process holds.
+kw = dict(skip_tokenizer_init=True, max_model_len=9216, tensor_parallel_size=2, gpu_memory_utilization=0.5)
 with LLM(path, **kw) as llm:  # the first TP engine of this process: it gets the symmetric-memory paths
     ce = llm.model_runner.runner.tp.copy_engine
     assert ce is not None, "copy-engine all-reduce not in use"
