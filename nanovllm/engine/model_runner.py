@@ -407,6 +407,7 @@ class ModelRunner:
         logger.info("captured CUDA graphs for decode batch sizes %s (%s)", self.graph_sizes, self.decode_blas)
 
     def _capture_each(self, buffers: "DecodeBuffers", width: int) -> None:
+        """One graph per size in self.graph_sizes, all sharing one memory pool."""
         pool = None
         for bs in reversed(self.graph_sizes):  # largest first, so smaller graphs reuse its pool
             ids, pos, slots, ctx, src, tables = buffers.views(bs)
