@@ -243,12 +243,30 @@ def test_multibyte_stop_string(tok):
     assert all("\ufffd" not in d for d in deltas)
 
 
-def test_stop_found_in_flushed_tail(tok):
-    # The chunk ends inside a character, so its text is held back until finish().
+def test_stop_found_before_a_character_that_is_still_incomplete(tok):
+    # The chunk ends inside a character: the complete characters before it are text already,
+    # so the stop string among them ends the request at once, not at finish().
     ids = tok.encode("ab") + byte_ids(tok, "c中")[:-1]
     det = IncrementalDetokenizer(tok, [], stop=("c",))
-    assert det.add(ids) is False and det.text == ""
-    assert det.finish() is True and det.text == "ab" and det.stop_string == "c"
+    assert det.add(ids) is True and det.text == "ab" and det.stop_string == "c"
+    assert det.finished
+
+
+def test_text_before_an_incomplete_character_is_released_and_the_rest_held(tok):
+    ids = tok.encode("ab") + byte_ids(tok, "中")
+    det = IncrementalDetokenizer(tok, [], stop=("zz",))
+    assert det.add(ids[:-1]) is False and det.text == "ab"
+    assert det.pop_delta(False) == "ab"  # nothing of the incomplete character leaks out
+    assert det.add(ids[-1:]) is False and det.text == "ab中"
+    assert det.pop_delta(True) == "中"
+    assert det.text == detokenize(tok, ids)
+
+
+def test_flush_of_a_character_never_completed(tok):
+    ids = tok.encode("ab") + byte_ids(tok, "中")[:-1]
+    det = IncrementalDetokenizer(tok, [])
+    assert det.add(ids) is False and det.text == "ab"
+    assert det.finish() is False and det.text == detokenize(tok, ids) and det.text.startswith("ab\ufffd")
 
 
 def test_no_stop_text_equals_decode(tok):

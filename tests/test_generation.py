@@ -1101,3 +1101,17 @@ def test_stream_rejects_bad_input_at_the_call(llm):
     with pytest.raises(ValueError, match="SamplingParams"):
         llm.stream(["a", "b"], [SamplingParams()])
     assert not llm.scheduler.has_unfinished()
+
+
+def test_stop_string_in_text_flushed_at_the_end_makes_finish_reason_stop(llm):
+    """generate() flushes text held back for an incomplete character when the request ends; a
+    stop string found only then ends it with "stop", as stream() reports it."""
+    pieces = llm.tokenizer.encode("中", add_special_tokens=False)
+    assert len(pieces) > 1  # byte-level pieces: the first alone is an incomplete character
+    seq = llm.add_request(llm.tokenize("Hello, world!"), greedy(4, stop=["\ufffd"]))
+    detok = llm._detok[seq.seq_id]
+    assert detok.add(pieces[:1]) is False and detok.text == ""
+    seq.finish_reason = "length"  # say max_tokens ended it right there
+    assert llm.final_text(seq) == "" and seq.finish_reason == "stop"
+    llm.abort(seq)
+    assert_idle(llm)

@@ -64,8 +64,9 @@ class IncrementalDetokenizer:
     stop strings.
 
     `text` only ever grows by stable text: while the newest tokens end in an incomplete
-    multi-byte character (the decode ends with U+FFFD) they are held back until a later token
-    completes it or `finish()` flushes them. Without a stop string the final `text` equals
+    multi-byte character (the decode ends with U+FFFD), the complete characters before it are
+    appended (and searched for stop strings) and the rest is held back until a later token
+    completes it or `finish()` flushes it. Without a stop string the final `text` equals
     `detokenize(tokenizer, output_ids)` (= `tokenizer.decode` with clean-up off), except that
     decoders which drop a leading space at the start of a decode (SentencePiece) keep it on
     the first output token, since the prompt's tail is decoded in front of it, as in vLLM.
@@ -103,6 +104,9 @@ class IncrementalDetokenizer:
         self._window: list[int] = context
         self._read = len(context)
         self._context_text: str | None = context_text
+        # Characters of the window's text already appended while it still ended inside a
+        # character (see _new_text).
+        self._held_done = 0
 
         # The text is kept in pieces so that appending costs O(1), not O(len(text)).
         self._pieces: list[str] = []
@@ -142,21 +146,21 @@ class IncrementalDetokenizer:
         if self._finished:
             return self.stopped
         self._window.extend(token_ids)
-        delta = self._new_text(final=False)
-        if delta is None:
-            return False
-        # Later tokens only need the ones just decoded as context.
-        del self._window[: self._read]
-        self._read = len(self._window)
-        self._context_text = None
-        return self._append(delta)
+        delta, complete = self._new_text(final=False)
+        if complete:
+            # Later tokens only need the ones just decoded as context.
+            del self._window[: self._read]
+            self._read = len(self._window)
+            self._context_text = None
+            self._held_done = 0
+        return self._append(delta) if delta else False
 
     def finish(self) -> bool:
         """Flush text held back for an incomplete character (generation ended for another
         reason, e.g. EOS or max_tokens); returns True if a stop string turned up in it."""
         if not self._finished:
             self._finished = True
-            delta = self._new_text(final=True)
+            delta, _ = self._new_text(final=True)
             if delta:
                 self._append(delta)
         return self.stopped
@@ -186,19 +190,26 @@ class IncrementalDetokenizer:
         self._emitted += n
         return unsent[:n]
 
-    def _new_text(self, final: bool) -> str | None:
-        """Text of the tokens past the context, or None while it is not stable yet."""
+    def _new_text(self, final: bool) -> tuple[str, bool]:
+        """(text of the tokens past the context not appended yet, whether those tokens are now
+        all text). While the decode ends inside a character (U+FFFD), only the complete
+        characters before it are new text, so a stop string there is found at once; the
+        tokens stay in the window until a later token completes the character."""
         if self._read == len(self._window):
-            return None
+            return "", False
         if self._context_text is None:
             self._context_text = self._decode(self._window[: self._read])
         full = self._decode(self._window)
         # No growth: skipped special tokens, or a decoder that waits for more tokens.
         if len(full) <= len(self._context_text):
-            return None
-        if full.endswith(_REPLACEMENT) and not final:
-            return None
-        return full[len(self._context_text) :]
+            return "", False
+        text = full[len(self._context_text):]
+        if text.endswith(_REPLACEMENT) and not final:
+            stable = text.rstrip(_REPLACEMENT)
+            delta = stable[self._held_done:]
+            self._held_done = max(self._held_done, len(stable))
+            return delta, False
+        return text[self._held_done:], True
 
     def _append(self, delta: str) -> bool:
         """Add stable text and look for a stop string in the part new matches can touch."""

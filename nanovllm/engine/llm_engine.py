@@ -228,11 +228,14 @@ class LLMEngine:
         return outputs
 
     def final_text(self, seq: Sequence) -> str:
-        """The finished request's output text (and forget its detokenizer)."""
+        """The finished request's output text (and forget its detokenizer). A stop string that
+        only shows up once held-back text is flushed makes the finish reason "stop", as in
+        stream()."""
         detok = self._detok.get(seq.seq_id)
         self.forget_text(seq)
         if detok is not None:
-            detok.finish()
+            if detok.finish():  # a stop string in the text held back until now
+                seq.finish_reason = "stop"
             return detok.text
         return detokenize(self.tokenizer, seq.completion_token_ids) if self.tokenizer is not None else ""
 
