@@ -172,17 +172,78 @@ class LLM(LLMEngine):
     def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **chat_template_kwargs) -> list[dict]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of
         conversations, through the tokenizer's chat template. Extra keyword arguments go to the
-        template (e.g. Qwen3's `enable_thinking=False`)."""
+        template (e.g. Qwen3's `enable_thinking=False`); one the template never reads is an
+        error, not silently ignored."""
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
         if not isinstance(messages, (list, tuple)) or not messages:
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        for i, conv in enumerate(conversations):
+            _check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
+        self._check_chat_template_kwargs(chat_template_kwargs)
         prompts = []
         for conv in conversations:
-            if not isinstance(conv, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in conv):
-                raise TypeError("each conversation must be a list of {'role', 'content'} dicts")
             text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
                                                       **chat_template_kwargs)
             prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _check_chat_template_kwargs(self, kwargs: dict) -> None:
+        """A TypeError for keywords chat() sets itself, and for ones the chat template never
+        reads (Jinja would ignore a misspelt `enable_thinkng` or `sampling_param` silently)."""
+        taken = sorted(_CHAT_FIXED_KWARGS & kwargs.keys())
+        if taken:
+            raise TypeError(f"chat() got {', '.join(taken)}: it renders the template as text with the "
+                            "generation prompt itself")
+        template = kwargs.get("chat_template", self.tokenizer.chat_template)
+        used = _template_variables(template)
+        if used is None:
+            return  # no template, or one this check cannot parse: apply_chat_template decides
+        unknown = sorted(k for k in kwargs if k not in used and k != "chat_template")
+        if unknown:
+            options = sorted(used - _CHAT_TEMPLATE_BUILTINS)
+            raise TypeError(f"chat() got keyword arguments the chat template does not use: {', '.join(unknown)} "
+                            f"(template variables: {', '.join(options) or 'none'})")
+
+
+_CHAT_ROLES = ("system", "user", "assistant", "tool")
+# apply_chat_template arguments that chat() fixes (text out, generation prompt on).
+_CHAT_FIXED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
+                                "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
+                                "truncation", "max_length"})
+# Names every template sees from transformers, not options a caller would pass.
+_CHAT_TEMPLATE_BUILTINS = frozenset({"messages", "add_generation_prompt", "raise_exception", "strftime_now",
+                                     "bos_token", "eos_token", "unk_token", "pad_token"})
+
+
+def _check_conversation(conv, where: str) -> None:
+    """A clear error for a message the template would mangle or drop without a word (a
+    missing or non-text content renders as empty, an unknown role vanishes in Qwen3's)."""
+    if not isinstance(conv, (list, tuple)) or not conv:
+        raise TypeError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts")
+    for j, m in enumerate(conv):
+        if not isinstance(m, dict):
+            raise TypeError(f"{where}, message {j}: must be a dict with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role not in _CHAT_ROLES:
+            raise ValueError(f"{where}, message {j}: role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}")
+        content = m.get("content")
+        calls_tools = role == "assistant" and bool(m.get("tool_calls"))
+        if not isinstance(content, str) and not (calls_tools and content is None):
+            raise TypeError(f"{where}, message {j}: content must be a string, got {type(content).__name__}")
+
+
+def _template_variables(template) -> set[str] | None:
+    """The variables a Jinja chat template reads (over all of them if the tokenizer has several
+    named ones), or None when there is no template or it does not parse here."""
+    if template is None:
+        return None
+    templates = template.values() if isinstance(template, dict) else [template]
+    try:
+        from jinja2 import Environment, meta
+
+        env = Environment(extensions=["jinja2.ext.loopcontrols"])
+        return set().union(*(meta.find_undeclared_variables(env.parse(t)) for t in templates))
+    except Exception:  # a template using transformers' own tags, say: no check rather than a false alarm
+        return None

@@ -1086,6 +1086,11 @@ def test_chat_list_of_conversations(llm, tok):
     [{"role": "user", "content": "a"}, "b"],
     [[{"role": "user", "content": "a"}], "b"],
     [[{"role": "user", "content": "a"}], [{"content": "no role"}]],
+    [{"role": "user"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": None}],
+    [{"role": "usr", "content": "a typo in the role"}],
+    [{"role": "system", "content": "x"}, {"role": "User", "content": "a"}],
 ], ids=repr)
 def test_chat_bad_messages(llm, refs, bad):
     with pytest.raises((TypeError, ValueError)):
@@ -1093,6 +1098,39 @@ def test_chat_bad_messages(llm, refs, bad):
     assert_idle(llm)
     out = llm.generate(["Hello, world!"], greedy(3), use_tqdm=False)[0]
     assert out["token_ids"] == refs["Hello, world!"]["token_ids"][:3]
+
+
+def test_chat_message_errors_name_the_message():
+    from nanovllm.llm import _check_conversation
+
+    with pytest.raises(ValueError, match=r"conversation 1, message 2: role must be one of .*'usr'"):
+        _check_conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                             {"role": "usr", "content": "c"}], "conversation 1")
+    with pytest.raises(TypeError, match=r"messages, message 0: content must be a string, got list"):
+        _check_conversation([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "messages")
+    # An assistant turn that only calls tools may have no content.
+    _check_conversation([{"role": "user", "content": "weather?"},
+                         {"role": "assistant", "content": None, "tool_calls": [{"name": "w", "arguments": {}}]},
+                         {"role": "tool", "content": "sunny"}], "messages")
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"sampling_param": greedy(3)}, "sampling_param"),  # a typo of sampling_params
+    ({"enable_thinkng": False}, "enable_thinkng"),
+    ({"tokenize": True}, "tokenize"),
+    ({"add_generation_prompt": False}, "add_generation_prompt"),
+])
+def test_chat_keyword_arguments_the_template_does_not_read_are_refused(llm, refs, kwargs, name):
+    with pytest.raises(TypeError, match=name):
+        llm.chat(CONV, greedy(4), use_tqdm=False, **kwargs)
+    assert_idle(llm)
+    out = llm.generate(["Hello, world!"], greedy(3), use_tqdm=False)[0]
+    assert out["token_ids"] == refs["Hello, world!"]["token_ids"][:3]
+
+
+def test_chat_keyword_error_lists_the_template_variables(llm):
+    with pytest.raises(TypeError, match="enable_thinking"):
+        llm.chat(CONV, greedy(4), use_tqdm=False, enable_thinkng=False)
 
 
 def test_stream_rejects_bad_input_at_the_call(llm):
