@@ -23,7 +23,7 @@ def resolve_model_path(model: str) -> str:
     """A local checkpoint folder, or a Hugging Face Hub id downloaded when the machine is online."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"model must be a path or a Hub id, got {type(model).__name__}")
-    model = os.fspath(model)
+    model = os.path.expanduser(os.fspath(model))
     if os.path.isdir(model):
         return model
     looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
@@ -142,6 +142,11 @@ class Config:
             raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
         if self.attention_backend == "flash_attn" and bs % 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, got {bs}")
+        if self.attention_backend == "flash_attn":
+            from nanovllm.layers.attention import flash_attn_available
+
+            if not flash_attn_available():
+                raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
         self.model = resolve_model_path(self.model)
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
@@ -184,13 +189,24 @@ class Config:
         return resolved
 
 
+def read_json(path: str) -> dict:
+    """One of a checkpoint's JSON files (an object); a broken one is a ValueError naming the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
 def load_hf_config(path: str):
     """The checkpoint's `config.json` as a transformers config, after checking the architecture."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
-    with open(cfg_file) as f:
-        raw = json.load(f)
+    raw = read_json(cfg_file)
     archs = raw.get("architectures") or []
     if raw.get("model_type") != "qwen3" or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
         raise ValueError(f"unsupported model in {path!r}: model_type={raw.get('model_type')!r}, "

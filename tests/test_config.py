@@ -187,3 +187,17 @@ def test_bad_decode_blas_environment_variable_raises_before_any_work(ckpt, monke
     monkeypatch.setenv("NANOVLLM_DECODE_BLAS", value)
     with pytest.raises(ValueError, match="NANOVLLM_DECODE_BLAS"):
         Config.from_kwargs(ckpt)
+
+
+def test_forced_flash_attn_without_the_package_fails_before_loading(ckpt, monkeypatch):
+    import nanovllm.layers.attention as attention
+
+    # As on a CUDA machine without flash-attn (the H200 we test on): refused in Config, not
+    # later when the backend imports it after the weights are loaded.
+    monkeypatch.setattr(Config, "_resolve_device", staticmethod(lambda device: "cuda"))
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    with pytest.raises(ValueError, match="flash_attn package"):
+        Config.from_kwargs(ckpt, attention_backend="flash_attn")
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert Config.from_kwargs(ckpt, attention_backend="flash_attn", dtype="float32").attention_backend == "flash_attn"

@@ -416,6 +416,17 @@ for _name in ["model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"
 for _name, _shape in [("model.layers.0.self_attn.extra_proj.weight", (4, 4)),
                       ("model.layers.2.mlp.gate_proj.weight", (128, 64)), ("model.final_bias", (64,))]:
     BAD_CHECKPOINTS[f"unexpected:{_name}"] = (_add(_name, _shape), ValueError, re.escape(_name))
+def _write(name, text):
+    def edit(folder):
+        with open(os.path.join(folder, name), "w") as f:
+            f.write(text)
+    return edit
+
+
+for _file in ("config.json", "generation_config.json"):
+    BAD_CHECKPOINTS[f"broken_json:{_file}"] = (_write(_file, "{not json"), ValueError, re.escape(_file) + ".*not valid JSON")
+    BAD_CHECKPOINTS[f"json_not_an_object:{_file}"] = (_write(_file, "[1, 2]"), ValueError,
+                                                      re.escape(_file) + ".*JSON object")
 BAD_CHECKPOINTS["config_has_more_layers_than_the_weights"] = (
     _config(num_hidden_layers=3, max_window_layers=3, layer_types=["full_attention"] * 3), ValueError,
     r"model\.layers\.2\.")
@@ -428,6 +439,14 @@ def test_bad_checkpoint_raises_a_clear_error(gqa, tmp_path, case):
     edit(folder)
     with pytest.raises(exc, match=pattern):
         make_llm(folder)
+
+
+def test_model_path_with_a_tilde_is_expanded(gqa, tmp_path, monkeypatch):
+    copy_checkpoint(gqa, tmp_path / "ckpt")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    llm = make_llm("~/ckpt")
+    assert llm.config.model == str(tmp_path / "ckpt")
+    llm.shutdown()
 
 
 def test_missing_checkpoint_folder(tmp_path):

@@ -4,13 +4,12 @@ with the accounting of step n done while the device runs step n+1 (see LLMEngine
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import os
 import random
 from dataclasses import dataclass
 
-from nanovllm.config import Config
+from nanovllm.config import Config, read_json
 from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from nanovllm.engine.scheduler import Scheduler
@@ -280,8 +279,7 @@ def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
         ids.add(tokenizer.eos_token_id)
     gen_file = os.path.join(path, "generation_config.json")
     if os.path.isfile(gen_file):
-        with open(gen_file) as f:
-            ids.update(_as_id_list(json.load(f).get("eos_token_id")))
+        ids.update(_as_id_list(read_json(gen_file).get("eos_token_id")))
     # An id the model can never produce cannot end a request, and must not reach the sampler's
     # min_tokens mask (an out-of-range index is a device-side assert on CUDA).
     return {i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size}
