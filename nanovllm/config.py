@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.sampling_params import is_integer, is_real
+
 logger = logging.getLogger("nanovllm")
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
@@ -57,14 +59,16 @@ def decode_blas_library() -> str:
 
 
 def _field_is(name: str, value, kind, what: str):
+    """`value` checked to be a `kind` (numpy's numbers count), as Python's own type."""
     if kind is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = is_integer(value)
     elif kind is float:
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        ok = is_real(value)
     else:
         ok = isinstance(value, kind)
     if not ok:
         raise ValueError(f"{name}={value!r}: must be {what}")
+    return kind(value) if kind in (int, float) else value
 
 
 @dataclass
@@ -107,14 +111,13 @@ class Config:
         return cls(model, **kwargs)
 
     def __post_init__(self):
-        _field_is("tensor_parallel_size", self.tensor_parallel_size, int, "an integer >= 1")
-        _field_is("max_num_seqs", self.max_num_seqs, int, "an integer >= 1")
-        _field_is("max_num_batched_tokens", self.max_num_batched_tokens, int, "an integer >= 1")
-        _field_is("max_model_len", self.max_model_len, int, "an integer >= 1")
-        _field_is("kvcache_block_size", self.kvcache_block_size, int, "a power of two >= 16")
-        _field_is("num_kvcache_blocks", self.num_kvcache_blocks, int, "-1 (automatic) or an integer >= 1")
-        _field_is("gpu_memory_utilization", self.gpu_memory_utilization, float, "a number in (0, 1]")
-        _field_is("seed", self.seed, int, "an integer")
+        for name, kind, what in (
+                ("tensor_parallel_size", int, "an integer >= 1"), ("max_num_seqs", int, "an integer >= 1"),
+                ("max_num_batched_tokens", int, "an integer >= 1"), ("max_model_len", int, "an integer >= 1"),
+                ("kvcache_block_size", int, "a power of two >= 16"),
+                ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1"),
+                ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer")):
+            setattr(self, name, _field_is(name, getattr(self, name), kind, what))
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce"):
             _field_is(name, getattr(self, name), bool, "True or False")
         if self.tensor_parallel_size < 1:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, is_integer
 
 
 @dataclass
@@ -46,8 +46,7 @@ class LLM(LLMEngine):
         """Validate every prompt and parameter before any work starts; returns (ids, params) pairs."""
         if isinstance(prompts, str):
             prompts = [prompts]
-        elif isinstance(prompts, (list, tuple)) and prompts and all(
-                isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+        elif isinstance(prompts, (list, tuple)) and prompts and all(is_integer(t) for t in prompts):
             prompts = [list(prompts)]  # one prompt given as token ids
         if not isinstance(prompts, (list, tuple)):
             raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
+
+
+def is_integer(x) -> bool:
+    """An integer as callers pass them: int or numpy's integers, but not bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_real(x) -> bool:
+    """A real number (int, float, numpy's), not bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True)
@@ -44,12 +55,7 @@ class SamplingParams:
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
 
-        def is_int(x):
-            return isinstance(x, int) and not isinstance(x, bool)
-
-        def is_num(x):
-            return isinstance(x, (int, float)) and not isinstance(x, bool)
-
+        is_int, is_num = is_integer, is_real
         if not is_num(self.temperature) or not (self.temperature >= 0.0) or self.temperature == float("inf"):
             bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if self.temperature != 0 and self.temperature < 1e-5:
@@ -88,8 +94,14 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers or None")
         # Frozen: validated once, so nobody can make a checked instance invalid afterwards.
+        # Numbers are stored as Python's own (numpy's would reach the sampler's tensors).
+        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                           ("max_tokens", int), ("min_tokens", int)):
+            object.__setattr__(self, name, kind(getattr(self, name)))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
         object.__setattr__(self, "stop_strings", stops)
-        object.__setattr__(self, "stop_ids", frozenset(ids))
+        object.__setattr__(self, "stop_ids", frozenset(int(t) for t in ids))
 
     @property
     def greedy(self) -> bool:

@@ -121,6 +121,18 @@ def test_rows_beyond_the_buffer_are_rejected():
         ranks.call(0, parts[0], residual, norm.weight)
 
 
+def test_layouts_the_kernel_cannot_read_are_rejected():
+    ranks = Ranks(2, 16, max_rows=4, programs=2, dtype=torch.float32)
+    parts, residual, norm = make_inputs(2, 3, 16, torch.float32)
+    wide = torch.zeros(3, 32)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ranks.call(0, wide[:, ::2], residual, norm.weight)  # strided columns
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        ranks.call(0, parts[0], wide[:, ::2], norm.weight)
+    with pytest.raises(ValueError, match="do not match"):
+        ranks.call(0, parts[0], residual, norm.weight.double())
+
+
 def _run_in_thread(fn):
     done = threading.Event()
     errors = []

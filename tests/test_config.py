@@ -201,3 +201,12 @@ def test_forced_flash_attn_without_the_package_fails_before_loading(ckpt, monkey
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert Config.from_kwargs(ckpt, attention_backend="flash_attn", dtype="float32").attention_backend == "flash_attn"
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers(ckpt):
+    np = pytest.importorskip("numpy")
+    cfg = Config.from_kwargs(ckpt, max_num_seqs=np.int64(8), gpu_memory_utilization=np.float32(0.5), seed=np.int32(3))
+    assert (cfg.max_num_seqs, cfg.seed) == (8, 3) and type(cfg.max_num_seqs) is int and type(cfg.seed) is int
+    assert type(cfg.gpu_memory_utilization) is float
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Config.from_kwargs(ckpt, max_num_seqs=np.bool_(True))

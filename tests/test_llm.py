@@ -613,3 +613,23 @@ def test_dummy_weights_generate_without_safetensors(gqa, tmp_path):
     outputs = llm.generate([rand_ids(20, 90), "Hello"], greedy(5), use_tqdm=False)
     assert [len(o["token_ids"]) for o in outputs] == [5, 5]
     assert all(0 <= t < vocab_size(gqa) for o in outputs for t in o["token_ids"])
+
+
+def test_numpy_token_ids_and_numbers_work_like_python_ones(llm):
+    np = pytest.importorskip("numpy")
+    prompts = [[5, 17, 3, 99], [42, 7]]
+    want = llm.generate(prompts, greedy(5), use_tqdm=False)
+    got = llm.generate([list(np.array(p)) for p in prompts], SamplingParams(temperature=0, max_tokens=np.int64(5)),
+                       use_tqdm=False)
+    assert [o["token_ids"] for o in got] == [o["token_ids"] for o in want]
+    assert all(type(t) is int for o in got for t in o["prompt_token_ids"])
+    # One prompt given as numpy token ids.
+    assert llm.generate(list(np.array(prompts[1])), greedy(5), use_tqdm=False)[0]["token_ids"] == want[1]["token_ids"]
+
+
+def test_top_k_past_int64_is_the_same_as_no_top_k(llm):
+    prompts = [[5, 17, 3, 99], [42, 7]]
+    off = [SamplingParams(temperature=0.8, seed=1, max_tokens=6), SamplingParams(temperature=0.8, seed=2, max_tokens=6)]
+    huge = [SamplingParams(temperature=0.8, seed=1, max_tokens=6, top_k=2**70), SamplingParams(temperature=0.8, seed=2, max_tokens=6)]
+    assert [o["token_ids"] for o in llm.generate(prompts, huge, use_tqdm=False)] == \
+        [o["token_ids"] for o in llm.generate(prompts, off, use_tqdm=False)]

@@ -246,7 +246,7 @@ _RANK0_SCRIPT = """
 import sys, time
 from nanovllm import LLM
 llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
-print(llm.model_runner.procs[0].pid, flush=True)
+print(llm.model_runner.procs[0].pid, llm.model_runner.init_file, flush=True)
 time.sleep(600)
 """
 
@@ -259,7 +259,8 @@ def test_workers_exit_when_rank0_is_killed(model_path):
     proc = subprocess.Popen([sys.executable, "-c", _RANK0_SCRIPT, model_path], stdout=subprocess.PIPE,
                             text=True, cwd=root)
     try:
-        worker_pid = int(proc.stdout.readline())
+        pid, init_file = proc.stdout.readline().split()
+        worker_pid = int(pid)
     finally:
         proc.kill()
         proc.wait()
@@ -268,10 +269,36 @@ def test_workers_exit_when_rank0_is_killed(model_path):
         try:
             os.kill(worker_pid, 0)
         except ProcessLookupError:
+            assert not os.path.exists(init_file), "the worker left the rendezvous file behind"
             return
         time.sleep(0.1)
     os.kill(worker_pid, signal.SIGKILL)
     pytest.fail("the worker outlived rank 0 by 15 s")
+
+
+_NO_SHUTDOWN_SCRIPT = """
+import sys
+from nanovllm import LLM, SamplingParams
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+runner = llm.model_runner
+print(runner.procs[0].pid, runner.init_file, flush=True)
+"""
+
+
+def test_script_ending_without_shutdown_cleans_up(model_path):
+    """A script that never calls shutdown(): at exit its engine is shut down properly (workers
+    told to exit, process group released, rendezvous file removed), not killed mid-way."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-c", _NO_SHUTDOWN_SCRIPT, model_path], capture_output=True, text=True,
+                          cwd=root, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    pid, init_file = done.stdout.split()
+    assert not os.path.exists(init_file)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pid), 0)
 
 
 def test_worker_exception_reaches_the_caller(model_path):
@@ -303,6 +330,24 @@ def test_rank0_failure_mid_step_closes_the_group_cleanly(model_path, monkeypatch
     assert not torch.distributed.is_initialized()
 
 
+def test_ctrl_c_on_rank0_does_not_wait_for_the_watchdog(model_path, monkeypatch):
+    llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
+    tp = llm.model_runner
+    waits = []
+    real = tp._worker_death
+    monkeypatch.setattr(tp, "_worker_death", lambda timeout: waits.append(timeout) or real(timeout))
+
+    def interrupted(step):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(tp.runner, "execute", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts()[:2], GREEDY, use_tqdm=False)
+    assert waits == [0]  # no grace period for a dead worker to explain it: it was the user
+    llm.shutdown()
+    assert no_children()
+
+
 def test_invalid_sizes_fail_before_any_process_starts(model_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(model_path, tensor_parallel_size=3)
@@ -316,6 +361,10 @@ def test_tp2_teacher_forced_logits_match_tp1(model_path):
     with LLM(model_path, kvcache_block_size=16) as llm:
         ref = llm.model_runner.score(seq)
     with LLM(model_path, kvcache_block_size=16, tensor_parallel_size=2) as llm:
+        # Bad input is refused on rank 0 before the workers start: the group stays usable.
+        for bad in ([], [3, 607], list(range(3, 3 + llm.config.max_model_len + 1))):
+            with pytest.raises(ValueError, match="score"):
+                llm.model_runner.score(bad)
         out = llm.model_runner.score(seq)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 

@@ -595,3 +595,9 @@ def test_candidates_refuse_filters_and_filters_off_matches_build():
     assert not any(sampler_mod.filters_off(p) for p in filtered)
     flags = tensors(plain)
     assert not (flags.need_top_k or flags.need_top_p or flags.need_min_p)
+
+
+def test_top_k_past_any_vocabulary_fits_the_tensor_and_keeps_every_token():
+    params = [SP(temperature=0.8, top_k=2**70), SP(temperature=0.8, top_k=3)]
+    t = SamplingTensors.build(params, [1, 2], [0, 0], torch.device("cpu"))
+    assert t.top_ks.tolist() == [2**31, 3]  # no int64 overflow; 2**31 keeps any vocabulary whole

@@ -392,3 +392,17 @@ def test_validated_params_cannot_be_changed_afterwards():
     assert q.max_tokens == 7 and q.stop_strings == ("x",)
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(p, temperature=-1.0)
+
+
+def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
+    np = pytest.importorskip("numpy")
+    p = SamplingParams(temperature=np.float32(0.5), top_p=np.float64(0.9), top_k=np.int32(5), min_p=np.float16(0.25),
+                       max_tokens=np.int64(16), min_tokens=np.uint8(2), seed=np.int64(3), stop_token_ids=[np.int64(7)])
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens, p.min_tokens, p.seed) == (0.5, 0.9, 5, 0.25, 16, 2, 3)
+    for name in ("temperature", "top_p", "min_p"):
+        assert type(getattr(p, name)) is float, name
+    for name in ("top_k", "max_tokens", "min_tokens", "seed"):
+        assert type(getattr(p, name)) is int, name
+    assert p.stop_ids == frozenset({7}) and all(type(t) is int for t in p.stop_ids)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=np.bool_(True))  # numpy's bool is not a count

@@ -14,7 +14,7 @@ from nanovllm.engine.block_manager import BlockManager
 from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize
 from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import Sequence, SequenceStatus
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, is_integer
 
 logger = logging.getLogger("nanovllm")
 
@@ -85,8 +85,8 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("empty prompt")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            ids = list(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
+            ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:

@@ -33,6 +33,7 @@ from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors, pick_candidates
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.sampling_params import is_integer
 from nanovllm.utils.context import AttentionMetadata, host_to_device, prefill_metadata
 from nanovllm.utils.dist import TPGroup, use_tp_group
 from nanovllm.utils.loader import init_dummy, load_model
@@ -380,12 +381,21 @@ class ModelRunner:
             torch.cuda.empty_cache()
 
     @torch.inference_mode()
-    def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
-        sequence, without touching the KV cache. Used to check the model against a reference."""
+    def check_score_input(self, token_ids: list[int]) -> None:
+        """score()'s input checks, on the caller's rank before any rank starts (a worker that
+        raised would take the whole tensor-parallel group down)."""
         n = len(token_ids)
         if not 0 < n <= self.config.max_model_len:
             raise ValueError(f"score() needs 1 to max_model_len={self.config.max_model_len} tokens, got {n}")
+        vocab = self.config.hf_config.vocab_size
+        if not all(is_integer(t) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"score() needs token ids in [0, {vocab})")
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
+        sequence, without touching the KV cache. Used to check the model against a reference."""
+        self.check_score_input(token_ids)
+        n = len(token_ids)
         meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
         ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
         hidden = self.model(ids, torch.arange(n, device=self.device), meta)

@@ -13,6 +13,7 @@ RuntimeError naming the worker and its error.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -20,6 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from datetime import timedelta
 from multiprocessing.connection import wait
 
@@ -44,19 +46,28 @@ def _rendezvous(config: Config, rank: int, init_file: str) -> None:
                             world_size=config.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
 
 
-def _exit_with_parent() -> None:
+def _exit_with_parent(init_file: str) -> None:
     """End this worker when rank 0's process is gone, even if its main thread is stuck waiting
-    for the GPU (say, in a fused all-reduce whose peer will never come): exiting frees the GPU."""
+    for the GPU (say, in a fused all-reduce whose peer will never come): exiting frees the GPU.
+    The rendezvous file rank 0 would have removed goes too."""
     parent = mp.parent_process()
     if parent is not None:
         parent.join()
+        _remove_quietly(init_file)
         os._exit(1)
+
+
+def _remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # already gone (rank 0 or another worker removed it)
+        pass
 
 
 def _worker_main(config: Config, rank: int, init_file: str, conn) -> None:
     from nanovllm.engine.model_runner import ModelRunner
 
-    threading.Thread(target=_exit_with_parent, daemon=True, name="nanovllm-tp-parent-watch").start()
+    threading.Thread(target=_exit_with_parent, args=(init_file,), daemon=True, name="nanovllm-tp-parent-watch").start()
     try:
         conn.send(("joining", None))  # rank 0 joins the rendezvous only once every worker is alive
         init_process_group(config, rank, init_file)
@@ -67,8 +78,8 @@ def _worker_main(config: Config, rank: int, init_file: str, conn) -> None:
             if method == "exit":
                 break
             getattr(runner, method)(*args)
-    except EOFError:
-        pass  # rank 0 went away: nothing left to serve
+    except EOFError:  # rank 0 went away: nothing left to serve, and nobody else removes the file
+        _remove_quietly(init_file)
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))
@@ -123,6 +134,17 @@ def _abort_process_group() -> bool:
     return True
 
 
+# Engines not shut down yet: at interpreter exit they are (workers told to exit, rendezvous file
+# removed) before multiprocessing's own exit handler kills the workers mid-way.
+_OPEN_RUNNERS: "weakref.WeakSet[TensorParallelRunner]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_open_runners() -> None:
+    for runner in list(_OPEN_RUNNERS):
+        runner.shutdown()
+
+
 class TensorParallelRunner:
     """Rank 0's ModelRunner plus the workers of ranks 1..N-1; same interface as ModelRunner."""
 
@@ -134,7 +156,8 @@ class TensorParallelRunner:
                                "process group has not been released yet; restart the process to use "
                                "tensor parallelism again")
         if dist.is_initialized():
-            raise RuntimeError("torch.distributed is already initialised in this process; "
+            raise RuntimeError("torch.distributed is already initialised in this process (an earlier "
+                               "tensor-parallel LLM not shut down? call its shutdown() or use `with LLM(...)`); "
                                "tensor_parallel_size > 1 needs to own the process group")
         self.config = config
         fd, self.init_file = tempfile.mkstemp(prefix="nanovllm-tp-")
@@ -159,6 +182,7 @@ class TensorParallelRunner:
             child.close()
             self.procs.append(proc)
             self.conns.append(parent)
+        _OPEN_RUNNERS.add(self)
         self._stop_watchdog = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, daemon=True, name="nanovllm-tp-watchdog")
         self._watchdog.start()
@@ -317,6 +341,7 @@ class TensorParallelRunner:
 
     def score(self, token_ids: list[int]):
         """Teacher-forced logits of one sequence across all ranks (see ModelRunner.score)."""
+        self.runner.check_score_input(token_ids)
         return self._all_ranks("score", token_ids)
 
     def _all_ranks(self, method: str, arg):
@@ -327,8 +352,9 @@ class TensorParallelRunner:
                 conn.send((method, (arg,)))  # BrokenPipeError if a worker died since the last step
             result = getattr(self.runner, method)(arg)
         except BaseException as e:
-            # A failing send or collective is almost always a dead peer: wait briefly for the watchdog.
-            if self._worker_death(timeout=5):
+            # A failing send or collective is almost always a dead peer: wait briefly for the
+            # watchdog. Not after Ctrl-C, which is the user's, and should end the call at once.
+            if self._worker_death(timeout=0 if isinstance(e, KeyboardInterrupt) else 5):
                 self.shutdown()
                 raise WorkerDied(self._failure) from e
             # Rank 0 alone failed (out of memory, Ctrl-C...): the workers are still inside this
@@ -344,6 +370,7 @@ class TensorParallelRunner:
         if self._closed:
             return
         self._closed = True
+        _OPEN_RUNNERS.discard(self)
         self._stop_watchdog.set()
         abort_finished = drained = True
         if self._failure:  # nobody will complete the pending collectives
@@ -376,5 +403,4 @@ class TensorParallelRunner:
                 dist.destroy_process_group()
             except Exception:
                 pass
-        if os.path.exists(self.init_file):
-            os.unlink(self.init_file)
+        _remove_quietly(self.init_file)

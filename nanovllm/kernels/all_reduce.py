@@ -148,9 +148,11 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
     rows, hidden = x.shape
     if rows > max_rows:
         raise ValueError(f"{rows} rows exceed the staging buffer's {max_rows}")
-    if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (hidden,):
-        raise ValueError(f"x {tuple(x.shape)}, residual {tuple(residual.shape)} and weight "
-                         f"{tuple(weight.shape)} do not match")
+    if residual.shape != x.shape or residual.dtype != x.dtype or weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype}, residual {tuple(residual.shape)} {residual.dtype} and "
+                         f"weight {tuple(weight.shape)} {weight.dtype} do not match")
+    if x.stride(-1) != 1 or residual.stride(-1) != 1 or not weight.is_contiguous():
+        raise ValueError("x and residual need a contiguous last dimension, weight a contiguous vector")
     y = torch.empty((rows, hidden), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(y)
     block = triton.next_power_of_2(hidden)

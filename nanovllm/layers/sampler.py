@@ -77,6 +77,9 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
     return h.bitwise_right_shift_(9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
 
 
+# top_k at or past this is the same as no top_k for any vocabulary (and fits int64).
+_TOP_K_CAP = 1 << 31
+
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the logits' device, plus host-side flags.
@@ -115,7 +118,8 @@ class SamplingTensors:
         for p in params:
             greedy = p.temperature == 0.0
             temps.append(float(p.temperature))
-            ks.append(p.top_k if p.top_k > 0 and not greedy else 0)
+            # Any k past the vocabulary keeps every token; clamped so that it fits an int64.
+            ks.append(min(p.top_k, _TOP_K_CAP) if p.top_k > 0 and not greedy else 0)
             ps.append(1.0 if greedy else float(p.top_p))
             mps.append(0.0 if greedy else float(p.min_p))
         return cls.from_lists(temps, ks, ps, mps, seeds, offsets, device, pin_memory)
