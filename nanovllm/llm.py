@@ -195,7 +195,10 @@ class LLM(LLMEngine):
         if taken:
             raise TypeError(f"chat() got {', '.join(taken)}: it renders the template as text with the "
                             "generation prompt itself")
-        template = kwargs.get("chat_template", self.tokenizer.chat_template)
+        template = self.tokenizer.chat_template
+        given = kwargs.get("chat_template")  # a template's text, or the name of one of the tokenizer's
+        if given is not None:
+            template = template[given] if isinstance(template, dict) and given in template else given
         used = _template_variables(template)
         if used is None:
             return  # no template, or one this check cannot parse: apply_chat_template decides

@@ -1153,3 +1153,12 @@ def test_stop_string_in_text_flushed_at_the_end_makes_finish_reason_stop(llm):
     assert llm.final_text(seq) == "" and seq.finish_reason == "stop"
     llm.abort(seq)
     assert_idle(llm)
+
+
+def test_chat_template_given_by_the_caller_is_the_one_checked(llm, tok):
+    template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if shout %}!{% endif %}"
+    out = llm.chat(CONV, greedy(4), use_tqdm=False, chat_template=template, shout=True)[0]
+    text = tok.apply_chat_template(CONV, tokenize=False, add_generation_prompt=True, chat_template=template, shout=True)
+    assert out["prompt_token_ids"] == tok.encode(text, add_special_tokens=False)
+    with pytest.raises(TypeError, match="enable_thinking"):  # this template has no such variable
+        llm.chat(CONV, greedy(4), use_tqdm=False, chat_template=template, enable_thinking=False)
