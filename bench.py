@@ -271,7 +271,7 @@ def main(argv=None):
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.decode_blas:
-        os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # TP workers inherit it
+        os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # read when the LLM makes its Config
 
     import torch
 

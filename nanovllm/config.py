@@ -99,6 +99,9 @@ class Config:
     attention_backend: str | None = None
     custom_all_reduce: bool = True
     hf_config: object = field(init=False, repr=False, default=None)
+    # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
+    # workers get this copy, whatever their environment).
+    decode_blas: str = field(init=False, default="cublaslt")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -140,7 +143,7 @@ class Config:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
-        decode_blas_library()  # a bad NANOVLLM_DECODE_BLAS fails here, before any work
+        self.decode_blas = decode_blas_library()  # a bad NANOVLLM_DECODE_BLAS fails here, before any work
         if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
             raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
         if self.attention_backend == "flash_attn" and bs % 256:

@@ -171,7 +171,7 @@ def test_decode_blas_environment_variable_is_kept(ckpt, monkeypatch, value):
     from nanovllm.config import decode_blas_library
 
     monkeypatch.setenv("NANOVLLM_DECODE_BLAS", value)
-    Config.from_kwargs(ckpt)
+    assert Config.from_kwargs(ckpt).decode_blas == value
     assert decode_blas_library() == value
 
 

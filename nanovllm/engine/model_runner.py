@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanovllm.config import Config, decode_blas_library
+from nanovllm.config import Config
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
@@ -128,7 +128,7 @@ class ModelRunner:
         self._flip = 0
         self._sampling_cache = None  # (key, SamplingTensors) of the last step, see _sampling_tensors
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.decode_blas = decode_blas_library()
+        self.decode_blas = config.decode_blas
         # The torch backend loops over sequences on the host: nothing a graph could replay.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self._capture_cuda_graphs()
