@@ -24,7 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from timing import qwen3_8b_gemms
+from timing import cuda_graph_us, qwen3_8b_gemms
 
 # Bytes per bulk prefetch instruction. Large enough that a 32 MiB window is ~16 instructions
 # per program, small enough that 128 programs split it evenly.
@@ -32,11 +32,20 @@ PREFETCH_CHUNK = 16384
 
 
 @triton.jit
-def prefetch_l2(base, nbytes, pid, num_programs, CHUNK: tl.constexpr, LANES: tl.constexpr):
+def prefetch_l2(base, nbytes, pid, num_programs, CHUNK: tl.constexpr, LANES: tl.constexpr,
+                EVICT_LAST: tl.constexpr = False):
     """Program `pid` of `num_programs` asks L2 to fetch its share of bytes [0, nbytes) at the
     int64 address `base` (16-byte aligned; nbytes a multiple of 16), CHUNK bytes per
-    instruction, LANES instructions at a time (one per thread: LANES = 32 * num_warps).
-    A hint only: returns at once and never faults on the data's values."""
+    instruction, LANES instructions at a time (one per thread: LANES = 32 * num_warps), with
+    an evict_last cache policy if EVICT_LAST. A hint only: returns at once and never faults on
+    the data's values."""
+    if EVICT_LAST:
+        asm: tl.constexpr = ("{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $3, 0; "
+                             "createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
+                             "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }")
+    else:
+        asm: tl.constexpr = ("{ .reg .pred p; setp.ne.b32 p, $3, 0; "
+                             "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }")
     n_chunks = tl.cdiv(nbytes, CHUNK)
     lanes = tl.arange(0, LANES)
     # Chunk c goes to program c % num_programs: each SM's bulk-copy unit gets an equal share
@@ -46,9 +55,7 @@ def prefetch_l2(base, nbytes, pid, num_programs, CHUNK: tl.constexpr, LANES: tl.
         offset = idx.to(tl.int64) * CHUNK
         size = tl.minimum(nbytes - offset, CHUNK).to(tl.int32)
         live = (idx < n_chunks).to(tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r,r", [base + offset, size, live], dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise(asm, "=r,l,r,r", [base + offset, size, live], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -73,16 +80,7 @@ def _warm_kernel(out_ptr, cycles, w_ptr, base, nbytes, METHOD: tl.constexpr, CHU
     elif METHOD == 2:
         prefetch_l2(base, nbytes, pid, nprog, CHUNK, LANES)
     elif METHOD == 3:
-        n_chunks = tl.cdiv(nbytes, CHUNK)
-        for first in range(0, n_chunks, nprog * LANES):
-            idx = first + pid + lanes * nprog
-            offset = idx.to(tl.int64) * CHUNK
-            size = tl.minimum(nbytes - offset, CHUNK).to(tl.int32)
-            live = (idx < n_chunks).to(tl.int32)
-            tl.inline_asm_elementwise(
-                "{ .reg .pred p; .reg .b64 pol; setp.ne.b32 p, $3, 0; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-                "@p cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-                "=r,l,r,r", [base + offset, size, live], dtype=tl.int32, is_pure=False, pack=1)
+        prefetch_l2(base, nbytes, pid, nprog, CHUNK, LANES, EVICT_LAST=True)
     elif METHOD == 4:
         n_lines = nbytes // 128
         for first in range(0, n_lines, nprog * LANES):
@@ -94,24 +92,6 @@ def _warm_kernel(out_ptr, cycles, w_ptr, base, nbytes, METHOD: tl.constexpr, CHU
     start = _clock()
     while _clock() - start < cycles:
         pass
-
-
-def graph_us(fn, iters=20, replays=10):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(iters):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(replays):
-        g.replay()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) * 1e3 / (iters * replays)
 
 
 METHODS = {"load": 1, "bulk": 2, "bulk_last": 3, "line": 4}
@@ -142,7 +122,7 @@ def main() -> None:
 
                     t = {}
                     for label, method in [("cold", 0)] + list(METHODS.items()):
-                        t[label] = graph_us(lambda: it(method, True)) - graph_us(lambda: it(method, False))
+                        t[label] = cuda_graph_us(lambda: it(method, True)) - cuda_graph_us(lambda: it(method, False))
                     print(f"{tp:>3}{name:>8}{wbytes / 2**20:>6.0f}{m:>5}{nb / 2**20:>9.0f}{t['cold']:>7.1f}"
                           + "".join(f"{t[k_]:>10.1f}" for k_ in METHODS), flush=True)
                     if nb == wbytes:
