@@ -84,13 +84,12 @@ def kernel_breakdown(kernels) -> dict[str, float]:
 
 class StepTimeline:
     """Where a run's wall time goes, step by step: each engine step's share (the time between
-    consecutive returns of `LLM.step`) and how much of it the host spent waiting for the
-    device's tokens, grouped into prefill steps and decode steps by batch size. A group whose
-    wait is a small part of its time was host-bound there.
+    the ends of consecutive steps) and how much of it the host spent waiting for the device's
+    tokens, grouped into prefill steps and decode steps by batch size. A group whose wait is a
+    small part of its time was host-bound there.
 
-    Use as a context manager around one generate(); it wraps `llm.step` and
-    `PendingTokens.result` for that long (the latter for the whole process: time one engine
-    at a time).
+    Use as a context manager around one generate(): it is one of the engine's step observers
+    (`LLMEngine.step_observers`, which get a StepTiming per step) for that long.
     """
 
     BUCKETS = (192, 128, 64, 32, 16, 8, 1)  # decode groups: batch sizes >= these
@@ -100,37 +99,16 @@ class StepTimeline:
         self.steps: list[tuple[bool, int, float, float]] = []  # (is prefill, tokens, seconds, waited)
 
     def __enter__(self):
-        from nanovllm.engine.model_runner import PendingTokens
-
-        self._cls, self._result, self._waited = PendingTokens, PendingTokens.result, 0.0
-        timeline, step = self, self.llm.step
-
-        def result(pending):
-            t = time.perf_counter()
-            try:
-                return timeline._result(pending)
-            finally:
-                timeline._waited += time.perf_counter() - t
-
-        def timed_step():
-            out = step()
-            now = time.perf_counter()
-            timeline.steps.append((out[2], out[1], now - timeline._last, timeline._waited))
-            timeline._last, timeline._waited = now, 0.0
-            return out
-
-        PendingTokens.result = result
-        self._own_step = vars(self.llm).get("step")  # an instance-level step someone set before us
-        self.llm.step = timed_step
         self._last = time.perf_counter()
+        self.llm.step_observers.append(self._record)
         return self
 
+    def _record(self, timing) -> None:
+        self.steps.append((timing.is_prefill, timing.num_tokens, timing.ended_at - self._last, timing.wait_s))
+        self._last = timing.ended_at
+
     def __exit__(self, *exc):
-        self._cls.result = self._result
-        if self._own_step is None:
-            del self.llm.step  # back to the class's method
-        else:
-            self.llm.step = self._own_step
+        self.llm.step_observers.remove(self._record)
 
     def summary(self) -> list[dict]:
         """One row per group: steps, seconds, ms per step, the waited fraction."""
@@ -326,7 +304,7 @@ def main(argv=None):
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
-           "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": rank0.decode_blas,
+           "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds,
            "timeline": timeline.summary()}
 

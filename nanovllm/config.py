@@ -77,7 +77,7 @@ class Config:
 
     `attention_backend` (None = automatic) forces one of `ATTENTION_BACKENDS`, for tests.
     `custom_all_reduce` (tensor parallelism on CUDA) fuses all-reduces up to 8 MiB with the
-    RMSNorm after them in one symmetric-memory kernel (utils/dist.py FusedAllReduceNorm);
+    RMSNorm after them in one symmetric-memory kernel (distributed/fused_all_reduce.py);
     False keeps every all-reduce on NCCL.
     """
 

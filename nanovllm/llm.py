@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator
 
+from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.engine.llm_engine import LLMEngine
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -34,6 +36,12 @@ class LLM(LLMEngine):
     >>> llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
     [{'text': ..., 'token_ids': [...], 'finish_reason': 'length', ...}]
     """
+
+    def __init__(self, model: str, **kwargs):
+        # Taken by generate / stream / chat, so that a second caller (another thread, or an open
+        # stream() iterator) gets a clear error instead of sharing the engine's steps.
+        self._busy = threading.Lock()
+        super().__init__(model, **kwargs)
 
     def __enter__(self):
         return self
@@ -83,35 +91,42 @@ class LLM(LLMEngine):
         seqs = []
         with self._exclusive():
             try:
-                for ids, p in requests:
-                    seqs.append(self.add_request(ids, p))
+                self._add_all(requests, seqs)
                 self._run_to_completion(len(seqs), use_tqdm)
             except BaseException:
                 self._release(seqs)
                 raise
         return [self._result(seq) for seq in seqs]
 
+    def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
+        """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
+        one, never between queuing a request and recording it (which would leak it)."""
+        with deferred_interrupts():
+            for ids, p in requests:
+                seqs.append(self.add_request(ids, p, track_text=track_text))
+
     def _release(self, seqs) -> None:
-        """A generate / stream ended early: abort its unfinished requests, forget the launched
-        step and every request's text state (nobody will read it)."""
-        for seq in seqs:
-            self.abort(seq)
-        self.cancel_in_flight()
-        for seq in seqs:
-            self.forget_text(seq)
+        """A generate / stream ended early: abort its unfinished requests, the launched step and
+        every request's text state (nobody will read it). A second Ctrl-C waits until this is done."""
+        with deferred_interrupts():
+            for seq in seqs:
+                self.abort(seq)
+            self.cancel_in_flight()
+            for seq in seqs:
+                self.forget_text(seq)
 
     @contextlib.contextmanager
     def _exclusive(self):
         """One generate / stream at a time: steps run every queued request, so a second caller
-        would swallow the first one's outputs."""
-        if getattr(self, "_in_use", False):
-            raise RuntimeError("this LLM is already generating (an open stream() iterator?); "
-                               "finish or close it before starting another generate/stream/chat")
-        self._in_use = True
+        would swallow the first one's outputs. The check and the claim are one atomic step."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this LLM is already generating (an open stream() iterator, or a call from "
+                               "another thread); an LLM serves one generate/stream/chat at a time: finish "
+                               "or close the other one first, or give each thread its own LLM")
         try:
             yield
         finally:
-            self._in_use = False
+            self._busy.release()
 
     def _result(self, seq) -> dict:
         return {"text": self.final_text(seq), "token_ids": seq.completion_token_ids,
@@ -152,8 +167,7 @@ class LLM(LLMEngine):
         seqs = []
         with self._exclusive():
             try:
-                for ids, p in requests:
-                    seqs.append(self.add_request(ids, p, track_text=True))
+                self._add_all(requests, seqs, track_text=True)
                 index = {seq.seq_id: i for i, seq in enumerate(seqs)}
                 # Not "until every request is finished": a request can finish (max_tokens) while
                 # its last token is still on the device (overlap scheduling).

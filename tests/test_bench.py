@@ -97,25 +97,33 @@ def test_kernel_breakdown_sorts_profiled_kernels_by_kind():
 
 
 def test_step_timeline_groups_steps_and_counts_the_waits():
-    from nanovllm.engine.model_runner import PendingTokens
+    import time
 
-    class FakeEngine:  # returns what LLM.step returns: (outputs, tokens, is prefill)
+    from nanovllm.engine.lifecycle import StepTiming
+
+    class FakeEngine:  # calls its step observers as LLMEngine.step does
         def __init__(self):
             self.script = [(0, True), (300, True), (256, False), (200, False), (7, False), (1, False)]
+            self.step_observers = []
 
         def step(self):
             tokens, is_prefill = self.script.pop(0)
-            if tokens:
-                PendingTokens(torch.tensor([5, 6]), 2, None).result()
+            waited = 0.0
+            if tokens:  # the first step only launches: nothing to wait for
+                t = time.perf_counter()
+                time.sleep(0.001)  # "waits" for the device's tokens
+                waited = time.perf_counter() - t
+            timing = StepTiming(is_prefill, tokens, waited, time.perf_counter())
+            for observer in self.step_observers:
+                observer(timing)
             return [], tokens, is_prefill
 
     llm = FakeEngine()
-    original = PendingTokens.result
     with bench.StepTimeline(llm) as timeline:
         for _ in range(6):
             llm.step()
-    assert PendingTokens.result is original and "step" not in vars(llm)  # unwrapped again
-    patched = llm.step = lambda: ([], 1, False)  # an instance-level step from before survives
+    assert llm.step_observers == []  # no longer observed
+    patched = llm.step = lambda: ([], 1, False)  # the engine's step itself is never replaced
     with bench.StepTimeline(llm):
         llm.step()
     assert llm.step is patched

@@ -784,7 +784,7 @@ def test_stream_equals_generate(llm, tok, refs):
             assert expected[i]["text"].startswith(shown), f"request {i} showed text later withdrawn: {shown!r}"
             assert not any(s in shown for s in sp.stop_strings)
     assert_idle(llm)
-    assert not getattr(llm, "_detok", {}), "detokenizer state left behind after streaming"
+    assert not llm.requests._detok, "detokenizer state left behind after streaming"
 
 
 def test_stream_single_prompt_and_default_params(llm, refs):
@@ -825,7 +825,7 @@ def test_stream_early_close_leaves_engine_idle(llm, refs):
     assert all(not inc.finished for inc in got)
     it.close()
     assert_idle(llm)
-    assert not getattr(llm, "_detok", {}), "detokenizer state left behind by a closed stream"
+    assert not llm.requests._detok, "detokenizer state left behind by a closed stream"
     # break out of a for loop (the generator is closed when it is dropped).
     n = 0
     for _ in llm.stream(prompts, params):
@@ -861,7 +861,7 @@ def test_stream_closed_while_a_final_token_is_in_flight_forgets_its_text(llm, re
             break
     it.close()
     assert_idle(llm)
-    assert not llm._detok and not llm._streamed, "detokenizer state left behind by a closed stream"
+    assert not llm.requests._detok and not llm.requests._streamed, "detokenizer state left behind by a closed stream"
     assert llm.generate(prompts[:1], greedy(2), use_tqdm=False)[0]["token_ids"] == \
         refs[prompts[0]]["token_ids"][:2]
 
@@ -899,7 +899,7 @@ def test_generate_interrupted_mid_run_leaves_no_state_and_engine_usable(llm, ref
         llm.generate(prompts, params, use_tqdm=False)
     monkeypatch.undo()
     assert_idle(llm)
-    assert not llm._detok and not llm._streamed
+    assert not llm.requests._detok and not llm.requests._streamed
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in outs] == [refs[p]["token_ids"][:6] for p in prompts]
 
@@ -1146,10 +1146,15 @@ def test_stop_string_in_text_flushed_at_the_end_makes_finish_reason_stop(llm):
     stop string found only then ends it with "stop", as stream() reports it."""
     pieces = llm.tokenizer.encode("中", add_special_tokens=False)
     assert len(pieces) > 1  # byte-level pieces: the first alone is an incomplete character
-    seq = llm.add_request(llm.tokenize("Hello, world!"), greedy(4, stop=["\ufffd"]))
-    detok = llm._detok[seq.seq_id]
-    assert detok.add(pieces[:1]) is False and detok.text == ""
-    seq.finish_reason = "length"  # say max_tokens ended it right there
+    from nanovllm.engine.lifecycle import decide_finish
+
+    seq = llm.add_request(llm.tokenize("Hello, world!"), greedy(1, stop=["\ufffd"]))
+    detok = llm.requests._detok[seq.seq_id]
+    seq.token_ids.append(pieces[0])  # max_tokens=1 reached right there, inside a character
+    # The one finish rule: "length" would end it, the flush finds the stop string first.
+    finish = decide_finish(seq, pieces[0], llm.eos_token_ids, llm.config.max_model_len, detok)
+    assert finish == ("stop", "\ufffd") and detok.text == ""
+    llm.requests.end(seq, *finish)
     assert llm.final_text(seq) == "" and seq.finish_reason == "stop"
     llm.abort(seq)
     assert_idle(llm)

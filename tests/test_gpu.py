@@ -96,10 +96,10 @@ def test_cuda_graph_decode_equals_eager(bf16_model, max_num_seqs):
         assert bool(llm.model_runner.graphs) != eager
         if not eager:
             # Captured with cuBLASLt by default; the process-wide choice is back as it was.
-            assert llm.model_runner.decode_blas == decode_blas_library()
+            assert llm.model_runner.graphs.blas == decode_blas_library()
             assert torch.backends.cuda.preferred_blas_library() == blas_before
-            assert max(llm.model_runner.graph_sizes) == max_num_seqs
-            assert llm.model_runner.decode_buffers.width * 16 >= llm.config.max_model_len
+            assert max(llm.model_runner.graphs.sizes) == max_num_seqs
+            assert llm.model_runner.inputs.buffers.width * 16 >= llm.config.max_model_len
         runs[eager] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.shutdown()
     assert runs[True] == runs[False]

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from nanovllm.engine.model_runner import DecodeBuffers, PendingTokens, StepInput
+from nanovllm.engine.sampling import PendingTokens
+from nanovllm.engine.step_inputs import DecodeBuffers, StepInput
 
 
 def _expected_rows(step: StepInput, bs: int, width: int, block_size: int):
@@ -103,7 +104,7 @@ def test_pending_tokens_with_a_check_stop_waiting_once_it_raises():
 
 
 def test_preferred_blas_switches_for_the_block_and_restores_after_an_error(monkeypatch):
-    from nanovllm.engine import model_runner
+    from nanovllm.engine import cuda_graphs as model_runner
 
     current = ["cublas"]
     calls = []

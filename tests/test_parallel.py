@@ -71,8 +71,8 @@ def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
     with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as llm:
         runner = llm.model_runner
         calls = []
-        every_rank = runner.runner._sample_on_every_rank
-        runner.runner._sample_on_every_rank = lambda *a: calls.append(1) or every_rank(*a)
+        every_rank = runner.runner.sampler.sample_shards
+        runner.runner.sampler.sample_shards = lambda *a: calls.append(1) or every_rank(*a)
         for on in (True, False):
             runner.sample_on_every_rank = on
             calls.clear()
@@ -87,12 +87,12 @@ def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
 def test_new_engine_refused_while_an_abort_is_pending(model_path, monkeypatch):
     """While an earlier engine's NCCL abort still runs (it can outlive the engine on GPUs), a
     new TP engine says so before it starts any process."""
-    from nanovllm.engine import parallel
+    from nanovllm.distributed.supervisor import PROCESS
 
     release = threading.Event()
     pending = threading.Thread(target=release.wait, daemon=True)
     pending.start()
-    monkeypatch.setattr(parallel, "_lingering", [pending])
+    monkeypatch.setattr(PROCESS, "_lingering", [pending])
     try:
         with pytest.raises(RuntimeError, match="restart the process"):
             LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
@@ -152,11 +152,11 @@ def test_killed_worker_raises_quickly(model_path):
 def test_worker_dead_before_the_watchdog_notices(model_path, monkeypatch):
     """Sending the next step to a dead worker fails (broken pipe) before the watchdog may have
     reported it: the caller must still get the worker's death, not an OSError."""
-    import nanovllm.engine.parallel as parallel
+    import nanovllm.distributed.supervisor as supervisor
 
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     try:
-        monkeypatch.setattr(parallel, "wait", lambda objects, timeout: time.sleep(timeout) or [])  # a blind watchdog
+        monkeypatch.setattr(supervisor, "wait", lambda objects, timeout: time.sleep(timeout) or [])  # a blind watchdog
         time.sleep(0.5)  # let it leave the real wait() it may be in
         proc = llm.model_runner.procs[0]
         os.kill(proc.pid, signal.SIGKILL)
@@ -198,7 +198,7 @@ def test_worker_dead_at_start_raises_instead_of_waiting_in_the_rendezvous(model_
 _RENDEZVOUS_SCRIPT = """
 import multiprocessing as mp, os, sys, time
 from nanovllm import LLM
-from nanovllm.engine import parallel
+from nanovllm.distributed import worker
 
 
 def joins_then_dies(config, rank, init_file, conn):
@@ -207,7 +207,7 @@ def joins_then_dies(config, rank, init_file, conn):
 
 
 if __name__ == "__main__":
-    parallel._worker_main = joins_then_dies
+    worker.worker_main = joins_then_dies
     t = time.time()
     try:
         LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
@@ -334,8 +334,8 @@ def test_ctrl_c_on_rank0_does_not_wait_for_the_watchdog(model_path, monkeypatch)
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     tp = llm.model_runner
     waits = []
-    real = tp._worker_death
-    monkeypatch.setattr(tp, "_worker_death", lambda timeout: waits.append(timeout) or real(timeout))
+    real = tp.workers.worker_death
+    monkeypatch.setattr(tp.workers, "worker_death", lambda timeout: waits.append(timeout) or real(timeout))
 
     def interrupted(step):
         raise KeyboardInterrupt
@@ -497,7 +497,7 @@ def test_killed_worker_releases_the_fused_all_reduce(model_path):
     assert "worker 1" in line and float(line.split()[2]) < 30
     assert "shut down" in out.splitlines()
     # torch 2.11 / NCCL 2.28: the abort thread that released the GPU returns only at exit, and
-    # torch then ends the process with SIGABRT (see parallel.NCCL_ABORT_WAIT_S). Any other end,
+    # torch then ends the process with SIGABRT (see distributed/tensor_parallel.py NCCL_ABORT_WAIT_S). Any other end,
     # or our timeout's SIGKILL, fails.
     assert proc.returncode in (0, -signal.SIGABRT), proc.returncode
 
@@ -509,7 +509,9 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 def worker(rank, init, seed):
     from nanovllm.kernels.fused_ops import rms_norm
-    from nanovllm.utils.dist import CopyEngineAllReduce, FusedAllReduceNorm, TPGroup
+    from nanovllm.distributed.copy_engine import CopyEngineAllReduce
+    from nanovllm.distributed.fused_all_reduce import FusedAllReduceNorm
+    from nanovllm.distributed.group import TPGroup
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

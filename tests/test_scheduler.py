@@ -1,7 +1,7 @@
 """Scheduler tests: continuous batching, chunked prefill, preemption and stop rules.
 
 A "fake model step" stands in for the model runner: call `schedule()`, produce one token id
-per scheduled sequence, call `postprocess()`. Everything runs on the CPU in a few seconds.
+per scheduled sequence, account for it as the engine does (`postprocess()` below). Everything runs on the CPU in a few seconds.
 The randomized test at the end drives thousands of small schedules and checks the block
 manager's and scheduler's invariants after every step, including a shadow copy of the KV cache.
 """
@@ -16,7 +16,8 @@ import pytest
 
 from nanovllm.engine import block_manager as bm_mod
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.scheduler import Scheduler, is_stop_token
+from nanovllm.engine.lifecycle import RequestLifecycle, is_stop_token
+from nanovllm.engine.scheduler import Scheduler
 from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
@@ -40,6 +41,22 @@ def next_token(seq: Sequence) -> int:
     return 100 + (seq.seq_id * 7 + len(seq)) % 50
 
 
+def launched(sched: Scheduler, batch, max_model_len=10**6) -> None:
+    """What the engine does once a step is launched (RequestLifecycle.launched)."""
+    RequestLifecycle(sched, None, frozenset(), max_model_len).launched(batch)
+
+
+def resolve(sched: Scheduler, batch, tokens, eos, max_model_len=10**6) -> list[Sequence]:
+    """What the engine does when a launched step's tokens arrive; the sequences that got one."""
+    return [o.seq for o in RequestLifecycle(sched, None, eos, max_model_len).accept(batch, tokens)]
+
+
+def postprocess(sched: Scheduler, batch, tokens, eos, max_model_len) -> list[Sequence]:
+    """Both at once, for a step whose tokens are already known."""
+    launched(sched, batch, max_model_len)
+    return resolve(sched, batch, tokens, eos, max_model_len)
+
+
 def step(sched: Scheduler, token_fn=next_token, eos=frozenset({EOS}), max_model_len=10**6):
     batch = sched.schedule()
     assert batch is not None, "scheduler produced no work although requests are pending"
@@ -49,7 +66,7 @@ def step(sched: Scheduler, token_fn=next_token, eos=frozenset({EOS}), max_model_
     for seq, n in zip(batch.seqs, batch.num_new_tokens):
         assert 1 <= n <= seq.num_uncomputed_tokens
         assert len(seq.block_table) * bs >= seq.num_cached_tokens + n
-    advanced = sched.postprocess(batch, [token_fn(s) for s in batch.seqs], eos, max_model_len)
+    advanced = postprocess(sched, batch, [token_fn(s) for s in batch.seqs], eos, max_model_len)
     return batch, advanced
 
 
@@ -327,16 +344,18 @@ def test_advance_then_resolve_matches_postprocess():
     a = add(sched, [1, 2, 3], max_tokens=2)
     b = add(sched, [4, 5], max_tokens=5)
     first = sched.schedule()
-    sched.advance(first, max_model_len=100)
+    launched(sched, first, max_model_len=100)
     assert a.token_ids[-1] == PENDING_TOKEN and b.token_ids[-1] == PENDING_TOKEN
     assert (a.pending_row, b.pending_row) == (0, 1) and not a.is_finished
     second = sched.schedule()                 # scheduled while the first step's tokens are unknown
     assert second.seqs == [a, b] and not second.is_prefill
-    assert sched.resolve(first, [7, EOS], frozenset({EOS})) == [a, b]
+    assert resolve(sched, first, [7, EOS], frozenset({EOS}), max_model_len=100) == [a, b]
     assert a.token_ids == [1, 2, 3, 7] and b.is_finished and b.finish_reason == "stop"
-    sched.advance(second, max_model_len=100)  # b is skipped: it stopped after this launch
-    assert a.is_finished and a.finish_reason == "length" and b.token_ids == [4, 5, EOS]
-    assert sched.resolve(second, [8, 9], frozenset({EOS})) == [a]
+    launched(sched, second, max_model_len=100)  # b is skipped: it stopped after this launch
+    # a reached max_tokens with this launch: finished for the scheduler; its reason comes with its token
+    assert a.is_finished and a.finish_reason is None and b.token_ids == [4, 5, EOS]
+    assert resolve(sched, second, [8, 9], frozenset({EOS}), max_model_len=100) == [a]
+    assert a.finish_reason == "length"
     assert a.token_ids == [1, 2, 3, 7, 8] and not sched.has_unfinished()
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
@@ -345,8 +364,9 @@ def test_finish_from_outside_frees_blocks_once():
     sched = make_sched()
     seq = add(sched, [1, 2, 3, 4, 5], max_tokens=10)
     step(sched)
-    sched.finish(seq, "abort")
-    sched.finish(seq, "abort")
+    lifecycle = RequestLifecycle(sched, None, frozenset(), 10**6)
+    lifecycle.abort(seq)
+    lifecycle.abort(seq)
     assert seq.finish_reason == "abort" and not sched.running
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 
@@ -549,11 +569,11 @@ class ShadowRun:
                            if not s.is_finished and s.num_cached_tokens + n < len(s))
         # rows computed for sequences that stopped after this step was launched (overlap only)
         self.wasted_rows += sum(s.is_finished for s in batch.seqs)
-        self.sched.advance(batch, self.max_model_len)
+        launched(self.sched, batch, self.max_model_len)
         return will_advance
 
     def resolve(self, batch, tokens, will_advance) -> None:
-        advanced = self.sched.resolve(batch, tokens, self.eos)
+        advanced = resolve(self.sched, batch, tokens, self.eos, self.max_model_len)
         assert advanced == will_advance
         for seq, tok in zip(batch.seqs, tokens):
             if seq in will_advance:

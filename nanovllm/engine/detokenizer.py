@@ -55,8 +55,30 @@ def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]
 
 
 def detokenize(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """Decode `ids` in one go, exactly as IncrementalDetokenizer would end up decoding them."""
+    """Decode `ids` in one go (clean-up off, as everywhere here)."""
     return _decoder(tokenizer, skip_special_tokens)(list(ids))
+
+
+def _prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
+    """The prompt tokens decoded in front of the output, and their text: the last few, so that
+    the output reads as a continuation (a decoder that joins words with spaces, or drops a
+    leading space at the start of a decode, treats the first output token as a later one).
+    None when the prompt ends inside a character: the output must not complete it."""
+    context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+    context_text = decode(context) if context else ""
+    if context_text.endswith(_REPLACEMENT):
+        return [], ""
+    return context, context_text
+
+
+def detokenize_continuation(tokenizer, prompt_token_ids: Sequence[int], output_ids: Sequence[int],
+                            skip_special_tokens: bool = True) -> str:
+    """The text of `output_ids` as it continues the prompt (vLLM's convention: prompt text +
+    this reads as the whole), in one decode: what IncrementalDetokenizer's text ends up as,
+    without a stop string."""
+    decode = _decoder(tokenizer, skip_special_tokens)
+    context, context_text = _prompt_context(decode, prompt_token_ids)
+    return decode(context + list(output_ids))[len(context_text):]
 
 
 class IncrementalDetokenizer:
@@ -66,11 +88,11 @@ class IncrementalDetokenizer:
     `text` only ever grows by stable text: while the newest tokens end in an incomplete
     multi-byte character (the decode ends with U+FFFD), the complete characters before it are
     appended (and searched for stop strings) and the rest is held back until a later token
-    completes it or `finish()` flushes it. Without a stop string the final `text` equals
-    `detokenize(tokenizer, output_ids)` (= `tokenizer.decode` with clean-up off), except that
-    decoders which drop a leading space at the start of a decode (SentencePiece) keep it on
-    the first output token, since the prompt's tail is decoded in front of it, as in vLLM.
-    A stop string ends the request; `text` is cut right before its earliest occurrence (the
+    completes it or `finish()` flushes it. The text continues the prompt (the prompt's tail is
+    decoded in front of the output, as in vLLM): without a stop string the final `text` equals
+    `detokenize_continuation(tokenizer, prompt_token_ids, output_ids)`, which keeps a leading
+    space that a decode of the output alone would drop (SentencePiece) or never write (a
+    decoder that joins words with spaces). A stop string ends the request; `text` is cut right before its earliest occurrence (the
     first listed wins on a tie).
     """
 
@@ -94,11 +116,7 @@ class IncrementalDetokenizer:
         # Every proper prefix of a stop string: text ending in one may yet become a match.
         self._stop_prefixes = frozenset(s[:k] for s in stop for k in range(1, len(s)))
 
-        context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
-        context_text = self._decode(context) if context else ""
-        if context_text.endswith(_REPLACEMENT):
-            # The prompt ends inside a character; the output must not complete it.
-            context, context_text = [], ""
+        context, context_text = _prompt_context(self._decode, prompt_token_ids)
         # _window holds the context tokens [:_read] and the tokens not yet turned into
         # text [_read:]; _context_text caches the decode of the former (None = stale).
         self._window: list[int] = context

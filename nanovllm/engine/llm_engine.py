@@ -7,31 +7,20 @@ import itertools
 import logging
 import os
 import random
-from dataclasses import dataclass
+import time
+from typing import Callable
 
 from nanovllm.config import Config, read_json
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.engine.interrupts import deferred_interrupts
+from nanovllm.engine.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepTiming
+from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
+from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams, is_integer
 
-logger = logging.getLogger("nanovllm")
+logger = logging.getLogger(__name__)
 
-
-@dataclass
-class StepOutput:
-    """What one step did for one request: the tokens and text it added, and whether it ended.
-
-    `text` is the newly stable text (only for requests that track text: streaming or stop
-    strings); `finish_reason` is "stop" or "length" once `finished`.
-    """
-
-    seq: Sequence
-    new_token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
+__all__ = ["LLMEngine", "StepOutput", "StepResult", "StepTiming"]
 
 
 def _as_id_list(value) -> list[int]:
@@ -45,11 +34,18 @@ class LLMEngine:
 
     `LLM` (nanovllm/llm.py) is the user-facing subclass; this class holds the engine state: the
     scheduler and block manager, the model runner (one per tensor-parallel rank), the tokenizer
-    and the per-request detokenizers.
+    and the request lifecycle (engine/lifecycle.py). One thread drives an engine.
+
+    `step_observers`: callables that get a `StepTiming` at the end of every step (bench.py's
+    timeline reads them).
     """
 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)
+        if config.tensor_parallel_size > 1:
+            from nanovllm.distributed.worker import refuse_unguarded_main
+
+            refuse_unguarded_main()
         hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -60,16 +56,16 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self.step_observers: list[Callable[[StepTiming], None]] = []
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
-        self._detok: dict[int, IncrementalDetokenizer] = {}
-        self._streamed: set[int] = set()  # requests whose text increments someone reads
-        self._in_flight = None  # (batch, PendingTokens) of the launched step not yet accounted for
+        self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
 
     def _start_model_runner(self, config: Config):
         if config.tensor_parallel_size > 1:
-            from nanovllm.engine.parallel import TensorParallelRunner
+            from nanovllm.distributed.tensor_parallel import TensorParallelRunner
 
             return TensorParallelRunner(config)
         from nanovllm.engine.model_runner import ModelRunner
@@ -120,123 +116,88 @@ class LLMEngine:
         """Queue an already validated request (see `tokenize` / `check_fits`)."""
         seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
         seq = Sequence(next(self._seq_ids), prompt_ids, params, seed)
-        self.scheduler.add(seq)
-        if (track_text or params.stop_strings) and self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop_strings)
-            if track_text:
-                self._streamed.add(seq.seq_id)
+        self.requests.add(seq, track_text)
         return seq
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request wherever it is, freeing its blocks. A finished one is left
-        alone: its last token may still be on its way (finished by max_tokens at launch)."""
-        if seq.is_finished:
-            return
-        _drop_pending_token(seq)
-        self.scheduler.finish(seq, "abort")
-        self.forget_text(seq)
+        """Drop an unfinished request wherever it is, freeing its blocks."""
+        self.requests.abort(seq)
 
     def forget_text(self, seq: Sequence) -> None:
         """Drop a request's detokenizer state (its text will not be read)."""
-        self._detok.pop(seq.seq_id, None)
-        self._streamed.discard(seq.seq_id)
+        self.requests.forget_text(seq)
+
+    def final_text(self, seq: Sequence) -> str:
+        """The finished request's output text, as it continues the prompt."""
+        return self.requests.final_text(seq)
 
     def cancel_in_flight(self) -> None:
-        """Forget the launched step without waiting for it (after its requests were aborted).
-        The device may still be running it; later steps queue behind it, so the KV blocks it
-        writes are never read before it is done."""
-        done, self._in_flight = self._in_flight, None
-        if done is not None:
-            for seq in done[0].seqs:
-                _drop_pending_token(seq)
+        """Forget the launched step without waiting for it, ending its unfinished requests. The
+        device may still be running it; later steps queue behind it, so the KV blocks it writes
+        are never read before it is done."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            step.abort(self.requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ the loop
-    def step(self) -> tuple[list[StepOutput], int, bool]:
+    def step(self) -> StepResult:
         """One engine step, overlapped with the device: schedule and launch step n+1, then wait
         for step n's tokens and account for them while the device runs n+1.
 
-        Returns step n's (outputs, tokens computed, was it a prefill step). If launching step n+1
-        or waiting for step n raises (KeyboardInterrupt, a dead tensor-parallel worker), the
-        requests of both steps end with finish_reason "abort" and the exception propagates; other
-        requests are untouched.
+        Returns step n's outputs. If launching n+1 or waiting for n raises (a dead tensor-parallel
+        worker, ...), the requests of both steps end with finish_reason "abort" and the exception
+        propagates; other requests are untouched. A Ctrl-C is raised once the step is complete.
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
-        # Step n's sequences already hold a placeholder for their next token (Scheduler.advance),
-        # so n+1 is scheduled with the right lengths; its inputs take those tokens on the device.
-        batch = self.scheduler.schedule()
-        launched = None
-        if batch is not None:
-            try:
-                launched = (batch, self.model_runner.launch(batch, self.eos_token_ids))
-            except BaseException:
-                # Part of step n+1 may be queued already, overwriting step n's tokens on the device
-                # that a later step would read: neither can be trusted.
-                done, self._in_flight = self._in_flight, None
-                self._abort_steps(done, (batch, None))
-                raise
-        elif self._in_flight is None:
-            raise RuntimeError("scheduler produced no work although requests are pending")
-        done, self._in_flight = self._in_flight, None
+        with deferred_interrupts():
+            batch = self.scheduler.schedule()
+            done, self._in_flight = self._in_flight, None
+            if batch is None and done is None:
+                raise RuntimeError("scheduler produced no work although requests are pending")
+            launched = self._launch(batch, done) if batch is not None else None
+            outputs, waited = self._resolve(done, launched) if done is not None else ([], 0.0)
+            if launched is not None:
+                # After resolving step n: a request that step n stopped is skipped in n+1 (its
+                # row was computed for nothing, one row once per request).
+                self.requests.launched(batch)
+                self._in_flight = launched
+            return self._step_result(done.batch if done is not None else batch, done is not None, outputs, waited)
+
+    def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
         try:
-            outputs = self._resolve(*done) if done is not None else []
+            return InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids))
         except BaseException:
-            # Waiting for step n failed (Ctrl-C, a dead TP worker, ...) with n+1 already launched
-            # on n's tokens: neither step can be accounted for any more, so their requests end.
-            self._abort_steps(done, launched)
+            # Part of step n+1 may be queued already, overwriting step n's tokens on the device
+            # that a later step would read: neither can be trusted.
+            self._abandon(done, InFlightStep(batch, None))
             raise
-        if launched is not None:
-            # After resolving step n: a sequence that step n stopped is skipped in n+1 (its row
-            # was computed for nothing, one row once per request).
-            self.scheduler.advance(batch, self.config.max_model_len)
-            self._in_flight = launched
-        if done is None:
-            return outputs, 0, batch.is_prefill
-        return outputs, done[0].num_tokens, done[0].is_prefill
 
-    def _abort_steps(self, *steps) -> None:
-        """End the requests of launched steps whose tokens will never be read."""
+    def _resolve(self, done: InFlightStep, launched: InFlightStep | None) -> tuple[list[StepOutput], float]:
+        try:
+            return done.resolve(self.requests)
+        except BaseException:
+            # Waiting for step n failed with n+1 already launched on n's tokens: neither step
+            # can be accounted for any more, so their requests end.
+            self._abandon(done, launched)
+            raise
+
+    def _abandon(self, *steps: InFlightStep | None) -> None:
         for step in steps:
-            if step is None:
-                continue
-            for seq in step[0].seqs:
-                if not seq.is_finished:
-                    self.abort(seq)
-                elif seq.pending_row >= 0:  # ended at launch (max_tokens); its last token never came
-                    _drop_pending_token(seq)
-                    seq.finish_reason = "abort"
+            if step is not None:
+                step.abort(self.requests)
 
-    def _resolve(self, batch, pending) -> list[StepOutput]:
-        """Step n's tokens have arrived: fill them in, apply stop rules, build the outputs."""
-        advanced = self.scheduler.resolve(batch, pending.result(), self.eos_token_ids)
-        outputs = []
-        for seq in advanced:
-            text = ""
-            detok = self._detok.get(seq.seq_id)
-            if detok is not None:
-                if detok.add([seq.token_ids[-1]]) and not seq.is_finished:
-                    self.scheduler.finish(seq, "stop")
-                if seq.seq_id in self._streamed:
-                    text = detok.pop_delta(finished=seq.is_finished)
-                if detok.stopped:
-                    seq.finish_reason = "stop"
-            outputs.append(StepOutput(seq, [seq.token_ids[-1]], text, seq.is_finished, seq.finish_reason))
-        return outputs
-
-    def final_text(self, seq: Sequence) -> str:
-        """The finished request's output text (and forget its detokenizer). A stop string that
-        only shows up once held-back text is flushed makes the finish reason "stop", as in
-        stream()."""
-        detok = self._detok.get(seq.seq_id)
-        self.forget_text(seq)
-        if detok is not None:
-            if detok.finish():  # a stop string in the text held back until now
-                seq.finish_reason = "stop"
-            return detok.text
-        return detokenize(self.tokenizer, seq.completion_token_ids) if self.tokenizer is not None else ""
+    def _step_result(self, batch: ScheduledBatch, resolved: bool, outputs: list[StepOutput],
+                     waited: float) -> StepResult:
+        num_tokens = batch.num_tokens if resolved else 0
+        if self.step_observers:
+            timing = StepTiming(batch.is_prefill, num_tokens, waited, time.perf_counter())
+            for observer in self.step_observers:
+                observer(timing)
+        return StepResult(outputs, num_tokens, batch.is_prefill)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
@@ -245,12 +206,6 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.shutdown()
-
-
-def _drop_pending_token(seq: Sequence) -> None:
-    if seq.pending_row >= 0:  # its last token is still on the device: nobody will read it
-        seq.token_ids.pop()
-        seq.pending_row = -1
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

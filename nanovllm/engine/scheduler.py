@@ -6,7 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanovllm.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -127,70 +127,37 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """End a sequence now (stop condition met, or aborted) and free its blocks."""
-        if seq.is_finished:
-            return
+    def retire(self, seq: Sequence) -> None:
+        """Take `seq` out of scheduling for good (it finished, finishes once its last token
+        arrives, or was aborted): out of its queue, KV blocks freed. Idempotent."""
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)  # preempted while its last token was still on the device
-        else:
+        elif seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
             self.block_manager.free(seq)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
+        else:
+            return
+        seq.status = SequenceStatus.DRAINING
 
     def advance(self, batch: ScheduledBatch, max_model_len: int) -> None:
         """Account for a launched step before its tokens are known (overlap scheduling).
 
-        Every sequence that will get a token from this step gets a PENDING_TOKEN placeholder, so
-        the next step can be scheduled with the right lengths while this one still runs; its
-        value arrives with `resolve`. Stops that do not depend on the token's value (max_tokens,
-        max_model_len) end the sequence here, so it is not scheduled again.
+        Every sequence that will get a token from this step gets a placeholder for it
+        (Sequence.add_pending_token), so the next step can be scheduled with the right lengths
+        while this one still runs. A sequence that reaches max_tokens or max_model_len with this
+        token is retired here, so it is not scheduled again; its finish reason is decided when
+        the token arrives (engine/lifecycle.py).
         """
-        bm = self.block_manager
-        block_size = bm.block_size
+        block_size = self.block_manager.block_size
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if seq.is_finished:
+            if seq.status != SequenceStatus.RUNNING:
                 continue  # stopped by the previous step's token, discovered after this launch
             seq.num_cached_tokens += n
             # Every token before num_cached_tokens is known here: only the last can be pending.
             if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * block_size:
-                bm.commit(seq)  # a block just became full (skipped on most decode steps)
+                self.block_manager.commit(seq)  # a block just became full (skipped on most decode steps)
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
-            seq.token_ids.append(PENDING_TOKEN)
-            seq.pending_row = i
-            p = seq.params
-            if seq.num_completion_tokens >= p.max_tokens or seq.num_tokens >= max_model_len:
-                self.finish(seq, "length")
-
-    def resolve(self, batch: ScheduledBatch, token_ids: list[int], eos_token_ids: frozenset[int]) -> list[Sequence]:
-        """Fill in the tokens of an advanced step (`token_ids[i]` was sampled for `batch.seqs[i]`)
-        and apply the token-value stops. Returns the sequences that got a token."""
-        advanced = []
-        for i, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
-            if seq.pending_row != i:
-                continue  # partial prompt chunk, or aborted
-            seq.token_ids[-1] = token_id
-            seq.pending_row = -1
-            advanced.append(seq)
-            if is_stop_token(seq, token_id, eos_token_ids):
-                if seq.is_finished:
-                    seq.finish_reason = "stop"  # both rules fired; the token's decides, as in vLLM
-                else:
-                    self.finish(seq, "stop")
-        return advanced
-
-    def postprocess(self, batch: ScheduledBatch, token_ids: list[int], eos_token_ids: frozenset[int],
-                    max_model_len: int) -> list[Sequence]:
-        """`advance` and `resolve` at once, for a step whose tokens are already known."""
-        self.advance(batch, max_model_len)
-        return self.resolve(batch, token_ids, eos_token_ids)
-
-
-def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
-    """Whether `token_id`, just appended to `seq`, ends it (stop ids / EOS after min_tokens)."""
-    p = seq.params
-    if seq.num_completion_tokens < p.min_tokens:
-        return False
-    return token_id in p.stop_ids or (not p.ignore_eos and token_id in eos_token_ids)
+            seq.add_pending_token(i)
+            if seq.reached_length(max_model_len):
+                self.retire(seq)

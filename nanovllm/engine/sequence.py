@@ -15,6 +15,9 @@ PENDING_TOKEN = -1
 class SequenceStatus(Enum):
     WAITING = auto()   # no KV blocks; in the scheduler's waiting queue
     RUNNING = auto()   # owns KV blocks; prefilling or decoding
+    # Finished as far as scheduling goes (max_tokens / max_model_len reached at launch): out of
+    # the queues, no KV blocks; its last token, and with it its finish reason, is on its way.
+    DRAINING = auto()
     FINISHED = auto()
 
 
@@ -42,6 +45,7 @@ class Sequence:
         # Row of the in-flight step whose sampled token is this sequence's last token, which is
         # PENDING_TOKEN until the engine resolves that step; -1 when every token is known.
         self.pending_row = -1
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -72,7 +76,42 @@ class Sequence:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == SequenceStatus.FINISHED
+        """No more steps run for it (its finish reason may still be on its way: DRAINING)."""
+        return self.status in (SequenceStatus.DRAINING, SequenceStatus.FINISHED)
+
+    def reached_length(self, max_model_len: int) -> bool:
+        """Whether the sequence may not grow any more: max_tokens generated, or max_model_len long."""
+        return self.num_completion_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
+
+    @property
+    def has_pending_token(self) -> bool:
+        return self.pending_row >= 0
+
+    def add_pending_token(self, row: int) -> None:
+        """The step just launched samples this sequence's next token in `row`: hold its place."""
+        if self.has_pending_token:
+            raise RuntimeError(f"{self} already waits for a token")
+        self.token_ids.append(PENDING_TOKEN)
+        self.pending_row = row
+
+    def fill_pending_token(self, token_id: int) -> None:
+        """The pending token's value has arrived."""
+        self.token_ids[-1] = token_id
+        self.pending_row = -1
+
+    def drop_pending_token(self) -> None:
+        """Forget the pending token (its step was abandoned): nobody will read it."""
+        if self.has_pending_token:
+            self.token_ids.pop()
+            self.pending_row = -1
+
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        """Mark the request ended, once: a finish reason is never overwritten."""
+        if self.status == SequenceStatus.FINISHED:
+            raise RuntimeError(f"{self} already finished ({self.finish_reason})")
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
 
     def block_tokens(self, i: int, block_size: int) -> list[int]:
         return self.token_ids[i * block_size:(i + 1) * block_size]

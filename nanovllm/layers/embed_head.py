@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.dist import current_tp_group
+from nanovllm.distributed.group import current_tp_group
 
 
 class VocabParallelEmbedding(nn.Module):

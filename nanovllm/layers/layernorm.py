@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nanovllm.utils.dist import current_tp_group
+from nanovllm.distributed.group import current_tp_group
 
 
 class RMSNorm(nn.Module):

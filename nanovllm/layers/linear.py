@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.utils.dist import current_tp_group, divide
+from nanovllm.distributed.group import current_tp_group, divide
 
 
 def _copy_checked(param_slice: torch.Tensor, loaded: torch.Tensor, what: str) -> None:

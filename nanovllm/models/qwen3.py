@@ -12,7 +12,7 @@ from nanovllm.layers.layernorm import RMSNorm
 from nanovllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from nanovllm.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.utils.context import AttentionMetadata
-from nanovllm.utils.dist import current_tp_group
+from nanovllm.distributed.group import current_tp_group
 
 
 def head_dim_of(config) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 
@@ -35,7 +36,7 @@ def load_model(model: nn.Module, path: str) -> None:
     mapping = getattr(model, "packed_modules_mapping", {})
     loaded: set[str] = set()
     for file in files:
-        with safe_open(file, framework="pt", device="cpu") as f:
+        with _open_checked(file) as f:
             for name in f.keys():
                 if tied and name == "lm_head.weight":
                     continue  # tied to the embedding, which is loaded under its own name
@@ -46,7 +47,7 @@ def load_model(model: nn.Module, path: str) -> None:
                     raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} does not "
                                      f"belong to this model")
                 loader = getattr(param, "weight_loader", None)
-                tensor = f.get_tensor(name)
+                tensor = _read_checked(f, name, file)
                 if loader is None:
                     if tuple(tensor.shape) != tuple(param.shape):
                         raise ValueError(f"{name}: checkpoint tensor has shape {tuple(tensor.shape)}, "
@@ -62,6 +63,25 @@ def load_model(model: nn.Module, path: str) -> None:
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
                          + (" ..." if len(missing) > 8 else ""))
+
+
+@contextlib.contextmanager
+def _open_checked(file: str):
+    """safe_open, with an unreadable file (truncated, not safetensors) named in the error."""
+    try:
+        handle = safe_open(file, framework="pt", device="cpu")
+    except Exception as e:  # safetensors' SafetensorError, or an OSError
+        raise ValueError(f"cannot read checkpoint file {file} ({type(e).__name__}: {e})") from None
+    with handle as f:
+        yield f
+
+
+def _read_checked(f, name: str, file: str) -> torch.Tensor:
+    try:
+        return f.get_tensor(name)
+    except Exception as e:  # data cut short after an intact header, ...
+        raise ValueError(f"cannot read tensor {name!r} from checkpoint file {file} "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def _expected_names(mapping: dict, params: dict, tied: bool) -> set[str]:

@@ -1,6 +1,6 @@
 """Sweep of the Triton paged-decode kernel's KV split count against choose_num_splits' pick.
 
-    PYTHONPATH=. python3 scripts/bench_paged_decode.py [--json out.json]
+    PYTHONPATH=. python3 benchmarks/kernels/bench_paged_decode.py [--json out.json]
 
 For batch sizes 1-256, 8 and 4 kv heads (Qwen3-8B at TP=1 and TP=2) and a few context-length
 ranges, times every split count (CUDA graph of 20 calls) and prints the best one next to the
@@ -15,7 +15,7 @@ import json
 import torch
 
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from timing import cuda_graph_us, random_paged_batch  # scripts/timing.py
+from timing import cuda_graph_us, random_paged_batch  # benchmarks/kernels/timing.py (this folder)
 
 BLOCK, HEAD_DIM, GROUP = 256, 128, 4
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)

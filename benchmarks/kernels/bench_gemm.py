@@ -1,6 +1,6 @@
 """cuBLAS on the decode GEMMs of Qwen3-8B at TP=1 and TP=2, against split-K done in plain PyTorch.
 
-    PYTHONPATH=. python3 scripts/bench_gemm.py [--blas]
+    PYTHONPATH=. python3 benchmarks/kernels/bench_gemm.py [--blas]
 
 For each weight shape (qkv, o, gate_up, down; per rank) and batch size M, times F.linear and a
 split-K variant (x and W cut into S slices along K, one batched GEMM writing S partial outputs,
@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from timing import cuda_graph_us, qwen3_8b_gemms  # scripts/timing.py
+from timing import cuda_graph_us, qwen3_8b_gemms  # benchmarks/kernels/timing.py (this folder)
 
 BATCHES = (1, 16, 64, 96, 128, 192, 256)
 

@@ -1,7 +1,7 @@
 """Microbenchmark of the fused all-reduce + residual + RMSNorm kernel against NCCL + RMSNorm,
 on every GPU of the machine (one process per GPU), per row count.
 
-    PYTHONPATH=. python3 scripts/bench_all_reduce.py [--hidden 4096] [--rows 1 64 128 256 512]
+    PYTHONPATH=. python3 benchmarks/kernels/bench_all_reduce.py [--hidden 4096] [--rows 1 64 128 256 512]
 
 Each measurement replays a CUDA graph of 36 calls (what a decode step of a 36-layer model
 does between two GEMMs, without the GEMMs) and reports microseconds per call on rank 0.
@@ -17,13 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from timing import cuda_graph_us  # scripts/timing.py
+from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 
 
 
 def _worker(rank: int, world: int, init_file: str, args) -> None:
     from nanovllm.kernels.fused_ops import rms_norm
-    from nanovllm.utils.dist import FusedAllReduceNorm
+    from nanovllm.distributed.fused_all_reduce import FusedAllReduceNorm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -5,13 +5,13 @@ symmetric-memory kernel instead of NCCL + norm, and the copy-engine variant: eac
 are copied into the peer's receive buffer by cudaMemcpyAsync on a side stream (a copy engine,
 no SMs, so it can run beside cuBLAS), followed by a flag word written with cuStreamWriteValue32;
 the norm waits for the peer's last flag and adds the received rows (CopyEngineAllReduce in
-nanovllm/utils/dist.py, what the engine uses for 8k-16k rows at TP=2).
+nanovllm/distributed/copy_engine.py, what the engine uses for 8k-16k rows at TP=2).
 
 Measured on 2xH200 (BENCHMARKS.md): the chunks do not overlap on the default stream, nor with
 torch._C._set_sm_carveout_experimental (which cuBLAS's nvjet kernels ignore); the
 high-priority variant has not run yet.
 
-    PYTHONPATH=.:scripts python3 scripts/bench_prefill_all_reduce.py
+    PYTHONPATH=. python3 benchmarks/kernels/bench_prefill_all_reduce.py
 
 Qwen3-8B at TP=2: o_proj (K=2048) and down_proj (K=6144) into hidden 4096, bf16; eager (prefill
 does not run from CUDA graphs); milliseconds per call on rank 0, CUDA events over 10 calls.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from timing import HIDDEN, row_parallel_gemms  # scripts/timing.py
+from timing import HIDDEN, row_parallel_gemms  # benchmarks/kernels/timing.py (this folder)
 
 ROWS = (4096, 8192, 16384)
 
@@ -47,7 +47,8 @@ def _ms(fn, reps: int = 10) -> float:
 
 def _worker(rank: int, world: int, init_file: str) -> None:
     from nanovllm.kernels.fused_ops import rms_norm
-    from nanovllm.utils.dist import CopyEngineAllReduce, FusedAllReduceNorm
+    from nanovllm.distributed.copy_engine import CopyEngineAllReduce
+    from nanovllm.distributed.fused_all_reduce import FusedAllReduceNorm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -1,7 +1,7 @@
 """The Triton paged-decode kernel on rows in random order against rows sorted longest context
 first (the scheduler's decode order), at choose_num_splits' split count.
 
-    PYTHONPATH=.:scripts python3 scripts/bench_decode_order.py
+    PYTHONPATH=. python3 benchmarks/kernels/bench_decode_order.py
 
 Batch sizes 32-256, 4 and 8 kv heads (Qwen3-8B at TP=2 and TP=1), three context-length
 ranges; block size 256, head_dim 128, 4 query heads per kv head, bf16. Microseconds per call
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
-from timing import cuda_graph_us, random_paged_batch  # scripts/timing.py
+from timing import cuda_graph_us, random_paged_batch  # benchmarks/kernels/timing.py (this folder)
 
 BLOCK, HEAD_DIM, GROUP, WIDTH = 256, 128, 4, 16
 
