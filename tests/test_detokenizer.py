@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize
+from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize, detokenize_continuation
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small vocabulary: common words merge into single tokens while most CJK characters and all
@@ -339,3 +339,36 @@ def test_stop_and_delta_invariants(tok, data):
     # Matching as text arrives never lets a complete stop string into the output.
     assert not any(s in det.text for s in stops)
     assert all("\ufffd" not in d for d in deltas)
+
+
+def word_tokenizer(decoder) -> PreTrainedTokenizerFast:
+    """Words w0..w99 (whitespace-split), decoded with `decoder`: WordPiece joins with spaces,
+    Metaspace (SentencePiece) drops the space at the start of a decode."""
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(100)}, **{f"\u2581w{i}": i + 101 for i in range(100)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t.decoder = decoder
+    return PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]", clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "metaspace", "bytelevel"])
+def test_continuation_equals_the_incremental_text_and_continues_the_prompt(tok, kind):
+    """generate() (one decode) and stream() (incremental) must give the same text, and that text
+    continues the prompt (vLLM's convention): decode(prompt + output) == decode(prompt) + text.
+    A decode of the output alone differs for these decoders (no leading space)."""
+    rng = random.Random(7)
+    if kind == "bytelevel":
+        t = tok
+        prompt, out = t.encode("Hello world"), t.encode(" the quick brown fox")
+    else:
+        t = word_tokenizer(decoders.WordPiece() if kind == "wordpiece" else decoders.Metaspace())
+        base = 1 if kind == "wordpiece" else 101
+        prompt = [base + rng.randrange(100) for _ in range(4)]
+        out = [base + rng.randrange(100) for _ in range(7)]
+    det = IncrementalDetokenizer(t, prompt)
+    streamed = "".join(det.pop_delta(finished=False) for _ in [det.add([i]) for i in out]) + det.pop_delta(True)
+    text = detokenize_continuation(t, prompt, out)
+    assert streamed == det.text == text
+    assert detokenize(t, prompt + out) == detokenize(t, prompt) + text
+    if kind != "bytelevel":
+        assert text.startswith(" ") and not detokenize(t, out).startswith(" ")

@@ -787,6 +787,44 @@ def test_stream_equals_generate(llm, tok, refs):
     assert not llm.requests._detok, "detokenizer state left behind after streaming"
 
 
+@pytest.fixture(scope="module")
+def wordpiece_llm(tmp_path_factory):
+    """A tiny model with a word-level tokenizer (w0 w1 ...) whose WordPiece decoder joins tokens
+    with spaces: a decode of the output alone has no leading space, the continuation does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    import tiny_model as tm
+
+    folder = tmp_path_factory.mktemp("wordpiece")
+    tm.make_tiny_qwen3(folder, with_tokenizer=False)
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(tm.TOKENIZER_VOCAB_SIZE - 1)}}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    t.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    t.decoder = decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=t, unk_token="[UNK]").save_pretrained(str(folder))
+    engine = make_llm(str(folder))
+    yield engine
+    engine.shutdown()
+
+
+def test_text_is_the_same_by_every_path_and_continues_the_prompt(wordpiece_llm):
+    """generate(), generate() with a stop string and the concatenated stream() increments give
+    one text: the output as it continues the prompt, leading space included (vLLM's convention).
+    Before: generate() gave 'w161 w66 ...' and the other two ' w161 w66 ...'."""
+    llm = wordpiece_llm
+    prompt = "w5 w6 w7"
+    plain = llm.generate([prompt], greedy(6), use_tqdm=False)[0]
+    with_stop = llm.generate([prompt], greedy(6, stop=["no such words"]), use_tqdm=False)[0]
+    streamed = "".join(inc.text for inc in llm.stream([prompt], greedy(6)))
+    assert plain["token_ids"] == with_stop["token_ids"]
+    assert plain["text"] == with_stop["text"] == streamed
+    assert plain["text"].startswith(" ")
+    ids = plain["prompt_token_ids"] + plain["token_ids"]
+    assert llm.tokenizer.decode(ids) == llm.tokenizer.decode(plain["prompt_token_ids"]) + plain["text"]
+    assert_idle(llm)
+
+
 def test_stream_single_prompt_and_default_params(llm, refs):
     prompt = "Hello, world!"
     incs = list(llm.stream(prompt, greedy(12)))

@@ -217,6 +217,25 @@ def test_wrong_shape_is_named(gqa, tmp_path, name, shape):
         load_model(new_model(folder), folder)
 
 
+@pytest.mark.parametrize("keep", [5, 200, -1000])
+def test_truncated_safetensors_file_is_named(gqa, tmp_path, keep):
+    """A download cut short: the header too small, cut inside the header, or cut in the data.
+    Before: safetensors' "Error while deserializing header: incomplete metadata..." without the
+    file's name. Now a ValueError names the file, and LLM() raises it before any work."""
+    folder = copy_checkpoint(gqa, tmp_path / "truncated")
+    file = os.path.join(folder, "model.safetensors")
+    with open(file, "rb") as f:
+        data = f.read()
+    with open(file, "wb") as f:
+        f.write(data[:keep])
+    with pytest.raises(ValueError, match=re.escape(file)):
+        load_model(new_model(folder), folder)
+    from nanovllm import LLM
+
+    with pytest.raises(ValueError, match="model.safetensors"):
+        LLM(folder, kvcache_block_size=16, num_kvcache_blocks=8)
+
+
 def test_no_safetensors_files(gqa, tmp_path):
     folder = copy_checkpoint(gqa, tmp_path / "none")
     tensors = checkpoint_tensors(folder)

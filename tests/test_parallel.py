@@ -348,6 +348,69 @@ def test_ctrl_c_on_rank0_does_not_wait_for_the_watchdog(model_path, monkeypatch)
     assert no_children()
 
 
+@pytest.mark.parametrize("where", ["execute", "send"])
+def test_ctrl_c_during_a_tp_step_leaves_the_engine_usable(model_path, monkeypatch, where):
+    """A real Ctrl-C (SIGINT) while rank 0 is inside a tensor-parallel step, in the middle of
+    its collectives or while it sends the step to the workers. Before: it arrived late and every
+    later call raised WorkerDied "rank 0 failed during a step (KeyboardInterrupt)" although no
+    worker died. Now it is raised once the step is complete on every rank, the requests of the
+    call are aborted, and the next call gives the same tokens."""
+    with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as llm:
+        ref = tokens(llm.generate(prompts(), GREEDY, use_tqdm=False))
+        target = llm.model_runner.runner if where == "execute" else llm.model_runner.workers
+        name = "execute" if where == "execute" else "send_all"
+        real, calls = getattr(target, name), [0]
+
+        def interrupted(*args):
+            calls[0] += 1
+            if calls[0] == 3:
+                signal.raise_signal(signal.SIGINT)
+            return real(*args)
+
+        monkeypatch.setattr(target, name, interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts(), GREEDY, use_tqdm=False)
+        monkeypatch.undo()
+        assert not llm.scheduler.has_unfinished() and not llm.has_unfinished()
+        assert llm.block_manager.num_free_blocks == llm.block_manager.num_blocks
+        assert tokens(llm.generate(prompts(), GREEDY, use_tqdm=False)) == ref
+    assert no_children()
+
+
+_UNGUARDED_SCRIPT = """
+import sys
+from nanovllm import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], tensor_parallel_size=2, kvcache_block_size=16)
+print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]["token_ids"])
+llm.shutdown()
+"""
+
+
+def test_script_without_a_main_guard_gets_an_error_naming_it(model_path, tmp_path):
+    """A script that creates a TP engine at module level, without `if __name__ == "__main__":`:
+    the spawned worker re-runs the script. Before: an unexplained "exit code 1". Now the error
+    names the missing guard."""
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = tmp_path / "unguarded.py"
+    script.write_text(_UNGUARDED_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), model_path], capture_output=True, text=True,
+                          cwd=str(tmp_path), env=env, timeout=120)
+    assert proc.returncode != 0
+    assert "WorkerDied" in proc.stderr and 'if __name__ == "__main__":' in proc.stderr, proc.stderr[-3000:]
+    # ... and guarded, the same script runs.
+    guarded = "import sys\nfrom nanovllm import LLM, SamplingParams\n\nif __name__ == '__main__':\n" + "".join(
+        "    " + line + "\n" for line in _UNGUARDED_SCRIPT.strip().splitlines()[3:])
+    script.write_text(guarded)
+    proc = subprocess.run([sys.executable, str(script), model_path], capture_output=True, text=True,
+                          cwd=str(tmp_path), env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().startswith("["), proc.stdout
+
+
 def test_invalid_sizes_fail_before_any_process_starts(model_path):
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide"):
         LLM(model_path, tensor_parallel_size=3)
