@@ -12,7 +12,7 @@ import torch
 
 from nanovllm.sampling_params import is_integer, is_real
 
-logger = logging.getLogger("nanovllm")
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
@@ -42,11 +42,9 @@ def resolve_model_path(model: str) -> str:
 
 
 # The BLAS library the decode graphs' GEMMs are captured with. cuBLASLt's heuristics pick faster
-# kernels than cuBLAS's for most of Qwen3-8B's decode GEMMs on an H200 (cold-L2 sweep, M = 8-256,
-# scripts/bench_gemm.py --blas: -5.6% GEMM time on TP=2's halved shapes, -1.9% at TP=1; e.g.
-# TP=2's gate_up at M = 192 takes 32.0 us instead of 45.2). A graph keeps the kernels it was
-# captured with, so the process-wide setting is switched for the capture only. Override with
-# NANOVLLM_DECODE_BLAS=cublas to compare.
+# kernels than cuBLAS's for most decode GEMM shapes (benchmarks/kernels/bench_gemm.py --blas;
+# figures in BENCHMARKS.md). A graph keeps the kernels it was captured with, so the process-wide
+# setting is switched for the capture only. Override with NANOVLLM_DECODE_BLAS=cublas to compare.
 DECODE_BLAS_LIBRARIES = ("cublas", "cublaslt")
 
 

@@ -16,14 +16,14 @@ logger = logging.getLogger(__name__)
 class CopyEngineAllReduce:
     """The all-reduce of prefill-sized partial sums at TP=2, hidden behind the GEMM making them.
 
-    NCCL takes ~0.45 ms for a 16k-row all-reduce (128 MiB) and cannot run beside cuBLAS: its
-    kernel needs SMs the GEMM holds (BENCHMARKS.md). Copy engines need no SMs. So the row-parallel
+    NCCL's all-reduce of a prefill step's rows cannot run beside cuBLAS: its kernel needs SMs the
+    GEMM holds. Copy engines need no SMs. So the row-parallel
     GEMM runs in row chunks, and as each chunk finishes a side stream copies it into the peer's
-    receive buffer (cudaMemcpyAsync over NVLink, ~385 GB/s on H200) and then writes the number of
+    receive buffer (cudaMemcpyAsync over NVLink) and then writes the number of
     chunks sent so far into the peer's counter (cuStreamWriteValue32, ordered after the copy). The
     norm after the layer waits on the device for the peer's count and adds the received rows in
-    its residual + RMSNorm kernel, so only the last chunk's copy is left exposed. On 2xH200 it
-    took TP=2's prefill phase of the bench from 1.85 s to 1.70-1.77 s (BENCHMARKS.md).
+    its residual + RMSNorm kernel, so only the last chunk's copy is left exposed (what it saves:
+    BENCHMARKS.md, TP=2).
 
     Two ranks only: with N ranks each would copy its rows N - 1 times, where NCCL's ring moves
     2(N - 1)/N of them. Rows: MIN_ROWS .. max_rows (below, NCCL is as fast: no gain at 4k rows).

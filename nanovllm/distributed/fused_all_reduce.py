@@ -50,7 +50,7 @@ class FusedAllReduceNorm:
     prefill chunks) in one kernel per rank, through symmetric memory over NVLink (the kernel and
     its protocol: kernels/all_reduce.py).
 
-    Replaces, twice per decoder layer, an NCCL all-reduce (~15-25 us at a few hundred rows:
+    Replaces, twice per decoder layer, an NCCL all-reduce (at a few hundred rows its cost is
     ring/proxy latency, not bandwidth) and the norm kernel after it. Its device-side waits
     poll an abort word in pinned host memory (read in place by the GPU through unified
     addressing), which `abort_device_waits` sets when a peer dies: the TP watchdog on rank 0,

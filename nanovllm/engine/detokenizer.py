@@ -21,7 +21,7 @@ _PROMPT_CONTEXT = 5
 def _fast_backend(tokenizer) -> tokenizers.Tokenizer | None:
     """The Rust tokenizer behind `tokenizer`, if calling it directly decodes identically.
 
-    transformers' decode wraps the Rust call in ~10 us of Python, which would dominate the
+    transformers' decode wraps the Rust call in a layer of Python that would dominate the
     per-token cost; only take the shortcut when the class does not customise decoding.
     """
     if isinstance(tokenizer, tokenizers.Tokenizer):

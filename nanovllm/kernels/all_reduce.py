@@ -2,7 +2,7 @@
 
 Row-parallel layers (o_proj, down_proj) leave every rank with a partial sum of each output row,
 and the decoder layer then adds the residual and normalises. At decode sizes (a few hundred
-rows) NCCL's all-reduce costs ~15-25 us of latency, twice per layer, plus a norm kernel. Here
+rows) NCCL's all-reduce is latency-bound, twice per layer, plus a norm kernel (BENCHMARKS.md). Here
 one kernel per rank does it all: each program copies its rows of this rank's partial sums into
 a staging buffer that every rank can address (torch symmetric memory, peer-mapped over NVLink),
 meets the program with the same index on every other rank at a flag barrier, then sums those

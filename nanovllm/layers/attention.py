@@ -23,7 +23,7 @@ from torch import nn
 
 from nanovllm.utils.context import AttentionMetadata
 
-logger = logging.getLogger("nanovllm")
+logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- helpers
