@@ -16,15 +16,17 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
+TOKENIZER_MODES = ("auto", "slow")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
-def resolve_model_path(model: str) -> str:
-    """A local checkpoint folder, or a Hugging Face Hub id downloaded when the machine is online."""
+def resolve_model_path(model: str, revision: str | None = None, what: str = "model") -> str:
+    """A local checkpoint folder, or a Hugging Face Hub id downloaded (at `revision`, a branch,
+    tag or commit) when the machine is online."""
     if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"model must be a path or a Hub id, got {type(model).__name__}")
+        raise TypeError(f"{what} must be a path or a Hub id, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
     if os.path.isdir(model):
         return model
@@ -33,12 +35,13 @@ def resolve_model_path(model: str) -> str:
         try:
             from huggingface_hub import snapshot_download
 
-            return snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+            return snapshot_download(model, revision=revision,
+                                     allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
         except Exception as e:  # offline, unknown repo, no huggingface_hub...
             raise FileNotFoundError(
-                f"model folder {model!r} does not exist and could not be fetched from the Hugging Face Hub "
-                f"({type(e).__name__}: {e}). Pass the path of a local checkpoint folder.") from None
-    raise FileNotFoundError(f"model folder {model!r} does not exist")
+                f"{what} folder {model!r} does not exist and could not be fetched from the Hugging Face Hub "
+                f"({type(e).__name__}: {e}). Pass the path of a local folder.") from None
+    raise FileNotFoundError(f"{what} folder {model!r} does not exist")
 
 
 # The BLAS library the decode graphs' GEMMs are captured with. cuBLASLt's heuristics pick faster
@@ -96,6 +99,14 @@ class Config:
     skip_tokenizer_init: bool = False
     attention_backend: str | None = None
     custom_all_reduce: bool = True
+    # vLLM's options of the same names: another tokenizer folder (or Hub id); "auto" | "slow";
+    # passed to transformers when loading the tokenizer; the Hub revision of model and tokenizer;
+    # the most logprobs a request may ask for (-1: the whole vocabulary).
+    tokenizer: str | None = None
+    tokenizer_mode: str = "auto"
+    trust_remote_code: bool = False
+    revision: str | None = None
+    max_logprobs: int = 20
     hf_config: object = field(init=False, repr=False, default=None)
     # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
     # workers get this copy, whatever their environment).
@@ -119,8 +130,10 @@ class Config:
                 ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1"),
                 ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer")):
             setattr(self, name, _field_is(name, getattr(self, name), kind, what))
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce",
+                     "trust_remote_code"):
             _field_is(name, getattr(self, name), bool, "True or False")
+        self._check_tokenizer_options()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
         if self.max_num_seqs < 1:
@@ -151,7 +164,9 @@ class Config:
 
             if not flash_attn_available():
                 raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
-        self.model = resolve_model_path(self.model)
+        self.model = resolve_model_path(self.model, self.revision)
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
+            self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
         # A context longer than the model's positions would silently extrapolate RoPE.
@@ -167,6 +182,17 @@ class Config:
                              f"its {num_kv_heads} key/value heads and its intermediate size {self.hf_config.intermediate_size}")
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+
+    def _check_tokenizer_options(self) -> None:
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: must be one of {TOKENIZER_MODES}")
+        for name in ("tokenizer", "revision"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise ValueError(f"{name}={value!r}: must be None or a string")
+        self.max_logprobs = _field_is("max_logprobs", self.max_logprobs, int, "-1 or an integer >= 0")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs={self.max_logprobs}: must be -1 (no limit) or >= 0")
 
     @staticmethod
     def _resolve_device(device) -> str:

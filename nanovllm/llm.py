@@ -5,42 +5,36 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from dataclasses import dataclass
 from typing import Iterator
 
+from nanovllm.engine.detokenizer import decode_tokens
 from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
+__all__ = ["LLM", "StreamOutput"]
 
-@dataclass
-class StreamOutput:
-    """One increment of one request while it is generated (`LLM.stream`).
-
-    index: position of the request in the prompts given; token_ids / text: what this step added
-    (text is empty until it is stable: an incomplete UTF-8 character or a possible stop string
-    is held back); finished / finish_reason: set on the request's last increment.
-    """
-
-    index: int
-    token_ids: list[int]
-    text: str
-    finished: bool
-    finish_reason: str | None
+# Keys of vLLM's prompt dicts (TextPrompt / TokensPrompt) for inputs nano-vllm has no use for.
+_UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
+                                      "cache_salt", "token_type_ids", "prompt_embeds"})
 
 
 class LLM(LLMEngine):
     """An offline engine for one model. See README for every keyword argument.
 
     >>> llm = LLM("/path/to/Qwen3-0.6B")
-    >>> llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
-    [{'text': ..., 'token_ids': [...], 'finish_reason': 'length', ...}]
+    >>> out = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))[0]
+    >>> out.outputs[0].text == out["text"]   # vLLM's RequestOutput, also nano-vllm's dict
+    True
     """
 
     def __init__(self, model: str, **kwargs):
         # Taken by generate / stream / chat, so that a second caller (another thread, or an open
         # stream() iterator) gets a clear error instead of sharing the engine's steps.
         self._busy = threading.Lock()
+        self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         super().__init__(model, **kwargs)
 
     def __enter__(self):
@@ -51,16 +45,17 @@ class LLM(LLMEngine):
 
     # ------------------------------------------------------------------ inputs
     def _normalize(self, prompts, sampling_params):
-        """Validate every prompt and parameter before any work starts; returns (ids, params) pairs."""
-        if isinstance(prompts, str):
+        """Validate every prompt and parameter before any work starts; returns (ids, params,
+        prompt text) triples, params being the engine's validated copies."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, (list, tuple)) and prompts and all(is_integer(t) for t in prompts):
             prompts = [list(prompts)]  # one prompt given as token ids
         if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of str or a list of token-id lists, "
-                            f"got {type(prompts).__name__}")
+            raise TypeError(f"prompts must be a str, a list of str, a list of token-id lists or "
+                            f"{{'prompt': ...}} / {{'prompt_token_ids': ...}} dicts, got {type(prompts).__name__}")
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         elif isinstance(sampling_params, (list, tuple)):
@@ -73,47 +68,78 @@ class LLM(LLMEngine):
         else:
             raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
                             f"got {type(sampling_params).__name__}")
-        requests = []
+        requests, prepared = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
-                ids = self.tokenize(prompt)
-                self.check_fits(len(ids), p)
-            except (ValueError, TypeError) as e:
+                ids, text = self._prompt(prompt)
+                if id(p) not in prepared:
+                    prepared[id(p)] = self.prepare_params(p)
+                snap = prepared[id(p)]
+                self.check_fits(len(ids), snap)
+            except (ValueError, TypeError, NotImplementedError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
-            requests.append((ids, p))
+            requests.append((ids, snap, text))
         return requests
 
+    def _prompt(self, prompt) -> tuple[list[int], str | None]:
+        """(token ids, text or None) of one prompt: text, token ids, or vLLM's prompt dicts
+        {"prompt": text} (TextPrompt) / {"prompt_token_ids": ids} (TokensPrompt)."""
+        if not isinstance(prompt, dict):
+            return self.tokenize(prompt), prompt if isinstance(prompt, str) else None
+        unsupported = sorted(_UNSUPPORTED_PROMPT_KEYS & prompt.keys())
+        if unsupported:
+            raise NotImplementedError(f"prompt keys {unsupported} are not supported by nano-vllm (text models only)")
+        unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids"})
+        if unknown:
+            raise TypeError(f"unknown prompt keys {unknown}: a prompt dict has 'prompt' (text) or "
+                            f"'prompt_token_ids' (token ids)")
+        text = prompt.get("prompt")
+        if text is not None and not isinstance(text, str):
+            raise TypeError(f"'prompt' must be a str, got {type(text).__name__}")
+        if "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
+                raise TypeError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+            return self.tokenize(list(ids)), text
+        if text is None:
+            raise TypeError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids)")
+        return self.tokenize(text), text
+
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[dict]:
-        """Generate for every prompt; one dict per prompt, in input order:
-        {"text", "token_ids", "finish_reason", "prompt_token_ids"}."""
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
+        fields; also a dict: out["text"], out["token_ids"], out["finish_reason"] read the first
+        completion). Without sampling_params, the model's generation defaults apply
+        (get_default_sampling_params)."""
         requests = self._normalize(prompts, sampling_params)
         seqs = []
         with self._exclusive():
             try:
                 self._add_all(requests, seqs)
-                self._run_to_completion(len(seqs), use_tqdm)
+                self._run_to_completion(sum(len(s.samples) for s in seqs), use_tqdm)
             except BaseException:
                 self._release(seqs)
                 raise
-        return [self._result(seq) for seq in seqs]
+        return [self._request_output(seq) for seq in seqs]
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
         one, never between queuing a request and recording it (which would leak it)."""
         with deferred_interrupts():
-            for ids, p in requests:
-                seqs.append(self.add_request(ids, p, track_text=track_text))
+            for ids, p, text in requests:
+                seqs.append(self.add_request(ids, p, track_text=track_text, prompt=text))
 
     def _release(self, seqs) -> None:
         """A generate / stream ended early: abort its unfinished requests, the launched step and
         every request's text state (nobody will read it). A second Ctrl-C waits until this is done."""
         with deferred_interrupts():
             for seq in seqs:
-                self.abort(seq)
+                for sample in seq.samples:
+                    self.abort(sample)
             self.cancel_in_flight()
             for seq in seqs:
-                self.forget_text(seq)
+                for sample in seq.samples:
+                    self.forget_text(sample)
 
     @contextlib.contextmanager
     def _exclusive(self):
@@ -128,9 +154,43 @@ class LLM(LLMEngine):
         finally:
             self._busy.release()
 
-    def _result(self, seq) -> dict:
-        return {"text": self.final_text(seq), "token_ids": seq.completion_token_ids,
-                "finish_reason": seq.finish_reason, "prompt_token_ids": seq.prompt_token_ids}
+    # ------------------------------------------------------------------ outputs
+    def _request_output(self, seq: Sequence) -> RequestOutput:
+        completions = [CompletionOutput(s.sample_index, self.final_text(s), s.completion_token_ids,
+                                        *self._logprobs(s, s.logprobs, s.completion_token_ids),
+                                        s.finish_reason, s.stop_reason)
+                       for s in seq.samples]
+        return RequestOutput(seq.request_id, seq.prompt_text, seq.prompt_token_ids, self._prompt_logprobs(seq),
+                             completions, all(s.finish_reason is not None for s in seq.samples),
+                             seq.num_cached_prompt_tokens or 0)
+
+    def _logprobs(self, seq: Sequence, entries, tokens) -> tuple[float | None, list | None]:
+        """(cumulative_logprob, logprobs) of a completion in vLLM's form, or (None, None)."""
+        if seq.logprobs is None:
+            return None, None
+        return seq.cumulative_logprob, [self._logprob_dict(e, t, seq.params) for e, t in zip(entries, tokens)]
+
+    def _prompt_logprobs(self, seq: Sequence):
+        if seq.prompt_logprobs is None:
+            return None
+        tokens = seq.prompt_token_ids[1:]
+        return [None] + [self._logprob_dict(e, t, seq.params) for e, t in zip(seq.prompt_logprobs, tokens)]
+
+    def _logprob_dict(self, entry: tuple, token: int, params: SamplingParams) -> dict[int, Logprob]:
+        """{token id: Logprob} of one position: the chosen (sampled or prompt) token first,
+        then the top ones (vLLM's layout: a chosen token among the top ones appears once)."""
+        logprob, rank, top_ids, top_lps = entry
+        texts = self._texts([token, *top_ids]) if params.detokenize and self.tokenizer is not None else None
+        out = {token: Logprob(logprob, rank, texts and texts[0])}
+        for j, (t, v) in enumerate(zip(top_ids, top_lps)):
+            out[t] = Logprob(v, j + 1, texts and texts[j + 1])
+        return out
+
+    def _texts(self, ids: list[int]) -> list[str]:
+        missing = [t for t in ids if t not in self._token_texts]
+        if missing:
+            self._token_texts.update(zip(missing, decode_tokens(self.tokenizer, missing)))
+        return [self._token_texts[t] for t in ids]
 
     def _run_to_completion(self, total: int, use_tqdm: bool) -> None:
         bar = None
@@ -154,9 +214,11 @@ class LLM(LLMEngine):
             bar.close()
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
-        """Yield per-request increments as the engine produces them.
+        """Yield per-completion increments as the engine produces them (StreamOutput: vLLM's
+        streamed RequestOutput in delta form, plus nano-vllm's `index`, `text`, `token_ids`,
+        `finish_reason`).
 
-        Concatenating a request's `text` increments gives exactly the `text` that `generate`
+        Concatenating a completion's `text` increments gives exactly the `text` that `generate`
         returns; stop strings are never shown partially. Bad input raises here, at the call;
         the requests start when iteration starts, and closing the iterator early aborts them.
         """
@@ -168,21 +230,35 @@ class LLM(LLMEngine):
         with self._exclusive():
             try:
                 self._add_all(requests, seqs, track_text=True)
-                index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+                where = {s.seq_id: (i, seq) for i, seq in enumerate(seqs) for s in seq.samples}
+                first = set()  # requests whose first increment (with the prompt logprobs) went out
                 # Not "until every request is finished": a request can finish (max_tokens) while
                 # its last token is still on the device (overlap scheduling).
                 while self.has_unfinished():
                     outputs, _, _ = self.step()
-                    for o in outputs:
+                    # A request is finished on its last increment only (with n > 1 several of
+                    # its samples may end in one step).
+                    last = {where[o.seq.seq_id][0]: j for j, o in enumerate(outputs)}
+                    for j, o in enumerate(outputs):
+                        i, seq = where[o.seq.seq_id]
                         if o.finished:
                             self.final_text(o.seq)  # forget its detokenizer
-                        yield StreamOutput(index[o.seq.seq_id], o.new_token_ids, o.text, o.finished,
-                                           o.finish_reason)
+                        cumulative, logprobs = self._logprobs(o.seq, o.logprobs or (), o.new_token_ids)
+                        completion = CompletionOutput(o.seq.sample_index, o.text, o.new_token_ids, cumulative,
+                                                      logprobs, o.finish_reason, o.seq.stop_reason)
+                        prompt_logprobs = None
+                        if i not in first:
+                            first.add(i)
+                            prompt_logprobs = self._prompt_logprobs(seq)
+                        done = last[i] == j and all(s.status == SequenceStatus.FINISHED for s in seq.samples)
+                        yield StreamOutput(i, seq.request_id, seq.prompt_text, seq.prompt_token_ids,
+                                           prompt_logprobs, completion, done, seq.num_cached_prompt_tokens or 0)
             finally:
                 # Every finished increment handed out has already forgotten its text state.
                 self._release(seqs)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, **chat_template_kwargs) -> list[dict]:
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+             **chat_template_kwargs) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of
         conversations, through the tokenizer's chat template. Extra keyword arguments go to the
         template (e.g. Qwen3's `enable_thinking=False`); one the template never reads is an

@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
+import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import xxhash
 
 
 def is_integer(x) -> bool:
@@ -16,7 +22,39 @@ def is_real(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-@dataclass(frozen=True)
+# vLLM SamplingParams fields that nano-vllm does not implement, with the value that asks for
+# nothing (accepted and dropped). Any other value is a NotImplementedError naming the field: a
+# script that relies on one must not run silently without it.
+NOT_IMPLEMENTED = {
+    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
+    "logits_processors": None, "structured_outputs": None, "guided_decoding": None,
+    "truncate_prompt_tokens": None, "output_kind": None, "extra_args": None, "stream_interval": None,
+    "logprob_token_ids": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
+    "flat_logprobs": False, "thinking_token_budget": None, "repetition_detection": None,
+    "skip_reading_prefix_cache": None, "trace_decode_token_ids": None, "skip_clone": False,
+}
+
+
+def _refuse_not_implemented(name: str, value) -> None:
+    off = NOT_IMPLEMENTED[name]
+    if value is off or (is_real(off) and is_real(value) and value == off):
+        return
+    raise NotImplementedError(f"SamplingParams.{name}={value!r}: vLLM's {name} is not implemented by nano-vllm "
+                              f"(leave it at {off!r})")
+
+
+def derive_sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with `n > 1` and seed `seed`: sample 0 uses the
+    seed itself (so it equals the same request with n=1), sample i > 0 a 63-bit hash of (seed, i),
+    so no two (seed, i) pairs share a random stream (as seed + i would)."""
+    if index == 0:
+        return seed
+    h = xxhash.xxh64((seed % (1 << 64)).to_bytes(8, "little"))
+    h.update(index.to_bytes(8, "little"))
+    return h.intdigest() >> 1
+
+
+@dataclass
 class SamplingParams:
     """How one request is sampled and when it stops.
 
@@ -28,13 +66,39 @@ class SamplingParams:
     min_tokens: EOS and `stop_token_ids` are suppressed until this many tokens exist.
     ignore_eos: keep generating after EOS (benchmarks).
     stop: strings that end generation when they appear in the output text; the stop string
-        itself is left out of the returned text.
+        itself is left out of the returned text (unless include_stop_str_in_output).
     stop_token_ids: extra token ids that end generation (kept in `token_ids`).
     seed: per-request seed: the same request gives the same tokens whatever else is batched
         with it. Without it, the engine's seed makes whole runs reproducible.
+    n: completions of the prompt. The prompt is prefilled once and its KV blocks are shared
+        by the n samples; with a seed, sample i draws from the stream of
+        derive_sample_seed(seed, i) (sample 0 from the seed itself).
+    presence_penalty: subtracted from the logit of every token the output already holds
+        ([-2, 2], 0 = off). frequency_penalty: subtracted once per occurrence in the output
+        ([-2, 2], 0 = off). repetition_penalty: tokens of the prompt or output get their
+        logit divided by it when positive, multiplied when not (> 0, 1 = off). As in vLLM,
+        applied to the raw logits (after logit_bias) before temperature and the filters.
+    logit_bias: {token id: bias} added to those logits. allowed_token_ids: only these tokens
+        may be sampled. bad_words: words never generated (each, with and without a leading
+        space, is tokenized; its last token is banned whenever the output ends with the rest).
+    logprobs: per generated token, the log-probabilities of the `logprobs` most likely tokens
+        plus the sampled one (None = off, 0 = the sampled token only, -1 = the whole
+        vocabulary). prompt_logprobs: the same for every prompt token after the first. Both
+        are taken from the model's raw output, log_softmax of the logits before penalties,
+        bias, temperature or top-k/top-p/min-p (vLLM V1's default): they do not describe the
+        adjusted distribution tokens were sampled from. A request with prompt_logprobs does
+        not read the prefix cache (cached positions have no logits), as in vLLM.
+    include_stop_str_in_output: keep the stop string at the end of `text`.
+    skip_special_tokens: leave special tokens out of `text`. spaces_between_special_tokens:
+        passed to slow (Python) tokenizers' decode; fast tokenizers have no such option (as
+        in vLLM). detokenize: False leaves `text` empty (no stop strings then).
 
-    Instances are immutable (use dataclasses.replace to derive a variant). Stop strings are
-    matched from the first generated token on, also before min_tokens is reached.
+    Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
+    validated at construction and again when a request is added, and the engine keeps its own
+    validated copy (`snapshot()`), so changing a SamplingParams never affects requests already
+    added. Stop strings are matched from the first generated token on, also before min_tokens is
+    reached. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
+    (NOT_IMPLEMENTED) are a NotImplementedError.
     """
 
     temperature: float = 1.0
@@ -47,13 +111,45 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
-    # Normalised forms of `stop` / `stop_token_ids`, filled in by __post_init__.
-    stop_strings: tuple[str, ...] = field(init=False, repr=False, default=())
-    stop_ids: frozenset[int] = field(init=False, repr=False, default=frozenset())
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    detokenize: bool = True
 
     def __post_init__(self):
+        self._validate()
+
+    def __setattr__(self, name, value):
+        if self.__dict__.get("_frozen"):
+            raise dataclasses.FrozenInstanceError(
+                f"cannot set {name!r}: this is the engine's validated copy of a request's SamplingParams "
+                "(set the field on the SamplingParams you pass instead)")
+        if name in _FIELDS:
+            object.__setattr__(self, name, value)
+            object.__setattr__(self, "_checked", False)
+        elif name in NOT_IMPLEMENTED:
+            _refuse_not_implemented(name, value)
+        else:
+            raise AttributeError(f"SamplingParams has no field {name!r}")
+
+    # ---------------------------------------------------------------- validation
+    def _validate(self) -> None:
+        """Check every field (ValueError naming it), store numbers as Python's own, and derive
+        the normalised forms the engine reads."""
         def bad(name, why):
             raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        def put(name, value):
+            object.__setattr__(self, name, value)
 
         is_int, is_num = is_integer, is_real
         if not is_num(self.temperature) or not (self.temperature >= 0.0) or self.temperature == float("inf"):
@@ -72,10 +168,26 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
-        if not isinstance(self.ignore_eos, bool):
-            bad("ignore_eos", "must be a bool")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
+                     "spaces_between_special_tokens", "detokenize"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a bool")
         if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer or None")
+        if not is_int(self.n) or self.n < 1:
+            bad("n", "must be an integer >= 1")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not is_num(v) or not (-2.0 <= v <= 2.0):
+                bad(name, "must be a number in [-2, 2] (0 = off)")
+        if not is_num(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
+            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is True:  # vLLM takes True as 1
+                put(name, 1)
+            elif v is not None and (not is_int(v) or v < -1):
+                bad(name, "must be None (off), an integer >= 0, or -1 (the whole vocabulary)")
 
         stop = self.stop
         if stop is None:
@@ -88,21 +200,141 @@ class SamplingParams:
             bad("stop", "must be a string, a list of strings or None")
         if any(s == "" for s in stops):
             bad("stop", "stop strings must not be empty")
+        if stops and not self.detokenize:
+            bad("stop", "stop strings need detokenize=True")
         ids = self.stop_token_ids
         if ids is None:
             ids = []
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers or None")
-        # Frozen: validated once, so nobody can make a checked instance invalid afterwards.
+        bias = self.logit_bias
+        if bias is not None:
+            if not isinstance(bias, dict):
+                bad("logit_bias", "must be a dict {token id: bias} or None")
+            norm = {}
+            for k, v in bias.items():
+                if isinstance(k, str) and k.strip().lstrip("-").isdigit():
+                    k = int(k)  # OpenAI-style JSON keys
+                if not is_int(k) or k < 0:
+                    bad("logit_bias", f"key {k!r} is not a token id (a non-negative integer)")
+                if not is_num(v) or not math.isfinite(v):
+                    bad("logit_bias", f"bias {v!r} of token {k} must be a finite number")
+                norm[int(k)] = float(v)
+            bias = norm
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, (list, tuple, set, frozenset)) or not allowed \
+                    or not all(is_int(t) and t >= 0 for t in allowed):
+                bad("allowed_token_ids", "must be None or a non-empty list of non-negative integers")
+            allowed = tuple(sorted({int(t) for t in allowed}))
+        words = self.bad_words
+        if words is None:
+            words = ()
+        elif isinstance(words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in words):
+            words = tuple(dict.fromkeys(words))
+        else:
+            bad("bad_words", "must be None or a list of non-empty strings")
+
         # Numbers are stored as Python's own (numpy's would reach the sampler's tensors).
         for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
-                           ("max_tokens", int), ("min_tokens", int)):
-            object.__setattr__(self, name, kind(getattr(self, name)))
-        if self.seed is not None:
-            object.__setattr__(self, "seed", int(self.seed))
-        object.__setattr__(self, "stop_strings", stops)
-        object.__setattr__(self, "stop_ids", frozenset(int(t) for t in ids))
+                           ("max_tokens", int), ("min_tokens", int), ("n", int), ("presence_penalty", float),
+                           ("frequency_penalty", float), ("repetition_penalty", float)):
+            put(name, kind(getattr(self, name)))
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                put(name, int(getattr(self, name)))
+        put("_stop_strings", stops)
+        put("_stop_ids", frozenset(int(t) for t in ids))
+        put("_logit_bias", bias)
+        put("_allowed", allowed)
+        put("_bad_words", words)
+        put("_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0)
+        put("_processes_logits", self._uses_penalties or bias is not None or allowed is not None or bool(words))
+        put("_checked", True)
 
+    def _normalised(self, name: str):
+        if not self.__dict__.get("_checked"):
+            self._validate()  # a field was set since the last check
+        return self.__dict__[name]
+
+    def snapshot(self) -> "SamplingParams":
+        """A validated, immutable copy for the engine to keep (ValueError if a field set after
+        construction is invalid). The engine reads only this copy while a request runs."""
+        if self.__dict__.get("_frozen"):
+            return self
+        snap = copy.copy(self)
+        snap._validate()
+        object.__setattr__(snap, "_frozen", True)
+        return snap
+
+    def clone(self) -> "SamplingParams":
+        """A mutable, independent copy (vLLM's name)."""
+        fields = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return SamplingParams(**fields)
+
+    # ---------------------------------------------------------------- what the engine reads
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as a tuple of strings."""
+        return self._normalised("_stop_strings")
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        """`stop_token_ids` as a frozenset of ints."""
+        return self._normalised("_stop_ids")
+
+    @property
+    def bias(self) -> dict[int, float] | None:
+        """`logit_bias` with int keys and float values, or None."""
+        return self._normalised("_logit_bias")
+
+    @property
+    def allowed_ids(self) -> tuple[int, ...] | None:
+        """`allowed_token_ids`, sorted and without repeats, or None."""
+        return self._normalised("_allowed")
+
+    @property
+    def bad_word_strings(self) -> tuple[str, ...]:
+        """`bad_words` without repeats."""
+        return self._normalised("_bad_words")
+
+    @property
+    def uses_penalties(self) -> bool:
+        """presence, frequency or repetition penalty set."""
+        return self._normalised("_uses_penalties")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits are changed before temperature and the filters (penalties,
+        logit_bias, allowed_token_ids, bad_words): the sampler then needs this row's whole
+        vocabulary, and the row's own device state for penalties."""
+        return self._normalised("_processes_logits")
+
+    @property
+    def bad_word_ids(self) -> tuple[tuple[int, ...], ...]:
+        """`bad_words` as token sequences, set by the engine (it has the tokenizer) on its copy."""
+        return self.__dict__.get("_bad_word_ids", ())
+
+    def _set_bad_word_ids(self, ids: tuple[tuple[int, ...], ...]) -> None:
+        object.__setattr__(self, "_bad_word_ids", ids)
+
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs):
+    # vLLM fields nano-vllm lacks: their "off" value is dropped, any other is refused by name
+    # (the dataclass's own __init__ would call them unknown).
+    for name in NOT_IMPLEMENTED.keys() & kwargs.keys():
+        _refuse_not_implemented(name, kwargs.pop(name))
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init

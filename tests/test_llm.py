@@ -284,7 +284,10 @@ BAD_REQUESTS = {
     "sampling_params_list_of_wrong_type": (lambda V: ([[1]], [None]), TypeError, r"SamplingParams|sampling_params"),
     "prompt_int": (lambda V: (42, _sp(max_tokens=2)), TypeError, r"(?i)prompt"),
     "prompt_none": (lambda V: (None, _sp(max_tokens=2)), TypeError, r"(?i)prompt"),
-    "prompt_dict": (lambda V: ({"prompt": "hi"}, _sp(max_tokens=2)), TypeError, r"(?i)prompt"),
+    # vLLM's {"prompt": ...} / {"prompt_token_ids": ...} dicts are prompts (the outputs issue);
+    # a dict with neither is not.
+    "prompt_dict": (lambda V: ({"text": "hi"}, _sp(max_tokens=2)), TypeError, r"(?i)prompt"),
+    "prompt_dict_without_text_or_ids": (lambda V: ([{}], _sp(max_tokens=2)), TypeError, r"(?i)prompt"),
     "prompt_bytes": (lambda V: ([b"hello"], _sp(max_tokens=2)), TypeError, r"(?i)prompt"),
     "float_token_ids": (lambda V: ([[1.0, 2.0]], _sp(max_tokens=2)), TypeError, r"(?i)prompt|token"),
     "bool_token_ids": (lambda V: ([[True, False]], _sp(max_tokens=2)), TypeError, r"(?i)prompt|token"),

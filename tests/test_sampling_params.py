@@ -382,16 +382,31 @@ def test_int_fields_range(field, value):
             SamplingParams(**kw)
 
 
-def test_validated_params_cannot_be_changed_afterwards():
+def test_fields_can_be_set_afterwards_and_are_validated_again():
+    """As in vLLM, fields can be set after construction (the issue that replaced the frozen
+    dataclass); a bad value is caught when the engine takes its validated copy (snapshot),
+    which is immutable, and normalised forms follow the new values."""
     import dataclasses
 
     p = SamplingParams(temperature=0.5, stop=["x"])
+    p.max_tokens = 8
+    p.stop = "y"
+    assert p.max_tokens == 8 and p.stop_strings == ("y",)
+    snap = p.snapshot()
+    assert snap.max_tokens == 8 and snap.stop_strings == ("y",)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        p.temperature = -1.0
-    q = dataclasses.replace(p, max_tokens=7)
+        snap.temperature = 0.7
+    p.max_tokens = 9  # the engine's copy does not change with the caller's object
+    assert snap.max_tokens == 8
+    p.temperature = -1.0
+    with pytest.raises(ValueError, match="temperature"):
+        p.snapshot()
+    with pytest.raises(AttributeError, match="no field"):
+        p.temprature = 0.5  # a typo is not a silent new attribute
+    q = dataclasses.replace(SamplingParams(temperature=0.5, stop=["x"]), max_tokens=7)
     assert q.max_tokens == 7 and q.stop_strings == ("x",)
     with pytest.raises(ValueError, match="temperature"):
-        dataclasses.replace(p, temperature=-1.0)
+        dataclasses.replace(q, temperature=-1.0)
 
 
 def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():

@@ -115,21 +115,27 @@ class TensorParallelRunner:
             raise RuntimeError("this LLM has been shut down")
 
     def launch(self, batch, eos_token_ids=frozenset()):
-        """ModelRunner.launch across all ranks. Rows with plain temperature (or greedy)
-        sampling are sampled on every rank from per-shard candidates; else rank 0 gathers the
-        logits and samples alone."""
+        """ModelRunner.launch across all ranks. Who samples is decided by
+        RowSampling.for_every_rank (engine/sampling.py, the one place): rows with plain
+        temperature (or greedy) sampling are sampled on every rank from per-shard candidates;
+        else rank 0 gathers the logits and samples alone."""
         from nanovllm.engine.sampling import RowSampling
         from nanovllm.engine.step_inputs import StepInput
 
         step = StepInput.from_batch(batch)
         step.sync_prev = not self._tokens_on_every_rank
+        rows = batch.rows
         if self.sample_on_every_rank:
-            step.sampling = RowSampling.for_every_rank(batch.seqs, eos_token_ids)
+            step.sampling = RowSampling.for_every_rank(rows, eos_token_ids, bool(step.prompt_rows))
         self._tokens_on_every_rank = step.sampling is not None
         out = self._all_ranks("execute", step)
         if step.sampling is not None:
-            return self.runner.sampler.publish(len(batch.seqs), self._raise_if_failed)
-        return self.runner.sampler.sample(out, batch.seqs, eos_token_ids, self._raise_if_failed)
+            return self.runner.sampler.publish(len(rows), self._raise_if_failed)
+        return self.runner.sampler.sample(out, rows, eos_token_ids, self._raise_if_failed, step=step)
+
+    def release(self, seq) -> None:
+        """A request ended: drop its sampling state (only rank 0 samples with any)."""
+        self.runner.release(seq)
 
     def _raise_if_failed(self) -> None:
         """WorkerDied (after shutting down) once a worker died: called while rank 0 waits for

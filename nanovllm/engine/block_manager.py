@@ -91,8 +91,8 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of `seq`, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
+            return []  # (prompt logprobs need the logits of every prompt position: recomputed)
         bs = self.block_size
         # The last prompt token must be computed to get logits, so a prompt made entirely of
         # cached blocks gives up its last hit.
@@ -115,9 +115,18 @@ class BlockManager:
         return hits
 
     def _blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
-        """Free blocks that allocating `seq` with these prefix hits takes (revived hits count)."""
+        """Free blocks that allocating `seq` with these prefix hits takes (revived hits count,
+        and so do the blocks held for its forks, see fork_reserve)."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.blocks_for(len(seq)) - len(hits) + revived
+        return self.blocks_for(len(seq)) - len(hits) + revived + self.fork_reserve(seq)
+
+    def fork_reserve(self, seq: Sequence) -> int:
+        """Blocks held for the forks of `seq` (n > 1): each fork shares the full prompt blocks
+        and gets its own copy of a partly filled last block, taken at allocation so that the
+        fork can never wait for a free block."""
+        if not seq.pending_forks or len(seq) % self.block_size == 0:
+            return 0
+        return sum(1 for s in seq.pending_forks if not s.is_finished)
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self._blocks_needed(seq, self._cached_prefix(seq)) <= self.num_free_blocks
@@ -145,10 +154,50 @@ class BlockManager:
                 del self.free_blocks[block_id]
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        seq.reserved_blocks = [self._take_free() for _ in range(self.fork_reserve(seq))]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_committed_blocks = len(hits)
+        if seq.num_cached_prompt_tokens is None:
+            seq.num_cached_prompt_tokens = seq.num_cached_tokens
         self.num_prefix_hit_tokens += seq.num_cached_tokens
         self.num_prefix_query_tokens += len(seq)
+
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give `child` the KV blocks of `parent`'s prompt (n > 1), which `parent` has scheduled
+        to finish prefilling in this step: the full blocks are shared (ref count + 1); a partly
+        filled last block would be written by both, so the child gets one of the blocks held
+        for it and the caller must copy (src, dst) once the step has computed the block (copy
+        on write). Returns that pair, or None when the prompt fills its last block."""
+        full = len(parent) // self.block_size
+        shared = parent.block_table[:full]
+        for block_id in shared:
+            self.blocks[block_id].ref_count += 1
+        child.block_table = list(shared)
+        if len(parent.block_table) == full:
+            return None
+        if not parent.reserved_blocks:
+            raise RuntimeError(f"internal error: no block held for a fork of {parent}")
+        dst = parent.reserved_blocks.pop()
+        child.block_table.append(dst)
+        return parent.block_table[full], dst
+
+    def release_reserved(self, seq: Sequence) -> None:
+        """Give back the blocks held for forks that will not happen (aborted samples)."""
+        while seq.reserved_blocks:
+            block = self.blocks[seq.reserved_blocks.pop()]
+            block.ref_count = 0
+            block.forget()
+            self.free_blocks[block.block_id] = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while
+        a request holds blocks."""
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        self.hash_to_block.clear()
+        for block in self.blocks:
+            block.forget()
+        return True
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references. Blocks keep their content for later prefix hits."""
@@ -164,6 +213,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_cached_tokens = 0
         seq.num_committed_blocks = 0
+        self.release_reserved(seq)
 
     def can_append(self, seq: Sequence) -> bool:
         """True when the sequence has, or can get, a slot for its newest token."""

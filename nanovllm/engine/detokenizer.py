@@ -43,20 +43,30 @@ def _fast_backend(tokenizer) -> tokenizers.Tokenizer | None:
     return None
 
 
-def _decoder(tokenizer, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+def _decoder(tokenizer, skip_special_tokens: bool,
+             spaces_between_special_tokens: bool = True) -> Callable[[list[int]], str]:
     backend = _fast_backend(tokenizer)
     if backend is not None:
+        # Fast (Rust) tokenizers have no spaces_between_special_tokens option (nor does vLLM's
+        # detokenizer for them): their decoder decides.
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     # The clean-up heuristic ("a ." -> "a.") depends on neighbouring tokens, so it cannot be
     # applied piecewise; it is off everywhere so that incremental and full decodes agree.
+    extra = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
     return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False, **extra
     )
 
 
 def detokenize(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     """Decode `ids` in one go (clean-up off, as everywhere here)."""
     return _decoder(tokenizer, skip_special_tokens)(list(ids))
+
+
+def decode_tokens(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token's own text (decoded alone, special tokens kept): Logprob.decoded_token."""
+    decode = _decoder(tokenizer, skip_special_tokens=False)
+    return [decode([t]) for t in ids]
 
 
 def _prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
@@ -72,11 +82,11 @@ def _prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequen
 
 
 def detokenize_continuation(tokenizer, prompt_token_ids: Sequence[int], output_ids: Sequence[int],
-                            skip_special_tokens: bool = True) -> str:
+                            skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
     """The text of `output_ids` as it continues the prompt (vLLM's convention: prompt text +
     this reads as the whole), in one decode: what IncrementalDetokenizer's text ends up as,
     without a stop string."""
-    decode = _decoder(tokenizer, skip_special_tokens)
+    decode = _decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
     context, context_text = _prompt_context(decode, prompt_token_ids)
     return decode(context + list(output_ids))[len(context_text):]
 
@@ -92,8 +102,9 @@ class IncrementalDetokenizer:
     decoded in front of the output, as in vLLM): without a stop string the final `text` equals
     `detokenize_continuation(tokenizer, prompt_token_ids, output_ids)`, which keeps a leading
     space that a decode of the output alone would drop (SentencePiece) or never write (a
-    decoder that joins words with spaces). A stop string ends the request; `text` is cut right before its earliest occurrence (the
-    first listed wins on a tie).
+    decoder that joins words with spaces). A stop string ends the request; `text` is cut right
+    before its earliest occurrence (the first listed wins on a tie), or right after it with
+    `include_stop`.
     """
 
     def __init__(
@@ -102,6 +113,8 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         stop: tuple[str, ...] = (),
         skip_special_tokens: bool = True,
+        include_stop: bool = False,
+        spaces_between_special_tokens: bool = True,
     ):
         if isinstance(stop, str):
             stop = (stop,)
@@ -109,7 +122,8 @@ class IncrementalDetokenizer:
         if not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop strings must be non-empty strings, got {stop!r}")
         self.stop = stop
-        self._decode = _decoder(tokenizer, skip_special_tokens)
+        self.include_stop = include_stop
+        self._decode = _decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
         # Characters of earlier text a new match can reach back into; also the most text
         # pop_delta may have to hold back.
         self._reach = max((len(s) for s in stop), default=1) - 1
@@ -247,7 +261,7 @@ class IncrementalDetokenizer:
         if best is None:
             self._tail = region[-self._reach :] if self._reach else ""
             return False
-        cut = region_start + best[0]
+        cut = region_start + best[0] + (len(best[1]) if self.include_stop else 0)
         self._pieces[:] = [self.text[:cut]]
         self._len = cut
         self._stop_string = best[1]

@@ -23,7 +23,8 @@ class StepOutput:
     """What one step did for one request: the tokens and text it added, and whether it ended.
 
     `text` is the newly stable text (only for requests that track text: streaming or stop
-    strings); `finish_reason` is "stop" or "length" once `finished`.
+    strings); `finish_reason` is "stop" or "length" once `finished`. `logprobs`: the new
+    tokens' raw logprob entries (Sequence.logprobs) when the request asked for them.
     """
 
     seq: Sequence
@@ -31,6 +32,7 @@ class StepOutput:
     text: str
     finished: bool
     finish_reason: str | None
+    logprobs: list[tuple] | None = None
 
 
 class StepResult(NamedTuple):
@@ -100,7 +102,7 @@ class InFlightStep:
         t = time.perf_counter()
         token_ids = self.tokens.result()
         waited = time.perf_counter() - t
-        return requests.accept(self.batch, token_ids), waited
+        return requests.accept(self.batch, token_ids, self.tokens.logprobs()), waited
 
     def abort(self, requests: "RequestLifecycle") -> None:
         """Its tokens will never be read: end its unfinished requests."""
@@ -112,46 +114,70 @@ class RequestLifecycle:
     (detokenizer, stop strings), accounting for a launched step and for its tokens, the finish
     decision, aborts and the final text."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int):
+    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
+                 release=None):
         self.scheduler = scheduler
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        # release(seq): the request ended; drop its per-request sampler state (penalty counts).
+        self.release = release
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._streamed: set[int] = set()  # requests whose text increments someone reads
 
     def add(self, seq: Sequence, track_text: bool = False) -> None:
-        """Queue a validated request; `track_text`: its text increments will be read (stream)."""
+        """Queue a validated request (with n > 1: its sample 0, whose `samples` are all of them);
+        `track_text`: its text increments will be read (stream)."""
         self.scheduler.add(seq)
-        if (track_text or seq.params.stop_strings) and self.tokenizer is not None:
-            self._detok[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                             seq.params.stop_strings)
-            if track_text:
-                self._streamed.add(seq.seq_id)
+        p = seq.params
+        if (track_text or p.stop_strings) and self.tokenizer is not None and p.detokenize:
+            for sample in seq.samples:
+                self._detok[sample.seq_id] = IncrementalDetokenizer(
+                    self.tokenizer, sample.prompt_token_ids, p.stop_strings, p.skip_special_tokens,
+                    include_stop=p.include_stop_str_in_output,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens)
+                if track_text:
+                    self._streamed.add(sample.seq_id)
 
     def launched(self, batch: ScheduledBatch) -> None:
         """A step was launched: hold its tokens' places, retire requests that reached their length."""
         self.scheduler.advance(batch, self.max_model_len)
 
-    def accept(self, batch: ScheduledBatch, token_ids: list[int]) -> list[StepOutput]:
-        """A launched step's tokens have arrived (`token_ids[i]` for `batch.seqs[i]`): fill them
-        in, decide finishes, build the outputs."""
+    def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
+        """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
+        in, decide finishes, build the outputs. `logprobs` (StepLogprobs, engine/sampling.py):
+        the step's logprob entries for the rows and prompts that asked for them."""
         outputs = []
-        for i, (seq, token_id) in enumerate(zip(batch.seqs, token_ids)):
+        sample_lps = None
+        if logprobs is not None:
+            sample_lps = logprobs.sample
+            for row, entries in logprobs.prompt:
+                seq = batch.seqs[row]
+                if seq.prompt_logprobs is not None and not seq.is_finished:
+                    seq.prompt_logprobs.extend(entries)
+        for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
             if seq.pending_row != i:
                 continue  # partial prompt chunk, or aborted
             seq.fill_pending_token(token_id)
+            entry = None
+            if seq.logprobs is not None:
+                entry = sample_lps[i]
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[0]
             detok = self._detok.get(seq.seq_id)
             finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
             if finish is not None:
                 self.end(seq, *finish)
             text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
-            outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason))
+            outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason,
+                                      None if entry is None else [entry]))
         return outputs
 
     def end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.retire(seq)
         seq.finish(reason, stop_reason)
+        if self.release is not None and seq.params.processes_logits:
+            self.release(seq)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request wherever it is, freeing its blocks. One that has ended, or
@@ -162,7 +188,7 @@ class RequestLifecycle:
     def abandon(self, batch: ScheduledBatch) -> None:
         """End the requests of a launched step whose tokens will never be read (also those that
         ended at launch: their last token never comes)."""
-        for seq in batch.seqs:
+        for seq in batch.rows:
             if seq.status != SequenceStatus.FINISHED:
                 self._end_now(seq, "abort")
 
@@ -170,6 +196,9 @@ class RequestLifecycle:
         seq.drop_pending_token()
         self.end(seq, reason)
         self.forget_text(seq)
+        for child in seq.pending_forks:  # samples that were never forked end with it
+            if child.status != SequenceStatus.FINISHED:
+                self._end_now(child, reason)
 
     def forget_text(self, seq: Sequence) -> None:
         """Drop a request's detokenizer state (its text will not be read)."""
@@ -183,6 +212,8 @@ class RequestLifecycle:
         self.forget_text(seq)
         if detok is not None:
             return detok.text
-        if self.tokenizer is None:
+        if self.tokenizer is None or not seq.params.detokenize:
             return ""
-        return detokenize_continuation(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids)
+        p = seq.params
+        return detokenize_continuation(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids,
+                                       p.skip_special_tokens, p.spaces_between_special_tokens)

@@ -16,7 +16,7 @@ from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.engine.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepTiming
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling_params import SamplingParams, is_integer
+from nanovllm.sampling_params import SamplingParams, derive_sample_seed, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -49,17 +49,21 @@ class LLMEngine:
         hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(config.model)
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                                            config.trust_remote_code, config.revision)
         self.eos_token_ids = frozenset(find_eos_token_ids(config.model, hf, self.tokenizer))
+        self.generation_defaults = read_generation_defaults(config.model)
         self.vocab_size = hf.vocab_size
         self.model_runner = self._start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len)
+        self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len,
+                                         release=self.model_runner.release)
         self.step_observers: list[Callable[[StepTiming], None]] = []
         self._rng = random.Random(config.seed)
         self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
 
@@ -92,6 +96,71 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty where the file sets them), as in vLLM: what a
+        request without SamplingParams uses."""
+        return SamplingParams(**self.generation_defaults)
+
+    def get_tokenizer(self):
+        """The tokenizer (None with skip_tokenizer_init=True)."""
+        return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False (and nothing forgotten) while requests run."""
+        return self.block_manager.reset_prefix_cache()
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after
+        the checks that need the model: token ids inside the vocabulary, logprobs within
+        max_logprobs, a tokenizer for stop strings and bad words (tokenized here), n within
+        max_num_seqs. ValueError naming the field otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        p = params.snapshot()
+        vocab = self.vocab_size
+
+        def outside(ids):
+            return sorted(t for t in ids if t >= vocab)
+
+        for name, ids in (("stop_token_ids", p.stop_ids), ("logit_bias", p.bias or ()),
+                          ("allowed_token_ids", p.allowed_ids or ())):
+            if outside(ids):
+                raise ValueError(f"{name}: token ids {outside(ids)} are outside the vocabulary [0, {vocab})")
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and cap != -1 and (k == -1 or k > cap):
+                raise ValueError(f"SamplingParams.{name}={k}: more than max_logprobs={cap} "
+                                 f"(an LLM option; -1 allows the whole vocabulary)")
+        if p.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
+        if p.n > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={p.n}: more than max_num_seqs={self.config.max_num_seqs} "
+                             "samples can never run together")
+        if p.bad_word_strings:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")
+            p._set_bad_word_ids(self._bad_word_ids(p.bad_word_strings))
+        return p
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, alone and after a space (vLLM's rule: the spaced form
+        counts when it is as many tokens and starts with another token)."""
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"SamplingParams.bad_words: {word!r} gives no tokens")
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(tuple(plain))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(tuple(spaced))
+        bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(f"SamplingParams.bad_words: token ids {bad} are outside the vocabulary")
+        return tuple(out)
+
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject a request that could never be served, before any work starts."""
         cfg = self.config
@@ -107,15 +176,38 @@ class LLMEngine:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
         # The last generated token's K/V is never written, hence total - 1.
-        blocks = self.block_manager.blocks_for(total - 1)
-        if blocks > self.block_manager.num_blocks:
+        bm = self.block_manager
+        blocks = bm.blocks_for(total - 1)
+        if blocks > bm.num_blocks:
             raise ValueError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks, but the whole cache "
-                             f"has {self.block_manager.num_blocks}")
+                             f"has {bm.num_blocks}")
+        # n > 1: the prompt's blocks plus a copy of its partly filled last block per extra sample.
+        first = bm.blocks_for(num_prompt_tokens) + (params.n - 1) * (num_prompt_tokens % bm.block_size != 0)
+        if first > bm.num_blocks:
+            raise ValueError(f"n={params.n} samples of a {num_prompt_tokens}-token prompt need {first} KV blocks "
+                             f"to start, but the whole cache has {bm.num_blocks}")
 
-    def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False) -> Sequence:
-        """Queue an already validated request (see `tokenize` / `check_fits`)."""
-        seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-        seq = Sequence(next(self._seq_ids), prompt_ids, params, seed)
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
+                    prompt: str | None = None) -> Sequence:
+        """Queue a validated request (see `tokenize` / `check_fits`); its Sequence, which for
+        n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any."""
+        params = params if getattr(params, "_frozen", False) else self.prepare_params(params)
+        request_id = str(next(self._request_ids))
+        samples = []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = derive_sample_seed(params.seed, i)
+            else:
+                seed = self._rng.getrandbits(63)
+            samples.append(Sequence(next(self._seq_ids), prompt_ids, params, seed, sample_index=i))
+        seq = samples[0]
+        for s in samples:
+            s.request_id, s.prompt_text = request_id, prompt
+        if len(samples) > 1:
+            seq.samples, seq.pending_forks = samples, samples[1:]
+            for child in samples[1:]:
+                child.samples = samples
+                child.prompt_logprobs = None  # the request's prompt logprobs are sample 0's
         self.requests.add(seq, track_text)
         return seq
 
@@ -211,8 +303,10 @@ class LLMEngine:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 
-def load_tokenizer(path: str):
-    """The checkpoint's tokenizer, or a ValueError that says how to run without one."""
+def load_tokenizer(path: str, mode: str = "auto", trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer in `path` (LLM's `tokenizer` option, else the checkpoint folder), or a
+    ValueError that says how to run without one. mode "slow" asks transformers for the Python
+    tokenizer (use_fast=False), as vLLM's tokenizer_mode does."""
     from transformers import AutoTokenizer
 
     # transformers 5 returns an empty tokenizer for a folder without tokenizer files instead of
@@ -221,10 +315,30 @@ def load_tokenizer(path: str):
         raise ValueError(f"no tokenizer files in {path!r} (expected one of {', '.join(TOKENIZER_FILES)}); "
                          f"pass skip_tokenizer_init=True to run on token ids only")
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, use_fast=mode != "slow", trust_remote_code=trust_remote_code,
+                                             revision=revision)
     except Exception as e:
         raise ValueError(f"could not load a tokenizer from {path!r} ({type(e).__name__}: {e}); "
                          f"pass skip_tokenizer_init=True to run on token ids only") from None
+
+
+# generation_config.json keys that become the default SamplingParams, as vLLM reads them.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_defaults(path: str) -> dict:
+    """The sampling defaults that the checkpoint's generation_config.json sets (vLLM's
+    generation_config="auto"), checked: a bad value is a ValueError naming the file."""
+    gen_file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_file):
+        return {}
+    data = read_json(gen_file)
+    defaults = {k: data[k] for k in GENERATION_DEFAULT_FIELDS if data.get(k) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{gen_file}: {e}") from None
+    return defaults
 
 
 def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:

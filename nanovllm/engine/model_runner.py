@@ -29,7 +29,7 @@ from nanovllm.engine.step_inputs import StepInput, StepInputs
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.models.qwen3 import Qwen3ForCausalLM
 from nanovllm.sampling_params import is_integer
-from nanovllm.utils.context import prefill_metadata
+from nanovllm.utils.context import host_to_device, prefill_metadata
 from nanovllm.utils.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
@@ -105,21 +105,24 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> PendingTokens:
         """Queue one step and its sampling on the device; the tokens arrive via the result."""
-        logits = self.execute(StepInput.from_batch(batch))
-        return self.sampler.sample(logits, batch.seqs, eos_token_ids)
+        step = StepInput.from_batch(batch)
+        logits = self.execute(step)
+        return self.sampler.sample(logits, batch.rows, eos_token_ids, step=step)
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
         """The model part of a step, which every tensor-parallel rank runs: logits of each
-        sequence's last new token (rank 0) or None (other ranks); with `step.sampling`, the
-        sampled tokens instead (every rank, also left in the sampler's device buffer)."""
+        sampling row (each sequence's last new token, then the samples forked in this step) and
+        of the prompt-logprob positions (rank 0), or None (other ranks); with `step.sampling`,
+        the sampled tokens instead (every rank, also left in the sampler's device buffer)."""
         if step.src_rows is not None and self.world_size > 1 and step.sync_prev:
             self.sampler.share_previous()
         if step.is_prefill:
             if step.src_rows is not None:
                 raise RuntimeError("internal error: a prefill step got a token that is still on the device")
             ids, pos, meta, last = self.inputs.prefill(step)
-            hidden = self.model(ids, pos, meta)[last]
+            every = self.model(ids, pos, meta)
+            hidden = every[last]
         else:
             n = len(step.token_ids)
             graph_bs = self.graphs.batch_size_for(n) if self.graphs is not None else None
@@ -127,9 +130,37 @@ class ModelRunner:
                 hidden = self.model(*self.inputs.decode(step, n, self.sampler.input_tokens))
             else:
                 hidden = self.graphs.replay(step, graph_bs)
+        if step.fork_rows or step.prompt_rows:
+            hidden = self._extra_rows(hidden, step, every if step.prompt_rows else None)
+        if step.block_copies:
+            self._copy_blocks(step.block_copies)  # after the forward wrote the source blocks
         if step.sampling is not None:
             return self.sampler.sample_shards(self.model, hidden, step.sampling)
         return self.model.compute_logits(hidden)
+
+    def _extra_rows(self, hidden: torch.Tensor, step: StepInput, every: torch.Tensor | None) -> torch.Tensor:
+        """hidden + the rows forked samples sample from + the prompt-logprob positions (of all
+        the step's tokens, `every`), in that order: one LM-head call (one gather) for all."""
+        parts = [hidden]
+        if step.fork_rows:
+            parts.append(hidden.index_select(0, self._index(step.fork_rows)))
+        if step.prompt_rows:
+            parts.append(every.index_select(0, self._index(step.prompt_rows)))
+        return torch.cat(parts)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return host_to_device(rows, torch.long, self.device, self.device.type == "cuda")
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV blocks src -> dst in every layer (copy on write of a prompt's last block for the
+        samples forked from it)."""
+        src = self._index([a for a, _ in copies])
+        dst = self._index([b for _, b in copies])
+        self.kv_cache[:, :, dst] = self.kv_cache.index_select(2, src)
+
+    def release(self, seq) -> None:
+        """A request ended: drop its sampling state (penalty counts) on this rank."""
+        self.sampler.release(seq)
 
     # ------------------------------------------------------------------ scoring (tests)
     def check_score_input(self, token_ids: list[int]) -> None:

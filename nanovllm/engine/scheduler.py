@@ -16,16 +16,29 @@ class ScheduledBatch:
     A prefill step computes `num_new_tokens[i]` tokens of `seqs[i]` starting at its
     `num_cached_tokens` (a chunk of a long prompt, or the rest of a prompt after prefix hits);
     a decode step computes exactly one token for every sequence.
+
+    Samples of an n > 1 request forked in this step (`forks`) compute nothing: each samples its
+    first token from the logits of its parent, row `fork_rows[j]` of `seqs`; their tokens follow
+    the others' (sampling row len(seqs) + j, see `rows`). `block_copies` are the (src, dst) KV
+    blocks to copy once this step has run (each fork's own copy of the prompt's last block).
     """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
+    forks: list[Sequence] = field(default_factory=list)
+    fork_rows: list[int] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
+
+    @property
+    def rows(self) -> list[Sequence]:
+        """The sequences that get a token from this step's sampling rows, in row order."""
+        return self.seqs + self.forks if self.forks else self.seqs
 
 
 class Scheduler:
@@ -37,6 +50,10 @@ class Scheduler:
     sequence decodes one token; when one needs a block and none is free, the newest running
     sequence is preempted by recompute (its blocks are freed and it goes back to the front of the
     waiting queue, to be prefilled again with its generated tokens).
+
+    A request with n > 1 is queued as its sample 0; the step that computes the last token of its
+    prompt forks the other samples (BlockManager.fork), which then run as sequences of their
+    own. Their rows are counted against max_num_seqs from the admission of sample 0 on.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -46,6 +63,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self._forking: set[Sequence] = set()  # running sequences with samples still to fork
 
     def add(self, seq: Sequence) -> None:
         # Callers check up front that the sequence can ever fit (LLMEngine validates requests);
@@ -62,6 +80,11 @@ class Scheduler:
         """The next step's work: pending prompt work first, else one decode token for everyone."""
         return self._schedule_prefill() or self._schedule_decode()
 
+    def _rows_taken(self) -> int:
+        """Sampling rows of the running sequences and of the samples they will fork."""
+        unforked = sum(len(s.pending_forks) for s in self._forking) if self._forking else 0
+        return len(self.running) + unforked
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
         budget = self.max_num_batched_tokens
         seqs, counts = [], []
@@ -74,7 +97,8 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
         bm = self.block_manager
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and \
+                self._rows_taken() + 1 + len(self.waiting[0].pending_forks) <= self.max_num_seqs:
             seq = self.waiting[0]
             if not bm.can_allocate(seq):
                 break
@@ -82,11 +106,37 @@ class Scheduler:
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            if seq.pending_forks:
+                self._forking.add(seq)
             n = min(seq.num_uncomputed_tokens, budget)
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
+        if not seqs:
+            return None
+        batch = ScheduledBatch(seqs, counts, is_prefill=True)
+        if self._forking:
+            for i, (seq, n) in enumerate(zip(seqs, counts)):
+                if seq.pending_forks and n == seq.num_uncomputed_tokens:
+                    self._fork(batch, seq, i)
+        return batch
+
+    def _fork(self, batch: ScheduledBatch, parent: Sequence, row: int) -> None:
+        """`batch` computes the last prompt token of `parent` (row `row`): fork its pending
+        samples, which sample their first tokens from that row's logits."""
+        self._forking.discard(parent)
+        children, parent.pending_forks = parent.pending_forks, []
+        for child in children:
+            if child.is_finished:  # aborted with its request before the fork
+                continue
+            copy = self.block_manager.fork(parent, child)
+            if copy is not None:
+                batch.block_copies.append(copy)
+            child.status = SequenceStatus.RUNNING
+            self.running.append(child)
+            batch.forks.append(child)
+            batch.fork_rows.append(row)
+        self.block_manager.release_reserved(parent)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         bm = self.block_manager
@@ -118,9 +168,15 @@ class Scheduler:
         # other backends do not care). Stable, and every length grows by one per step, so the
         # order holds from step to step. Outputs of a step come in this order too.
         scheduled.sort(key=len, reverse=True)
-        return ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
+        batch = ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
+        if self._forking:  # a prompt whose last token a chunk left over is computed as a decode row
+            for i, seq in enumerate(scheduled):
+                if seq.pending_forks and seq.num_uncomputed_tokens == 1:
+                    self._fork(batch, seq, i)
+        return batch
 
     def _preempt(self, seq: Sequence) -> None:
+        self._forking.discard(seq)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
@@ -134,8 +190,9 @@ class Scheduler:
             self.waiting.remove(seq)  # preempted while its last token was still on the device
         elif seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
+            self._forking.discard(seq)
             self.block_manager.free(seq)
-        else:
+        elif seq.status != SequenceStatus.FORK_PENDING:
             return
         seq.status = SequenceStatus.DRAINING
 
@@ -156,8 +213,22 @@ class Scheduler:
             # Every token before num_cached_tokens is known here: only the last can be pending.
             if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * block_size:
                 self.block_manager.commit(seq)  # a block just became full (skipped on most decode steps)
+            if seq.prompt_logprobs is not None:  # their positions are computed by this step
+                seq.num_prompt_logprobs_planned = max(seq.num_prompt_logprobs_planned,
+                                                      min(seq.num_cached_tokens, seq.num_prompt_tokens - 1))
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
             seq.add_pending_token(i)
             if seq.reached_length(max_model_len):
                 self.retire(seq)
+        for j, (child, row) in enumerate(zip(batch.forks, batch.fork_rows)):
+            if child.status != SequenceStatus.RUNNING:
+                continue
+            parent = batch.seqs[row]
+            # The prompt's full blocks are the parent's, committed above: same count and hashes.
+            child.num_cached_tokens = child.num_tokens
+            child.num_committed_blocks = min(parent.num_committed_blocks, child.num_tokens // block_size)
+            child.block_hashes = parent.block_hashes[:child.num_committed_blocks]
+            child.add_pending_token(len(batch.seqs) + j)
+            if child.reached_length(max_model_len):
+                self.retire(child)

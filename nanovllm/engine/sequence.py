@@ -19,6 +19,9 @@ class SequenceStatus(Enum):
     # the queues, no KV blocks; its last token, and with it its finish reason, is on its way.
     DRAINING = auto()
     FINISHED = auto()
+    # Sample i > 0 of a request with n > 1, waiting for sample 0 to prefill the prompt: then it
+    # is forked from sample 0 (scheduler.py), sharing the prompt's KV blocks.
+    FORK_PENDING = auto()
 
 
 class Sequence:
@@ -29,13 +32,17 @@ class Sequence:
     one uncomputed token; a decoding one has exactly one (the last sampled token).
     """
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int):
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 sample_index: int = 0):
         self.seq_id = seq_id
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(self.token_ids)
         self.params = params
         self.seed = seed  # the request's own seed, or one drawn from the engine's RNG
-        self.status = SequenceStatus.WAITING
+        self.sample_index = sample_index  # which of the request's n completions this is
+        self.request_id = str(seq_id)  # the engine sets its own (LLMEngine.add_request)
+        self.prompt_text: str | None = None
+        self.status = SequenceStatus.WAITING if sample_index == 0 else SequenceStatus.FORK_PENDING
         self.finish_reason: str | None = None
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
@@ -46,6 +53,20 @@ class Sequence:
         # PENDING_TOKEN until the engine resolves that step; -1 when every token is known.
         self.pending_row = -1
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # n > 1 (on sample 0, which prefills the prompt): the request's samples, itself first;
+        # those not forked yet; and the free blocks held for their copies of the prompt's
+        # partly filled last block (BlockManager.fork).
+        self.samples: list[Sequence] = [self]
+        self.pending_forks: list[Sequence] = []
+        self.reserved_blocks: list[int] = []
+        self.num_cached_prompt_tokens: int | None = None  # prefix-cache hits when first scheduled
+        # logprobs: one (sampled token's logprob, its rank, top ids, top logprobs) per generated
+        # token; prompt_logprobs (sample 0): the same per prompt token after the first, and how
+        # many prompt positions a launched step already computes them for.
+        self.logprobs: list[tuple] | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob = 0.0
+        self.prompt_logprobs: list[tuple] | None = [] if params.prompt_logprobs is not None else None
+        self.num_prompt_logprobs_planned = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -73,6 +94,12 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self.token_ids) - self.num_cached_tokens
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logprobs no launched step computes yet (then the prefix cache
+        is not read: cached positions have no logits)."""
+        return self.prompt_logprobs is not None and self.num_prompt_logprobs_planned < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -25,6 +25,12 @@ class StepInput:
     many of its tokens are already in the KV cache; block_tables[i]: its KV blocks; src_rows
     (decode only, None when all tokens are known): for each sequence, the row of the previous
     step's sampled tokens that holds its input token, or -1 to use token_ids.
+
+    Rarer extras (None when unused): fork_rows, the rows whose hidden state the samples forked in
+    this step sample from (their sampling rows follow the sequences'); block_copies, the (src,
+    dst) KV blocks to copy after the forward (ScheduledBatch); prompt_rows, positions of the
+    packed prefill tokens whose logits give prompt logprobs (their logits rows come last),
+    predicting prompt_targets, owned by prompt_owners = (row, positions, k) per sequence.
     """
 
     is_prefill: bool
@@ -34,6 +40,11 @@ class StepInput:
     src_rows: list[int] | None = None
     sampling: "RowSampling | None" = None  # sample on every rank (tensor parallelism)
     sync_prev: bool = True  # src_rows' tokens are on rank 0 only: broadcast them first
+    fork_rows: list[int] | None = None
+    block_copies: list[tuple[int, int]] | None = None
+    prompt_rows: list[int] | None = None
+    prompt_targets: list[int] | None = None
+    prompt_owners: list[tuple[int, int, int]] | None = None
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
@@ -46,8 +57,30 @@ class StepInput:
             tokens = [[s.token_ids[-1]] for s in seqs]
         if any(s.has_pending_token for s in seqs):
             src = [s.pending_row for s in seqs]
-        return cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in seqs],
+        step = cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in seqs],
                    [s.block_table for s in seqs], src)
+        if batch.forks:
+            step.fork_rows, step.block_copies = list(batch.fork_rows), list(batch.block_copies)
+        if batch.is_prefill and any(s.prompt_logprobs is not None for s in seqs):
+            step._plan_prompt_logprobs(batch)
+        return step
+
+    def _plan_prompt_logprobs(self, batch: ScheduledBatch) -> None:
+        """Which packed positions' logits this prefill needs for prompt logprobs: position p of
+        a prompt predicts its token p + 1; positions an earlier launched step computes are
+        skipped (a recomputed prompt after preemption), the last prompt token predicts none."""
+        rows, targets, owners, packed = [], [], [], 0
+        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            if s.needs_prompt_logprobs:
+                start = s.num_cached_tokens
+                lo, hi = max(start, s.num_prompt_logprobs_planned), min(start + n, s.num_prompt_tokens - 1)
+                if hi > lo:
+                    rows.extend(range(packed + lo - start, packed + hi - start))
+                    targets.extend(s.token_ids[lo + 1:hi + 1])
+                    owners.append((i, hi - lo, s.params.prompt_logprobs))
+            packed += n
+        if rows:
+            self.prompt_rows, self.prompt_targets, self.prompt_owners = rows, targets, owners
 
 
 class DecodeBuffers:

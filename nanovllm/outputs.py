@@ -1,0 +1,156 @@
+"""What `LLM.generate` / `chat` / `stream` return: vLLM's output types, which also read as
+nano-vllm's dicts.
+
+`RequestOutput` has vLLM's fields (`request_id`, `prompt`, `prompt_token_ids`, `prompt_logprobs`,
+`outputs: list[CompletionOutput]`, `finished`, `num_cached_tokens`) and is also a dict of the
+first completion's `text`, `token_ids`, `finish_reason`, `stop_reason` and the request's
+`prompt_token_ids` (nano-vllm's form: `out["text"]`). The dict holds the values the output was
+made with; it is a read-only view in intent, like the object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (vLLM's Logprob): `logprob`, its `rank` in the model's
+    distribution (1 = most likely; ties share the larger rank), and the token's text
+    (`decoded_token`, None with detokenize=False)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token, {token id: Logprob} of the sampled token and the top `logprobs` tokens.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first one (nothing predicts it), then as SampleLogprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` completions (vLLM's CompletionOutput).
+
+    index: which sample (0 .. n-1); text: the generated text, continuing the prompt;
+    token_ids: the generated tokens; cumulative_logprob: sum of the sampled tokens' logprobs
+    (None unless `logprobs` was asked for); logprobs: SampleLogprobs or None;
+    finish_reason: "stop" | "length" | "abort" (None while running); stop_reason: the stop
+    string or stop token id that ended it, None for EOS, length or abort.
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestOutput(dict):
+    """The outputs of one prompt (vLLM's RequestOutput), also a dict in nano-vllm's form.
+
+    request_id: str, unique within the LLM; prompt: the prompt text (None for token-id prompts);
+    prompt_token_ids; prompt_logprobs: PromptLogprobs or None; outputs: the n completions in
+    sample order; finished: every completion has ended; num_cached_tokens: prompt tokens served
+    by the prefix cache when the request was first scheduled.
+
+    As a dict (`out["text"]`, `out["token_ids"]`, `out["finish_reason"]`, `out["stop_reason"]`)
+    it reads the first completion; `out["prompt_token_ids"]` the prompt's tokens.
+    """
+
+    DICT_KEYS = ("text", "token_ids", "finish_reason", "stop_reason", "prompt_token_ids")
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput], finished: bool,
+                 num_cached_tokens: int | None = None):
+        first = outputs[0] if outputs else CompletionOutput(0, "", [])
+        super().__init__(text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+                         stop_reason=first.stop_reason, prompt_token_ids=prompt_token_ids)
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.prompt_logprobs = prompt_logprobs
+        self.outputs = outputs
+        self.finished = finished
+        self.num_cached_tokens = num_cached_tokens
+
+    def __eq__(self, other):
+        if isinstance(other, RequestOutput):
+            return type(self) is type(other) and vars(self) == vars(other)
+        return dict.__eq__(self, other)  # against a plain dict: nano-vllm's form
+
+    def __ne__(self, other):
+        return not self == other
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
+                f"outputs={self.outputs}, finished={self.finished}, num_cached_tokens={self.num_cached_tokens})")
+
+    def __reduce__(self):
+        return (_rebuild, (type(self), vars(self).copy()))
+
+
+def _rebuild(cls, state):
+    obj = cls.__new__(cls)
+    first = state["outputs"][0] if state["outputs"] else CompletionOutput(0, "", [])
+    dict.update(obj, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
+                stop_reason=first.stop_reason, prompt_token_ids=state["prompt_token_ids"])
+    obj.__dict__.update(state)
+    return obj
+
+
+class StreamOutput(RequestOutput):
+    """One increment of one completion while it is generated (`LLM.stream`), in the shape of
+    vLLM's streamed RequestOutput with output_kind=DELTA: `outputs` holds the one completion the
+    increment belongs to, with only what this step added (`text`, `token_ids`, `logprobs`);
+    `cumulative_logprob`, `finish_reason` and `stop_reason` are its current values. `finished`
+    is True once every completion of the request has ended.
+
+    nano-vllm's StreamOutput fields stay: `index` (the prompt's position in the call's
+    prompts), and `token_ids`, `text`, `finish_reason`, `stop_reason` as attributes reading the
+    increment's completion (`outputs[0]`); `sample` is its completion index.
+    """
+
+    def __init__(self, index: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_logprobs: PromptLogprobs | None, completion: CompletionOutput, finished: bool,
+                 num_cached_tokens: int | None = None):
+        super().__init__(request_id, prompt, prompt_token_ids, prompt_logprobs, [completion], finished,
+                         num_cached_tokens)
+        self.index = index
+
+    @property
+    def sample(self) -> int:
+        return self.outputs[0].index
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def stop_reason(self) -> int | str | None:
+        return self.outputs[0].stop_reason
+
+    @property
+    def logprobs(self) -> SampleLogprobs | None:
+        return self.outputs[0].logprobs
+
+
+__all__ = ["CompletionOutput", "Logprob", "PromptLogprobs", "RequestOutput", "SampleLogprobs", "StreamOutput"]
