@@ -381,9 +381,10 @@ class ShadowRun:
     different prefix is caught even when its own token ids match.
     """
 
-    def __init__(self, rng: random.Random, overlap: bool = False):
+    def __init__(self, rng: random.Random, overlap: bool = False, forks: bool = False):
         self.rng = rng
         self.overlap = overlap      # schedule step n+1 before resolving step n's tokens
+        self.forks = forks          # some requests have n > 1 samples sharing the prompt's blocks
         self.last_tokens: list[int] = []  # what the previous fake step sampled ("on the device")
         self.bs = bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
         self.num_blocks = rng.randint(4, 30)
@@ -413,6 +414,9 @@ class ShadowRun:
         self.hit_tokens = 0
         self.chunks = 0
         self.wasted_rows = 0
+        self.forked = 0
+        self.copies = 0
+        self.fresh_forks: set[int] = set()  # forked by the batch just scheduled, not launched yet
 
     def _make_request(self, pools):
         rng = self.rng
@@ -427,14 +431,27 @@ class ShadowRun:
                 continue
             if self.bm.blocks_for(len(prompt) + max_tokens - 1) > self.num_blocks:
                 continue
+            n = 1
+            if self.forks and self.max_num_seqs >= 2 and rng.random() < 0.5:
+                n = rng.randint(2, min(4, self.max_num_seqs))
+                # what LLMEngine.check_fits asks of n > 1: the prompt plus the forks' copies fit
+                if self.bm.blocks_for(len(prompt)) + (n - 1) * (len(prompt) % self.bs != 0) > self.num_blocks:
+                    continue
             params = SamplingParams(
+                n=n,
                 max_tokens=max_tokens,
                 min_tokens=rng.choice([0, 0, rng.randint(0, max_tokens)]),
                 ignore_eos=rng.random() < 0.1,
                 stop_token_ids=[self.vocab] if rng.random() < 0.2 else None)
-            seq = Sequence(next(_ids), prompt, params, seed=0)
-            self.expected[seq.seq_id] = list(prompt)
-            self.nodes[seq.seq_id] = []
+            samples = [Sequence(next(_ids), prompt, params, seed=0, sample_index=i) for i in range(n)]
+            seq = samples[0]
+            if n > 1:  # as LLMEngine.add_request links them
+                seq.pending_forks = samples[1:]
+                for sample in samples:
+                    sample.samples = samples
+            for sample in samples:
+                self.expected[sample.seq_id] = list(prompt)
+                self.nodes[sample.seq_id] = []
             return seq
         return None
 
@@ -480,6 +497,10 @@ class ShadowRun:
             for i, b in enumerate(s.block_table):
                 refs[b] += 1
                 holders.setdefault(b, []).append((s, i))
+            # blocks held for the forks' copies of a partly filled last prompt block
+            assert len(s.reserved_blocks) == bm.fork_reserve(s)
+            for b in s.reserved_blocks:
+                refs[b] += 1
         for s in sched.waiting:
             assert s.status == SequenceStatus.WAITING and s.block_table == [] and s.num_cached_tokens == 0
         assert [b.ref_count for b in bm.blocks] == refs, "ref counts disagree with the block tables"
@@ -490,9 +511,24 @@ class ShadowRun:
             if len(hs) == 1:
                 continue
             block = bm.blocks[b]
-            assert block.hash != -1, f"block {b} shared by {[s for s, _ in hs]} but never committed"
+            if block.hash == -1:
+                # Only the samples of one request share a block the cache does not know: their
+                # prompt's full blocks, with prefix caching off or being computed right now.
+                fresh = any(id(x) in self.fresh_forks for x, _ in hs)
+                assert fresh or not self.prefix, f"block {b} shared by {[s for s, _ in hs]} but never committed"
+                owners = {id(s.samples[0]) for s, _ in hs}
+                assert len(owners) == 1, f"block {b} shared by {[s for s, _ in hs]} of several requests"
+                for s, i in hs:
+                    assert (i + 1) * bs <= s.num_prompt_tokens
+                    if fresh:
+                        continue  # being computed by the batch just scheduled
+                    assert (i + 1) * bs <= s.num_cached_tokens
+                    assert self.kv[b] == self.prefix_ids(s, (i + 1) * bs)[i * bs:(i + 1) * bs]
+                continue
             assert len(block.token_ids) == bs
             for s, i in hs:
+                if id(s) in self.fresh_forks:
+                    continue  # its parent computes the block in the batch just scheduled
                 assert (i + 1) * bs <= s.num_cached_tokens, f"shared block {b} not computed for {s}"
                 assert tuple(s.block_tokens(i, bs)) == block.token_ids
                 assert self.kv[b] == self.prefix_ids(s, (i + 1) * bs)[i * bs:(i + 1) * bs]
@@ -507,23 +543,37 @@ class ShadowRun:
             start = seq.num_cached_tokens
             self.check_context(seq, start)        # everything it attends to besides new tokens
             nodes = self.prefix_ids(seq, start + n)
+            forks = [c for c in batch.forks if c.samples is seq.samples]
             for p in range(start, start + n):
                 b = seq.block_table[p // bs]
                 blk = bm.blocks[b]
-                assert blk.ref_count == 1 and blk.hash == -1, \
+                # The only other holders allowed: samples forked from seq in this very step
+                # (full prompt blocks they read only from the next step on).
+                readers = sum(b in c.block_table for c in forks)
+                assert blk.ref_count == 1 + readers and blk.hash == -1, \
                     f"{seq} writes position {p} into block {b} that is shared or cached"
                 self.kv[b][p % bs] = nodes[p]
             if self.rng.random() < self.p_eos:
                 out.append(EOS)
             else:
                 out.append(self.rng.randint(1, self.vocab))
+        for child, row in zip(batch.forks, batch.fork_rows):
+            parent = batch.seqs[row]
+            assert child.block_table[:len(parent) // bs] == parent.block_table[:len(parent) // bs]
+            assert batch.num_new_tokens[row] == parent.num_uncomputed_tokens  # the prompt's last chunk
+            self.forked += 1
+            out.append(EOS if self.rng.random() < self.p_eos else self.rng.randint(1, self.vocab))
+        for src, dst in batch.block_copies:  # after the step's writes, as the runner does
+            self.copies += 1
+            assert bm.blocks[dst].ref_count == 1
+            self.kv[dst] = list(self.kv[src])
         self.last_tokens = out
         return out
 
     def run(self) -> None:
         sched, bm = self.sched, self.bm
         pending = list(self.requests)
-        total = sum(len(s) + s.params.max_tokens for _, s in pending)
+        total = sum((len(s) + s.params.max_tokens) * s.params.n for _, s in pending)
         max_steps = 4 * total * (total + 1) + 100
         inflight = None  # (batch, tokens, sequences that get a token) launched, not resolved
         while pending or sched.has_unfinished() or inflight:
@@ -540,9 +590,11 @@ class ShadowRun:
             if batch is not None:
                 self.steps += 1
                 assert self.steps <= max_steps, "no progress: the schedule does not end"
+                self.fresh_forks = {id(c) for c in batch.forks}
                 self.check_batch(batch)
                 self.check_invariants()
                 launched = (batch, self.model_step(batch))
+                self.fresh_forks = set()
             if self.overlap:
                 if inflight is not None:
                     self.resolve(*inflight)
@@ -551,9 +603,11 @@ class ShadowRun:
                 self.resolve(*launched, self.advance(batch))
         # the end: everything finished, every block free
         self.check_invariants()
-        for _, seq in self.requests:
-            assert seq.is_finished and seq.block_table == [] and seq.finish_reason in ("stop", "length")
-            assert seq.token_ids == self.expected[seq.seq_id]
+        for _, parent in self.requests:
+            for seq in parent.samples:
+                assert seq.is_finished and seq.block_table == [] and seq.finish_reason in ("stop", "length")
+                assert seq.token_ids == self.expected[seq.seq_id]
+            assert not parent.pending_forks and not parent.reserved_blocks
         assert all(b.ref_count == 0 for b in bm.blocks) and bm.num_free_blocks == bm.num_blocks
         assert not sched.running and not sched.waiting
         # registered blocks still hold exactly the tokens they are registered with
@@ -564,7 +618,7 @@ class ShadowRun:
     def advance(self, batch) -> list[Sequence]:
         """sched.advance(); returns the sequences that will get a token from this step."""
         will_advance = [s for s, n in zip(batch.seqs, batch.num_new_tokens)
-                        if not s.is_finished and s.num_cached_tokens + n == len(s)]
+                        if not s.is_finished and s.num_cached_tokens + n == len(s)] + list(batch.forks)
         self.chunks += sum(1 for s, n in zip(batch.seqs, batch.num_new_tokens)
                            if not s.is_finished and s.num_cached_tokens + n < len(s))
         # rows computed for sequences that stopped after this step was launched (overlap only)
@@ -575,7 +629,7 @@ class ShadowRun:
     def resolve(self, batch, tokens, will_advance) -> None:
         advanced = resolve(self.sched, batch, tokens, self.eos, self.max_model_len)
         assert advanced == will_advance
-        for seq, tok in zip(batch.seqs, tokens):
+        for seq, tok in zip(batch.rows, tokens):
             if seq in will_advance:
                 self.expected[seq.seq_id].append(tok)
                 self.check_stop(seq, tok)
@@ -586,7 +640,8 @@ class ShadowRun:
         sched, bm = self.sched, self.bm
         assert batch.seqs and len(batch.seqs) == len(batch.num_new_tokens) == len(set(map(id, batch.seqs)))
         assert 1 <= batch.num_tokens <= self.budget, "token budget exceeded"
-        assert len(batch.seqs) <= self.max_num_seqs, "sequence cap exceeded"
+        assert len(batch.rows) <= self.max_num_seqs, "sequence cap exceeded"
+        assert len(batch.forks) == len(batch.fork_rows) and all(s.status == SequenceStatus.RUNNING for s in batch.forks)
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             assert seq.status == SequenceStatus.RUNNING and seq in sched.running
             assert 1 <= n <= seq.num_uncomputed_tokens
@@ -597,8 +652,9 @@ class ShadowRun:
             assert all(n == 1 and s.num_uncomputed_tokens == 1 for s, n in zip(batch.seqs, batch.num_new_tokens))
             # decode runs every running sequence the budget / cap allows
             cap = min(self.max_num_seqs, self.budget)
-            assert len(batch.seqs) == min(cap, len(sched.running))
-            assert not any(s.num_uncomputed_tokens > 1 for s in sched.running), "decode with prefill pending"
+            assert len(batch.seqs) == min(cap, len(sched.running) - len(batch.forks))
+            assert not any(s.num_uncomputed_tokens > 1 for s in sched.running if s not in batch.forks), \
+                "decode with prefill pending"
         else:
             assert not batch.preempted
 
@@ -660,4 +716,27 @@ def test_random_schedules_keep_every_invariant(weak_hash, overlap, monkeypatch):
     # the generator must actually exercise the interesting paths
     assert totals["preemptions"] > 0 and totals["hit_tokens"] > 0 and totals["chunks"] > 0
     assert (totals["wasted_rows"] > 0) == overlap  # stops discovered after the next launch
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
+def test_random_schedules_with_parallel_sampling(overlap):
+    """The same shadow check with requests of n > 1 samples: the samples are forked when the
+    prompt's last token is scheduled (in a prefill chunk or a decode row), share its full blocks,
+    get a copy of its partly filled last block, run, get preempted and recomputed on their own,
+    and every block comes back."""
+    n = int(os.environ.get("NANOVLLM_FUZZ_SCHEDULES", 1000))
+    base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + 2 * 10**6
+    totals = dict(forked=0, copies=0, preemptions=0)
+    for i in range(n):
+        run = ShadowRun(random.Random(base + i), overlap, forks=True)
+        try:
+            run.run()
+        except AssertionError as e:
+            raise AssertionError(f"schedule seed={base + i} (overlap={overlap}, bs={run.bs}, blocks={run.num_blocks}, "
+                                 f"budget={run.budget}, max_num_seqs={run.max_num_seqs}, prefix={run.prefix}): {e}") from e
+        totals["forked"] += run.forked
+        totals["copies"] += run.copies
+        totals["preemptions"] += run.sched.num_preemptions
+    print(f"\nforks: {totals}")
+    assert totals["forked"] > 100 and totals["copies"] > 50 and totals["preemptions"] > 0
 
