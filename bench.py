@@ -3,6 +3,7 @@
     python bench.py --dummy qwen3-0.6b            # random weights of the real shape
     python bench.py --model ~/huggingface/Qwen3-8B --compare hf
     python bench.py --dummy qwen3-8b --latency    # batch-1 decode ms/token
+    python bench.py --dummy qwen3-0.6b --logprobs 5   # every request also asks for 5 logprobs
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
 of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
@@ -246,6 +247,9 @@ def main(argv=None):
                          "10,001: the workload's ids are 0-10,000), so the profiled run prefills them all")
     ap.add_argument("--profile-startup", action="store_true",
                     help="only construct the LLM, under cProfile, and print where the cold start goes")
+    ap.add_argument("--logprobs", type=int, metavar="K",
+                    help="every timed (and profiled) request also asks for its K most likely tokens' logprobs "
+                         "(SamplingParams.logprobs; measures what logprobs cost). Default: none")
     ap.add_argument("--json", help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.decode_blas:
@@ -280,8 +284,11 @@ def main(argv=None):
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False
 
-    llm.generate([[1, 2, 3]], SamplingParams(), use_tqdm=False)  # warm-up
-    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+    # The default workload uses none of the optional sampling features (logprobs, penalties, n > 1):
+    # plain temperature sampling, as nano-vllm's bench.py.
+    extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
+    llm.generate([[1, 2, 3]], SamplingParams(**extra), use_tqdm=False)  # warm-up
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t = time.perf_counter()
@@ -305,7 +312,8 @@ def main(argv=None):
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
            "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
-           "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds,
+           "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
+           "logprobs": args.logprobs, "startup_s": llm.model_runner.startup_seconds,
            "timeline": timeline.summary()}
 
     if args.latency:
@@ -322,7 +330,7 @@ def main(argv=None):
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.profile_tokens or n)
+        short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.profile_tokens or n, **extra)
                  for n in max_tokens]
         cuda = torch.cuda.is_available()  # on a CPU the run is profiled too, with no kernels to list
         profiled = [[(t + 1) % 10_001 for t in p] for p in prompts] if args.profile_fresh_prompts else prompts

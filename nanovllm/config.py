@@ -101,12 +101,15 @@ class Config:
     custom_all_reduce: bool = True
     # vLLM's options of the same names: another tokenizer folder (or Hub id); "auto" | "slow";
     # passed to transformers when loading the tokenizer; the Hub revision of model and tokenizer;
-    # the most logprobs a request may ask for (-1: the whole vocabulary).
+    # the most logprobs a request may ask for (-1: the whole vocabulary); where the default
+    # SamplingParams come from ("auto": the model's generation_config.json, "vllm": none, or
+    # a folder holding a generation_config.json).
     tokenizer: str | None = None
     tokenizer_mode: str = "auto"
     trust_remote_code: bool = False
     revision: str | None = None
     max_logprobs: int = 20
+    generation_config: str = "auto"
     hf_config: object = field(init=False, repr=False, default=None)
     # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
     # workers get this copy, whatever their environment).
@@ -190,6 +193,10 @@ class Config:
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"{name}={value!r}: must be None or a string")
+        gc = self.generation_config
+        if not isinstance(gc, (str, os.PathLike)) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
+            raise ValueError(f"generation_config={gc!r}: must be 'auto' (the model's), 'vllm' (none) "
+                             "or a folder holding a generation_config.json")
         self.max_logprobs = _field_is("max_logprobs", self.max_logprobs, int, "-1 or an integer >= 0")
         if self.max_logprobs < -1:
             raise ValueError(f"max_logprobs={self.max_logprobs}: must be -1 (no limit) or >= 0")

@@ -65,6 +65,19 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert 0 < sum(g["seconds"] for g in groups.values()) <= res["seconds"] + 1e-3  # (rounded to ms)
 
 
+def test_bench_logprobs_option(tmp_path):
+    """--logprobs K: every timed request asks for K logprobs (the default run asks for none)."""
+    path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)
+    out = tmp_path / "res.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "2",
+                           "--max-input-len", "110", "--max-output-len", "101", "--block-size", "16",
+                           "--logprobs", "5", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    res = json.loads(out.read_text())
+    assert res["logprobs"] == 5 and res["output_tokens"] == sum(bench.workload(2, 110, 101)[1])
+
+
 def test_startup_profile_names_where_the_cold_start_goes(tmp_path):
     path = tm.make_tiny_qwen3(tmp_path / "ckpt")
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--profile-startup"],

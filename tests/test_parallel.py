@@ -84,6 +84,46 @@ def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
     assert no_children()
 
 
+def test_tp2_n_samples_logprobs_and_penalties_equal_tp1(model_path):
+    """n > 1 (forks on every rank: hidden rows duplicated, the partial block copied in each
+    rank's KV shard), logprobs, prompt logprobs and penalties with TP=2 give TP=1's tokens and
+    logprobs, under preemption and prefix hits. Plain rows still sample on every rank; the others
+    make rank 0 gather (engine/sampling.py: samples_on_every_rank)."""
+    kw = dict(kvcache_block_size=16, num_kvcache_blocks=10, max_num_batched_tokens=24)
+    batch = prompts()[:4]
+    params = [SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
+              SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True, logprobs=3, prompt_logprobs=2),
+              SamplingParams(temperature=0.7, seed=3, max_tokens=14, ignore_eos=True, repetition_penalty=1.3,
+                             presence_penalty=0.5, frequency_penalty=0.2),
+              SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={5: 2.0},
+                             allowed_token_ids=list(range(300)), bad_words=["ab"])]
+
+    def run(llm):
+        # The first call alone: forks in a step whose rows all sample on every rank.
+        outs = llm.generate(batch[:2], [params[0]] * 2, use_tqdm=False)
+        outs += llm.generate(batch, params, use_tqdm=False) + llm.generate(batch, params, use_tqdm=False)
+        return outs, [[c.token_ids for c in o.outputs] for o in outs]
+
+    with LLM(model_path, **kw) as llm:
+        ref, ref_tokens = run(llm)
+    with LLM(model_path, tensor_parallel_size=2, **kw) as llm:
+        calls = []
+        every_rank = llm.model_runner.runner.sampler.sample_shards
+        llm.model_runner.runner.sampler.sample_shards = lambda *a: calls.append(1) or every_rank(*a)
+        out, tokens = run(llm)
+        assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_prefix_hit_tokens > 0
+        assert len(calls) > 10, "too few steps sampled on every rank"
+        bm = llm.block_manager
+        assert bm.num_free_blocks == bm.num_blocks and not llm.model_runner.runner.sampler.counts.slots
+    assert tokens == ref_tokens
+    for a, b in zip(out, ref):
+        for x, y in zip([e for c in a.outputs for e in c.logprobs or []] + (a.prompt_logprobs or [None])[1:],
+                        [e for c in b.outputs for e in c.logprobs or []] + (b.prompt_logprobs or [None])[1:]):
+            assert x.keys() == y.keys() and all(abs(x[t].logprob - y[t].logprob) < 1e-4 for t in x)
+            assert [v.rank for v in x.values()] == [v.rank for v in y.values()]
+    assert no_children()
+
+
 def test_new_engine_refused_while_an_abort_is_pending(model_path, monkeypatch):
     """While an earlier engine's NCCL abort still runs (it can outlive the engine on GPUs), a
     new TP engine says so before it starts any process."""

@@ -52,7 +52,8 @@ class LLMEngine:
             self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
                                             config.trust_remote_code, config.revision)
         self.eos_token_ids = frozenset(find_eos_token_ids(config.model, hf, self.tokenizer))
-        self.generation_defaults = read_generation_defaults(config.model)
+        gc = config.generation_config
+        self.generation_defaults = {} if gc == "vllm" else read_generation_defaults(config.model if gc == "auto" else gc)
         self.vocab_size = hf.vocab_size
         self.model_runner = self._start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
@@ -98,8 +99,8 @@ class LLMEngine:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """A new SamplingParams with the model's generation_config.json defaults (temperature,
-        top_p, top_k, min_p, repetition_penalty where the file sets them), as in vLLM: what a
-        request without SamplingParams uses."""
+        top_p, top_k, min_p, repetition_penalty where the file sets them; see the
+        generation_config option), as in vLLM: what a request without SamplingParams uses."""
         return SamplingParams(**self.generation_defaults)
 
     def get_tokenizer(self):
