@@ -117,12 +117,15 @@ class ModelRunner:
         the sampled tokens instead (every rank, also left in the sampler's device buffer)."""
         if step.src_rows is not None and self.world_size > 1 and step.sync_prev:
             self.sampler.share_previous()
+        every = None  # prefill: the hidden state of every packed token
         if step.is_prefill:
             if step.src_rows is not None:
                 raise RuntimeError("internal error: a prefill step got a token that is still on the device")
             ids, pos, meta, last = self.inputs.prefill(step)
             every = self.model(ids, pos, meta)
             hidden = every[last]
+            if not step.prompt_rows:
+                every = None  # (free it before the LM head, as before prompt logprobs existed)
         else:
             n = len(step.token_ids)
             graph_bs = self.graphs.batch_size_for(n) if self.graphs is not None else None
@@ -131,7 +134,7 @@ class ModelRunner:
             else:
                 hidden = self.graphs.replay(step, graph_bs)
         if step.fork_rows or step.prompt_rows:
-            hidden = self._extra_rows(hidden, step, every if step.prompt_rows else None)
+            hidden = self._extra_rows(hidden, step, every)
         if step.block_copies:
             self._copy_blocks(step.block_copies)  # after the forward wrote the source blocks
         if step.sampling is not None:
