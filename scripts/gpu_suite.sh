@@ -5,6 +5,7 @@
 # bench with these flags instead, e.g. --gather-logits), SKIP_TP1=1 (TP=2 benches only), PROFILE_STARTUP=1,
 # KERNEL_BENCHES=1 (the kernel microbenchmarks: paged-decode split sweep and row order, cuBLAS vs cuBLASLt decode GEMMs,
 # fused all-reduce vs NCCL, prefill all-reduce overlap; benchmarks/kernels/),
+# LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
 # one would outlast the device's 10-minute limit.
 # 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
@@ -21,6 +22,11 @@ if [ -z "${SKIP_BENCH:-}" ]; then
 for m in $([ -z "${SKIP_TP1:-}" ] && echo qwen3-0.6b qwen3-8b); do
   timeout 300 python3 bench.py --dummy "$m" --latency ${BENCH_ARGS:-} --json "$OUT/bench-$m.json" "$@" 2>&1 | tee "$OUT/bench-$m.log"
 done
+
+if [ -n "${LOGPROBS_BENCH:-}" ]; then
+  timeout 300 python3 bench.py --dummy qwen3-0.6b --logprobs "$LOGPROBS_BENCH" ${BENCH_ARGS:-} \
+    --json "$OUT/bench-qwen3-0.6b-logprobs.json" "$@" 2>&1 | tee "$OUT/bench-qwen3-0.6b-logprobs.log"
+fi
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 ${TP_BENCH_ARGS:-} --json "$OUT/bench-qwen3-8b-tp2.json" "$@" 2>&1 \
@@ -60,10 +66,11 @@ python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
 print(f"{'model':<14}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'cold s':>8}{'bs1 ms/tok':>12}")
-for m in ("qwen3-0.6b", "qwen3-8b", "qwen3-8b-tp2", "qwen3-8b-tp2-b"):
+for m in ("qwen3-0.6b", "qwen3-0.6b-logprobs", "qwen3-8b", "qwen3-8b-tp2", "qwen3-8b-tp2-b"):
     f = os.path.join(out, f"bench-{m}.json")
     if not os.path.exists(f):
-        print(f"{m:<14}  (no result)")
+        if m != "qwen3-0.6b-logprobs":
+            print(f"{m:<14}  (no result)")
         continue
     r = json.load(open(f))
     print(f"{m:<14}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
