@@ -204,3 +204,26 @@ def test_bad_values_are_value_errors_naming_the_field(bad):
     name = next(iter(bad))
     with pytest.raises(ValueError, match=name):
         SamplingParams(**bad)
+
+
+def test_requests_that_use_none_of_it_take_the_plain_path(llm, monkeypatch):
+    """No row asks for logits processing or logprobs: no processing tensors are built and none
+    of their device work runs (the sampler gets the raw logits), also next to n > 1 requests."""
+    from nanovllm.engine import sampling
+    from nanovllm.layers import logits_processors
+
+    def forbidden(*a, **k):
+        raise AssertionError("logits processing ran for requests that use none of it")
+
+    sampler = llm.model_runner.sampler
+    monkeypatch.setattr(sampler, "_build_processing", forbidden)
+    monkeypatch.setattr(sampler, "_process", forbidden)
+    monkeypatch.setattr(logits_processors, "gather_logprobs", forbidden)
+    monkeypatch.setattr(sampling.lp, "gather_logprobs", forbidden)
+    plain = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8), greedy(8),
+             SamplingParams(temperature=0.7, n=3, seed=2, max_tokens=6, min_tokens=2, stop=["x"])]
+    outs = llm.generate(PROMPTS, plain, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [1, 1, 3]
+    assert sampler._cache[2] is None
+    monkeypatch.undo()
+    assert_idle(llm)

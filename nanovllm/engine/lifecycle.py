@@ -161,6 +161,8 @@ class RequestLifecycle:
             seq.fill_pending_token(token_id)
             entry = None
             if seq.logprobs is not None:
+                if sample_lps is None or i not in sample_lps:
+                    raise RuntimeError(f"internal error: no logprobs for row {i} ({seq})")
                 entry = sample_lps[i]
                 seq.logprobs.append(entry)
                 seq.cumulative_logprob += entry[0]
