@@ -65,14 +65,10 @@ class RequestOutput(dict):
     it reads the first completion; `out["prompt_token_ids"]` the prompt's tokens.
     """
 
-    DICT_KEYS = ("text", "token_ids", "finish_reason", "stop_reason", "prompt_token_ids")
-
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput], finished: bool,
                  num_cached_tokens: int | None = None):
-        first = outputs[0] if outputs else CompletionOutput(0, "", [])
-        super().__init__(text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
-                         stop_reason=first.stop_reason, prompt_token_ids=prompt_token_ids)
+        super().__init__(_dict_form(outputs, prompt_token_ids))
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -100,11 +96,16 @@ class RequestOutput(dict):
         return (_rebuild, (type(self), vars(self).copy()))
 
 
+def _dict_form(outputs: list[CompletionOutput], prompt_token_ids: list[int]) -> dict:
+    """nano-vllm's dict: the first completion's text, tokens and reasons, and the prompt."""
+    first = outputs[0] if outputs else CompletionOutput(0, "", [])
+    return {"text": first.text, "token_ids": first.token_ids, "finish_reason": first.finish_reason,
+            "stop_reason": first.stop_reason, "prompt_token_ids": prompt_token_ids}
+
+
 def _rebuild(cls, state):
     obj = cls.__new__(cls)
-    first = state["outputs"][0] if state["outputs"] else CompletionOutput(0, "", [])
-    dict.update(obj, text=first.text, token_ids=first.token_ids, finish_reason=first.finish_reason,
-                stop_reason=first.stop_reason, prompt_token_ids=state["prompt_token_ids"])
+    dict.update(obj, _dict_form(state["outputs"], state["prompt_token_ids"]))
     obj.__dict__.update(state)
     return obj
 
