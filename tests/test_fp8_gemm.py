@@ -191,7 +191,8 @@ def test_block_matmul_matches_dequantized_reference(m, n, k, out_dtype, with_bia
     w = torch.randn(n, k) * 0.05
     w[: min(n, 128), : min(k, 128)] *= 30  # one weight block at a different scale
     a_q, a_s = quantize_per_token_group_torch(x, column_major_scales=m % 2 == 1)  # both scale layouts
-    w_q, w_s = quantize_weight_block_fp8(w, scale_dtype=torch.bfloat16 if m == 5 else torch.float32)
+    # Qwen's dense checkpoints store bf16 (some fp16) scale_inv; fp32 elsewhere.
+    w_q, w_s = quantize_weight_block_fp8(w, scale_dtype={5: torch.bfloat16, 33: torch.float16}.get(m, torch.float32))
     bias = torch.randn(n, dtype=torch.float16) if with_bias else None
     out = fp8_block_matmul(a_q, a_s, w_q, w_s, out_dtype, bias=bias)
     a, wd = dequantize_per_token_group(a_q, a_s), dequantize_weight_block_fp8(w_q, w_s)
