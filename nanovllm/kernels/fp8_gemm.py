@@ -14,8 +14,9 @@ approximate division on NVIDIA. Each element then costs one fp32 product with th
 reciprocal instead of a division of its own.
 
 The quantizers are compiled with fp fusion off: nothing in them should contract into an FMA,
-and bit-exactness must not hinge on that. Wrappers validate on the host only, allocate their outputs, and launch a fixed tile config picked
-by M (no autotuning: the first call compiles one kernel per config, nothing more).
+and bit-exactness must not hinge on that. Wrappers validate on the host only, allocate their
+outputs, and launch a fixed tile config picked by M (no autotuning: the first call compiles one
+kernel per config, nothing more).
 """
 
 from __future__ import annotations
