@@ -96,7 +96,14 @@ class Config:
     skip_tokenizer_init: bool = False
     attention_backend: str | None = None
     custom_all_reduce: bool = True
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    quantization: str | None = None
     hf_config: object = field(init=False, repr=False, default=None)
+    # The linear layers' weight scheme (layers/quantization: an Fp8Config or None), from
+    # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
+    quant: object = field(init=False, repr=False, default=None)
+    kv_dtype: torch.dtype | None = field(init=False, default=None)
     # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
     # workers get this copy, whatever their environment).
     decode_blas: str = field(init=False, default="cublaslt")
@@ -119,7 +126,8 @@ class Config:
                 ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1"),
                 ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer")):
             setattr(self, name, _field_is(name, getattr(self, name), kind, what))
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce"):
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce",
+                     "calculate_kv_scales"):
             _field_is(name, getattr(self, name), bool, "True or False")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
@@ -151,9 +159,23 @@ class Config:
 
             if not flash_attn_available():
                 raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
+        from nanovllm.layers.attention import kv_cache_torch_dtype
+        from nanovllm.layers.quantization import resolve_quantization
+
+        kv_cache_torch_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here, before the model loads
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
+                             "kv_cache_dtype='fp8'")
         self.model = resolve_model_path(self.model)
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
+        self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
+        self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
+                                 f"(Ada, Hopper); this one is {major}.{minor}")
         # A context longer than the model's positions would silently extrapolate RoPE.
         if self.max_model_len > self.hf_config.max_position_embeddings:
             logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",

@@ -597,9 +597,19 @@ def worker(rank, init, seed):
         dist.broadcast(residual, src=0)
         inputs.append((torch.randn(rows, k, generator=gen, device=device).to(dtype), residual))
     torch.cuda.synchronize()
+    class Layer:  # what TPGroup.row_parallel needs of a row-parallel LinearBase
+        weight = w
+
+        def matmul(self, a):
+            return torch.mm(a, w.t())
+
+        def matmul_into(self, a, out):
+            torch.mm(a, w.t(), out=out)
+
+    layer = Layer()
     calls = []
     for call, (x, residual) in enumerate(inputs):  # no collective but the exchanges themselves
-        partial = tp.row_parallel(x, w)
+        partial = tp.row_parallel(x, layer)
         if rank == 1 and call % 3 == 0:
             # Rank 1 reads this exchange's half late, while rank 0 goes on to send the next one.
             torch.cuda._sleep(20_000_000)
@@ -617,8 +627,8 @@ def worker(rank, init, seed):
     x = torch.randn(8192, k, generator=gen, device=device).to(dtype)
     residual = torch.randn(8192, hidden, generator=gen, device=device).to(dtype)
     dist.broadcast(residual, src=0)
-    partial = ce.linear(x, w)
-    for bad in (lambda: ce.linear(x, w), lambda: ce.finish(partial.clone(), residual, norm_w, 1e-6)):
+    partial = ce.linear(x, layer.matmul_into)
+    for bad in (lambda: ce.linear(x, layer.matmul_into), lambda: ce.finish(partial.clone(), residual, norm_w, 1e-6)):
         try:
             bad()
             raise SystemExit("misuse was not refused")
@@ -632,8 +642,8 @@ def worker(rank, init, seed):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         scratch.add_(1)
-        assert not ce.takes(x, w)
-    assert ce.takes(x, w)
+        assert not ce.takes(x, w.shape[0])
+    assert ce.takes(x, w.shape[0])
     dist.barrier()
     dist.destroy_process_group()
     print(f"rank {rank}: {len(calls)} calls, {ce.exchanges} by copy engine, all equal to NCCL", flush=True)
