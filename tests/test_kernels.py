@@ -294,6 +294,178 @@ def test_choose_num_splits():
         choose_num_splits(0, 8, 16)
 
 
+# ----------------------------------------------------------------------------- FP8 KV cache
+
+FP8 = torch.float8_e4m3fn
+
+
+def ref_quantize(x, scale):
+    """The FP8 cache's stored value, in plain torch: clamp(x / scale, +-448) rounded to e4m3.
+    Torch's cast rounds to nearest even but turns values beyond 448 into NaN: clamp first."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(FP8)
+
+
+def fp8_bytes(t):
+    return t.view(torch.uint8)
+
+
+def random_scales(device):
+    """Per-tensor K and V scales away from 1 and from powers of two (so that the division
+    really rounds), as fp32 [1] tensors."""
+    return (torch.rand(2, device=device) * 0.9 + 0.05).split(1)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,dtype,slot_dtype,packed",
+    [
+        (2, 64, torch.float32, torch.int64, False),
+        (3, 40, torch.float16, torch.int32, True),  # width 120: not a power of two
+        (4, 32, torch.bfloat16, torch.int64, False),
+    ],
+)
+def test_store_kvcache_fp8(num_kv_heads, head_dim, dtype, slot_dtype, packed, fresh_seed):
+    n, num_blocks, block_size = 11, 5, 16
+    width = (2 + 2 * num_kv_heads if packed else 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(n, width, device=DEVICE) * 100  # |x| / scale spans e4m3 and beyond
+    qkv = qkv.to(dtype)
+    if packed:
+        # key/value as strided views into a packed qkv projection, like the model produces.
+        key, value = qkv[:, 2 * head_dim :].view(n, 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1)
+        assert not key.is_contiguous()
+    else:
+        key, value = (t.contiguous() for t in qkv.view(n, 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1))
+    k_scale, v_scale = random_scales(DEVICE)
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    slots[torch.rand(n) < 0.3] = -1
+    slots[0] = -1
+    slot_mapping = slots.to(DEVICE, slot_dtype)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Poison: 0x7F is e4m3fn's NaN; skipped and unused slots must keep it.
+    k_cache = torch.full(shape, 0x7F, device=DEVICE, dtype=torch.uint8).view(FP8)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    keep = slots >= 0
+    k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(key[keep.to(DEVICE)], k_scale)
+    v_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(value[keep.to(DEVICE)], v_scale)
+
+    # The same arithmetic (fp32 division, clamp, round to nearest even): identical bytes.
+    assert torch.equal(fp8_bytes(k_cache), fp8_bytes(k_ref))
+    assert torch.equal(fp8_bytes(v_cache), fp8_bytes(v_ref))
+    written = ~k_cache.float().isnan().any(-1).any(-1).view(-1)
+    assert int(written.sum()) == int(keep.sum())
+    # Values beyond 448 * scale saturate to +-448 (there are some: |x| ~ 100 sigma).
+    stored = k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]].float()
+    big = (key[keep.to(DEVICE)].float() / k_scale).abs() > 448
+    assert big.any() and (stored[big].abs() == 448).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.125, 0.3])
+def test_store_kvcache_fp8_rounds_like_torch_at_every_tie(scale):
+    """Every finite e4m3 value, every midpoint between neighbours (ties go to the even one),
+    the floats just either side of each midpoint, and values past 448 (saturate), all signs."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = codes[~codes.isnan() & (codes >= 0)].unique().sort().values
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mid, mid.nextafter(torch.zeros(())), mid.nextafter(torch.full((), 1e9)),
+                   torch.tensor([449.0, 463.9, 464.0, 1e4, 3e38])])
+    x = torch.cat([x, -x]) * scale
+    n = x.numel()
+    key = x.view(n, 1, 1).to(DEVICE)
+    cache = torch.zeros(n, 1, 1, 1, dtype=FP8, device=DEVICE)
+    s = torch.tensor([scale], device=DEVICE)
+    store_kvcache(key, key, cache, cache.clone(), torch.arange(n, device=DEVICE), s, s)
+    assert torch.equal(fp8_bytes(cache.view(n, 1, 1)), fp8_bytes(ref_quantize(key, s)))
+
+
+def quantized_paged_inputs(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
+    """make_paged_inputs with FP8 caches (quantized with random scales; the NaN poison stays NaN)
+    and the dequantized fp32 caches the reference attends over."""
+    q, k, v, block_tables, ctx = make_paged_inputs(
+        context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, device
+    )
+    k_scale, v_scale = random_scales(device)
+    k8, v8 = ref_quantize(k * 100 * k_scale, k_scale), ref_quantize(v * 100 * v_scale, v_scale)
+    deq = (k8.float() * k_scale, v8.float() * v_scale)
+    return q.to(dtype), k8, v8, block_tables, ctx, k_scale, v_scale, deq
+
+
+def _check_decode_fp8(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, tol):
+    q, k8, v8, block_tables, ctx, k_scale, v_scale, (k_deq, v_deq) = quantized_paged_inputs(
+        context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE
+    )
+    # Scores of order 1: the stored values are ~N(0, 100^2), so fold 1/100 into the scale.
+    scale = head_dim**-0.5 / 100
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k8, v8, block_tables, ctx, scale, num_splits, out=out,
+                           k_scale=k_scale, v_scale=v_scale)
+    assert not out.isnan().any(), "unwritten or NaN output"
+    for b, c in enumerate(context_lens):
+        if c == 0:
+            assert (out[b] == 0).all(), "a context_len 0 row must give zeros"
+    # The reference attends in float64 over the dequantized cache and q as given (already in
+    # its dtype). e4m3 -> q's dtype is exact and the scales only move where fp32 rounds, so the
+    # kernel's error is that of the unquantized path (test_paged_decode): fp32 accumulation
+    # over <= 600 tokens (about 1e-6 relative, bound 1e-4), or with fp16 q the fp16 rounding of
+    # the probabilities before the PV dot and of the output (2**-11 each, bound 3e-3).
+    ref = ref_paged_decode(q, k_deq, v_deq, block_tables, ctx, scale)
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,max_ctx,num_splits,dtype",
+    [
+        (8, 8, 16, 90, 1, torch.float32),  # group 1, tiles gather several small blocks
+        (8, 2, 32, 150, 3, torch.float16),  # group 4
+        (8, 1, 256, 600, 4, torch.float32),  # MQA, one block split into several tiles
+        (4, 2, 16, 300, 6, torch.float16),  # many splits: some sequences have empty ones
+    ],
+)
+def test_paged_decode_fp8(num_heads, num_kv_heads, block_size, max_ctx, num_splits, dtype, fresh_seed):
+    random.seed(fresh_seed)
+    lens = _random_context_lens(4, block_size, max_ctx)
+    lens.append(block_size + 5)  # a partial last block for sure
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    _check_decode_fp8(lens, num_heads, num_kv_heads, 64, block_size, num_splits, dtype, tol)
+
+
+def test_fp8_kv_rejects_bad_arguments():
+    key = torch.randn(4, 2, 32, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    cache8 = torch.zeros(2, 16, 2, 32, device=DEVICE, dtype=FP8)
+    cache32 = torch.zeros(2, 16, 2, 32, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots)
+    with pytest.raises(ValueError, match="needs v_scale"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, one, None)
+    with pytest.raises(ValueError, match="only to an FP8"):
+        store_kvcache(key, key, cache32, cache32.clone(), slots, one, one)
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, one.bfloat16(), one)
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, torch.ones((), device=DEVICE), one)
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, 1.0, one)
+    with pytest.raises(ValueError, match="dtypes"):  # the two caches must agree
+        store_kvcache(key, key, cache8, cache32, slots, one, one)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        store_kvcache(key.to(FP8), key.to(FP8), cache8, cache8.clone(), slots, one, one)
+
+    q, k8, v8, block_tables, ctx, k_scale, v_scale, _ = quantized_paged_inputs(
+        [20, 7], 4, 2, 32, 16, torch.float32, DEVICE
+    )
+    with pytest.raises(ValueError, match="needs k_scale"):
+        paged_decode_attention(q, k8, v8, block_tables, ctx, 0.2, 1)
+    with pytest.raises(ValueError, match="only to an FP8"):
+        paged_decode_attention(q, k8.float(), v8.float(), block_tables, ctx, 0.2, 1,
+                               k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="dtypes"):
+        paged_decode_attention(q, k8, v8.float(), block_tables, ctx, 0.2, 1, k_scale=k_scale, v_scale=v_scale)
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 
