@@ -326,7 +326,9 @@ def random_scales(device):
 def test_store_kvcache_fp8(num_kv_heads, head_dim, dtype, slot_dtype, packed, fresh_seed):
     n, num_blocks, block_size = 11, 5, 16
     width = (2 + 2 * num_kv_heads if packed else 2 * num_kv_heads) * head_dim
-    qkv = torch.randn(n, width, device=DEVICE) * 100  # |x| / scale spans e4m3 and beyond
+    qkv = torch.randn(n, width, device=DEVICE) * 100  # |x| / scale spans e4m3's range
+    outliers = torch.randperm(qkv.numel(), device=DEVICE)[: qkv.numel() // 20]
+    qkv.view(-1)[outliers] *= 100  # and beyond: these saturate
     qkv = qkv.to(dtype)
     if packed:
         # key/value as strided views into a packed qkv projection, like the model produces.
@@ -355,7 +357,7 @@ def test_store_kvcache_fp8(num_kv_heads, head_dim, dtype, slot_dtype, packed, fr
     assert torch.equal(fp8_bytes(v_cache), fp8_bytes(v_ref))
     written = ~k_cache.float().isnan().any(-1).any(-1).view(-1)
     assert int(written.sum()) == int(keep.sum())
-    # Values beyond 448 * scale saturate to +-448 (there are some: |x| ~ 100 sigma).
+    # Values beyond 448 * scale saturate to +-448.
     stored = k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]].float()
     big = (key[keep.to(DEVICE)].float() / k_scale).abs() > 448
     assert big.any() and (stored[big].abs() == 448).all()
@@ -363,20 +365,25 @@ def test_store_kvcache_fp8(num_kv_heads, head_dim, dtype, slot_dtype, packed, fr
 
 @pytest.mark.parametrize("scale", [1.0, 0.125, 0.3])
 def test_store_kvcache_fp8_rounds_like_torch_at_every_tie(scale):
+    _check_store_fp8_ties(scale, DEVICE)
+
+
+def _check_store_fp8_ties(scale, device):
     """Every finite e4m3 value, every midpoint between neighbours (ties go to the even one),
-    the floats just either side of each midpoint, and values past 448 (saturate), all signs."""
+    the floats just either side of each midpoint, and values past 448 (saturate), all signs,
+    times `scale` (a power of two keeps the ties exact; 0.3 makes x / scale round first)."""
     codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
     grid = codes[~codes.isnan() & (codes >= 0)].unique().sort().values
     mid = (grid[1:] + grid[:-1]) / 2
     x = torch.cat([grid, mid, mid.nextafter(torch.zeros(())), mid.nextafter(torch.full((), 1e9)),
                    torch.tensor([449.0, 463.9, 464.0, 1e4, 3e38])])
-    x = torch.cat([x, -x]) * scale
-    n = x.numel()
-    key = x.view(n, 1, 1).to(DEVICE)
-    cache = torch.zeros(n, 1, 1, 1, dtype=FP8, device=DEVICE)
-    s = torch.tensor([scale], device=DEVICE)
-    store_kvcache(key, key, cache, cache.clone(), torch.arange(n, device=DEVICE), s, s)
-    assert torch.equal(fp8_bytes(cache.view(n, 1, 1)), fp8_bytes(ref_quantize(key, s)))
+    x = torch.cat([x, -x, torch.zeros(-2 * x.numel() % 64)]) * scale
+    n = x.numel() // 64  # rows of 64 values: few interpreted programs
+    key = x.view(n, 1, 64).to(device)
+    cache = torch.zeros(n, 1, 1, 64, dtype=FP8, device=device)
+    s = torch.tensor([scale], device=device)
+    store_kvcache(key, key, cache, cache.clone(), torch.arange(n, device=device), s, s)
+    assert torch.equal(fp8_bytes(cache.view(n, 1, 64)), fp8_bytes(ref_quantize(key, s)))
 
 
 def quantized_paged_inputs(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
@@ -391,9 +398,10 @@ def quantized_paged_inputs(context_lens, num_heads, num_kv_heads, head_dim, bloc
     return q.to(dtype), k8, v8, block_tables, ctx, k_scale, v_scale, deq
 
 
-def _check_decode_fp8(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, tol):
+def _check_decode_fp8(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, tol,
+                      device=DEVICE):
     q, k8, v8, block_tables, ctx, k_scale, v_scale, (k_deq, v_deq) = quantized_paged_inputs(
-        context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, DEVICE
+        context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
     )
     # Scores of order 1: the stored values are ~N(0, 100^2), so fold 1/100 into the scale.
     scale = head_dim**-0.5 / 100
@@ -568,6 +576,94 @@ def test_cuda_graph_capture_and_replay():
         torch.testing.assert_close(k_flat[live], new_k[:-1], rtol=0, atol=0)
         ref = ref_paged_decode(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
         assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_store_kvcache_fp8_ties_gpu(scale):
+    _check_store_fp8_ties(scale, "cuda")
+
+
+@pytest.mark.gpu
+def test_store_kvcache_gpu_fp8(fresh_seed):
+    """bf16 K/V views of a packed projection into an FP8 cache: bytes as torch's CUDA cast."""
+    n, num_kv_heads, head_dim, num_blocks, block_size = 300, 8, 128, 64, 256
+    qkv = torch.randn(n, 32 * head_dim, device="cuda", dtype=torch.bfloat16) * 50
+    key = qkv[:, 16 * head_dim : 24 * head_dim].view(n, num_kv_heads, head_dim)
+    value = qkv[:, 24 * head_dim :].view(n, num_kv_heads, head_dim)
+    k_scale, v_scale = random_scales("cuda")
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
+    slots[::7] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, 0x7F, device="cuda", dtype=torch.uint8).view(FP8)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(key, value, k_cache, v_cache, slots.int(), k_scale, v_scale)
+    keep = slots >= 0
+    k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(key[keep], k_scale)
+    v_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(value[keep], v_scale)
+    assert torch.equal(fp8_bytes(k_cache), fp8_bytes(k_ref))
+    assert torch.equal(fp8_bytes(v_cache), fp8_bytes(v_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_paged_decode_gpu_fp8(block_size, num_splits, fresh_seed):
+    """bf16 q over an FP8 cache at Qwen3-8B's head shape, against float64 attention over the
+    dequantized cache: 1e-2 as the bf16 test (bf16 probabilities and output, 2**-9 each)."""
+    random.seed(fresh_seed)
+    batch, num_heads, num_kv_heads, head_dim, max_ctx = 64, 16, 8, 128, 4096
+    lens = _random_context_lens(batch, block_size, max_ctx)
+    lens[0] = max_ctx
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, math.ceil(max_ctx / block_size))
+    _check_decode_fp8(lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, torch.bfloat16, 1e-2,
+                      device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_fp8_scales_set_after_capture(fresh_seed):
+    """Store + decode on an FP8 cache captured with scales 1.0; new scales written into the
+    same tensors afterwards must be what the replay quantizes and dequantizes with."""
+    batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks = 8, 16, 8, 128, 16, 16
+    dev, num_blocks = "cuda", batch * max_blocks
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=dev, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale, v_scale = torch.ones(1, device=dev), torch.ones(1, device=dev)
+    q = torch.randn(batch, num_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    new_k = torch.randn(batch, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    new_v = torch.randn_like(new_k)
+    block_tables = torch.randperm(num_blocks, device=dev).int().view(batch, max_blocks)
+    context_lens = torch.randint(1, max_blocks * block_size, (batch,), device=dev, dtype=torch.int32)
+    pos = (context_lens - 1).long()
+    slots = block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long() * block_size + pos % block_size
+    out = torch.empty_like(q)
+    num_splits = choose_num_splits(batch, num_kv_heads, max_blocks)
+
+    def step():
+        store_kvcache(new_k, new_v, k_cache, v_cache, slots, k_scale, v_scale)
+        paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5, num_splits, out,
+                               k_scale=k_scale, v_scale=v_scale)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # The rest of the cache: random e4m3 values.
+    k_cache.copy_(torch.randn(k_cache.shape, device=dev).to(FP8))
+    v_cache.copy_(torch.randn(v_cache.shape, device=dev).to(FP8))
+    k_scale.fill_(0.037)
+    v_scale.fill_(0.41)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(fp8_bytes(k_flat[slots]), fp8_bytes(ref_quantize(new_k, k_scale)))
+    ref = ref_paged_decode(q, k_cache.float() * k_scale, v_cache.float() * v_scale, block_tables, context_lens,
+                           head_dim**-0.5)
+    assert rel_err(out, ref) < 1e-2
 
 
 # ----------------------------------------------------------------------------- benchmark

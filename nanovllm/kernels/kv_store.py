@@ -21,7 +21,8 @@ def _quantize_e4m3(x, scale):
     fp32 ulp at 2**(e - 3), the e4m3 spacing there, so the (RNE) addition rounds |y| to the
     e4m3 grid and the subtraction is exact; e4m3 subnormals share the spacing of 2**-6.
     """
-    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0)
+    # NaN stays NaN, as in torch (a bare clamp may turn it into +-448 on the GPU).
+    y = tl.clamp(tl.div_rn(x.to(tl.float32), scale), -448.0, 448.0, propagate_nan=tl.PropagateNan.ALL)
     bits = y.to(tl.uint32, bitcast=True)
     biased_exp = tl.maximum((bits >> 23) & 0xFF, 127 - 6)
     magic = ((biased_exp + 20) << 23).to(tl.float32, bitcast=True)

@@ -215,12 +215,13 @@ def choose_num_splits(
 
 
 def _launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """(TILE, num_warps, num_stages) for the split kernel; elem_size is the cache's."""
+    """(TILE, num_warps, num_stages) for the split kernel; elem_size is q's."""
     # 64 tokens x 128 dims of bf16 per K or V tile (16 KiB each): on an H200 this was at the
     # top of a sweep over tiles 32-128, 2-8 warps and 1-3 stages (the spread was about 5%);
     # bigger tiles add registers without adding bandwidth. Keep those bytes per tile for
-    # other element sizes and head sizes (an FP8 cache gets 128-token tiles at head_dim 128:
-    # the same bytes in flight; not swept yet, see scripts/bench_paged_decode.py --kv-fp8).
+    # other element sizes and head sizes. An FP8 cache keeps q's tile: its tiles are widened
+    # to q's dtype in registers, and at twice the tokens the sm_90 build spills registers
+    # (not timed yet: scripts/bench_paged_decode.py --kv-fp8 --tile 128 compares).
     tile = max(16, min(128, 64 * 2 * 128 // (elem_size * head_dim)))
     return tile, 4, 2
 
@@ -319,7 +320,7 @@ def paged_decode_attention(
 
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
-    tile, num_warps, num_stages = _launch_config(head_dim, k_cache.element_size())
+    tile, num_warps, num_stages = _launch_config(head_dim, q.element_size())
     # Splits beyond the table's capacity in tiles could never get tokens.
     num_splits = max(1, min(num_splits, triton.cdiv(max_blocks * block_size, tile)))
     if num_splits > 1:
