@@ -6,7 +6,6 @@ import triton
 import triton.language as tl
 
 FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 
 
 @triton.jit
