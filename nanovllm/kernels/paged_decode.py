@@ -1,4 +1,5 @@
-"""Split-KV (flash-decoding) attention for one decode token per sequence over a paged KV cache."""
+"""Split-KV (flash-decoding) attention for one decode token per sequence over a paged KV cache
+(bf16/fp16/fp32, or FP8 e4m3 with per-tensor K/V scales)."""
 
 import math
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.kv_store import check_paged_cache
+from nanovllm.kernels.kv_store import FP8_KV_DTYPE, check_kv_scales, check_paged_cache
 
 _LOG2E = 1.4426950408889634
 
@@ -29,6 +30,8 @@ def _paged_decode_split_kernel(
     out_stride_h,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     max_blocks_per_seq,
     num_splits,
@@ -40,6 +43,7 @@ def _paged_decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
@@ -59,6 +63,12 @@ def _paged_decode_split_kernel(
     dtype). True: writes the normalised partial output to part_out [B, NUM_HEADS,
     num_splits, HEAD_DIM] (fp32) and its log2-sum-exp to part_lse [B, NUM_HEADS,
     num_splits]; an empty split writes 0 and -inf so that it carries no weight in the merge.
+
+    KV_FP8: the caches hold float8_e4m3fn, true value = stored * scale. Tiles are converted to
+    q's dtype in registers (exact: e4m3 values are all representable in fp16/bf16/fp32), the
+    K scale is folded into the fp32 score scale and the V scale into the normalised output
+    (attention is linear in V), so the loop costs nothing beyond the conversions. Scales are
+    read from device pointers: they may be set after a CUDA graph was captured.
     """
     kvh = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -85,6 +95,9 @@ def _paged_decode_split_kernel(
         other=0.0,
     )
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -108,6 +121,9 @@ def _paged_decode_split_kernel(
         kv_off = row_off[:, None] + kv_col[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
@@ -122,6 +138,8 @@ def _paged_decode_split_kernel(
 
     nonempty = l_i > 0.0
     o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     if not WRITE_PARTIAL:
         out_off = b * out_stride_b + heads[:, None] * out_stride_h + dims[None, :]
         tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -197,11 +215,13 @@ def choose_num_splits(
 
 
 def _launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """(TILE, num_warps, num_stages) for the split kernel."""
+    """(TILE, num_warps, num_stages) for the split kernel; elem_size is q's."""
     # 64 tokens x 128 dims of bf16 per K or V tile (16 KiB each): on an H200 this was at the
     # top of a sweep over tiles 32-128, 2-8 warps and 1-3 stages (the spread was about 5%);
     # bigger tiles add registers without adding bandwidth. Keep those bytes per tile for
-    # other element sizes and head sizes.
+    # other element sizes and head sizes. An FP8 cache keeps q's tile: its tiles are widened
+    # to q's dtype in registers, and at twice the tokens the sm_90 build spills registers
+    # (not timed yet: scripts/bench_paged_decode.py --kv-fp8 --tile 128 compares).
     tile = max(16, min(128, 64 * 2 * 128 // (elem_size * head_dim)))
     return tile, 4, 2
 
@@ -215,6 +235,8 @@ def paged_decode_attention(
     scale: float,
     num_splits: int,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for one query token per sequence over a paged KV cache.
 
@@ -233,6 +255,9 @@ def paged_decode_attention(
     graph (call it once eagerly first so the kernels are compiled).
     out: optional [B, num_heads, head_dim] buffer of q's
     dtype (stride(-1) == 1). Returns out.
+    FP8 KV cache: k_cache / v_cache float8_e4m3fn holding K / k_scale and V / v_scale
+    (store_kvcache's quantization); k_scale, v_scale: fp32 [1] device tensors, required
+    then and only then. The result is attention over stored.float() * scale.
     """
     if q.dim() != 3:
         raise ValueError(f"q must be [B, num_heads, head_dim], got {tuple(q.shape)}")
@@ -260,12 +285,14 @@ def paged_decode_attention(
         raise ValueError(f"at most 65535 sequences per call, got {batch}")
     if context_lens.shape != (batch,):
         raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if not (k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_KV_DTYPE)):
         raise ValueError(
-            f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+            f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} "
+            f"(the caches take q's dtype or float8_e4m3fn)"
         )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -320,6 +347,8 @@ def paged_decode_attention(
         out.stride(1),
         part_out,
         part_lse,
+        k_scale if fp8 else out,  # unused without FP8
+        v_scale if fp8 else out,
         float(scale) * _LOG2E,
         max_blocks,
         num_splits,
@@ -331,6 +360,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        KV_FP8=fp8,
         num_warps=num_warps,
         num_stages=num_stages,
     )
