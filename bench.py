@@ -41,22 +41,41 @@ def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int
     return prompts, max_tokens
 
 
-def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: float) -> float:
-    """Lower bound in seconds for generating `max_tokens` after each prompt (module docstring)."""
+def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: float, kv_bytes: int | None = None,
+                   linear_bytes: float | None = None) -> float:
+    """Lower bound in seconds for generating `max_tokens` after each prompt (module docstring).
+
+    dtype_bytes: the model's element size (embeddings, norms, LM head); kv_bytes: the KV cache's
+    (default dtype_bytes; 1 for an FP8 cache); linear_bytes: the decoder layers' linear weights'
+    (default dtype_bytes; FP8: 1 plus their scales' share)."""
     c = hf_config
     head_dim = head_dim_of(c)
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
+    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * (kv_bytes or dtype_bytes)
     h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
     attn = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim + c.num_attention_heads * head_dim * h
-    per_layer = attn + 3 * h * i + 2 * h + 2 * head_dim
+    linears = attn + 3 * h * i
+    others = 2 * h + 2 * head_dim
     # Every parameter once per step (the embedding too, as the issue's floors count it; tied
     # embeddings are one matrix).
     embed = c.vocab_size * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    weight_bytes = (L * per_layer + h + embed) * dtype_bytes
+    weight_bytes = L * linears * (linear_bytes or dtype_bytes) + (L * others + h + embed) * dtype_bytes
     # Token j of a request (0-based) is generated from a context of prompt_len + j tokens.
     kv_reads = sum(n * p + n * (n - 1) // 2 for p, n in zip(map(len, prompts), max_tokens))
     steps = max(max_tokens)
     return (kv_reads * kv_per_token + steps * weight_bytes) / bandwidth
+
+
+def weight_element_bytes(llm) -> tuple[int, float]:
+    """(KV cache bytes per element, decoder linear weights' bytes per element) of an engine."""
+    cfg = llm.config
+    quant = cfg.quant
+    if quant is None:
+        linear = cfg.dtype.itemsize
+    elif quant.scheme == "block":
+        linear = 1 + 4 / (128 * 128)  # an fp32 scale per 128x128 block
+    else:
+        linear = 1.0  # one scale per weight: nothing
+    return cfg.kv_dtype.itemsize, linear
 
 
 # Kernel name fragments per kind of work, first match wins: what `--profile` sums up.
@@ -232,6 +251,9 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...): "auto" or "fp8"')
+    ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load time')
+    ap.add_argument("--calculate-kv-scales", action="store_true", help="LLM(calculate_kv_scales=True)")
     ap.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="memory bandwidth, B/s")
     ap.add_argument("--compare", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
@@ -275,7 +297,9 @@ def main(argv=None):
     llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
               tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=4096,
               custom_all_reduce=not args.nccl_all_reduce, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size)
+              max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+              calculate_kv_scales=args.calculate_kv_scales)
     cold_start = time.perf_counter() - t0
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False
@@ -295,14 +319,17 @@ def main(argv=None):
     if out_tokens != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
     in_tokens = sum(map(len, prompts))
-    floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth) \
-        / args.tp
+    kv_bytes, linear_bytes = weight_element_bytes(llm)
+    floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth,
+                           kv_bytes, linear_bytes) / args.tp
     rank0 = getattr(llm.model_runner, "runner", llm.model_runner)  # TP: rank 0's ModelRunner
     res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
            "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
+           "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+           "quantization": None if llm.config.quant is None else f"fp8-{llm.config.quant.scheme}",
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
            "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits, "startup_s": llm.model_runner.startup_seconds,

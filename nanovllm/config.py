@@ -170,6 +170,8 @@ class Config:
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
         self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
+        if self.quant is not None:
+            self.quant.check_model(self.hf_config, self.tensor_parallel_size)
         self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
         if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
             major, minor = torch.cuda.get_device_capability()

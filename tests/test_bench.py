@@ -40,6 +40,20 @@ def test_floor_counts_kv_reads_and_weight_reads():
     assert two - one == 11 * kv_per_token + (one - 10 * kv_per_token)
 
 
+def test_floor_counts_fp8_bytes():
+    """An FP8 KV cache halves the KV reads; FP8 linear weights halve the decoder's GEMM weights
+    (embedding, LM head and norms stay 16-bit)."""
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-8b"]))
+    kv_only = [[0] * 1000], [1]
+    base = bench.roofline_floor(cfg, *kv_only, 2, 1.0)
+    assert bench.roofline_floor(cfg, *kv_only, 2, 1.0, kv_bytes=1) == base - 1000 * 2 * 36 * 8 * 128
+    h, i, L, v = 4096, 12288, 36, 151936
+    linears = L * (h * (32 + 16) * 128 + 32 * 128 * h + 3 * h * i)
+    fp8 = bench.roofline_floor(cfg, *kv_only, 2, 1.0, kv_bytes=2, linear_bytes=1)
+    assert base - fp8 == linears  # one byte less per linear weight element
+    assert 2 * linears / (base - 1000 * 2 * 36 * 8 * 128) > 0.8 and 2 * v * h < base  # linears: most of the bytes
+
+
 def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)  # the workload's ids go up to 10000
     out = tmp_path / "res.json"

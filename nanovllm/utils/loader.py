@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -42,6 +43,8 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue  # tied to the embedding, which is loaded under its own name
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed, older checkpoints carry it
+                if _load_kv_scale(model, name, lambda: _read_checked(f, name, file)):
+                    continue
                 pname, param, shard_id = _resolve(params, mapping, name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} does not "
@@ -84,6 +87,31 @@ def _read_checked(f, name: str, file: str) -> torch.Tensor:
                          f"({type(e).__name__}: {e})") from None
 
 
+# FP8 KV-cache scales, as vLLM names them: <layer>.self_attn.{k,v}_scale, or the older
+# <layer>.self_attn.{k,v}_proj.output_scale. Read into the attention layer's k_scale / v_scale.
+_KV_SCALE = re.compile(r"^(?P<attn>.+\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
+
+
+def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
+    """Whether `name` is a KV-cache scale (then copied into its attention layer when the cache is
+    FP8, and ignored otherwise: a 16-bit cache needs no scale)."""
+    m = _KV_SCALE.match(name)
+    if m is None:
+        return False
+    try:
+        attn = model.get_submodule(m["attn"]).attn
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not have") from None
+    kind = m["kv"] or m["proj"]
+    if getattr(attn, "fp8_kv_cache", False):
+        value = read().float().reshape(-1)
+        if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
+            raise ValueError(f"{name}: a KV-cache scale must be one positive finite number, got {value.tolist()[:4]}")
+        getattr(attn, f"{kind}_scale").copy_(value)
+        attn.kv_scales_from_checkpoint = True
+    return True
+
+
 def _expected_names(mapping: dict, params: dict, tied: bool) -> set[str]:
     """The checkpoint tensor names a complete checkpoint holds for these parameters."""
     names = set()
@@ -104,6 +132,8 @@ def init_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights of realistic scale (benchmarks without the real checkpoint)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if param.dtype == torch.float8_e4m3fn or getattr(param, "block", None):
+            continue  # FP8 checkpoint parameters: the quantization scheme fills them (init_dummy hook)
         if "norm" in name:
             param.fill_(1.0)
         else:

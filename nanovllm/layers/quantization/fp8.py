@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from nanovllm.layers.quantization.fp8_ops import (BLOCK, FP8_DTYPE, fp8_block_linear, fp8_tensor_linear,
-                                                  quantize_weight_per_tensor_fp8)
+                                                  quantize_weight_block_fp8, quantize_weight_per_tensor_fp8)
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,23 @@ class Fp8Config:
     @classmethod
     def online(cls) -> "Fp8Config":
         return cls("tensor")
+
+    def check_model(self, hf_config, tp: int) -> None:
+        """A ValueError, before any weight loads, when a tensor-parallel shard or a packed part
+        (q / k of qkv, gate of gate_up) would not be whole 128-blocks of the checkpoint's scales."""
+        if self.scheme != "block":
+            return
+        c = hf_config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        dims = {"num_attention_heads x head_dim": c.num_attention_heads * head_dim,
+                "num_key_value_heads x head_dim": c.num_key_value_heads * head_dim,
+                "intermediate_size": getattr(c, "intermediate_size", None),
+                "moe_intermediate_size": getattr(c, "moe_intermediate_size", None)}
+        for what, n in dims.items():
+            if n is not None and n % (BLOCK * tp):
+                where = f"{n // tp} rows per rank at tensor_parallel_size={tp}" if tp > 1 else f"{n} rows packed with others"
+                raise ValueError(f"FP8 block checkpoint: {what} = {n} gives {where}, which cuts a {BLOCK}-row "
+                                 f"block of the weight scales")
 
     def quantizes(self, module_name: str) -> bool:
         return not any(name and name in module_name for name in self.ignored)
@@ -96,6 +113,14 @@ class BlockFp8Linear:
     def after_loading(self, layer) -> None:
         pass
 
+    def init_dummy(self, layer, gen: torch.Generator) -> None:
+        """Random weights of the checkpoint format (benchmarks without the checkpoint): N(0, 0.02)
+        quantized in 128x128 blocks, as init_dummy draws 16-bit weights."""
+        w = torch.empty(layer.weight.shape, dtype=torch.float32, device=layer.weight.device).normal_(0.0, 0.02, generator=gen)
+        w_q, scale_inv = quantize_weight_block_fp8(w)
+        layer.weight.data.copy_(w_q)
+        layer.weight_scale_inv.data.copy_(scale_inv)
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, bias)
 
@@ -105,6 +130,9 @@ class TensorFp8Linear:
 
     def create(self, layer, name: str) -> None:
         pass  # the 16-bit weight loads as usual
+
+    def init_dummy(self, layer, gen: torch.Generator) -> None:
+        pass  # init_dummy draws the 16-bit weight
 
     def after_loading(self, layer) -> None:
         w_q, scale = quantize_weight_per_tensor_fp8(layer.weight.data)
@@ -128,6 +156,19 @@ def prepare_fp8_linears(model: nn.Module, config: Fp8Config) -> int:
             count += 1
     logger.info("FP8 (%s scheme) for %d linear layers", config.scheme, count)
     return count
+
+
+@torch.no_grad()
+def init_dummy_fp8_linears(model: nn.Module, seed: int) -> None:
+    """Random FP8 weights for the layers whose checkpoint parameters are FP8 (load_format="dummy")."""
+    from nanovllm.layers.linear import LinearBase
+
+    gen = None
+    for module in model.modules():
+        if isinstance(module, LinearBase) and module.quant is not None:
+            if gen is None:
+                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 1)
+            module.quant.init_dummy(module, gen)
 
 
 @torch.no_grad()
