@@ -216,6 +216,97 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
     return q, scale_out
 
 
+@triton.jit
+def _quant_tensor_one_launch_kernel(x_ptr, q_ptr, scale_ptr, sync_ptr, M, K, stride_xm, stride_qm,
+                                    rows_per_prog, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                                    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """Dynamic per-tensor quantization of x [M, K] in one launch (the three of
+    quantize_fp8_per_tensor cost more than the GEMM they feed at decode sizes).
+
+    sync_ptr: int32 [3] = (amax as fp32 bits, arrivals, generation). Each program takes rows
+    [pid * rows_per_prog, +rows_per_prog): it folds their max |x| into the amax (an atomic max
+    on the bits: non-negative floats order like their bit patterns) and arrives at a barrier; the
+    last to arrive turns the amax into the scale, stores it, resets amax and arrivals to zero for
+    the next call and bumps the generation, which releases the others; then every program
+    quantizes its rows with that scale. The grid must be resident all at once (the wrapper caps
+    it below the SM count) and amax / arrivals must be zero at the first call.
+    The interpreter runs programs one by one: there only a grid of one program can be used.
+    """
+    pid = tl.program_id(0)
+    row0 = pid * rows_per_prog
+    row_end = tl.minimum(row0 + rows_per_prog, M)
+    m = tl.zeros([TILE_M, BLOCK_K], dtype=tl.float32)
+    for r in range(row0, row_end, TILE_M):
+        rows = r + tl.arange(0, TILE_M)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = (rows[:, None] < row_end) & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            m = tl.maximum(m, tl.abs(x.to(tl.float32)))
+    generation = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")  # read before arriving: it cannot move yet
+    tl.atomic_max(sync_ptr, tl.max(tl.max(m, axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
+    arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")  # orders our amax before the last one's read
+    if arrived == tl.num_programs(0) - 1:
+        amax = tl.atomic_xchg(sync_ptr, 0, sem="acq_rel").to(tl.float32, bitcast=True)
+        scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
+        tl.store(scale_ptr, scale)
+        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
+        tl.atomic_add(sync_ptr + 2, 1, sem="release")  # publishes the scale and the resets
+    else:
+        seen = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
+        while seen == generation:
+            seen = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
+    scale = tl.load(scale_ptr, volatile=True)
+    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    for r in range(row0, row_end, TILE_M):
+        rows = r + tl.arange(0, TILE_M)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = (rows[:, None] < row_end) & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
+                     _to_e4m3(x.to(tl.float32) * inv, FP8_MAX), mask=mask)
+
+
+class OneLaunchQuantizer:
+    """Dynamic per-tensor FP8 quantization in one launch (see _quant_tensor_one_launch_kernel),
+    for one call site at a time: it owns the kernel's barrier state, so two quantizations must
+    not run at the same time with one object (a layer owns one; its calls run in stream order).
+
+    max_programs caps the grid, which must be resident all at once: at most the SM count on a
+    GPU, 1 under the Triton interpreter (it runs programs one after another)."""
+
+    def __init__(self, device: torch.device, max_programs: int | None = None):
+        if max_programs is None:
+            max_programs = 1 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count // 2
+        self.max_programs = max(1, max_programs)
+        self.sync = torch.zeros(3, dtype=torch.int32, device=device)  # amax bits, arrivals, generation
+
+    def __call__(self, x: torch.Tensor, scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q, scale) as quantize_fp8_per_tensor returns them, bit for bit."""
+        _check_float("x", x)
+        _check_matrix("x", x)
+        if x.device != self.sync.device:
+            raise ValueError(f"x is on {x.device}, the quantizer's state on {self.sync.device}")
+        m, k = x.shape
+        q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
+        if scale_out is None:
+            scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
+        if m == 0 or k == 0:
+            scale_out.fill_(FP8_MIN_SCALE)
+            return q, scale_out
+        block_k = min(1024, triton.next_power_of_2(k))
+        tile_m = max(1, 4096 // block_k)
+        tiles = triton.cdiv(m, tile_m)
+        rows_per_prog = triton.cdiv(tiles, min(tiles, self.max_programs)) * tile_m
+        grid = triton.cdiv(m, rows_per_prog)
+        _quant_tensor_one_launch_kernel[(grid,)](x, q, scale_out, self.sync, m, k, x.stride(0),
+                                                 q.stride(0), rows_per_prog, TILE_M=tile_m, BLOCK_K=block_k,
+                                                 FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
+                                                 enable_fp_fusion=False)
+        return q, scale_out
+
+
 # ----------------------------------------------------------------------------- block-scaled GEMM
 
 
