@@ -7,7 +7,6 @@ replays) of
   bf16        F.linear
   tensor      torch._scaled_mm tensor-wise, the GEMM alone
   tensor+q    fp8_tensor_linear: Triton per-tensor activation quantization + that GEMM
-  tensor+q1   the same with the one-launch quantizer (OneLaunchQuantizer, what the engine uses)
   row         torch._scaled_mm row-wise, the GEMM alone
   cublas-blk  F.scaled_mm BlockWise1x128 x BlockWise128x128, the GEMM alone
   cublas-blk+q  the same after the Triton per-token-group quantizer (outer-dim-major scales)
@@ -33,8 +32,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from nanovllm.kernels.fp8_gemm import (BLOCK_MATMUL_CONFIGS, OneLaunchQuantizer, fp8_block_matmul,
-                                      quantize_fp8_per_token_group)
+from nanovllm.kernels.fp8_gemm import BLOCK_MATMUL_CONFIGS, fp8_block_matmul, quantize_fp8_per_token_group
 from nanovllm.layers.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize_per_token_group,
@@ -54,7 +52,7 @@ SHAPES = [
     ("0.6b", "qkv", 1024, 4096), ("0.6b", "o", 2048, 1024), ("0.6b", "gate_up", 1024, 6144), ("0.6b", "down", 3072, 1024),
 ]
 BATCHES = (1, 8, 32, 64, 128, 256, 512, 1024, 8192)
-CANDIDATES = ("bf16", "tensor", "tensor+q", "tensor+q1", "row", "cublas-blk", "cublas-blk+q", "triton", "triton+q")
+CANDIDATES = ("bf16", "tensor", "tensor+q", "row", "cublas-blk", "cublas-blk+q", "triton", "triton+q")
 # fp8_block_matmul tiles tried by the sweep: (BLOCK_M, BLOCK_N, GROUP_M, num_warps, num_stages)
 SWEEP = [(16, 32, 1, 4, 4), (16, 64, 1, 4, 4), (16, 128, 1, 4, 3), (32, 64, 8, 4, 4), (64, 64, 8, 4, 4),
          (64, 128, 8, 4, 3), (128, 64, 8, 4, 3), (128, 128, 8, 8, 3), (128, 128, 8, 4, 4)]
@@ -124,12 +122,10 @@ def candidates(x: torch.Tensor, wt: Weights) -> tuple[dict, tuple]:
     ref_row = once(lambda: (r_q.float() * r_s) @ (wt.r_q.float() * wt.r_s.t()).t())
     ref_block = once(lambda: dequantize_per_token_group(g_q, g_s) @ dequantize_weight_block_fp8(wt.b_q, wt.b_s).t())
     bf16 = torch.bfloat16
-    one_launch = OneLaunchQuantizer(x.device)
     cands = {
         "bf16": (lambda: F.linear(x, wt.w), ref_full),
         "tensor": (lambda: torch._scaled_mm(t_q, wt.t_q.t(), t_s, wt.t_s, out_dtype=bf16), ref_tensor),
         "tensor+q": (lambda: fp8_tensor_linear(x, wt.t_q, wt.t_s), ref_tensor),
-        "tensor+q1": (lambda: fp8_tensor_linear(x, wt.t_q, wt.t_s, quantizer=one_launch), ref_tensor),
         "row": (lambda: torch._scaled_mm(r_q, wt.r_q.t(), r_s, wt.r_s, out_dtype=bf16), ref_row),
         "cublas-blk": (lambda: scaled_mm_blockwise(g_q_cm, g_s_cm, wt.b_q, wt.b_s, bf16), ref_block),
         "cublas-blk+q": (lambda: scaled_mm_blockwise(*quantize_fp8_per_token_group(x, column_major_scales=True),

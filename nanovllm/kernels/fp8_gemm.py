@@ -30,7 +30,6 @@ from nanovllm.layers.quantization.fp8_ops import BLOCK, FP8_DTYPE, FP8_MAX, FP8_
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Cap on the programs of the per-tensor amax pass (one atomic each), past which each program
 # loops over several row tiles.
-AMAX_MAX_PROGRAMS = 1024
 
 # fp8_block_matmul tile configs: (largest M served, config). Decode-sized M gets short, narrow
 # tiles so that a skinny GEMM still spreads over the 132 SMs (N / BLOCK_N programs); prefill gets
@@ -139,27 +138,6 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = BLOCK,
 
 
 @triton.jit
-def _amax_kernel(x_ptr, amax_ptr, M, K, stride_xm, rows_per_prog, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """atomic_max(amax, max |x|) over rows [pid * rows_per_prog, +rows_per_prog) of x [M, K].
-
-    One atomic per program: the grid is capped (AMAX_MAX_PROGRAMS), so atomics never queue up on
-    the one address. amax must hold 0 (or a smaller value) beforehand; |x| >= 0 orders like its bits.
-    """
-    row0 = tl.program_id(0) * rows_per_prog
-    m = tl.zeros([TILE_M, BLOCK_K], dtype=tl.float32)
-    for r in range(row0, tl.minimum(row0 + rows_per_prog, M), TILE_M):
-        rows = r + tl.arange(0, TILE_M)  # rows_per_prog is a multiple of TILE_M: M is the only edge
-        row_mask = rows < M
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :],
-                        mask=row_mask[:, None] & (cols[None, :] < K), other=0.0)
-            m = tl.maximum(m, tl.abs(x.to(tl.float32)))
-    # relaxed: only the value matters, and the next launch orders it before the quantize kernel
-    tl.atomic_max(amax_ptr, tl.max(tl.max(m, axis=1), axis=0), sem="relaxed")
-
-
-@triton.jit
 def _quant_tensor_kernel(x_ptr, q_ptr, amax_ptr, scale_ptr, M, K, stride_xm, stride_qm, TILE_M: tl.constexpr,
                          BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """q = fp8(clamp(x * (1 / scale))) for one [TILE_M, BLOCK_K] tile of x [M, K], with
@@ -186,8 +164,8 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
     Returns q [M, K] float8_e4m3fn and scale, an fp32 tensor of shape [1] (torch._scaled_mm's
     tensor-wise check is numel() == 1 in fp32, so [1] and [] both pass on torch 2.11 and 2.13),
     with x ~= q * scale, scale = max(amax / 448, 1e-12). `scale_out`, a float32 tensor of one
-    element on x's device, receives the scale instead of a new tensor. Three launches (zero the
-    amax, amax with atomic_max, quantize) and no host sync: CUDA-graph capturable.
+    element on x's device, receives the scale instead of a new tensor. Two launches (torch's
+    max-abs reduction, then the quantize kernel) and no host sync: CUDA-graph capturable.
     Bit-identical to quantize_per_tensor_torch.
     """
     _check_float("x", x)
@@ -202,109 +180,17 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
     if m == 0 or k == 0:
         scale_out.fill_(FP8_MIN_SCALE)
         return q, scale_out
-    amax = torch.zeros(1, dtype=torch.float32, device=x.device)
+    # torch's own reduction (one tuned kernel, no zeroed buffer to prepare): the max of |x| is
+    # exact in any dtype, so this equals an fp32 amax bit for bit.
+    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
     block_k = min(1024, triton.next_power_of_2(k))
     tile_m = max(1, 4096 // block_k)
     tiles = triton.cdiv(m, tile_m)
-    rows_per_prog = triton.cdiv(tiles, min(tiles, AMAX_MAX_PROGRAMS)) * tile_m
-    _amax_kernel[(triton.cdiv(m, rows_per_prog),)](x, amax, m, k, x.stride(0), rows_per_prog, TILE_M=tile_m,
-                                                   BLOCK_K=block_k, num_warps=4)
     _quant_tensor_kernel[(tiles, triton.cdiv(k, block_k))](x, q, amax, scale_out, m, k, x.stride(0), q.stride(0),
                                                            TILE_M=tile_m, BLOCK_K=block_k, FP8_MAX=FP8_MAX,
                                                            MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
                                                            enable_fp_fusion=False)
     return q, scale_out
-
-
-@triton.jit
-def _quant_tensor_one_launch_kernel(x_ptr, q_ptr, scale_ptr, sync_ptr, M, K, stride_xm, stride_qm,
-                                    rows_per_prog, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                                    FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """Dynamic per-tensor quantization of x [M, K] in one launch (the three of
-    quantize_fp8_per_tensor cost more than the GEMM they feed at decode sizes).
-
-    sync_ptr: int32 [3] = (amax as fp32 bits, arrivals, generation). Each program takes rows
-    [pid * rows_per_prog, +rows_per_prog): it folds their max |x| into the amax (an atomic max
-    on the bits: non-negative floats order like their bit patterns) and arrives at a barrier; the
-    last to arrive turns the amax into the scale, stores it, resets amax and arrivals to zero for
-    the next call and bumps the generation, which releases the others; then every program
-    quantizes its rows with that scale. The grid must be resident all at once (the wrapper caps
-    it below the SM count) and amax / arrivals must be zero at the first call.
-    The interpreter runs programs one by one: there only a grid of one program can be used.
-    """
-    pid = tl.program_id(0)
-    row0 = pid * rows_per_prog
-    row_end = tl.minimum(row0 + rows_per_prog, M)
-    m = tl.zeros([TILE_M, BLOCK_K], dtype=tl.float32)
-    for r in range(row0, row_end, TILE_M):
-        rows = r + tl.arange(0, TILE_M)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = (rows[:, None] < row_end) & (cols[None, :] < K)
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-            m = tl.maximum(m, tl.abs(x.to(tl.float32)))
-    generation = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")  # read before arriving: it cannot move yet
-    tl.atomic_max(sync_ptr, tl.max(tl.max(m, axis=1), axis=0).to(tl.int32, bitcast=True), sem="relaxed")
-    arrived = tl.atomic_add(sync_ptr + 1, 1, sem="acq_rel")  # orders our amax before the last one's read
-    if arrived == tl.num_programs(0) - 1:
-        amax = tl.atomic_xchg(sync_ptr, 0, sem="acq_rel").to(tl.float32, bitcast=True)
-        scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE)
-        tl.store(scale_ptr, scale)
-        tl.atomic_xchg(sync_ptr + 1, 0, sem="relaxed")
-        tl.atomic_add(sync_ptr + 2, 1, sem="release")  # publishes the scale and the resets
-    else:
-        seen = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
-        while seen == generation:
-            seen = tl.atomic_add(sync_ptr + 2, 0, sem="acquire")
-    scale = tl.load(scale_ptr, volatile=True)
-    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
-    for r in range(row0, row_end, TILE_M):
-        rows = r + tl.arange(0, TILE_M)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            mask = (rows[:, None] < row_end) & (cols[None, :] < K)
-            x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
-            tl.store(q_ptr + rows.to(tl.int64)[:, None] * stride_qm + cols[None, :],
-                     _to_e4m3(x.to(tl.float32) * inv, FP8_MAX), mask=mask)
-
-
-class OneLaunchQuantizer:
-    """Dynamic per-tensor FP8 quantization in one launch (see _quant_tensor_one_launch_kernel),
-    for one call site at a time: it owns the kernel's barrier state, so two quantizations must
-    not run at the same time with one object (a layer owns one; its calls run in stream order).
-
-    max_programs caps the grid, which must be resident all at once: at most the SM count on a
-    GPU, 1 under the Triton interpreter (it runs programs one after another)."""
-
-    def __init__(self, device: torch.device, max_programs: int | None = None):
-        if max_programs is None:
-            max_programs = 1 if device.type != "cuda" else torch.cuda.get_device_properties(device).multi_processor_count // 2
-        self.max_programs = max(1, max_programs)
-        self.sync = torch.zeros(3, dtype=torch.int32, device=device)  # amax bits, arrivals, generation
-
-    def __call__(self, x: torch.Tensor, scale_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q, scale) as quantize_fp8_per_tensor returns them, bit for bit."""
-        _check_float("x", x)
-        _check_matrix("x", x)
-        if x.device != self.sync.device:
-            raise ValueError(f"x is on {x.device}, the quantizer's state on {self.sync.device}")
-        m, k = x.shape
-        q = torch.empty(m, k, dtype=FP8_DTYPE, device=x.device)
-        if scale_out is None:
-            scale_out = torch.empty(1, dtype=torch.float32, device=x.device)
-        if m == 0 or k == 0:
-            scale_out.fill_(FP8_MIN_SCALE)
-            return q, scale_out
-        block_k = min(1024, triton.next_power_of_2(k))
-        tile_m = max(1, 4096 // block_k)
-        tiles = triton.cdiv(m, tile_m)
-        rows_per_prog = triton.cdiv(tiles, min(tiles, self.max_programs)) * tile_m
-        grid = triton.cdiv(m, rows_per_prog)
-        _quant_tensor_one_launch_kernel[(grid,)](x, q, scale_out, self.sync, m, k, x.stride(0),
-                                                 q.stride(0), rows_per_prog, TILE_M=tile_m, BLOCK_K=block_k,
-                                                 FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
-                                                 enable_fp_fusion=False)
-        return q, scale_out
 
 
 # ----------------------------------------------------------------------------- block-scaled GEMM

@@ -44,6 +44,7 @@ def _paged_decode_split_kernel(
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
@@ -64,11 +65,13 @@ def _paged_decode_split_kernel(
     num_splits, HEAD_DIM] (fp32) and its log2-sum-exp to part_lse [B, NUM_HEADS,
     num_splits]; an empty split writes 0 and -inf so that it carries no weight in the merge.
 
-    KV_FP8: the caches hold float8_e4m3fn, true value = stored * scale. Tiles are converted to
-    q's dtype in registers (exact: e4m3 values are all representable in fp16/bf16/fp32), the
-    K scale is folded into the fp32 score scale and the V scale into the normalised output
-    (attention is linear in V), so the loop costs nothing beyond the conversions. Scales are
-    read from device pointers: they may be set after a CUDA graph was captured.
+    KV_FP8: the caches hold float8_e4m3fn, true value = stored * scale. Tiles are converted in
+    registers (exact: e4m3 values are all representable in fp16/bf16/fp32), the K scale is
+    folded into the score scale and the V scale into the normalised output (attention is
+    linear in V), so the loop costs nothing beyond the conversions. Scales are read from
+    device pointers: they may be set after a CUDA graph was captured. FP16_DOT (FP8 cache, 16-
+    bit q): q is pre-scaled and rounded to fp16 and both dots run in fp16 (the probabilities
+    too), fp32 accumulation.
     """
     kvh = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -97,6 +100,11 @@ def _paged_decode_split_kernel(
 
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP16_DOT:
+        # The score scale goes into q once, in fp32, and the dots run in fp16: e4m3 widens to
+        # fp16 in one instruction per pair, where bf16 costs a detour through fp32 that made
+        # the conversions, not the halved bytes, bound the kernel (BENCHMARKS.md, FP8 KV).
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -125,7 +133,9 @@ def _paged_decode_split_kernel(
             k = k.to(q.dtype)
             v = v.to(q.dtype)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not FP16_DOT:
+            s = s * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         # The first tile of a split always holds a valid token, so m_new is finite and
         # exp2 never sees (-inf) - (-inf).
@@ -361,6 +371,7 @@ def paged_decode_attention(
         TILE=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         KV_FP8=fp8,
+        FP16_DOT=fp8 and q.dtype != torch.float32,
         num_warps=num_warps,
         num_stages=num_stages,
     )

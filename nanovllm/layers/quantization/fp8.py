@@ -134,22 +134,13 @@ class TensorFp8Linear:
     def init_dummy(self, layer, gen: torch.Generator) -> None:
         pass  # init_dummy draws the 16-bit weight
 
-    def __init__(self):
-        self.quantizer = None  # the activations' one-launch quantizer (CUDA), owned by this layer
-
     def after_loading(self, layer) -> None:
         w_q, scale = quantize_weight_per_tensor_fp8(layer.weight.data)
         layer.weight = nn.Parameter(w_q, requires_grad=False)
         layer.register_buffer("weight_scale", scale.reshape(1).to(torch.float32))
-        if w_q.is_cuda:
-            from nanovllm.kernels.fp8_gemm import OneLaunchQuantizer
-
-            # Three small launches per GEMM (zero, amax, quantize) cost more than an FP8 GEMM
-            # saves at decode sizes; one launch with a grid barrier instead (BENCHMARKS.md).
-            self.quantizer = OneLaunchQuantizer(w_q.device)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return fp8_tensor_linear(x, layer.weight, layer.weight_scale, bias, self.quantizer)
+        return fp8_tensor_linear(x, layer.weight, layer.weight_scale, bias)
 
 
 def prepare_fp8_linears(model: nn.Module, config: Fp8Config) -> int:

@@ -34,9 +34,10 @@ BLOCK = 128  # Qwen's weight_block_size and activation group size; the only one 
 
 # F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLASLt) serves fp8_block_linear on CUDA for
 # M >= this many tokens; None: always the Triton kernel. On the H200 (benchmarks/kernels/
-# bench_fp8_gemm.py; BENCHMARKS.md) the Triton kernel's small-M tiles win up to M = 64 and
-# cuBLASLt from there on (and rejects M = 1).
-SCALED_MM_BLOCKWISE_MIN_M: int | None = 65
+# bench_fp8_gemm.py; BENCHMARKS.md) cuBLASLt is faster from M = 128 on (and rejects M = 1),
+# but at M = 300 it missed tests/test_fp8_gemm.py's error bound on some elements: off until
+# that is understood.
+SCALED_MM_BLOCKWISE_MIN_M: int | None = None
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -243,12 +244,11 @@ def scaled_mm_blockwise(a_q: torch.Tensor, a_scales: torch.Tensor, w_q: torch.Te
 
 
 def fp8_tensor_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
-                      bias: torch.Tensor | None = None, quantizer=None) -> torch.Tensor:
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x @ W^T (+ bias) for a per-tensor FP8 weight (w_q [N, K] e4m3 row-major, w_scale fp32
     with one element), x [..., K] quantized per tensor on the fly. y [..., N] in x's dtype.
 
-    CUDA: Triton `quantize_fp8_per_tensor` (or `quantizer`, a kernels.fp8_gemm.OneLaunchQuantizer:
-    the same result in one launch) + torch._scaled_mm tensor-wise (K and N multiples of 16,
+    CUDA: `quantize_fp8_per_tensor` + torch._scaled_mm tensor-wise (K and N multiples of 16,
     cuBLASLt's rule). Elsewhere: the torch reference arithmetic.
     """
     _check_linear(x, w_q, bias)
@@ -257,7 +257,7 @@ def fp8_tensor_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     n, k = w_q.shape
     x2 = x.reshape(-1, k)
     if x.device.type == "cuda":
-        y = _tensor_linear_cuda(x2, w_q, w_scale.reshape(1), bias, quantizer)
+        y = _tensor_linear_cuda(x2, w_q, w_scale.reshape(1), bias)
     else:
         q, s = quantize_per_tensor_torch(x2)
         y = (q.float() * s) @ (w_q.float() * w_scale.float().reshape(1)).t()
@@ -267,7 +267,7 @@ def fp8_tensor_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor,
     return y.view(*x.shape[:-1], n)
 
 
-def _tensor_linear_cuda(x2, w_q, w_scale, bias, quantizer=None):
+def _tensor_linear_cuda(x2, w_q, w_scale, bias):
     from nanovllm.kernels.fp8_gemm import quantize_fp8_per_tensor
 
     n, k = w_q.shape
@@ -275,7 +275,7 @@ def _tensor_linear_cuda(x2, w_q, w_scale, bias, quantizer=None):
         raise ValueError(f"torch._scaled_mm needs K and N multiples of 16, got K={k}, N={n}")
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    q, s = quantize_fp8_per_tensor(x2) if quantizer is None else quantizer(x2)
+    q, s = quantize_fp8_per_tensor(x2)
     # cuBLASLt's bias epilogue takes a bias of the output dtype, and none for fp32 output.
     fuse_bias = bias is not None and x2.dtype != torch.float32
     y = torch._scaled_mm(q, w_q.t(), s, w_scale, bias=bias.to(x2.dtype) if fuse_bias else None, out_dtype=x2.dtype)
