@@ -1,6 +1,6 @@
 """Shared helpers for the engine-level tests (test_llm.py, test_loader.py, test_config.py).
 
-Checkpoints are tiny random Qwen3 models from `tiny_model.py`, created once per test session and
+Checkpoints are tiny random models from `tiny_model.py`, created once per test session and
 shared between modules (`tiny_checkpoint`); transformers reference runs are cached too
 (`hf_reference`), so every expensive thing happens once.
 """
@@ -29,12 +29,11 @@ _HF_GREEDY: dict[tuple, list[int]] = {}
 
 
 def tiny_checkpoint(tmp_path_factory, name: str = "gqa", **overrides) -> str:
-    """Path of a tiny checkpoint made from `tm.CONFIGS[name]` (+ overrides), created once per session."""
-    cfg = dict(tm.CONFIGS.get(name, {}))
-    cfg.update(overrides)
-    key = (name, tuple(sorted((k, repr(v)) for k, v in cfg.items())))
+    """Path of a tiny checkpoint made from `tm.CONFIGS[name]` (Qwen3) or `tm.MODEL_CONFIGS[name]`
+    (the other families), + overrides, created once per session."""
+    key = (name, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
     if key not in _CHECKPOINTS:
-        _CHECKPOINTS[key] = tm.make_tiny_qwen3(tmp_path_factory.mktemp(f"ckpt_{name}"), **cfg)
+        _CHECKPOINTS[key] = tm.make_named(tmp_path_factory.mktemp(f"ckpt_{name}"), name, **overrides)
     return _CHECKPOINTS[key]
 
 

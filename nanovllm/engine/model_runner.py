@@ -32,7 +32,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.sequence import Sequence
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.sampler import Sampler, SamplingTensors, pick_candidates
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import model_class
 from nanovllm.sampling_params import is_integer
 from nanovllm.utils.context import AttentionMetadata, host_to_device, prefill_metadata
 from nanovllm.utils.dist import TPGroup, use_tp_group
@@ -97,7 +97,7 @@ class ModelRunner:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device), use_tp_group(self.tp):
-                self.model = Qwen3ForCausalLM(hf, max_positions=config.max_model_len)
+                self.model = model_class(hf)(hf, max_positions=config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.load_format == "dummy":
