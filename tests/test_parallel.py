@@ -56,6 +56,30 @@ def test_tp2_equals_tp1_with_preemption_and_prefix_hits(model_path):
     assert no_children()
 
 
+@pytest.mark.parametrize("name", ["qwen2_gqa_tied", "llama_bias_rope3", "moe_norm_topk"])
+def test_tp2_equals_tp1_for_the_other_families(tmp_path, name):
+    """Qwen2 (q/k/v biases, tied odd vocabulary), Llama (o_proj / down_proj biases added by rank 0
+    only, llama3 rope) and Qwen3-MoE (every expert's intermediate dimension split, a dense layer
+    between MoE layers): TP=2 gives TP=1's greedy tokens through preemption, chunks and prefix
+    hits, and its teacher-forced logits to 1e-4 (fp32; only the order of the two ranks' partial
+    sums differs)."""
+    path = tm.make_named(tmp_path / name, name, vocab_size=607)
+    kw = dict(kvcache_block_size=16, num_kvcache_blocks=8, max_num_batched_tokens=24)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    seq = list(range(3, 90))
+    with LLM(path, **kw) as llm:
+        ref = tokens(llm.generate(prompts(), params, use_tqdm=False))
+        ref_logits = llm.model_runner.score(seq)
+    with LLM(path, tensor_parallel_size=2, **kw) as llm:
+        out = tokens(llm.generate(prompts(), params, use_tqdm=False))
+        logits = llm.model_runner.score(seq)
+        assert llm.scheduler.num_preemptions > 0
+        assert llm.block_manager.num_prefix_hit_tokens > 0
+    assert out == ref
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-4, atol=1e-4)
+    assert no_children()
+
+
 def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
     """Seeded temperature sampling from per-shard candidates (every rank) gives exactly the
     tokens of rank 0 sampling the gathered logits; batches that mix in top-k / min_tokens rows

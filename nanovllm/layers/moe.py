@@ -60,7 +60,7 @@ def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tenso
 
 
 def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
+              topk_ids: torch.Tensor, dense: bool | None = None) -> torch.Tensor:
     """sum_j topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]) for every token t: [T, H].
 
     hidden [T, H]; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; topk_weights [T, k]
@@ -68,15 +68,18 @@ def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     sum is accumulated in fp32, expert by expert in increasing id, and rounded once at the end.
     The same function as `nanovllm.kernels.fused_moe.fused_moe`, in plain torch.
 
-    On CPU only the experts that got tokens run, on their tokens. On CUDA every expert runs on
-    every token with weight 0 where it was not chosen: no host sync, so decode can be captured
-    in a CUDA graph (E / k times the work of routing: a stopgap until the fused kernel).
+    Sparse (default): only the experts that got tokens run, on their tokens; that needs the
+    routing on the host (a sync). Dense (default while a CUDA graph is being captured, which
+    allows no sync): every expert runs on every token, weighted 0 where it was not chosen, E / k
+    times the work: a stopgap for CUDA-graph decode until the fused kernel is in.
     """
     _check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
     num_experts = w13.shape[0]
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     weights = topk_weights.float()
-    if hidden.is_cuda:
+    if dense is None:
+        dense = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
+    if dense:
         for e in range(num_experts):
             # Adding an exact 0 leaves a token's sum alone, so the result equals the sparse path.
             w = (weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
