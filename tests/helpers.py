@@ -112,3 +112,17 @@ def assert_idle(llm) -> None:
     assert not llm.has_unfinished()
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
+
+
+def reference_moe(hidden, w13, w2, weights, ids) -> torch.Tensor:
+    """The MoE layer's output token by token, expert by expert, in float64 on the CPU (hidden
+    [T, H], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I], weights / ids [T, k])."""
+    hidden, w13, w2, weights, ids = (t.cpu() for t in (hidden, w13, w2, weights, ids))
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        x = hidden[t].double()
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].double() @ x).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out

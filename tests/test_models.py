@@ -36,6 +36,7 @@ from helpers import (  # noqa: E402
     hf_reference,
     make_llm,
     rand_ids,
+    reference_moe,
     rewrite_safetensors,
     tiny_checkpoint,
 )
@@ -220,18 +221,6 @@ def test_llama3_inv_freq_equals_transformers():
         assert kept.any() and slowed.any() and (~kept & ~slowed).any()
 
 
-def reference_moe(hidden, w13, w2, weights, ids):
-    """Token by token, expert by expert, in float64."""
-    out = torch.zeros(hidden.shape, dtype=torch.float64)
-    for t in range(hidden.shape[0]):
-        x = hidden[t].double()
-        for j in range(ids.shape[1]):
-            e = int(ids[t, j])
-            gate, up = (w13[e].double() @ x).chunk(2)
-            out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
-    return out
-
-
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_router_and_experts_match_a_per_token_reference(fresh_seed, renormalize):
     from nanovllm.layers.moe import moe_torch, route_topk
@@ -331,10 +320,19 @@ def _params(path):
 
 
 def test_fused_expert_checkpoints_load_like_per_expert_ones(tmp_path_factory, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
     path = tiny_checkpoint(tmp_path_factory, "moe_norm_topk")
+    # The test checkpoints are in the Hub's layout: per-expert tensors, "num_experts" in config.json.
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        assert "model.layers.0.mlp.experts.7.down_proj.weight" in f.keys()
+        assert not any(k.endswith(("experts.gate_up_proj", "experts.down_proj")) for k in f.keys())
+    with open(os.path.join(path, "config.json")) as f:
+        assert json.load(f)["num_experts"] == 8
     fused = copy_checkpoint(path, tmp_path / "fused")
     tm.fuse_expert_tensors(fused)
-    from safetensors import safe_open
 
     with safe_open(os.path.join(fused, "model.safetensors"), "pt") as f:
         assert "model.layers.0.mlp.experts.gate_up_proj" in f.keys()
