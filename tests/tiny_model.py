@@ -534,13 +534,11 @@ def load_hf_model(path, dtype: torch.dtype = torch.float32, device="cpu"):
     """Load a checkpoint with transformers (eager attention), eval mode, on ``device``."""
     from transformers import AutoModelForCausalLM
 
-    kwargs = {}
-    with open(Path(path) / "config.json", encoding="utf-8") as f:
-        if json.load(f).get("model_type") == "qwen3_moe":
-            # The plain loop over experts, not the grouped-GEMM default of transformers 5.x: the
-            # clearest reference (and the same arithmetic as ours).
-            kwargs["experts_implementation"] = "eager"
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager", **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "num_experts", 0):
+        # The plain loop over experts, not the grouped-GEMM default of recent transformers 5.x:
+        # the clearest reference (and the same arithmetic as ours). Older versions only have it.
+        model.set_experts_implementation("eager")
     return model.to(device).eval()
 
 
