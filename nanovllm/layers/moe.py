@@ -70,8 +70,10 @@ def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 
     Sparse (default): only the experts that got tokens run, on their tokens; that needs the
     routing on the host (a sync). Dense (default while a CUDA graph is being captured, which
-    allows no sync): every expert runs on every token, weighted 0 where it was not chosen, E / k
-    times the work: a stopgap for CUDA-graph decode until the fused kernel is in.
+    allows no sync): every expert runs on every token as batched GEMMs over groups of experts,
+    weighted 0 where it was not chosen (the group's weighted sum is one fp32 contraction, so the
+    order of the additions differs from the sparse path's). E / k times the work: a stopgap for
+    CUDA-graph decode until the fused kernel is in.
     """
     _check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
     num_experts = w13.shape[0]
@@ -80,10 +82,16 @@ def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     if dense is None:
         dense = hidden.is_cuda and torch.cuda.is_current_stream_capturing()
     if dense:
-        for e in range(num_experts):
-            # Adding an exact 0 leaves a token's sum alone, so the result equals the sparse path.
-            w = (weights * (topk_ids == e)).sum(dim=-1, keepdim=True)
-            out += _expert(hidden, w13[e], w2[e]).float() * w
+        # [E, T]: token t's weight for expert e, 0 where e is not among its top-k.
+        per_expert = torch.zeros(hidden.shape[0], num_experts, dtype=torch.float32, device=hidden.device)
+        per_expert = per_expert.scatter_add(1, topk_ids.long(), weights).t()
+        # Groups small enough that a group's fp32 outputs stay around 64 MiB.
+        group = max(1, min(num_experts, (64 << 20) // max(1, 4 * hidden.numel())))
+        for start in range(0, num_experts, group):
+            experts = slice(start, start + group)
+            act = SiluAndMul()(torch.matmul(hidden, w13[experts].transpose(1, 2)))  # [g, T, I]
+            y = torch.matmul(act, w2[experts].transpose(1, 2))  # [g, T, H]
+            out += torch.einsum("gt,gth->th", per_expert[experts], y.float())
         return out.to(hidden.dtype)
     flat = topk_ids.reshape(-1).long()
     if flat.numel() and not 0 <= int(flat.min()) <= int(flat.max()) < num_experts:
