@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.models import registry
+from nanovllm.models.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -183,12 +184,11 @@ class Config:
             logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
                            self.max_model_len, self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
-        num_heads = self.hf_config.num_attention_heads
-        num_kv_heads = self.hf_config.num_key_value_heads
         tp = self.tensor_parallel_size
-        if num_heads % tp or num_kv_heads % tp or self.hf_config.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads "
-                             f"its {num_kv_heads} key/value heads and its intermediate size {self.hf_config.intermediate_size}")
+        sizes = registry.tensor_parallel_sizes(self.hf_config)
+        if any(n % tp for n in sizes.values()):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
+                             + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
 
@@ -230,15 +230,10 @@ def read_json(path: str) -> dict:
 
 
 def load_hf_config(path: str):
-    """The checkpoint's `config.json` as a transformers config, after checking the architecture."""
+    """The checkpoint's `config.json` as a transformers config, checked by its model family."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
-    raw = read_json(cfg_file)
-    archs = raw.get("architectures") or []
-    if raw.get("model_type") != "qwen3" or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported model in {path!r}: model_type={raw.get('model_type')!r}, "
-                         f"architectures={archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    from transformers import Qwen3Config
-
-    return Qwen3Config.from_pretrained(path)
+    # The registry picks the family (architectures), its transformers config class reads the
+    # file, and the family refuses what it does not implement.
+    return registry.load_hf_config(path, read_json(cfg_file))

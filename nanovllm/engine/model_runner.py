@@ -28,7 +28,7 @@ from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_inputs import StepInput, StepInputs
 from nanovllm.layers.attention import Attention, select_backend
 from nanovllm.layers.quantization.fp8 import finish_fp8_linears, init_dummy_fp8_linears, prepare_fp8_linears
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.models.registry import model_class
 from nanovllm.sampling_params import is_integer
 from nanovllm.utils.context import prefill_metadata
 from nanovllm.utils.loader import init_dummy, load_model
@@ -97,7 +97,7 @@ class ModelRunner:
         torch.set_default_dtype(config.dtype)
         try:
             with torch.device(self.device), use_tp_group(self.tp):
-                model = Qwen3ForCausalLM(config.hf_config, max_positions=config.max_model_len)
+                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.quant is not None:

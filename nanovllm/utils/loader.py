@@ -12,6 +12,44 @@ from safetensors import safe_open
 from torch import nn
 
 
+# MoE experts: the Hub stores one tensor per expert and projection, transformers' in-memory (and,
+# in some versions, saved) form stacks all experts of a projection in one 3-D tensor.
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+_FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+)$")
+
+
+def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
+    """(parameter name, parameter, shard id) of an expert tensor, or None for other tensors.
+
+    `experts` maps a per-expert part to (parameter part, shard): "<p>.experts.<e>.gate_proj.weight"
+    -> "<p>.experts.w13" with shard (e, 0). `fused` maps a stacked part to a parameter part:
+    "<p>.experts.gate_up_proj" -> "<p>.experts.w13" with shard "fused".
+    """
+    m = _EXPERT_TENSOR.match(name)
+    if m and m["part"] in experts:
+        part, shard = experts[m["part"]]
+        pname = f"{m['prefix']}.{part}"
+        if pname in params:
+            return pname, params[pname], (int(m["expert"]), shard)
+    m = _FUSED_EXPERT_TENSOR.match(name)
+    if m and m["part"] in fused:
+        pname = f"{m['prefix']}.{fused[m['part']]}"
+        if pname in params:
+            return pname, params[pname], "fused"
+    return None
+
+
+def _expert_names(pname: str, param, experts: dict) -> set[str] | None:
+    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13"), else None."""
+    prefix, _, part = pname.rpartition(".")
+    if not prefix.endswith(".experts"):
+        return None
+    parts = [ckpt for ckpt, (ours, _) in experts.items() if ours == part]
+    if not parts:
+        return None
+    return {f"{prefix}.{e}.{ckpt}.weight" for e in range(param.shape[0]) for ckpt in parts}
+
+
 def _resolve(params: dict, mapping: dict, name: str):
     """Map a checkpoint tensor name to (parameter name, parameter or None, shard id or None)."""
     for part, (packed, shard_id) in mapping.items():
@@ -28,6 +66,8 @@ def load_model(model: nn.Module, path: str) -> None:
     Tensors are read one at a time (`safe_open`), so peak host memory is one tensor, and each
     parameter's `weight_loader` takes only this rank's shard. A tensor the model does not know,
     a parameter the checkpoint lacks, or a shape mismatch is a ValueError naming the tensor.
+    MoE experts load from per-expert tensors or from transformers' fused 3-D ones (the model's
+    `expert_params_mapping` / `fused_expert_params_mapping`).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -35,6 +75,8 @@ def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model, "tie_word_embeddings", False)
     mapping = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_params_mapping", {})
+    fused = getattr(model, "fused_expert_params_mapping", {})
     loaded: set[str] = set()
     for file in files:
         with _open_checked(file) as f:
@@ -45,7 +87,8 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue  # recomputed, older checkpoints carry it
                 if _load_kv_scale(model, name, lambda: _read_checked(f, name, file)):
                     continue
-                pname, param, shard_id = _resolve(params, mapping, name)
+                hit = _resolve_expert(params, experts, fused, name) if experts or fused else None
+                pname, param, shard_id = hit or _resolve(params, mapping, name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} does not "
                                      f"belong to this model")
@@ -61,7 +104,9 @@ def load_model(model: nn.Module, path: str) -> None:
                 else:
                     loader(param, tensor, name, shard_id)
                 loaded.add(name)
-    expected = _expected_names(mapping, params, tied)
+                if shard_id == "fused":  # stands for every per-expert tensor of this parameter
+                    loaded |= _expert_names(pname, param, experts) or set()
+    expected = _expected_names(mapping, experts, params, tied)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
@@ -112,11 +157,16 @@ def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
     return True
 
 
-def _expected_names(mapping: dict, params: dict, tied: bool) -> set[str]:
-    """The checkpoint tensor names a complete checkpoint holds for these parameters."""
+def _expected_names(mapping: dict, experts: dict, params: dict, tied: bool) -> set[str]:
+    """The checkpoint tensor names a complete checkpoint holds for these parameters (experts
+    in the Hub's per-expert form)."""
     names = set()
-    for pname in params:
+    for pname, param in params.items():
         if tied and pname == "lm_head.weight":
+            continue
+        per_expert = _expert_names(pname, param, experts)
+        if per_expert is not None:
+            names |= per_expert
             continue
         parts = [part for part, (packed, _) in mapping.items() if f".{packed}." in pname]
         if parts:
