@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.layers.quantization.fp8_ops import BLOCK, FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
+from nanovllm.kernels.fp8_format import BLOCK, FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Cap on the programs of the per-tensor amax pass (one atomic each), past which each program

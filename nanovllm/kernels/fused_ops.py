@@ -264,29 +264,8 @@ def _qk_norm_rope_kernel(
                          BLOCK_HEADS, NORM)
 
 
-def qk_norm_rope(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor | None,
-    k_weight: torch.Tensor | None,
-    cos_sin: torch.Tensor,
-    positions: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    eps: float,
-):
-    """Per-head q/k RMSNorm then NeoX rotary, from the packed qkv projection: (q, k, v).
-
-    qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float16/bfloat16/float32,
-    stride(-1) == 1 (any row stride). q_weight / k_weight: [head_dim], qkv's dtype; both None
-    for rotary only (models without q/k norm; eps is then unused).
-    cos_sin: fp32 [max_position, 1, head_dim], cos | sin halves (RotaryEmbedding.cos_sin).
-    positions: int32/int64 [tokens], each < max_position (not checked: no host syncs).
-    head_dim: a power of two. Returns q [tokens, num_heads, head_dim] and k [tokens,
-    num_kv_heads, head_dim] as new contiguous tensors, and v [tokens, num_kv_heads, head_dim]
-    as a view into qkv (no copy). Same result as RMSNorm on each head followed by
-    RotaryEmbedding (or RotaryEmbedding alone), rounding included.
-    """
+def _check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin, positions, num_heads, num_kv_heads, head_dim) -> None:
+    """qk_norm_rope's argument checks (see its docstring)."""
     _check_float("qkv", qkv)
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if not isinstance(value, int) or value <= 0:
@@ -322,6 +301,34 @@ def qk_norm_rope(
     weights = dict(q_weight=q_weight, k_weight=k_weight) if norm else {}
     _check_same_device(qkv=qkv, cos_sin=cos_sin, positions=positions, **weights)
 
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+):
+    """Per-head q/k RMSNorm then NeoX rotary, from the packed qkv projection: (q, k, v).
+
+    qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float16/bfloat16/float32,
+    stride(-1) == 1 (any row stride). q_weight / k_weight: [head_dim], qkv's dtype; both None
+    for rotary only (models without q/k norm; eps is then unused).
+    cos_sin: fp32 [max_position, 1, head_dim], cos | sin halves (RotaryEmbedding.cos_sin).
+    positions: int32/int64 [tokens], each < max_position (not checked: no host syncs).
+    head_dim: a power of two. Returns q [tokens, num_heads, head_dim] and k [tokens,
+    num_kv_heads, head_dim] as new contiguous tensors, and v [tokens, num_kv_heads, head_dim]
+    as a view into qkv (no copy). Same result as RMSNorm on each head followed by
+    RotaryEmbedding (or RotaryEmbedding alone), rounding included.
+    """
+    _check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin, positions, num_heads, num_kv_heads, head_dim)
+    norm = q_weight is not None
+    tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)

@@ -26,11 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-# Floor on every scale: an all-zero group still gets a finite reciprocal (1e12) and q = 0.
-FP8_MIN_SCALE = 1e-12
-BLOCK = 128  # Qwen's weight_block_size and activation group size; the only one the kernels take
+from nanovllm.kernels.fp8_format import BLOCK, FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE  # noqa: F401 (re-exported)
 
 # F.scaled_mm BlockWise1x128 x BlockWise128x128 (cuBLASLt) serves fp8_block_linear on CUDA for
 # M >= this many tokens; None: always the Triton kernel. On the H200 (benchmarks/kernels/
