@@ -4,6 +4,7 @@
     python bench.py --model ~/huggingface/Qwen3-8B --compare hf
     python bench.py --dummy qwen3-8b --latency    # batch-1 decode ms/token
     python bench.py --dummy qwen3-0.6b --logprobs 5   # every request also asks for 5 logprobs
+    python bench.py --dummy qwen3-30b-a3b         # also qwen2.5-7b, llama-3.1-8b
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
 of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
@@ -13,7 +14,9 @@ tokens).
 Floor: a decode step must at least read the weights once, and each generated token must read the
 K/V of its whole context, so seconds >= (sum over generated tokens of context_len x KV bytes per
 token + decode steps x weight bytes) / bandwidth, with decode steps = the longest request's
-max_tokens (all requests decode side by side). Prefill reads are ignored (a lower bound).
+max_tokens (all requests decode side by side). Prefill reads are ignored (a lower bound). For MoE
+models a step reads only the experts its batch routes to: estimated from the batch size under
+uniform routing (see roofline_floor).
 """
 
 from __future__ import annotations
@@ -26,10 +29,9 @@ import subprocess
 import sys
 import time
 
-from nanovllm.models.qwen3 import head_dim_of
-
 HERE = os.path.dirname(os.path.abspath(__file__))
-DUMMY_CONFIGS = {"qwen3-0.6b": "benchmarks/configs/qwen3-0.6b", "qwen3-8b": "benchmarks/configs/qwen3-8b"}
+DUMMY_CONFIGS = {name: f"benchmarks/configs/{name}"
+                 for name in ("qwen3-0.6b", "qwen3-8b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-30b-a3b")}
 H200_COPY_BANDWIDTH = 4.3e12  # B/s, device-to-device copy measured on the H200
 
 
@@ -42,22 +44,83 @@ def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int
     return prompts, max_tokens
 
 
-def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: float) -> float:
-    """Lower bound in seconds for generating `max_tokens` after each prompt (module docstring)."""
-    c = hf_config
-    head_dim = head_dim_of(c)
-    kv_per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * dtype_bytes
-    h, i, L = c.hidden_size, c.intermediate_size, c.num_hidden_layers
-    attn = h * (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim + c.num_attention_heads * head_dim * h
-    per_layer = attn + 3 * h * i + 2 * h + 2 * head_dim
-    # Every parameter once per step (the embedding too, as the issue's floors count it; tied
-    # embeddings are one matrix).
-    embed = c.vocab_size * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-    weight_bytes = (L * per_layer + h + embed) * dtype_bytes
+def decoder_options(hf_config):
+    """The model's DecoderOptions (sizes, biases, MoE layout), as the engine builds it."""
+    from nanovllm.models.registry import model_class
+
+    return model_class(hf_config).options_from_config(hf_config)
+
+
+def expected_distinct_experts(num_experts: int, top_k: int, batch: int) -> float:
+    """Expected number of distinct experts `batch` tokens route to when each token picks `top_k`
+    of `num_experts` uniformly at random: E * (1 - (1 - k/E)^B). An ESTIMATE for a real model:
+    trained routers are not uniform (popular experts make the true count smaller), and dummy
+    weights route close to uniformly."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** batch)
+
+
+def weight_bytes_per_step(opts, dtype_bytes: int, experts_read: float | None = None,
+                          linear_bytes: float | None = None) -> float:
+    """Bytes of weights one decode step reads: every parameter once (the embedding too, as the
+    issue's floors count it; tied embeddings are one matrix), except that each MoE layer reads
+    its router and `experts_read` of its experts (all of them when None). Biases and norms
+    are counted though negligible. linear_bytes: bytes per element of the decoder layers'
+    projection and expert weights (FP8: 1 and their scales' share; default dtype_bytes)."""
+    lin = dtype_bytes if linear_bytes is None else linear_bytes
+    h, hd, nh, nkv = opts.hidden_size, opts.head_dim, opts.num_heads, opts.num_kv_heads
+    attn = (h * (nh + 2 * nkv) * hd + nh * hd * h) * lin + 2 * h * dtype_bytes  # q/k/v, o, the two norms
+    attn += ((nh + 2 * nkv) * hd * opts.qkv_bias + h * opts.o_bias + 2 * hd * opts.qk_norm) * dtype_bytes
+    dense_mlp = 3 * h * opts.intermediate_size * lin + (2 * opts.intermediate_size + h) * opts.mlp_bias * dtype_bytes
+    total = opts.num_layers * attn + (opts.num_layers - len(opts.moe_layers)) * dense_mlp
+    if opts.moe_layers:
+        m = opts.moe
+        experts = m.num_experts if experts_read is None else experts_read
+        total += len(opts.moe_layers) * (m.num_experts * h * dtype_bytes + experts * 3 * h * m.intermediate_size * lin)
+    embed = opts.vocab_size * h * (1 if opts.tie_word_embeddings else 2)
+    return total + (h + embed) * dtype_bytes
+
+
+def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: float,
+                   experts_per_step=None, kv_bytes: int | None = None, linear_bytes: float | None = None) -> float:
+    """Lower bound in seconds for generating `max_tokens` after each prompt (module docstring).
+
+    MoE models read per decode step only the experts the batch routes to. `experts_per_step`:
+    the number of distinct experts read per MoE layer (averaged over the layers) at each decode
+    step, e.g. counted from the routers' topk_ids; by default (None) it is estimated from the
+    step's batch size under uniform random routing (expected_distinct_experts), with batch =
+    the requests still decoding at that step (all decode side by side). kv_bytes: the KV
+    cache's bytes per element (1 for an FP8 cache; default dtype_bytes); linear_bytes: see
+    weight_bytes_per_step.
+    """
+    opts = decoder_options(hf_config)
+    kv_per_token = 2 * opts.num_layers * opts.num_kv_heads * opts.head_dim * (kv_bytes or dtype_bytes)
     # Token j of a request (0-based) is generated from a context of prompt_len + j tokens.
     kv_reads = sum(n * p + n * (n - 1) // 2 for p, n in zip(map(len, prompts), max_tokens))
     steps = max(max_tokens)
-    return (kv_reads * kv_per_token + steps * weight_bytes) / bandwidth
+    if not opts.moe_layers:
+        weights = steps * weight_bytes_per_step(opts, dtype_bytes, linear_bytes=linear_bytes)
+    else:
+        if experts_per_step is None:
+            m = opts.moe
+            experts_per_step = [expected_distinct_experts(m.num_experts, m.top_k, sum(n > j for n in max_tokens))
+                                for j in range(steps)]
+        if len(experts_per_step) != steps:
+            raise ValueError(f"experts_per_step has {len(experts_per_step)} entries, expected one per decode step ({steps})")
+        weights = sum(weight_bytes_per_step(opts, dtype_bytes, e, linear_bytes) for e in experts_per_step)
+    return (kv_reads * kv_per_token + weights) / bandwidth
+
+
+def weight_element_bytes(llm) -> tuple[int, float]:
+    """(KV cache bytes per element, decoder linear weights' bytes per element) of an engine."""
+    cfg = llm.config
+    quant = cfg.quant
+    if quant is None:
+        linear = cfg.dtype.itemsize
+    elif quant.scheme == "block":
+        linear = 1 + 4 / (128 * 128)  # an fp32 scale per 128x128 block
+    else:
+        linear = 1.0  # one scale per weight: nothing
+    return cfg.kv_dtype.itemsize, linear
 
 
 # Kernel name fragments per kind of work, first match wins: what `--profile` sums up.
@@ -233,6 +296,9 @@ def main(argv=None):
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
+    ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...): "auto" or "fp8"')
+    ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load time')
+    ap.add_argument("--calculate-kv-scales", action="store_true", help="LLM(calculate_kv_scales=True)")
     ap.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="memory bandwidth, B/s")
     ap.add_argument("--compare", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
@@ -279,7 +345,9 @@ def main(argv=None):
     llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
               tensor_parallel_size=args.tp, enforce_eager=args.enforce_eager, max_model_len=4096,
               custom_all_reduce=not args.nccl_all_reduce, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size)
+              max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
+              calculate_kv_scales=args.calculate_kv_scales)
     cold_start = time.perf_counter() - t0
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False
@@ -302,14 +370,17 @@ def main(argv=None):
     if out_tokens != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
     in_tokens = sum(map(len, prompts))
-    floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth) \
-        / args.tp
+    kv_bytes, linear_bytes = weight_element_bytes(llm)
+    floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth,
+                           kv_bytes=kv_bytes, linear_bytes=linear_bytes) / args.tp
     rank0 = getattr(llm.model_runner, "runner", llm.model_runner)  # TP: rank 0's ModelRunner
     res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
            "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
            "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
+           "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+           "quantization": None if llm.config.quant is None else f"fp8-{llm.config.quant.scheme}",
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
            "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,

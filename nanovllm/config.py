@@ -10,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.models import registry
+from nanovllm.models.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("Qwen3ForCausalLM",)
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 TOKENIZER_MODES = ("auto", "slow")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -110,7 +111,14 @@ class Config:
     revision: str | None = None
     max_logprobs: int = 20
     generation_config: str = "auto"
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    quantization: str | None = None
     hf_config: object = field(init=False, repr=False, default=None)
+    # The linear layers' weight scheme (layers/quantization: an Fp8Config or None), from
+    # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
+    quant: object = field(init=False, repr=False, default=None)
+    kv_dtype: torch.dtype | None = field(init=False, default=None)
     # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
     # workers get this copy, whatever their environment).
     decode_blas: str = field(init=False, default="cublaslt")
@@ -134,7 +142,7 @@ class Config:
                 ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer")):
             setattr(self, name, _field_is(name, getattr(self, name), kind, what))
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce",
-                     "trust_remote_code"):
+                     "trust_remote_code", "calculate_kv_scales"):
             _field_is(name, getattr(self, name), bool, "True or False")
         self._check_tokenizer_options()
         if self.tensor_parallel_size < 1:
@@ -167,22 +175,37 @@ class Config:
 
             if not flash_attn_available():
                 raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
+        from nanovllm.layers.attention import kv_cache_torch_dtype
+        from nanovllm.layers.quantization import resolve_quantization
+
+        kv_cache_torch_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here, before the model loads
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
+                             "kv_cache_dtype='fp8'")
         self.model = resolve_model_path(self.model, self.revision)
         if self.tokenizer is not None and not self.skip_tokenizer_init:
             self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
+        self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
+        if self.quant is not None:
+            self.quant.check_model(self.hf_config, self.tensor_parallel_size)
+        self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
+                                 f"(Ada, Hopper); this one is {major}.{minor}")
         # A context longer than the model's positions would silently extrapolate RoPE.
         if self.max_model_len > self.hf_config.max_position_embeddings:
             logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
                            self.max_model_len, self.hf_config.max_position_embeddings)
             self.max_model_len = self.hf_config.max_position_embeddings
-        num_heads = self.hf_config.num_attention_heads
-        num_kv_heads = self.hf_config.num_key_value_heads
         tp = self.tensor_parallel_size
-        if num_heads % tp or num_kv_heads % tp or self.hf_config.intermediate_size % tp:
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's {num_heads} attention heads "
-                             f"its {num_kv_heads} key/value heads and its intermediate size {self.hf_config.intermediate_size}")
+        sizes = registry.tensor_parallel_sizes(self.hf_config)
+        if any(n % tp for n in sizes.values()):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
+                             + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
         if self.device == "cuda" and tp > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
 
@@ -239,15 +262,10 @@ def read_json(path: str) -> dict:
 
 
 def load_hf_config(path: str):
-    """The checkpoint's `config.json` as a transformers config, after checking the architecture."""
+    """The checkpoint's `config.json` as a transformers config, checked by its model family."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
-    raw = read_json(cfg_file)
-    archs = raw.get("architectures") or []
-    if raw.get("model_type") != "qwen3" or not any(a in SUPPORTED_ARCHITECTURES for a in archs):
-        raise ValueError(f"unsupported model in {path!r}: model_type={raw.get('model_type')!r}, "
-                         f"architectures={archs}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    from transformers import Qwen3Config
-
-    return Qwen3Config.from_pretrained(path)
+    # The registry picks the family (architectures), its transformers config class reads the
+    # file, and the family refuses what it does not implement.
+    return registry.load_hf_config(path, read_json(cfg_file))

@@ -3,8 +3,8 @@
 #   bash scripts/gpu_suite.sh [bench args...]
 # Env: BENCH_ARGS (single-GPU benches), TP_BENCH_ARGS (the TP=2 bench), TP_AB_ARGS (a second TP=2
 # bench with these flags instead, e.g. --gather-logits), SKIP_TP1=1 (TP=2 benches only), PROFILE_STARTUP=1,
-# KERNEL_BENCHES=1 (the kernel microbenchmarks: paged-decode split sweep and row order, cuBLAS vs cuBLASLt decode GEMMs,
-# fused all-reduce vs NCCL, prefill all-reduce overlap; benchmarks/kernels/),
+# KERNEL_BENCHES=1 (the kernel microbenchmarks: paged-decode split sweep (bf16 and FP8 KV) and row order, cuBLAS vs
+# cuBLASLt decode GEMMs, FP8 GEMMs, fused all-reduce vs NCCL, prefill all-reduce overlap; benchmarks/kernels/),
 # LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
 # one would outlast the device's 10-minute limit.
@@ -44,8 +44,10 @@ fi
 
 if [ -n "${KERNEL_BENCHES:-}" ]; then
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_paged_decode.py --json "$OUT/splits.json" 2>&1 | tee "$OUT/bench-paged-decode.log"
+  PYTHONPATH=. timeout 300 python3 benchmarks/kernels/bench_paged_decode.py --kv-fp8 --json "$OUT/splits-fp8.json" 2>&1 | tee "$OUT/bench-paged-decode-fp8.log"
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_decode_order.py 2>&1 | tee "$OUT/bench-decode-order.log"
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_gemm.py 2>&1 | tee "$OUT/bench-gemm.log"
+  PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_fp8_gemm.py 2>&1 | tee "$OUT/bench-fp8-gemm.log"
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_all_reduce.py 2>&1 | tee "$OUT/bench-all-reduce.log"
     PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_prefill_all_reduce.py 2>&1 | tee "$OUT/bench-prefill-all-reduce.log"

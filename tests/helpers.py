@@ -1,6 +1,6 @@
 """Shared helpers for the engine-level tests (test_llm.py, test_loader.py, test_config.py).
 
-Checkpoints are tiny random Qwen3 models from `tiny_model.py`, created once per test session and
+Checkpoints are tiny random models from `tiny_model.py`, created once per test session and
 shared between modules (`tiny_checkpoint`); transformers reference runs are cached too
 (`hf_reference`), so every expensive thing happens once.
 """
@@ -29,12 +29,11 @@ _HF_GREEDY: dict[tuple, list[int]] = {}
 
 
 def tiny_checkpoint(tmp_path_factory, name: str = "gqa", **overrides) -> str:
-    """Path of a tiny checkpoint made from `tm.CONFIGS[name]` (+ overrides), created once per session."""
-    cfg = dict(tm.CONFIGS.get(name, {}))
-    cfg.update(overrides)
-    key = (name, tuple(sorted((k, repr(v)) for k, v in cfg.items())))
+    """Path of a tiny checkpoint made from `tm.CONFIGS[name]` (Qwen3) or `tm.MODEL_CONFIGS[name]`
+    (the other families), + overrides, created once per session."""
+    key = (name, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
     if key not in _CHECKPOINTS:
-        _CHECKPOINTS[key] = tm.make_tiny_qwen3(tmp_path_factory.mktemp(f"ckpt_{name}"), **cfg)
+        _CHECKPOINTS[key] = tm.make_named(tmp_path_factory.mktemp(f"ckpt_{name}"), name, **overrides)
     return _CHECKPOINTS[key]
 
 
@@ -113,3 +112,17 @@ def assert_idle(llm) -> None:
     assert not llm.has_unfinished()
     bm = llm.block_manager
     assert bm.num_free_blocks == bm.num_blocks, f"{bm.num_blocks - bm.num_free_blocks} KV blocks still held"
+
+
+def reference_moe(hidden, w13, w2, weights, ids) -> torch.Tensor:
+    """The MoE layer's output token by token, expert by expert, in float64 on the CPU (hidden
+    [T, H], w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I], weights / ids [T, k])."""
+    hidden, w13, w2, weights, ids = (t.cpu() for t in (hidden, w13, w2, weights, ids))
+    out = torch.zeros(hidden.shape, dtype=torch.float64)
+    for t in range(hidden.shape[0]):
+        x = hidden[t].double()
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            gate, up = (w13[e].double() @ x).chunk(2)
+            out[t] += float(weights[t, j]) * (w2[e].double() @ (torch.nn.functional.silu(gate) * up))
+    return out

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanovllm.layers import attention as attn_mod
-from nanovllm.layers.attention import FlashAttnBackend, TorchBackend, select_backend
+from nanovllm.layers.attention import Attention, FlashAttnBackend, TorchBackend, gather_kv, select_backend
 from nanovllm.utils.context import AttentionMetadata, prefill_metadata
 
 
@@ -244,3 +244,281 @@ def test_triton_prefix_prefill_in_several_gather_groups(monkeypatch):
     monkeypatch.setattr(TritonBackend, "GATHER_TOKENS", 300)  # forces one group per sequence
     out = TritonBackend().forward(q, k_new, v_new, kc, vc, meta, 128 ** -0.5).float()
     assert ((out - ref).norm() / ref.norm()) < 1e-2
+
+
+# ----------------------------------------------------------------------------- FP8 KV cache
+FP8 = torch.float8_e4m3fn
+E4M3_U = 2.0 ** -4        # e4m3 unit roundoff (3 mantissa bits): relative error of a normal value
+E4M3_SUB_ERR = 2.0 ** -10  # half the subnormal spacing 2**-9: absolute error below 2**-6 (times the scale)
+
+
+def ref_round_trip(x, scale, dtype):
+    """dequant(quant(x)) in plain torch: what an FP8 cache gives back for x, in `dtype`."""
+    return ((x.float() / scale).clamp(-448, 448).to(FP8).float() * scale).to(dtype)
+
+
+class PagedSequences:
+    """An Attention layer on the torch backend with its own paged cache, fed step by step.
+
+    `seqs` are (q, k, v) of whole sequences; each sequence gets a random block table, so that
+    every run lays the same tokens out differently in the cache.
+    """
+
+    def __init__(self, seqs, num_heads, num_kv_heads, head_dim, block_size, cache_dtype, scales=None):
+        self.seqs, self.block_size = seqs, block_size
+        nblocks = [math.ceil(q.size(0) / block_size) for q, _, _ in seqs]
+        perm = torch.randperm(sum(nblocks) + 2).tolist()
+        self.tables = [[perm.pop() for _ in range(nb)] for nb in nblocks]
+        self.layer = Attention(num_heads, head_dim, head_dim ** -0.5, num_kv_heads)
+        self.layer.backend = TorchBackend()
+        shape = (sum(nblocks) + 2, block_size, num_kv_heads, head_dim)
+        self.layer.k_cache = torch.zeros(shape, dtype=cache_dtype)
+        self.layer.v_cache = torch.zeros(shape, dtype=cache_dtype)
+        if scales is not None:
+            self.layer.k_scale.copy_(scales[0])
+            self.layer.v_scale.copy_(scales[1])
+
+    def _slots(self, i, start, end):
+        t, bs = self.tables[i], self.block_size
+        return [t[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def _tables(self, ids):
+        width = max(len(self.tables[i]) for i in ids)
+        return torch.tensor([self.tables[i] + [-1] * (width - len(self.tables[i])) for i in ids], dtype=torch.int32)
+
+    def prefill(self, chunks):
+        """chunks: (sequence index, start, end); tokens [start, end) are new, [0, start) cached.
+        Returns each chunk's attention output."""
+        ids = [i for i, _, _ in chunks]
+        q, k, v = (torch.cat([self.seqs[i][j][a:b] for i, a, b in chunks]) for j in range(3))
+        slots = torch.tensor(sum((self._slots(i, a, b) for i, a, b in chunks), []), dtype=torch.int32)
+        meta = prefill_metadata([b - a for _, a, b in chunks], [b for _, _, b in chunks], slots, self._tables(ids), "cpu")
+        return list(self.layer(q, k, v, meta).split([b - a for _, a, b in chunks]))
+
+    def decode(self, rows):
+        """rows: (sequence index, position): one new token each. Returns their outputs."""
+        ids = [i for i, _ in rows]
+        q, k, v = (torch.stack([self.seqs[i][j][p] for i, p in rows]) for j in range(3))
+        slots = torch.tensor([self._slots(i, p, p + 1)[0] for i, p in rows], dtype=torch.int32)
+        ctx = [p + 1 for _, p in rows]
+        meta = AttentionMetadata(is_prefill=False, slot_mapping=slots, context_lens=torch.tensor(ctx, dtype=torch.int32),
+                                 block_tables=self._tables(ids), query_lens=[1] * len(rows), kv_lens=ctx)
+        return self.layer(q, k, v, meta)
+
+    def cached(self, i, which):
+        """Sequence i's cached K (which=0) or V (1), as stored."""
+        cache = (self.layer.k_cache, self.layer.v_cache)[which]
+        return gather_kv(cache, torch.tensor(self.tables[i]), self.seqs[i][0].size(0))
+
+
+def random_sequences(lengths, num_heads, num_kv_heads, head_dim, dtype):
+    # K/V of a few units: calibrated scales of about 0.05-0.1, so the scale really matters.
+    return [(torch.randn(n, num_heads, head_dim).to(dtype), (3 * torch.randn(n, num_kv_heads, head_dim)).to(dtype),
+             (2 * torch.randn(n, num_kv_heads, head_dim)).to(dtype)) for n in lengths]
+
+
+def fp8_scales(seqs):
+    """Scales as calibration would set them from all of the sequences' K/V (no saturation)."""
+    layer = Attention(1, 1, 1.0, 1)
+    layer.calibrate_kv_scales(torch.cat([k for _, k, _ in seqs]), torch.cat([v for _, _, v in seqs]))
+    return layer.k_scale.clone(), layer.v_scale.clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_prefill_fresh_prefix_hit_chunked_and_decode_agree(dtype, fresh_seed):
+    """A sequence's attention output is the same however its K/V reached the attention: a
+    prefill without cached tokens (this step's K/V), after a prefix hit or in chunks (read back
+    from the FP8 cache), or as a decode step; and it is SDPA over dequant(quant(K/V))."""
+    nh, nkv, hd, bs = 4, 2, 16, 16
+    n, c = 70, 37  # the sequence under test, the cached prefix of the prefix-hit run
+    seqs = random_sequences([n, 30], nh, nkv, hd, dtype)
+    scales = fp8_scales(seqs)
+    # Block tables differ between runs (random): the layout must not matter.
+    run = lambda: PagedSequences(seqs, nh, nkv, hd, bs, FP8, scales)  # noqa: E731
+
+    fresh_run = run()
+    fresh = fresh_run.prefill([(1, 0, 30), (0, 0, n)])[1]
+    hit_run = run()
+    hit_run.prefill([(1, 0, 30), (0, 0, c)])  # the prefix, stored along with another sequence
+    hit = hit_run.prefill([(0, c, n)])[0]
+    chunk_run = run()
+    chunked = torch.cat([chunk_run.prefill([(0, 0, 16)])[0], chunk_run.prefill([(0, 16, 50), (1, 0, 30)])[0],
+                         chunk_run.prefill([(0, 50, n)])[0]])
+    decode_run = run()
+    decode_run.prefill([(0, 0, n - 1)])
+    decoded = decode_run.decode([(0, n - 1)])[0]
+
+    # Every run stored bitwise the same bytes for the sequence.
+    for other in (hit_run, chunk_run, decode_run):
+        for which in (0, 1):
+            assert torch.equal(other.cached(0, which).view(torch.uint8), fresh_run.cached(0, which).view(torch.uint8))
+    # So all four attend over bitwise equal K/V; what is left is SDPA's summation order over
+    # at most 70 keys for a different number of query rows: fp32 <= 70 * 2**-24 relative
+    # (1e-5 is generous); in bf16 the output's rounding can flip by one ulp (<= 2**-7 relative).
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    torch.testing.assert_close(hit, fresh[c:], **tol)
+    torch.testing.assert_close(chunked, fresh, **tol)
+    torch.testing.assert_close(decoded, fresh[n - 1], **tol)
+
+    # And the function is attention over the round-tripped K/V (reference in fp32, causal).
+    q, k, v = seqs[0]
+    ref = reference_attention(q, [ref_round_trip(k, scales[0], dtype)], [ref_round_trip(v, scales[1], dtype)], [n],
+                              hd ** -0.5)
+    # fp32: only summation order differs (1e-5). bf16: SDPA over bf16 inputs vs the fp32
+    # reference, and the output rounded to bf16 (2**-9): 1e-2 as in the GPU backend tests.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(fresh, ref, **tol)
+
+
+def test_fp8_cache_error_against_full_precision_is_bounded(fresh_seed):
+    """FP8 vs fp32 cache, same inputs, both through prefix-hit prefill (K/V read back).
+
+    e4m3 rounds each value with relative error <= u = 2**-4 (normal range) or absolute error
+    <= 2**-10 * scale (subnormals), nothing saturating at calibrated scales. So each score
+    s_i = c q.k_i moves by at most E = c sum_d |q_d| (u |k_id| + 2**-10 k_scale); softmax
+    weights then move by a factor within e**(+-2E): |p'_i - p_i| <= (e**(2E) - 1) p_i; and
+    |o' - o| <= sum |p'_i - p_i| |v'_i| + sum p_i |v'_i - v_i|
+             <= (e**(2E) - 1) max |v'| + u max |v| + 2**-10 v_scale,
+    per query row and head (maxima over the sequence: a valid, looser bound). fp32
+    arithmetic adds ~1e-6; 1e-5 slack.
+    """
+    nh, nkv, hd, bs, n, c = 4, 2, 16, 16, 90, 40
+    seqs = random_sequences([n], nh, nkv, hd, torch.float32)
+    scales = fp8_scales(seqs)
+    q, k, v = seqs[0]
+    for x, s in ((k, scales[0]), (v, scales[1])):  # the round trip itself: e4m3's bound
+        assert ((ref_round_trip(x, s, torch.float32) - x).abs() <= E4M3_U * x.abs() + E4M3_SUB_ERR * s).all()
+    outs = []
+    for cache_dtype, sc in ((FP8, scales), (torch.float32, None)):
+        r = PagedSequences(seqs, nh, nkv, hd, bs, cache_dtype, sc)
+        r.prefill([(0, 0, c)])
+        outs.append(r.prefill([(0, c, n)])[0])
+    out8, out32 = outs
+    group = nh // nkv
+    k_err = (E4M3_U * k.abs() + E4M3_SUB_ERR * scales[0]).repeat_interleave(group, 1)   # [n, nh, hd]
+    E = hd ** -0.5 * torch.einsum("jhd,ihd->jhi", q[c:].abs(), k_err).amax(-1)           # [n - c, nh]
+    v_rt = ref_round_trip(v, scales[1], torch.float32)
+    v_max = v.abs().amax((0, 2)).repeat_interleave(group)                                # [nh]
+    v_rt_max = v_rt.abs().amax((0, 2)).repeat_interleave(group)
+    bound = torch.expm1(2 * E) * v_rt_max + E4M3_U * v_max + E4M3_SUB_ERR * scales[1] + 1e-5
+    err = (out8 - out32).abs().amax(-1)                                                  # [n - c, nh]
+    assert (err <= bound).all(), f"max excess {(err - bound).max():.3g}"
+    assert err.max() > 0, "the FP8 cache changed nothing: was it used?"
+
+
+def test_fp8_calibration_on_first_prefill_only(fresh_seed):
+    nh, nkv, hd, bs = 4, 2, 16, 16
+    seqs = random_sequences([40, 20], nh, nkv, hd, torch.float32)
+    seqs[1] = (seqs[1][0], 10 * seqs[1][1], 10 * seqs[1][2])  # a later prompt with far larger K/V
+    r = PagedSequences(seqs, nh, nkv, hd, bs, FP8)
+    layer = r.layer
+    assert layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
+    r.prefill([(0, 0, 5)])
+    # A decode step does not take the flag (nor change the scales); the next prefill does.
+    layer.calibrate_next_prefill = True
+    r.decode([(0, 5)])
+    assert layer.calibrate_next_prefill and layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
+    r.prefill([(0, 6, 16)])
+    assert not layer.calibrate_next_prefill
+    k0, v0 = seqs[0][1][6:16], seqs[0][2][6:16]
+    want = (k0.abs().amax() / 200).reshape(1), (v0.abs().amax() / 100).reshape(1)
+    assert torch.equal(layer.k_scale, want[0]) and torch.equal(layer.v_scale, want[1])
+    # The calibrating prefill was stored with the new scales (the tokens before it with 1.0).
+    assert torch.equal(r.cached(0, 0)[6:16].view(torch.uint8), (k0 / want[0]).clamp(-448, 448).to(FP8).view(torch.uint8))
+    assert torch.equal(r.cached(0, 1)[:5].view(torch.uint8), seqs[0][2][:5].clamp(-448, 448).to(FP8).view(torch.uint8))
+    # Later prefills and decodes leave the scales alone, however large their K/V.
+    r.prefill([(1, 0, 20), (0, 16, 39)])
+    r.decode([(0, 39)])
+    assert torch.equal(layer.k_scale, want[0]) and torch.equal(layer.v_scale, want[1])
+
+
+def test_fp8_calibration_keeps_a_usable_scale_for_zero_or_nonfinite_kv():
+    layer = Attention(2, 16, 0.25, 1)
+    zeros = torch.zeros(5, 1, 16)
+    layer.calibrate_kv_scales(zeros, torch.full((5, 1, 16), float("inf")))
+    assert layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
+
+
+def test_kv_cache_dtype_names():
+    assert attn_mod.kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
+    assert attn_mod.kv_cache_torch_dtype("fp8", torch.bfloat16) == FP8
+    assert attn_mod.kv_cache_torch_dtype("fp8_e4m3", torch.float16) == FP8
+    for bad in ("fp8_e5m2", "bf16", "FP8", None):
+        with pytest.raises(ValueError, match=r"kv_cache_dtype=.*'auto', 'fp8', 'fp8_e4m3'") as e:
+            attn_mod.kv_cache_torch_dtype(bad, torch.bfloat16)
+        assert repr(bad) in str(e.value)
+
+
+def test_fp8_bad_inputs_and_backend_selection(monkeypatch):
+    k = torch.randn(3, 2, 16)
+    slots = torch.arange(3, dtype=torch.int32)
+    cache8 = torch.zeros(2, 16, 2, 16, dtype=FP8)
+    cache32 = torch.zeros(2, 16, 2, 16)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="FP8 KV cache needs k_scale"):
+        TorchBackend().store_kv(k, k, cache8, cache8.clone(), slots)
+    with pytest.raises(ValueError, match="only to an FP8 KV cache"):
+        TorchBackend().store_kv(k, k, cache32, cache32.clone(), slots, one, one)
+    meta = prefill_metadata([3], [3], slots, torch.zeros(1, 1, dtype=torch.int32), "cpu")
+    with pytest.raises(ValueError, match="FP8 KV cache needs k_scale"):
+        TorchBackend().forward(torch.randn(3, 4, 16), k, k, cache8, cache8, meta, 0.25)
+    fa = FlashAttnBackend(module=make_flash_attn_stub([]))
+    with pytest.raises(ValueError, match="flash_attn attention backend does not support an FP8"):
+        fa.store_kv(k, k, cache8, cache8.clone(), slots, one, one)
+    with pytest.raises(ValueError, match="flash_attn attention backend does not support an FP8"):
+        fa.forward(torch.randn(3, 4, 16), k, k, cache8, cache8, meta, 0.25, one, one)
+
+    with pytest.raises(ValueError, match="fp8_e5m2"):
+        select_backend("cpu", 16, kv_cache_dtype="fp8_e5m2")
+    assert select_backend("cpu", 256, kv_cache_dtype="fp8").name == "torch"
+    monkeypatch.setattr(attn_mod, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(attn_mod, "FlashAttnBackend", lambda: types.SimpleNamespace(name="flash_attn"))
+    monkeypatch.setattr(attn_mod, "TritonBackend", lambda: types.SimpleNamespace(name="triton"))
+    assert select_backend("cuda", 256).name == "flash_attn"
+    assert select_backend("cuda", 256, kv_cache_dtype="fp8").name == "triton"
+    assert select_backend("cuda", 256, kv_cache_dtype="fp8_e4m3").name == "triton"
+    with pytest.raises(ValueError, match="does not support kv_cache_dtype='fp8'"):
+        select_backend("cuda", 256, forced="flash_attn", kv_cache_dtype="fp8")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_triton_backend_fp8_matches_torch_on_gpu(case, block_size):
+    """Prefill (fresh: round trip; prefix hit / chunked: dequantizing gather) and decode of the
+    triton backend on an FP8 cache vs the torch backend on the same cache, and both vs fp32
+    attention over the round-tripped K/V. bf16 throughout: 1e-2 as the bf16 tests above."""
+    from nanovllm.kernels.paged_decode import choose_num_splits
+    from nanovllm.layers.attention import TritonBackend
+
+    cached, new = CASES[case]
+    q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, block_size, torch.bfloat16, "cuda",
+                                                seed=torch.seed() % 10_000)
+    k_scale = (kc.abs().amax().float() / 200).reshape(1)
+    v_scale = (vc.abs().amax().float() / 100).reshape(1)
+    quant = lambda x, s: (x.float() / s).clamp(-448, 448).to(FP8)  # noqa: E731
+    kc8, vc8 = quant(kc, k_scale), quant(vc, v_scale)
+    ks_rt = [ref_round_trip(k, k_scale, torch.bfloat16) for k in ks]
+    vs_rt = [ref_round_trip(v, v_scale, torch.bfloat16) for v in vs]
+    scale = 128 ** -0.5
+    k_new, v_new = dense_new_kv(ks, vs, new)
+    meta = prefill_meta(cached, new, bt, "cuda")
+    ref = reference_attention(q, ks_rt, vs_rt, new, scale).float()
+    outs = {}
+    for backend in (TorchBackend(), TritonBackend()):
+        out = backend.forward(q, k_new, v_new, kc8, vc8, meta, scale, k_scale, v_scale).float()
+        outs[backend.name] = out
+        err = (out - ref).norm() / ref.norm()
+        assert err < 1e-2, (backend.name, err.item())
+    assert ((outs["triton"] - outs["torch"]).norm() / outs["torch"].norm()) < 1e-2
+
+    # Decode of each sequence's last token over the same cache.
+    ctx = [c + n for c, n in zip(cached, new)]
+    qd = torch.randn(len(ctx), 16, 128, device="cuda", dtype=torch.bfloat16)
+    ref = reference_attention(qd, ks_rt, vs_rt, [1] * len(ctx), scale).float()
+    splits = choose_num_splits(len(ctx), 8, bt.size(1))
+    for backend in (TorchBackend(), TritonBackend()):
+        out = backend.forward(qd, None, None, kc8, vc8, decode_meta(ctx, bt, "cuda", splits), scale,
+                              k_scale, v_scale).float()
+        err = (out - ref).norm() / ref.norm()
+        assert err < 1e-2, (backend.name, err.item())

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 import tiny_model as tm  # noqa: E402
 
@@ -38,6 +40,70 @@ def test_floor_counts_kv_reads_and_weight_reads():
     kv_per_token = 2 * 28 * 8 * 128 * 2
     # One more generated token reads 11 tokens of K/V and the weights once more.
     assert two - one == 11 * kv_per_token + (one - 10 * kv_per_token)
+
+
+def test_floor_counts_fp8_bytes():
+    """An FP8 KV cache halves the KV reads; FP8 linear weights halve the decoder's GEMM weights
+    (embedding, LM head and norms stay 16-bit)."""
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-8b"]))
+    kv_only = [[0] * 1000], [1]
+    base = bench.roofline_floor(cfg, *kv_only, 2, 1.0)
+    assert bench.roofline_floor(cfg, *kv_only, 2, 1.0, kv_bytes=1) == base - 1000 * 2 * 36 * 8 * 128
+    h, i, L, v = 4096, 12288, 36, 151936
+    linears = L * (h * (32 + 16) * 128 + 32 * 128 * h + 3 * h * i)
+    fp8 = bench.roofline_floor(cfg, *kv_only, 2, 1.0, kv_bytes=2, linear_bytes=1)
+    assert base - fp8 == linears  # one byte less per linear weight element
+    assert 2 * linears / (base - 1000 * 2 * 36 * 8 * 128) > 0.8 and 2 * v * h < base  # linears: most of the bytes
+
+
+@pytest.mark.parametrize("name", sorted(bench.DUMMY_CONFIGS))
+def test_weight_bytes_count_every_parameter_transformers_builds(name):
+    """Per decode step every parameter is read once (all experts when the batch uses them all):
+    the count from the config equals the parameters of transformers' model of that config."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS[name]))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    params = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    assert bench.weight_bytes_per_step(bench.decoder_options(cfg), 2) == 2 * params
+
+
+def test_expected_distinct_experts_is_the_uniform_routing_mean():
+    import itertools
+
+    # Exhaustive: B tokens each pick one of the k-subsets of E experts, all equally likely.
+    for num_experts, top_k, batch in ((4, 2, 2), (5, 2, 3), (6, 3, 2)):
+        subsets = list(itertools.combinations(range(num_experts), top_k))
+        sizes = [len(set().union(*choice)) for choice in itertools.product(subsets, repeat=batch)]
+        assert abs(bench.expected_distinct_experts(num_experts, top_k, batch) - sum(sizes) / len(sizes)) < 1e-12
+    assert bench.expected_distinct_experts(128, 8, 1) == pytest.approx(8)
+    assert 127.9 < bench.expected_distinct_experts(128, 8, 256) < 128
+
+
+def test_moe_floor_reads_the_routed_experts_only():
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-30b-a3b"]))
+    opts = bench.decoder_options(cfg)
+    kv_per_token = 2 * 48 * 4 * 128 * 2
+    expert = 3 * 2048 * 768 * 2
+    # One request, one token: a batch of 1 routes to exactly top_k = 8 experts per layer.
+    one = bench.roofline_floor(cfg, [[0] * 10], [1], 2, 1.0)
+    assert one == pytest.approx(10 * kv_per_token + bench.weight_bytes_per_step(opts, 2, 8))
+    all_experts = bench.weight_bytes_per_step(opts, 2)
+    assert all_experts - bench.weight_bytes_per_step(opts, 2, 8) == 48 * 120 * expert
+    # Exact counts replace the estimate (the hook), one per decode step.
+    exact = bench.roofline_floor(cfg, [[0] * 10, [0] * 5], [2, 1], 2, 1.0, experts_per_step=[12, 8])
+    kv = (2 * 10 + 1) * kv_per_token + 5 * kv_per_token
+    assert exact == pytest.approx(kv + bench.weight_bytes_per_step(opts, 2, 12) + bench.weight_bytes_per_step(opts, 2, 8))
+    estimate = bench.roofline_floor(cfg, [[0] * 10, [0] * 5], [2, 1], 2, 1.0)
+    two = bench.expected_distinct_experts(128, 8, 2)  # step 0 decodes both requests, step 1 one
+    assert estimate == pytest.approx(kv + bench.weight_bytes_per_step(opts, 2, two) + bench.weight_bytes_per_step(opts, 2, 8))
+    with pytest.raises(ValueError, match="experts_per_step"):
+        bench.roofline_floor(cfg, [[0] * 10], [3], 2, 1.0, experts_per_step=[8, 8])
+    # The bench workload at 256 requests: far below reading all 128 experts only near the end.
+    prompts, max_tokens = bench.workload()
+    full = bench.roofline_floor(cfg, prompts, max_tokens, 2, 4.3e12, experts_per_step=[128] * max(max_tokens))
+    assert bench.roofline_floor(cfg, prompts, max_tokens, 2, 4.3e12) < full
 
 
 def test_bench_runs_on_a_tiny_checkpoint(tmp_path):

@@ -147,10 +147,15 @@ def test_model_path_checks(ckpt, tmp_path):
         Config.from_kwargs(str(empty))
 
 
+SUPPORTED = "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM"
+
+
 @pytest.mark.parametrize("changes,pattern", [
-    (dict(model_type="llama", architectures=["LlamaForCausalLM"]), "LlamaForCausalLM|llama"),
-    (dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]), "Qwen2ForCausalLM|qwen2"),
-    (dict(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"]), "Qwen3MoeForCausalLM|qwen3_moe"),
+    (dict(model_type="mistral", architectures=["MistralForCausalLM"]), "MistralForCausalLM.*supported architectures: " + SUPPORTED),
+    (dict(model_type="gpt2", architectures=["GPT2LMHeadModel"]), "GPT2LMHeadModel.*supported architectures: " + SUPPORTED),
+    (dict(architectures=[]), r"architectures=\[\].*supported architectures"),
+    # A supported class name with another family's model_type: refused, not read as either.
+    (dict(model_type="llama"), "Qwen3ForCausalLM.*model_type='qwen3'.*got model_type='llama'"),
 ])
 def test_unknown_architectures(ckpt, tmp_path, changes, pattern):
     folder = copy_checkpoint(ckpt, tmp_path / "arch")

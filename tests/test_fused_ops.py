@@ -197,6 +197,31 @@ def test_qk_norm_rope_matches_reference(dtype, num_heads, num_kv_heads, head_dim
     assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,tokens", QK_CONFIGS)
+def test_rope_without_norm_matches_reference(dtype, num_heads, num_kv_heads, head_dim, tokens):
+    """q_weight = k_weight = None (Qwen2, Llama): RotaryEmbedding alone, with llama3 scaling."""
+    from nanovllm.layers.rotary_embedding import Llama3RopeScaling
+
+    max_pos = 4096
+    rotary = RotaryEmbedding(head_dim, max_pos, 500_000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 1024)).to(DEVICE)
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    buf = (2 * torch.randn(tokens, width + 8, device=DEVICE)).to(dtype)
+    qkv = buf[:, :width]
+    positions = torch.randint(0, max_pos, (tokens,), device=DEVICE)
+    positions[0] = max_pos - 1
+    q, k, v = qk_norm_rope(qkv, None, None, rotary.cos_sin, positions, num_heads, num_kv_heads, head_dim, EPS)
+    q_ref, k_ref = rotary(positions, qkv[:, :num_heads * head_dim].reshape(-1, num_heads, head_dim),
+                          qkv[:, num_heads * head_dim:width - num_kv_heads * head_dim].reshape(-1, num_kv_heads,
+                                                                                             head_dim))
+    assert_matches(q, q_ref)
+    assert_matches(k, k_ref)
+    assert torch.equal(v, qkv[:, width - num_kv_heads * head_dim:].reshape(-1, num_kv_heads, head_dim))
+    with pytest.raises(ValueError, match="both be given"):
+        qk_norm_rope(qkv, None, torch.ones(head_dim, device=DEVICE, dtype=dtype), rotary.cos_sin, positions,
+                     num_heads, num_kv_heads, head_dim, EPS)
+
+
 def test_qk_norm_rope_int32_positions_and_no_tokens():
     nh, nkv, d = 2, 1, 32
     rotary = RotaryEmbedding(d, 64, 10_000.0).to(DEVICE)
@@ -312,6 +337,25 @@ def test_gpu_qk_norm_rope_bf16(num_heads, num_kv_heads, tokens):
     assert_matches(q, q_ref, min_exact=0.99)
     assert_matches(k, k_ref, min_exact=0.99)
     assert torch.equal(v, v_ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(28, 4), (32, 8)])  # Qwen2.5-7B, Llama-3.1-8B
+@pytest.mark.parametrize("tokens", [1, 256, 4096])
+def test_gpu_rope_without_norm_bf16(num_heads, num_kv_heads, tokens):
+    from nanovllm.layers.rotary_embedding import Llama3RopeScaling
+
+    head_dim, max_pos = 128, 32768
+    rotary = RotaryEmbedding(head_dim, max_pos, 500_000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 8192)).cuda()
+    qkv = (2 * torch.randn(tokens, (num_heads + 2 * num_kv_heads) * head_dim, device="cuda")).bfloat16()
+    positions = torch.randint(0, max_pos, (tokens,), device="cuda")
+    q, k, v = qk_norm_rope(qkv, None, None, rotary.cos_sin, positions, num_heads, num_kv_heads, head_dim, EPS)
+    q_ref, k_ref = rotary(positions, qkv[:, :num_heads * head_dim].reshape(tokens, num_heads, head_dim),
+                          qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim].reshape(
+                              tokens, num_kv_heads, head_dim))
+    assert_matches(q, q_ref, min_exact=0.99)
+    assert_matches(k, k_ref, min_exact=0.99)
+    assert torch.equal(v, qkv[:, (num_heads + num_kv_heads) * head_dim:].reshape(tokens, num_kv_heads, head_dim))
 
 
 @pytest.mark.gpu

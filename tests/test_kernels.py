@@ -294,6 +294,190 @@ def test_choose_num_splits():
         choose_num_splits(0, 8, 16)
 
 
+# ----------------------------------------------------------------------------- FP8 KV cache
+
+FP8 = torch.float8_e4m3fn
+
+
+def ref_quantize(x, scale):
+    """The FP8 cache's stored value, in plain torch: clamp(x / scale, +-448) rounded to e4m3.
+    Torch's cast rounds to nearest even but turns values beyond 448 into NaN: clamp first."""
+    return (x.float() / scale).clamp(-448.0, 448.0).to(FP8)
+
+
+def fp8_bytes(t):
+    return t.view(torch.uint8)
+
+
+def random_scales(device):
+    """Per-tensor K and V scales away from 1 and from powers of two (so that the division
+    really rounds), as fp32 [1] tensors."""
+    return (torch.rand(2, device=device) * 0.9 + 0.05).split(1)
+
+
+@pytest.mark.parametrize(
+    "num_kv_heads,head_dim,dtype,slot_dtype,packed",
+    [
+        (2, 64, torch.float32, torch.int64, False),
+        (3, 40, torch.float16, torch.int32, True),  # width 120: not a power of two
+        (4, 32, torch.bfloat16, torch.int64, False),
+    ],
+)
+def test_store_kvcache_fp8(num_kv_heads, head_dim, dtype, slot_dtype, packed, fresh_seed):
+    n, num_blocks, block_size = 11, 5, 16
+    width = (2 + 2 * num_kv_heads if packed else 2 * num_kv_heads) * head_dim
+    qkv = torch.randn(n, width, device=DEVICE) * 100  # |x| / scale spans e4m3's range
+    outliers = torch.randperm(qkv.numel(), device=DEVICE)[: qkv.numel() // 20]
+    qkv.view(-1)[outliers] *= 100  # and beyond: these saturate
+    qkv = qkv.to(dtype)
+    if packed:
+        # key/value as strided views into a packed qkv projection, like the model produces.
+        key, value = qkv[:, 2 * head_dim :].view(n, 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1)
+        assert not key.is_contiguous()
+    else:
+        key, value = (t.contiguous() for t in qkv.view(n, 2 * num_kv_heads, head_dim).split(num_kv_heads, dim=1))
+    k_scale, v_scale = random_scales(DEVICE)
+    slots = torch.randperm(num_blocks * block_size)[:n]
+    slots[torch.rand(n) < 0.3] = -1
+    slots[0] = -1
+    slot_mapping = slots.to(DEVICE, slot_dtype)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    # Poison: 0x7F is e4m3fn's NaN; skipped and unused slots must keep it.
+    k_cache = torch.full(shape, 0x7F, device=DEVICE, dtype=torch.uint8).view(FP8)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+
+    store_kvcache(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    keep = slots >= 0
+    k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(key[keep.to(DEVICE)], k_scale)
+    v_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(value[keep.to(DEVICE)], v_scale)
+
+    # The same arithmetic (fp32 division, clamp, round to nearest even): identical bytes.
+    assert torch.equal(fp8_bytes(k_cache), fp8_bytes(k_ref))
+    assert torch.equal(fp8_bytes(v_cache), fp8_bytes(v_ref))
+    written = ~k_cache.float().isnan().any(-1).any(-1).view(-1)
+    assert int(written.sum()) == int(keep.sum())
+    # Values beyond 448 * scale saturate to +-448.
+    stored = k_cache.view(-1, num_kv_heads, head_dim)[slots[keep]].float()
+    big = (key[keep.to(DEVICE)].float() / k_scale).abs() > 448
+    assert big.any() and (stored[big].abs() == 448).all()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.125, 0.3])
+def test_store_kvcache_fp8_rounds_like_torch_at_every_tie(scale):
+    _check_store_fp8_ties(scale, DEVICE)
+
+
+def _check_store_fp8_ties(scale, device):
+    """Every finite e4m3 value, every midpoint between neighbours (ties go to the even one),
+    the floats just either side of each midpoint, and values past 448 (saturate), all signs,
+    times `scale` (a power of two keeps the ties exact; 0.3 makes x / scale round first);
+    NaN stays NaN (checked on the GPU)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8).float()
+    grid = codes[~codes.isnan() & (codes >= 0)].unique().sort().values
+    mid = (grid[1:] + grid[:-1]) / 2
+    x = torch.cat([grid, mid, mid.nextafter(torch.zeros(())), mid.nextafter(torch.full((), 1e9)),
+                   torch.tensor([449.0, 463.9, 464.0, 1e4, 3e38, float("nan")])])
+    x = torch.cat([x, -x, torch.zeros(-2 * x.numel() % 64)]) * scale
+    n = x.numel() // 64  # rows of 64 values: few interpreted programs
+    key = x.view(n, 1, 64).to(device)
+    cache = torch.zeros(n, 1, 1, 64, dtype=FP8, device=device)
+    s = torch.tensor([scale], device=device)
+    store_kvcache(key, key, cache, cache.clone(), torch.arange(n, device=device), s, s)
+    nan = key.isnan()
+    if device != "cpu":  # Triton's interpreter casts NaN to a finite e4m3 value: GPU only
+        assert cache.view(n, 1, 64)[nan].float().isnan().all()
+    assert torch.equal(fp8_bytes(cache.view(n, 1, 64))[~nan], fp8_bytes(ref_quantize(key, s))[~nan])
+
+
+def quantized_paged_inputs(context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device):
+    """make_paged_inputs with FP8 caches (quantized with random scales; the NaN poison stays NaN)
+    and the dequantized fp32 caches the reference attends over."""
+    q, k, v, block_tables, ctx = make_paged_inputs(
+        context_lens, num_heads, num_kv_heads, head_dim, block_size, torch.float32, device
+    )
+    k_scale, v_scale = random_scales(device)
+    k8, v8 = ref_quantize(k * 100 * k_scale, k_scale), ref_quantize(v * 100 * v_scale, v_scale)
+    deq = (k8.float() * k_scale, v8.float() * v_scale)
+    return q.to(dtype), k8, v8, block_tables, ctx, k_scale, v_scale, deq
+
+
+def _check_decode_fp8(context_lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, dtype, tol,
+                      device=DEVICE):
+    q, k8, v8, block_tables, ctx, k_scale, v_scale, (k_deq, v_deq) = quantized_paged_inputs(
+        context_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, device
+    )
+    # Scores of order 1: the stored values are ~N(0, 100^2), so fold 1/100 into the scale.
+    scale = head_dim**-0.5 / 100
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, k8, v8, block_tables, ctx, scale, num_splits, out=out,
+                           k_scale=k_scale, v_scale=v_scale)
+    assert not out.isnan().any(), "unwritten or NaN output"
+    for b, c in enumerate(context_lens):
+        if c == 0:
+            assert (out[b] == 0).all(), "a context_len 0 row must give zeros"
+    # The reference attends in float64 over the dequantized cache and q as given (already in
+    # its dtype). e4m3 -> q's dtype is exact and the scales only move where fp32 rounds, so the
+    # kernel's error is that of the unquantized path (test_paged_decode): fp32 accumulation
+    # over <= 600 tokens (about 1e-6 relative, bound 1e-4), or with fp16 q the fp16 rounding of
+    # the probabilities before the PV dot and of the output (2**-11 each, bound 3e-3).
+    ref = ref_paged_decode(q, k_deq, v_deq, block_tables, ctx, scale)
+    err = rel_err(out, ref)
+    assert err < tol, f"relative error {err:.2e} >= {tol:.0e}"
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,block_size,max_ctx,num_splits,dtype",
+    [
+        (8, 8, 16, 90, 1, torch.float32),  # group 1, tiles gather several small blocks
+        (8, 2, 32, 150, 3, torch.float16),  # group 4
+        (8, 1, 256, 600, 4, torch.float32),  # MQA, one block split into several tiles
+        (4, 2, 16, 300, 6, torch.float16),  # many splits: some sequences have empty ones
+    ],
+)
+def test_paged_decode_fp8(num_heads, num_kv_heads, block_size, max_ctx, num_splits, dtype, fresh_seed):
+    random.seed(fresh_seed)
+    lens = _random_context_lens(4, block_size, max_ctx)
+    lens.append(block_size + 5)  # a partial last block for sure
+    tol = 1e-4 if dtype == torch.float32 else 3e-3
+    _check_decode_fp8(lens, num_heads, num_kv_heads, 64, block_size, num_splits, dtype, tol)
+
+
+def test_fp8_kv_rejects_bad_arguments():
+    key = torch.randn(4, 2, 32, device=DEVICE)
+    slots = torch.arange(4, device=DEVICE)
+    cache8 = torch.zeros(2, 16, 2, 32, device=DEVICE, dtype=FP8)
+    cache32 = torch.zeros(2, 16, 2, 32, device=DEVICE)
+    one = torch.ones(1, device=DEVICE)
+    with pytest.raises(ValueError, match="needs k_scale"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots)
+    with pytest.raises(ValueError, match="needs v_scale"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, one, None)
+    with pytest.raises(ValueError, match="only to an FP8"):
+        store_kvcache(key, key, cache32, cache32.clone(), slots, one, one)
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, one.bfloat16(), one)
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, torch.ones((), device=DEVICE), one)
+    with pytest.raises(ValueError, match="fp32 tensor of shape"):
+        store_kvcache(key, key, cache8, cache8.clone(), slots, 1.0, one)
+    with pytest.raises(ValueError, match="dtypes"):  # the two caches must agree
+        store_kvcache(key, key, cache8, cache32, slots, one, one)
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        store_kvcache(key.to(FP8), key.to(FP8), cache8, cache8.clone(), slots, one, one)
+
+    q, k8, v8, block_tables, ctx, k_scale, v_scale, _ = quantized_paged_inputs(
+        [20, 7], 4, 2, 32, 16, torch.float32, DEVICE
+    )
+    with pytest.raises(ValueError, match="needs k_scale"):
+        paged_decode_attention(q, k8, v8, block_tables, ctx, 0.2, 1)
+    with pytest.raises(ValueError, match="only to an FP8"):
+        paged_decode_attention(q, k8.float(), v8.float(), block_tables, ctx, 0.2, 1,
+                               k_scale=k_scale, v_scale=v_scale)
+    with pytest.raises(ValueError, match="dtypes"):
+        paged_decode_attention(q, k8, v8.float(), block_tables, ctx, 0.2, 1, k_scale=k_scale, v_scale=v_scale)
+
+
 # ----------------------------------------------------------------------------- GPU only
 
 
@@ -396,6 +580,94 @@ def test_cuda_graph_capture_and_replay():
         torch.testing.assert_close(k_flat[live], new_k[:-1], rtol=0, atol=0)
         ref = ref_paged_decode(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5)
         assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1.0, 0.3])
+def test_store_kvcache_fp8_ties_gpu(scale):
+    _check_store_fp8_ties(scale, "cuda")
+
+
+@pytest.mark.gpu
+def test_store_kvcache_gpu_fp8(fresh_seed):
+    """bf16 K/V views of a packed projection into an FP8 cache: bytes as torch's CUDA cast."""
+    n, num_kv_heads, head_dim, num_blocks, block_size = 300, 8, 128, 64, 256
+    qkv = torch.randn(n, 32 * head_dim, device="cuda", dtype=torch.bfloat16) * 50
+    key = qkv[:, 16 * head_dim : 24 * head_dim].view(n, num_kv_heads, head_dim)
+    value = qkv[:, 24 * head_dim :].view(n, num_kv_heads, head_dim)
+    k_scale, v_scale = random_scales("cuda")
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:n]
+    slots[::7] = -1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, 0x7F, device="cuda", dtype=torch.uint8).view(FP8)
+    v_cache = k_cache.clone()
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    store_kvcache(key, value, k_cache, v_cache, slots.int(), k_scale, v_scale)
+    keep = slots >= 0
+    k_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(key[keep], k_scale)
+    v_ref.view(-1, num_kv_heads, head_dim)[slots[keep]] = ref_quantize(value[keep], v_scale)
+    assert torch.equal(fp8_bytes(k_cache), fp8_bytes(k_ref))
+    assert torch.equal(fp8_bytes(v_cache), fp8_bytes(v_ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("num_splits", [1, None])
+def test_paged_decode_gpu_fp8(block_size, num_splits, fresh_seed):
+    """bf16 q over an FP8 cache at Qwen3-8B's head shape, against float64 attention over the
+    dequantized cache: 1e-2 as the bf16 test (bf16 probabilities and output, 2**-9 each)."""
+    random.seed(fresh_seed)
+    batch, num_heads, num_kv_heads, head_dim, max_ctx = 64, 16, 8, 128, 4096
+    lens = _random_context_lens(batch, block_size, max_ctx)
+    lens[0] = max_ctx
+    if num_splits is None:
+        num_splits = choose_num_splits(batch, num_kv_heads, math.ceil(max_ctx / block_size))
+    _check_decode_fp8(lens, num_heads, num_kv_heads, head_dim, block_size, num_splits, torch.bfloat16, 1e-2,
+                      device="cuda")
+
+
+@pytest.mark.gpu
+def test_cuda_graph_fp8_scales_set_after_capture(fresh_seed):
+    """Store + decode on an FP8 cache captured with scales 1.0; new scales written into the
+    same tensors afterwards must be what the replay quantizes and dequantizes with."""
+    batch, num_heads, num_kv_heads, head_dim, block_size, max_blocks = 8, 16, 8, 128, 16, 16
+    dev, num_blocks = "cuda", batch * max_blocks
+    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, device=dev, dtype=FP8)
+    v_cache = torch.zeros_like(k_cache)
+    k_scale, v_scale = torch.ones(1, device=dev), torch.ones(1, device=dev)
+    q = torch.randn(batch, num_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    new_k = torch.randn(batch, num_kv_heads, head_dim, device=dev, dtype=torch.bfloat16)
+    new_v = torch.randn_like(new_k)
+    block_tables = torch.randperm(num_blocks, device=dev).int().view(batch, max_blocks)
+    context_lens = torch.randint(1, max_blocks * block_size, (batch,), device=dev, dtype=torch.int32)
+    pos = (context_lens - 1).long()
+    slots = block_tables.gather(1, (pos // block_size)[:, None]).squeeze(1).long() * block_size + pos % block_size
+    out = torch.empty_like(q)
+    num_splits = choose_num_splits(batch, num_kv_heads, max_blocks)
+
+    def step():
+        store_kvcache(new_k, new_v, k_cache, v_cache, slots, k_scale, v_scale)
+        paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, head_dim**-0.5, num_splits, out,
+                               k_scale=k_scale, v_scale=v_scale)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    # The rest of the cache: random e4m3 values.
+    k_cache.copy_(torch.randn(k_cache.shape, device=dev).to(FP8))
+    v_cache.copy_(torch.randn(v_cache.shape, device=dev).to(FP8))
+    k_scale.fill_(0.037)
+    v_scale.fill_(0.41)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    assert torch.equal(fp8_bytes(k_flat[slots]), fp8_bytes(ref_quantize(new_k, k_scale)))
+    ref = ref_paged_decode(q, k_cache.float() * k_scale, v_cache.float() * v_scale, block_tables, context_lens,
+                           head_dim**-0.5)
+    assert rel_err(out, ref) < 1e-2
 
 
 # ----------------------------------------------------------------------------- benchmark

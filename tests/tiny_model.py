@@ -1,13 +1,16 @@
-"""Tiny, locally generated Qwen3 checkpoints and tokenizer for tests.
+"""Tiny, locally generated checkpoints (Qwen3, Qwen2, Llama, Qwen3-MoE) and tokenizer for tests.
 
 Nothing here touches the network: the tokenizer is a byte-level BPE trained in memory on a small
-built-in corpus, and the model is a randomly initialised ``transformers`` ``Qwen3ForCausalLM``
-saved as safetensors.  Everything is deterministic: the same arguments give the same files.
+built-in corpus, and the model is a randomly initialised ``transformers`` model (``Qwen3ForCausalLM``
+by default) saved as safetensors.  Everything is deterministic: the same arguments give the same files.
 
 Public API
 ----------
 - ``make_tokenizer(path) -> PreTrainedTokenizerFast``
-- ``make_tiny_qwen3(path, *, vocab_size=None, hidden_size=64, ...) -> str``
+- ``make_tiny_model(path, family="qwen3", *, vocab_size=None, hidden_size=64, ..., **family_options) -> str``
+- ``make_tiny_qwen3`` / ``make_tiny_qwen2`` / ``make_tiny_llama`` / ``make_tiny_qwen3_moe(path, **kw) -> str``
+- ``MODEL_CONFIGS``: named checkpoints of the other families; ``make_named(path, name, **overrides)``
+- ``fuse_expert_tensors(path)`` / ``unfuse_expert_tensors(path)``: MoE expert tensor layouts
 - ``load_hf_model(path, dtype=torch.float32, device="cpu")``
 - ``hf_greedy(model, prompt_ids, max_new_tokens) -> list[int]``
 - ``CONFIGS``: named keyword sets for ``make_tiny_qwen3``
@@ -20,6 +23,7 @@ from __future__ import annotations
 import atexit
 import copy
 import json
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -33,8 +37,18 @@ __all__ = [
     "TOKENIZER_VOCAB_SIZE",
     "hf_greedy",
     "load_hf_model",
+    "FAMILIES",
+    "LLAMA3_ROPE_SCALING",
+    "MODEL_CONFIGS",
+    "fuse_expert_tensors",
+    "make_named",
+    "make_tiny_llama",
+    "make_tiny_model",
+    "make_tiny_qwen2",
     "make_tiny_qwen3",
+    "make_tiny_qwen3_moe",
     "make_tokenizer",
+    "unfuse_expert_tensors",
     "special_token_ids",
     "tiny_qwen3_path",
 ]
@@ -271,6 +285,8 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat
 _EMBED_STD = 1.0
 _LINEAR_STD = 0.2
 _LM_HEAD_STD = 0.25
+# Biases large enough that a dropped (or doubled) one moves logits far past the tests' tolerances.
+_BIAS_STD = 0.2
 
 
 def _default_vocab_size() -> int:
@@ -290,40 +306,69 @@ def _init_weights(model, seed: int, tie: bool) -> None:
             w = torch.randn(shape, generator=gen) * _EMBED_STD
         elif name.startswith("lm_head"):
             w = torch.randn(shape, generator=gen) * _LM_HEAD_STD
-        elif p.dim() == 2:
+        elif p.dim() >= 2:  # linear layers, the MoE router, stacked experts
             w = torch.randn(shape, generator=gen) * _LINEAR_STD
-        else:  # biases (Qwen3 has none) or anything else
-            w = torch.randn(shape, generator=gen) * 0.02
+        else:  # biases (Qwen2 q/k/v, Llama with attention_bias / mlp_bias; Qwen3 has none)
+            w = torch.randn(shape, generator=gen) * _BIAS_STD
         p.copy_(w.to(p.dtype))
     if tie:
         # Tied: logits = h @ E^T with E ~ N(0, 1) would be too peaked; rescale the shared matrix.
         model.get_input_embeddings().weight.mul_(0.5)
 
 
-def make_tiny_qwen3(
+# Per family: transformers config class, model class, config.json model_type, the options a
+# family accepts beyond the common ones (name -> default).
+_FAMILIES = {
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", {"attention_bias": False, "mlp_bias": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe",
+                  {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                   "decoder_sparse_step": 1, "mlp_only_layers": []}),
+}
+FAMILIES = tuple(_FAMILIES)
+
+
+def make_tiny_model(
     path,
+    family: str = "qwen3",
     *,
     vocab_size: int | None = None,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
-    head_dim: int = 16,
+    head_dim: int | None = 16,
     intermediate_size: int = 128,
     tie_word_embeddings: bool = False,
     max_position_embeddings: int = 512,
     rope_theta: float = 10000.0,
+    rope_scaling: dict | None = None,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     with_tokenizer: bool = True,
+    **family_options,
 ) -> str:
-    """Create a random tiny Qwen3 checkpoint (safetensors) in ``path`` and return ``str(path)``.
+    """Create a random tiny checkpoint of `family` (see FAMILIES) in ``path``; return ``str(path)``.
 
     Files: config.json, generation_config.json, model.safetensors and, with ``with_tokenizer``,
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json.
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json. `head_dim=None` leaves it to
+    hidden_size / num_heads (Qwen2 configs never name it). `rope_scaling`: e.g. Llama 3.1's
+    ``{"rope_type": "llama3", "factor": ..., "low_freq_factor": ..., "high_freq_factor": ...,
+    "original_max_position_embeddings": ...}``. `family_options`: llama ``attention_bias``,
+    ``mlp_bias``; qwen3_moe ``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``,
+    ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``. MoE experts are saved as the
+    Hub stores them, one tensor per expert and projection.
     """
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
+    if family not in _FAMILIES:
+        raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
+    config_name, model_name, model_type, extra_defaults = _FAMILIES[family]
+    unknown = set(family_options) - set(extra_defaults)
+    if unknown:
+        raise ValueError(f"options {sorted(unknown)} do not apply to {family}")
     if dtype not in _DTYPE_NAMES:
         raise ValueError(f"unsupported dtype {dtype}")
     if vocab_size is None:
@@ -337,31 +382,37 @@ def make_tiny_qwen3(
     path.mkdir(parents=True, exist_ok=True)
     ids = special_token_ids()
     eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
-
-    config = Qwen3Config(
+    rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
+    if rope_scaling:
+        rope = {**rope_scaling, "rope_theta": float(rope_theta)}
+    kwargs = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
         hidden_act="silu",
         max_position_embeddings=max_position_embeddings,
         rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": float(rope_theta)},
+        rope_parameters=rope,
         tie_word_embeddings=tie_word_embeddings,
-        attention_bias=False,
-        use_sliding_window=False,
-        max_window_layers=num_layers,
         bos_token_id=eot,
         eos_token_id=im_end,
         pad_token_id=eot,
         initializer_range=0.02,
+        **{**extra_defaults, **family_options},
     )
+    if head_dim is not None:
+        kwargs["head_dim"] = head_dim
+    if family in ("qwen3", "qwen3_moe"):
+        kwargs.update(attention_bias=False, use_sliding_window=False, max_window_layers=num_layers)
+    if family == "qwen2":
+        kwargs.update(use_sliding_window=False, max_window_layers=num_layers)
+    config = getattr(transformers, config_name)(**kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config)
+    model = getattr(transformers, model_name)(config)
     _init_weights(model, seed, tie_word_embeddings)
     model = model.to(dtype).eval()
     model.config.dtype = dtype
@@ -372,24 +423,106 @@ def make_tiny_qwen3(
         do_sample=False,
     )
     model.save_pretrained(str(path), safe_serialization=True)
-    _patch_config_json(path, dtype, rope_theta, tie_word_embeddings)
+    _patch_config_json(path, model_name, dtype, rope_theta, rope_scaling, tie_word_embeddings)
+    if family == "qwen3_moe":
+        unfuse_expert_tensors(path)
     if with_tokenizer:
         make_tokenizer(path)
     return str(path)
 
 
-def _patch_config_json(path: Path, dtype, rope_theta, tie: bool) -> None:
-    """Make config.json look like a real Qwen3 checkpoint for any reader (4.x or 5.x style)."""
+def make_tiny_qwen3(path, **kwargs) -> str:
+    """A random tiny Qwen3 checkpoint (see make_tiny_model)."""
+    return make_tiny_model(path, "qwen3", **kwargs)
+
+
+def make_tiny_qwen2(path, **kwargs) -> str:
+    """A random tiny Qwen2/Qwen2.5 checkpoint (q/k/v biases; see make_tiny_model)."""
+    kwargs.setdefault("head_dim", None)
+    return make_tiny_model(path, "qwen2", **kwargs)
+
+
+def make_tiny_llama(path, **kwargs) -> str:
+    """A random tiny Llama 3.x checkpoint (see make_tiny_model)."""
+    return make_tiny_model(path, "llama", **kwargs)
+
+
+def make_tiny_qwen3_moe(path, **kwargs) -> str:
+    """A random tiny Qwen3-MoE checkpoint, experts in the Hub's per-expert form (see make_tiny_model)."""
+    return make_tiny_model(path, "qwen3_moe", **kwargs)
+
+
+def _patch_config_json(path: Path, architecture: str, dtype, rope_theta, rope_scaling, tie: bool) -> None:
+    """Make config.json look like a real checkpoint's for any reader (4.x or 5.x style)."""
     cfg_file = path / "config.json"
     cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    cfg["architectures"] = [architecture]
     cfg["dtype"] = _DTYPE_NAMES[dtype]
     cfg["torch_dtype"] = _DTYPE_NAMES[dtype]  # pre-5.0 name
     cfg["rope_theta"] = float(rope_theta)  # pre-5.0 location; 5.x reads rope_parameters
-    cfg["rope_scaling"] = None
+    cfg["rope_scaling"] = dict(rope_scaling) if rope_scaling else None
     cfg["tie_word_embeddings"] = bool(tie)
+    if "num_local_experts" in cfg:  # transformers 5.x writes its internal name; the Hub's is num_experts
+        cfg["num_experts"] = cfg.pop("num_local_experts")
     cfg.pop("_name_or_path", None)
     cfg_file.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+# transformers' fused expert tensors (<p>.experts.gate_up_proj [E, 2I, H], .down_proj [E, H, I])
+# against the Hub's per-expert ones (<p>.experts.<e>.{gate,up,down}_proj.weight).
+_FUSED_EXPERTS = re.compile(r"^(.+\.experts)\.(gate_up_proj|down_proj)$")
+_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _rewrite_tensors(path: Path, fn) -> None:
+    from safetensors.torch import load_file, save_file
+
+    file = path / "model.safetensors"
+    tensors = fn(load_file(str(file)))
+    save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(file), metadata={"format": "pt"})
+
+
+def unfuse_expert_tensors(path) -> None:
+    """Rewrite a checkpoint's fused expert tensors in the Hub's per-expert form (no-op without any)."""
+
+    def fn(tensors):
+        out = {}
+        for name, t in tensors.items():
+            m = _FUSED_EXPERTS.match(name)
+            if not m:
+                out[name] = t
+                continue
+            for e in range(t.shape[0]):
+                if m[2] == "down_proj":
+                    out[f"{m[1]}.{e}.down_proj.weight"] = t[e]
+                else:
+                    gate, up = t[e].chunk(2, dim=0)
+                    out[f"{m[1]}.{e}.gate_proj.weight"] = gate
+                    out[f"{m[1]}.{e}.up_proj.weight"] = up
+        return out
+
+    _rewrite_tensors(Path(path), fn)
+
+
+def fuse_expert_tensors(path) -> None:
+    """Rewrite a checkpoint's per-expert tensors as transformers' fused 3-D ones (for loader tests)."""
+
+    def fn(tensors):
+        out, experts = {}, {}
+        for name, t in tensors.items():
+            m = _PER_EXPERT.match(name)
+            if m:
+                experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+            else:
+                out[name] = t
+        for prefix, by_expert in experts.items():
+            order = sorted(by_expert)
+            out[f"{prefix}.gate_up_proj"] = torch.stack(
+                [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
+            out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+        return out
+
+    _rewrite_tensors(Path(path), fn)
 
 
 # --------------------------------------------------------------------------------------------
@@ -402,6 +535,10 @@ def load_hf_model(path, dtype: torch.dtype = torch.float32, device="cpu"):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+    if hasattr(model, "set_experts_implementation") and getattr(model.config, "num_experts", 0):
+        # The plain loop over experts, not the grouped-GEMM default of recent transformers 5.x:
+        # the clearest reference (and the same arithmetic as ours). Older versions only have it.
+        model.set_experts_implementation("eager")
     return model.to(device).eval()
 
 
@@ -461,6 +598,41 @@ CONFIGS: dict[str, dict] = {
     # num_heads * head_dim != hidden_size (as in real Qwen3 models), 3 layers
     "wide_heads": dict(num_heads=4, num_kv_heads=2, head_dim=32, num_layers=3),
 }
+
+
+# Llama 3.1-style rope scaling scaled down to the tiny model: with head_dim 16 and theta 1e4 the
+# wavelengths (6 ... 2e4 positions) fall on both sides of and between 64 / 4 and 64 / 1, so all
+# three branches of the llama3 rule are used.
+LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                       "original_max_position_embeddings": 64}
+
+# Named checkpoints of the other families, for parametrised tests (family + make_tiny_model options).
+MODEL_CONFIGS: dict[str, dict] = {
+    # q/k/v biases, GQA, embeddings tied as in Qwen2.5-0.5B ... 3B
+    "qwen2_gqa_tied": dict(family="qwen2", num_heads=4, num_kv_heads=2, tie_word_embeddings=True),
+    # q/k/v biases, multi-query attention, untied
+    "qwen2_mqa": dict(family="qwen2", num_heads=4, num_kv_heads=1),
+    # every bias Llama allows, llama3 rope scaling, GQA, untied
+    "llama_bias_rope3": dict(family="llama", attention_bias=True, mlp_bias=True, rope_scaling=LLAMA3_ROPE_SCALING),
+    # MQA, tied (Llama 3.2 1B/3B), head_dim named and num_heads * head_dim != hidden_size, 3 layers
+    "llama_mqa_tied": dict(family="llama", num_kv_heads=1, head_dim=32, num_layers=3, tie_word_embeddings=True),
+    # 8 experts top-2, renormalised; layer 1 dense (mlp_only_layers), layers 0 and 2 MoE
+    "moe_norm_topk": dict(family="qwen3_moe", num_layers=3, norm_topk_prob=True, mlp_only_layers=[1]),
+    # not renormalised, decoder_sparse_step 2 (layer 1 MoE; 0 and 2 dense), MQA, top-3
+    "moe_sparse_step": dict(family="qwen3_moe", num_layers=3, num_kv_heads=1, norm_topk_prob=False,
+                            decoder_sparse_step=2, num_experts_per_tok=3),
+}
+
+
+def make_named(path, name: str, **overrides) -> str:
+    """A checkpoint of ``CONFIGS[name]`` (Qwen3) or ``MODEL_CONFIGS[name]`` (+ overrides) in ``path``."""
+    if name in CONFIGS:
+        return make_tiny_qwen3(path, **{**CONFIGS[name], **overrides})
+    kwargs = {**MODEL_CONFIGS[name], **overrides}
+    family = kwargs.pop("family")
+    if family == "qwen2":
+        kwargs.setdefault("head_dim", None)
+    return make_tiny_model(path, family, **kwargs)
 
 
 _CACHE_ROOT: str | None = None

@@ -1,10 +1,16 @@
 """Sweep of the Triton paged-decode kernel's KV split count against choose_num_splits' pick.
 
-    PYTHONPATH=. python3 benchmarks/kernels/bench_paged_decode.py [--json out.json]
+    PYTHONPATH=. python3 benchmarks/kernels/bench_paged_decode.py [--json out.json] [--kv-fp8 [--tile N]]
 
 For batch sizes 1-256, 8 and 4 kv heads (Qwen3-8B at TP=1 and TP=2) and a few context-length
 ranges, times every split count (CUDA graph of 20 calls) and prints the best one next to the
 rule's. Block size 256, head_dim 128, 4 query heads per kv head, bf16.
+
+--kv-fp8: the same sweep over an FP8 (e4m3) cache with bf16 q, plus the bf16 cache's time at
+its rule's split count and the FP8/bf16 ratio (FP8 reads half the bytes, so ~0.5 is the
+memory-bound ideal). --tile N: the FP8 kernel's tokens per tile instead of the default
+(_launch_config's: q's, 64 tokens at head_dim 128 in bf16; 128 fetches as many bytes per tile as
+bf16 does, but spilled registers when compiled for sm_90 on the CPU).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 
 import torch
 
+from nanovllm.kernels import paged_decode
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from timing import cuda_graph_us, random_paged_batch  # benchmarks/kernels/timing.py (this folder)
 
@@ -29,27 +36,52 @@ CASES = [
 ]
 
 
+def decode_us(q, k, v, tables, ctx, splits, scales=None, tile=None) -> float:
+    """Microseconds per paged_decode_attention call (CUDA-graph replay); `scales` for an FP8
+    cache; `tile` overrides the kernel's tokens per tile (a benchmark-only patch of
+    _launch_config, in force while the graph is captured)."""
+    kw = {"k_scale": scales[0], "v_scale": scales[1]} if scales else {}
+    fn = lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, splits, **kw)  # noqa: E731
+    default = paged_decode._launch_config
+    if tile:
+        paged_decode._launch_config = lambda head_dim, elem_size: (tile, *default(head_dim, elem_size)[1:])
+    try:
+        return cuda_graph_us(fn)
+    finally:
+        paged_decode._launch_config = default
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write every measurement here")
+    ap.add_argument("--kv-fp8", action="store_true", help="sweep an FP8 cache, and compare with bf16")
+    ap.add_argument("--tile", type=int, help="tokens per tile of the swept kernel (with --kv-fp8: of the FP8 one)")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
-    print(f"{'B':>4}{'kvh':>4}{'ctx':>12}{'best':>6}{'us':>8}{'rule':>6}{'us':>8}{'loss':>7}")
+    fp8_cols = f"{'bf16 us':>9}{'fp8/bf16':>9}" if args.kv_fp8 else ""
+    print(f"{'B':>4}{'kvh':>4}{'ctx':>12}{'best':>6}{'us':>8}{'rule':>6}{'us':>8}{'loss':>7}{fp8_cols}")
     for batches, width, (lo, hi) in CASES:
         for kvh in (8, 4):
             for batch in batches:
                 q, k, v, tables, ctx = random_paged_batch(batch, kvh, width, (lo, hi), gen, BLOCK, HEAD_DIM, GROUP)
-                times = {s: cuda_graph_us(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, s))
-                         for s in SPLITS if s <= width}
-                best = min(times, key=times.get)
                 rule = choose_num_splits(batch, kvh, width, num_sms=sms)
-                rule_us = times.get(rule) or cuda_graph_us(lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, rule))
+                row = {"batch": batch, "kv_heads": kvh, "width": width, "ctx": [lo, hi], "rule": rule}
+                scales, extra = None, ""
+                if args.kv_fp8:
+                    row["bf16_rule_us"] = decode_us(q, k, v, tables, ctx, rule)
+                    # N(0, 1) values are well inside e4m3's range: a plain cast quantizes them at scale 1.
+                    k, v = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
+                    scales = (torch.ones(1, device="cuda"),) * 2
+                times = {s: decode_us(q, k, v, tables, ctx, s, scales, args.tile) for s in SPLITS if s <= width}
+                best = min(times, key=times.get)
+                rule_us = times.get(rule) or decode_us(q, k, v, tables, ctx, rule, scales, args.tile)
+                if args.kv_fp8:
+                    extra = f"{row['bf16_rule_us']:>9.1f}{rule_us / row['bf16_rule_us']:>9.2f}"
                 print(f"{batch:>4}{kvh:>4}{f'{lo}-{hi}':>12}{best:>6}{times[best]:>8.1f}{rule:>6}{rule_us:>8.1f}"
-                      f"{rule_us / times[best] - 1:>7.1%}")
-                rows.append({"batch": batch, "kv_heads": kvh, "width": width, "ctx": [lo, hi], "rule": rule,
-                             "rule_us": rule_us, "us": {str(s): t for s, t in times.items()}})
+                      f"{rule_us / times[best] - 1:>7.1%}{extra}")
+                rows.append({**row, "rule_us": rule_us, "us": {str(s): t for s, t in times.items()}})
                 del k, v
     if args.json:
         with open(args.json, "w") as f:

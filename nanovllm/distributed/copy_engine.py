@@ -85,13 +85,13 @@ class CopyEngineAllReduce:
     def symmetric_memory_bytes(self) -> int:
         return self.recv.nbytes + self.count.nbytes
 
-    def takes(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def takes(self, x: torch.Tensor, out_features: int) -> bool:
         # Eager prefill only: a CUDA graph would freeze the chunk counts it waits for.
         return (x.is_cuda and x.dim() == 2 and self.MIN_ROWS <= x.shape[0] <= self.max_rows
-                and x.dtype == self.dtype and weight.shape[0] == self.hidden
+                and x.dtype == self.dtype and out_features == self.hidden
                 and not torch.cuda.is_current_stream_capturing())
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, matmul_into) -> torch.Tensor:
         """x @ weight.T (this rank's partial sums), each row chunk sent to the peer as soon as
         the GEMM has produced it. `finish` must follow before the next exchange."""
         self._usable()
@@ -109,7 +109,7 @@ class CopyEngineAllReduce:
             self.exchanges += 1
             for start in range(0, rows, step):
                 stop = min(rows, start + step)
-                torch.mm(x[start:stop], weight.t(), out=y[start:stop])
+                matmul_into(x[start:stop], y[start:stop])
                 self.side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(self.side):
                     self.peer_recv[half, start:stop].copy_(y[start:stop], non_blocking=True)
@@ -166,7 +166,7 @@ class CopyEngineAllReduce:
             dist.broadcast(residual, src=0, group=group)
             norm_w = (1 + 0.2 * torch.randn(self.hidden, generator=gen, device=device)).to(self.dtype)
             dist.broadcast(norm_w, src=0, group=group)
-            got = self.finish(self.linear(x, w), residual, norm_w, 1e-6)
+            got = self.finish(self.linear(x, lambda a, out: torch.mm(a, w.t(), out=out)), residual, norm_w, 1e-6)
             step = self._chunk_rows(rows)
             summed = torch.cat([torch.mm(x[i:i + step], w.t()) for i in range(0, rows, step)])
             dist.all_reduce(summed, group=group)

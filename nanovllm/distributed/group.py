@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
@@ -35,13 +34,13 @@ class TPGroup:
             dist.all_reduce(x, group=self.group)
         return x
 
-    def row_parallel(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """This rank's partial sums x @ weight.T of a row-parallel layer (no bias). The caller
-        must hand this very tensor to `all_reduce_rms_norm`: prefill-sized ones may already be on
-        their way to the peer, and that call finishes the exchange."""
-        if self.copy_engine is not None and self.copy_engine.takes(x, weight):
-            return self.copy_engine.linear(x, weight)
-        return F.linear(x, weight)
+    def row_parallel(self, x: torch.Tensor, layer) -> torch.Tensor:
+        """This rank's partial sums x @ W^T of a row-parallel layer (a LinearBase, no bias). The
+        caller must hand this very tensor to `all_reduce_rms_norm`: prefill-sized ones may
+        already be on their way to the peer, and that call finishes the exchange."""
+        if self.copy_engine is not None and self.copy_engine.takes(x, layer.weight.shape[0]):
+            return self.copy_engine.linear(x, layer.matmul_into)
+        return layer.matmul(x)
 
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         """(norm(s + residual) * weight, s + residual) with s = the sum of `x` over the ranks,

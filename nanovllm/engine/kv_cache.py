@@ -43,8 +43,9 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, attn_layers, device: t
     for i, layer in enumerate(attn_layers):
         layer.k_cache = cache[0, i]
         layer.v_cache = cache[1, i]
-    logger.info("KV cache: %d blocks x %d tokens (%.2f GiB)", num_blocks, spec.block_size,
-                num_blocks * spec.bytes_per_block / 2**30)
+    logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB, %s, %d bytes per token)", num_blocks,
+                spec.block_size, num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**30,
+                str(spec.dtype).removeprefix("torch."), spec.bytes_per_block // spec.block_size)
     return cache
 
 

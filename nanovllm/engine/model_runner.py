@@ -27,7 +27,8 @@ from nanovllm.engine.sampling import PendingTokens, TokenSampler
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_inputs import StepInput, StepInputs
 from nanovllm.layers.attention import Attention, select_backend
-from nanovllm.models.qwen3 import Qwen3ForCausalLM
+from nanovllm.layers.quantization.fp8 import finish_fp8_linears, init_dummy_fp8_linears, prepare_fp8_linears
+from nanovllm.models.registry import model_class
 from nanovllm.sampling_params import is_integer
 from nanovllm.utils.context import host_to_device, prefill_metadata
 from nanovllm.utils.loader import init_dummy, load_model
@@ -56,12 +57,13 @@ class ModelRunner:
         self.model = self._build_model()
         t_weights = time.perf_counter()
 
-        self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend)
+        self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
+                                      config.kv_cache_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
         spec = KVCacheSpec(len(self.attn_layers), config.kvcache_block_size, self.attn_layers[0].num_kv_heads,
-                           self.attn_layers[0].head_dim, config.dtype)
+                           self.attn_layers[0].head_dim, config.kv_dtype)
         max_blocks_per_seq = math.ceil(config.max_model_len / config.kvcache_block_size)
         num_blocks = blocks_that_fit(config, spec, self.model, self.device, max_blocks_per_seq,
                                      sampling_rank=self.rank == 0, other_bytes=self.tp.symmetric_memory_bytes())
@@ -79,6 +81,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
                                        min(config.max_num_seqs, 512), hf.hidden_size, config.dtype,
                                        config.decode_blas)
+        if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
+            for layer in self.attn_layers:
+                layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
         # Where the cold start goes (bench.py reports it).
         self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
@@ -92,13 +97,22 @@ class ModelRunner:
         torch.set_default_dtype(config.dtype)
         try:
             with torch.device(self.device), use_tp_group(self.tp):
-                model = Qwen3ForCausalLM(config.hf_config, max_positions=config.max_model_len)
+                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
+        if config.quant is not None:
+            prepare_fp8_linears(model, config.quant)
+        for layer in model.modules():
+            if isinstance(layer, Attention):
+                layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
         if config.load_format == "dummy":
             init_dummy(model, config.seed)
+            if config.quant is not None:
+                init_dummy_fp8_linears(model, config.seed)
         else:
             load_model(model, config.model)
+        if config.quant is not None:
+            finish_fp8_linears(model)
         return model
 
     # ------------------------------------------------------------------ a step

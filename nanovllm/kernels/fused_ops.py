@@ -1,7 +1,8 @@
-"""Fused elementwise ops of a Qwen3 layer: one Triton kernel per op instead of ~20 tiny torch ops.
+"""Fused elementwise ops of a decoder layer: one Triton kernel per op instead of ~20 tiny torch ops.
 
 - `rms_norm`: RMSNorm, optionally fused with the residual add before it.
-- `qk_norm_rope`: per-head q/k RMSNorm + NeoX rotary straight from the packed qkv projection.
+- `qk_norm_rope`: per-head q/k RMSNorm (optional: models without q/k norm) + NeoX rotary,
+  straight from the packed qkv projection.
 - `silu_and_mul`: silu(gate) * up of the packed gate_up projection.
 
 Math is fp32, but every intermediate that the plain-torch layers in nanovllm/layers round to the
@@ -186,13 +187,14 @@ def _norm_rope_heads(
     eps,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
-    """RMSNorm + NeoX rotary of heads [first_head, first_head + BLOCK_HEADS) of one token.
+    """(RMSNorm +) NeoX rotary of heads [first_head, first_head + BLOCK_HEADS) of one token.
 
     src/dst point at the token's first head ([num_heads, HEAD_DIM], contiguous); heads past
     num_heads are masked. cos/sin: fp32 [HEAD_DIM // 2] for the token's position. Each head
     is held as its two halves x1 | x2 ([BLOCK_HEADS, HEAD_DIM // 2] each) so the rotation
-    needs no shuffles.
+    needs no shuffles. NORM=False skips the norm (w_ptr and eps unused): rotary only.
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = dst_ptr.dtype.element_ty
@@ -200,16 +202,17 @@ def _norm_rope_heads(
     d = tl.arange(0, HALF)
     offs = heads[:, None] * HEAD_DIM + d[None, :]
     mask = (heads[:, None] < num_heads) & (d[None, :] < HALF)
-    x1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
-    var = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM
-    rstd = tl.rsqrt(var + eps)[:, None]
-    w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
-    w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
-    # Same roundings as RMSNorm (normed -> dtype, times weight -> dtype), then apply_rotary,
-    # which starts from that dtype tensor and rounds once at the end.
-    n1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-    n2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    n1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    n2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        var = (tl.sum(n1 * n1, axis=1) + tl.sum(n2 * n2, axis=1)) / HEAD_DIM
+        rstd = tl.rsqrt(var + eps)[:, None]
+        w1 = tl.load(w_ptr + d).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + d).to(tl.float32)[None, :]
+        # Same roundings as RMSNorm (normed -> dtype, times weight -> dtype), then apply_rotary,
+        # which starts from that dtype tensor and rounds once at the end.
+        n1 = ((n1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        n2 = ((n2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
     tl.store(dst_ptr + offs, (n1 * c - n2 * s).to(dtype), mask=mask)
@@ -233,8 +236,9 @@ def _qk_norm_rope_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     NUM_Q_BLOCKS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
-    """q/k RMSNorm + NeoX rotary for one token and one block of BLOCK_HEADS q or k heads.
+    """q/k RMSNorm (if NORM) + NeoX rotary for one token and one block of BLOCK_HEADS q or k heads.
 
     Grid (tokens, NUM_Q_BLOCKS + cdiv(NUM_KV_HEADS, BLOCK_HEADS)): blocks below NUM_Q_BLOCKS
     take q heads, the rest k heads, so q and k programs are equally sized. qkv rows start at
@@ -253,35 +257,15 @@ def _qk_norm_rope_kernel(
     src = qkv_ptr + token * qkv_stride
     if blk < NUM_Q_BLOCKS:
         _norm_rope_heads(src, q_w_ptr, q_ptr + token * (NUM_HEADS * HEAD_DIM), blk * BLOCK_HEADS,
-                         NUM_HEADS, cos, sin, eps, HEAD_DIM, BLOCK_HEADS)
+                         NUM_HEADS, cos, sin, eps, HEAD_DIM, BLOCK_HEADS, NORM)
     else:
         _norm_rope_heads(src + NUM_HEADS * HEAD_DIM, k_w_ptr, k_ptr + token * (NUM_KV_HEADS * HEAD_DIM),
                          (blk - NUM_Q_BLOCKS) * BLOCK_HEADS, NUM_KV_HEADS, cos, sin, eps, HEAD_DIM,
-                         BLOCK_HEADS)
+                         BLOCK_HEADS, NORM)
 
 
-def qk_norm_rope(
-    qkv: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    cos_sin: torch.Tensor,
-    positions: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    eps: float,
-):
-    """Per-head q/k RMSNorm then NeoX rotary, from the packed qkv projection: (q, k, v).
-
-    qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float16/bfloat16/float32,
-    stride(-1) == 1 (any row stride). q_weight / k_weight: [head_dim], qkv's dtype.
-    cos_sin: fp32 [max_position, 1, head_dim], cos | sin halves (RotaryEmbedding.cos_sin).
-    positions: int32/int64 [tokens], each < max_position (not checked: no host syncs).
-    head_dim: a power of two. Returns q [tokens, num_heads, head_dim] and k [tokens,
-    num_kv_heads, head_dim] as new contiguous tensors, and v [tokens, num_kv_heads, head_dim]
-    as a view into qkv (no copy). Same result as RMSNorm on each head followed by
-    RotaryEmbedding, rounding included.
-    """
+def _check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin, positions, num_heads, num_kv_heads, head_dim) -> None:
+    """qk_norm_rope's argument checks (see its docstring)."""
     _check_float("qkv", qkv)
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         if not isinstance(value, int) or value <= 0:
@@ -296,7 +280,10 @@ def qk_norm_rope(
         )
     if qkv.stride(-1) != 1:
         raise ValueError("qkv needs a contiguous last dimension (stride(-1) == 1)")
-    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+    norm = q_weight is not None
+    if (k_weight is not None) != norm:
+        raise ValueError("q_weight and k_weight must both be given (q/k norm) or both be None (rotary only)")
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)) if norm else ():
         if w.shape != (head_dim,) or w.dtype != qkv.dtype:
             raise ValueError(f"{name} must be [{head_dim}] {qkv.dtype}, got {tuple(w.shape)} {w.dtype}")
     if cos_sin.dtype != torch.float32 or cos_sin.dim() != 3 or cos_sin.shape[1:] != (1, head_dim):
@@ -311,8 +298,37 @@ def qk_norm_rope(
         raise ValueError(f"positions must be [{tokens}], got {tuple(positions.shape)}")
     if positions.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"positions must be int32 or int64, got {positions.dtype}")
-    _check_same_device(qkv=qkv, q_weight=q_weight, k_weight=k_weight, cos_sin=cos_sin, positions=positions)
+    weights = dict(q_weight=q_weight, k_weight=k_weight) if norm else {}
+    _check_same_device(qkv=qkv, cos_sin=cos_sin, positions=positions, **weights)
 
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos_sin: torch.Tensor,
+    positions: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    eps: float,
+):
+    """Per-head q/k RMSNorm then NeoX rotary, from the packed qkv projection: (q, k, v).
+
+    qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float16/bfloat16/float32,
+    stride(-1) == 1 (any row stride). q_weight / k_weight: [head_dim], qkv's dtype; both None
+    for rotary only (models without q/k norm; eps is then unused).
+    cos_sin: fp32 [max_position, 1, head_dim], cos | sin halves (RotaryEmbedding.cos_sin).
+    positions: int32/int64 [tokens], each < max_position (not checked: no host syncs).
+    head_dim: a power of two. Returns q [tokens, num_heads, head_dim] and k [tokens,
+    num_kv_heads, head_dim] as new contiguous tensors, and v [tokens, num_kv_heads, head_dim]
+    as a view into qkv (no copy). Same result as RMSNorm on each head followed by
+    RotaryEmbedding (or RotaryEmbedding alone), rounding included.
+    """
+    _check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin, positions, num_heads, num_kv_heads, head_dim)
+    norm = q_weight is not None
+    tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
@@ -325,8 +341,8 @@ def qk_norm_rope(
         _qk_norm_rope_kernel[(tokens, num_q_blocks + num_k_blocks)](
             qkv,
             qkv.stride(0),
-            q_weight.contiguous(),
-            k_weight.contiguous(),
+            q_weight.contiguous() if norm else qkv,  # unused without the norm
+            k_weight.contiguous() if norm else qkv,
             cos_sin,
             cos_sin.stride(0),
             positions.contiguous(),
@@ -338,6 +354,7 @@ def qk_norm_rope(
             HEAD_DIM=head_dim,
             BLOCK_HEADS=block_heads,
             NUM_Q_BLOCKS=num_q_blocks,
+            NORM=norm,
             num_warps=_num_warps(block_heads * head_dim, max_warps=8),
             enable_fp_fusion=False,
         )

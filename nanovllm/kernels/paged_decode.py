@@ -1,4 +1,5 @@
-"""Split-KV (flash-decoding) attention for one decode token per sequence over a paged KV cache."""
+"""Split-KV (flash-decoding) attention for one decode token per sequence over a paged KV cache
+(bf16/fp16/fp32, or FP8 e4m3 with per-tensor K/V scales)."""
 
 import math
 
@@ -6,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.kv_store import check_paged_cache
+from nanovllm.kernels.kv_store import FP8_KV_DTYPE, check_kv_scales, check_paged_cache
 
 _LOG2E = 1.4426950408889634
 
@@ -29,6 +30,8 @@ def _paged_decode_split_kernel(
     out_stride_h,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     qk_scale,
     max_blocks_per_seq,
     num_splits,
@@ -40,15 +43,16 @@ def _paged_decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
     Grid (num_kv_heads * num_splits, B): program (kvh * num_splits + split, b). GPUs start
     programs in about grid order (observed, not promised by CUDA), so a sequence's programs
     start together and sequences start in row order; rows ordered longest context first (the
-    scheduler's decode order) keep the longest work from starting last. On an H200
-    (scripts/bench_decode_order.py, 30 shapes) that took 7% off unsorted rows; against the
-    former (B, kvh, split) grid with unsorted rows, 8% (measured once, BENCHMARKS.md).
+    scheduler's decode order) keep the longest work from starting last (what that is worth:
+    benchmarks/kernels/bench_decode_order.py, BENCHMARKS.md).
 
     The sequence's own context (not the table's width) is cut into num_splits runs of whole
     TILEs, as even as TILE allows; split s takes run s (empty when the context has fewer tiles
@@ -59,6 +63,14 @@ def _paged_decode_split_kernel(
     dtype). True: writes the normalised partial output to part_out [B, NUM_HEADS,
     num_splits, HEAD_DIM] (fp32) and its log2-sum-exp to part_lse [B, NUM_HEADS,
     num_splits]; an empty split writes 0 and -inf so that it carries no weight in the merge.
+
+    KV_FP8: the caches hold float8_e4m3fn, true value = stored * scale. Tiles are converted in
+    registers (exact: e4m3 values are all representable in fp16/bf16/fp32), the K scale is
+    folded into the score scale and the V scale into the normalised output (attention is
+    linear in V), so the loop costs nothing beyond the conversions. Scales are read from
+    device pointers: they may be set after a CUDA graph was captured. FP16_DOT (FP8 cache, 16-
+    bit q): q is pre-scaled and rounded to fp16 and both dots run in fp16 (the probabilities
+    too), fp32 accumulation.
     """
     kvh = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
@@ -85,6 +97,14 @@ def _paged_decode_split_kernel(
         other=0.0,
     )
 
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+    if FP16_DOT:
+        # The score scale goes into q once, in fp32, and the dots run in fp16: e4m3 widens to
+        # fp16 in one instruction per pair, where bf16 costs a detour through fp32 that made
+        # the conversions, not the halved bytes, bound the kernel (BENCHMARKS.md, FP8 KV).
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -108,8 +128,13 @@ def _paged_decode_split_kernel(
         kv_off = row_off[:, None] + kv_col[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
         v = tl.load(v_cache_ptr + kv_off, mask=tok_mask[:, None], other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if not FP16_DOT:
+            s = s * qk_scale
         s = tl.where(tok_mask[None, :], s, float("-inf"))
         # The first tile of a split always holds a valid token, so m_new is finite and
         # exp2 never sees (-inf) - (-inf).
@@ -122,6 +147,8 @@ def _paged_decode_split_kernel(
 
     nonempty = l_i > 0.0
     o = tl.where(nonempty[:, None], acc / tl.where(nonempty, l_i, 1.0)[:, None], 0.0)
+    if KV_FP8:
+        o = o * tl.load(v_scale_ptr)
     if not WRITE_PARTIAL:
         out_off = b * out_stride_b + heads[:, None] * out_stride_h + dims[None, :]
         tl.store(out_ptr + out_off, o.to(out_ptr.dtype.element_ty), mask=row_mask[:, None])
@@ -179,10 +206,9 @@ def choose_num_splits(
 
     Aims for about ten split-kernel programs per SM (so about 1,300 on an H200): many
     programs per SM keep enough loads in flight to saturate HBM and smooth out uneven context
-    lengths; beyond that they only add merge traffic. Over scripts/bench_paged_decode.py's
-    sweep on an H200 (B = 1-256, 4 and 8 kv heads, contexts up to 16k) this rule came within
-    0.9% of the best split counts in total (worst case 4.6%, nearest swept count); three per
-    SM lost 2.8%. Never more than max_blocks_per_seq: the table's width bounds the longest
+    lengths; beyond that they only add merge traffic (benchmarks/kernels/bench_paged_decode.py
+    sweeps the split counts; BENCHMARKS.md has how close the rule comes to the best ones).
+    Never more than max_blocks_per_seq: the table's width bounds the longest
     context, and splits of less than a block's worth of tokens would not pay for their merge.
     """
     for name, value in (
@@ -197,43 +223,20 @@ def choose_num_splits(
 
 
 def _launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """(TILE, num_warps, num_stages) for the split kernel."""
+    """(TILE, num_warps, num_stages) for the split kernel; elem_size is q's."""
     # 64 tokens x 128 dims of bf16 per K or V tile (16 KiB each): on an H200 this was at the
-    # top of a sweep over tiles 32-128, 2-8 warps and 1-3 stages (the spread was about 5%);
-    # bigger tiles add registers without adding bandwidth. Keep those bytes per tile for
-    # other element sizes and head sizes.
+    # top of a sweep over tiles 32-128, 2-8 warps and 1-3 stages; bigger tiles add registers
+    # without adding bandwidth. Keep those bytes per tile for other element sizes and head
+    # sizes. An FP8 cache keeps q's tile: on the H200, 128-token FP8 tiles were no faster
+    # (benchmarks/kernels/bench_decode_fp8_config.py; BENCHMARKS.md).
     tile = max(16, min(128, 64 * 2 * 128 // (elem_size * head_dim)))
     return tile, 4, 2
 
 
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    scale: float,
-    num_splits: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode attention for one query token per sequence over a paged KV cache.
-
-    out[b, h] = softmax(q[b, h] K_b^T * scale) V_b, K_b/V_b the sequence's cached tokens.
-
-    q: [B, num_heads, head_dim] (stride(-1) == 1). k_cache, v_cache: contiguous
-    [num_blocks, block_size, num_kv_heads, head_dim], block_size a power of two >= 16,
-    head_dim a power of two in [16, 256]. num_heads = group * num_kv_heads (GQA; query head h
-    reads kv head h // group). block_tables: int32 [B, max_blocks_per_seq]; entries past
-    cdiv(context_len, block_size) are never read. context_lens: int32 [B], the number of
-    cached tokens (the decode token included, hence no causal mask); a length of 0 gives a
-    zero output row. num_splits: KV splits per sequence (see choose_num_splits), each
-    taking an even share of the sequence's own context in whole TILEs; rows sorted longest
-    context first run fastest (see the split kernel). The launch grid depends only on shapes
-    and num_splits, and nothing syncs with the host, so the call can be captured in a CUDA
-    graph (call it once eagerly first so the kernels are compiled).
-    out: optional [B, num_heads, head_dim] buffer of q's
-    dtype (stride(-1) == 1). Returns out.
-    """
+def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, k_scale,
+                         v_scale) -> tuple[torch.Tensor, bool]:
+    """paged_decode_attention's argument checks (see its docstring); (out, whether the cache is
+    FP8), out allocated when None."""
     if q.dim() != 3:
         raise ValueError(f"q must be [B, num_heads, head_dim], got {tuple(q.shape)}")
     check_paged_cache(k_cache, v_cache)
@@ -260,12 +263,14 @@ def paged_decode_attention(
         raise ValueError(f"at most 65535 sequences per call, got {batch}")
     if context_lens.shape != (batch,):
         raise ValueError(f"context_lens must be [{batch}], got {tuple(context_lens.shape)}")
-    if not (q.dtype == k_cache.dtype == v_cache.dtype):
+    if not (k_cache.dtype == v_cache.dtype and k_cache.dtype in (q.dtype, FP8_KV_DTYPE)):
         raise ValueError(
-            f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}"
+            f"dtypes differ: q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype} "
+            f"(the caches take q's dtype or float8_e4m3fn)"
         )
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported dtype {q.dtype}")
+    fp8 = check_kv_scales(k_cache, k_scale, v_scale)
     devices = {t.device for t in (q, k_cache, v_cache, block_tables, context_lens)}
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
@@ -288,6 +293,46 @@ def paged_decode_attention(
         )
     elif out.stride(-1) != 1:
         raise ValueError("out needs a contiguous last dimension (stride(-1) == 1)")
+    return out, fp8
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode attention for one query token per sequence over a paged KV cache.
+
+    out[b, h] = softmax(q[b, h] K_b^T * scale) V_b, K_b/V_b the sequence's cached tokens.
+
+    q: [B, num_heads, head_dim] (stride(-1) == 1). k_cache, v_cache: contiguous
+    [num_blocks, block_size, num_kv_heads, head_dim], block_size a power of two >= 16,
+    head_dim a power of two in [16, 256]. num_heads = group * num_kv_heads (GQA; query head h
+    reads kv head h // group). block_tables: int32 [B, max_blocks_per_seq]; entries past
+    cdiv(context_len, block_size) are never read. context_lens: int32 [B], the number of
+    cached tokens (the decode token included, hence no causal mask); a length of 0 gives a
+    zero output row. num_splits: KV splits per sequence (see choose_num_splits), each
+    taking an even share of the sequence's own context in whole TILEs; rows sorted longest
+    context first run fastest (see the split kernel). The launch grid depends only on shapes
+    and num_splits, and nothing syncs with the host, so the call can be captured in a CUDA
+    graph (call it once eagerly first so the kernels are compiled).
+    out: optional [B, num_heads, head_dim] buffer of q's
+    dtype (stride(-1) == 1). Returns out.
+    FP8 KV cache: k_cache / v_cache float8_e4m3fn holding K / k_scale and V / v_scale
+    (store_kvcache's quantization); k_scale, v_scale: fp32 [1] device tensors, required
+    then and only then. The result is attention over stored.float() * scale.
+    """
+    out, fp8 = _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
+                                    k_scale, v_scale)
+    batch, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
     if batch == 0:
         return out
 
@@ -297,54 +342,25 @@ def paged_decode_attention(
     # Splits beyond the table's capacity in tiles could never get tokens.
     num_splits = max(1, min(num_splits, triton.cdiv(max_blocks * block_size, tile)))
     if num_splits > 1:
-        part_out = torch.empty(
-            (batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
-        )
+        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # unused by the kernel
     _paged_decode_split_kernel[(num_kv_heads * num_splits, batch)](
-        q,
-        q.stride(0),
-        q.stride(1),
-        k_cache,
-        v_cache,
-        k_cache.stride(0),
-        k_cache.stride(1),
-        block_tables,
-        block_tables.stride(0),
-        context_lens,
-        context_lens.stride(0),
-        out,
-        out.stride(0),
-        out.stride(1),
-        part_out,
-        part_lse,
-        float(scale) * _LOG2E,
-        max_blocks,
-        num_splits,
-        NUM_HEADS=num_heads,
-        WRITE_PARTIAL=num_splits > 1,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),
-        HEAD_DIM=head_dim,
-        BLOCK_SIZE=block_size,
-        TILE=tile,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=num_warps,
-        num_stages=num_stages,
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        block_tables, block_tables.stride(0), context_lens, context_lens.stride(0),
+        out, out.stride(0), out.stride(1), part_out, part_lse,
+        k_scale if fp8 else out, v_scale if fp8 else out,  # unused without FP8
+        float(scale) * _LOG2E, max_blocks, num_splits,
+        NUM_HEADS=num_heads, WRITE_PARTIAL=num_splits > 1, GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
+        FP16_DOT=fp8 and q.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _paged_decode_merge_kernel[(batch, num_heads)](
-            part_out,
-            part_lse,
-            out,
-            out.stride(0),
-            out.stride(1),
-            num_splits,
-            NUM_HEADS=num_heads,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
-            HEAD_DIM=head_dim,
+            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+            NUM_HEADS=num_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
             num_warps=4 if num_splits * head_dim >= 2048 else 2,
         )
     return out

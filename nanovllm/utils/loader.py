@@ -5,10 +5,49 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+
+# MoE experts: the Hub stores one tensor per expert and projection, transformers' in-memory (and,
+# in some versions, saved) form stacks all experts of a projection in one 3-D tensor.
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+_FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+)$")
+
+
+def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
+    """(parameter name, parameter, shard id) of an expert tensor, or None for other tensors.
+
+    `experts` maps a per-expert part to (parameter part, shard): "<p>.experts.<e>.gate_proj.weight"
+    -> "<p>.experts.w13" with shard (e, 0). `fused` maps a stacked part to a parameter part:
+    "<p>.experts.gate_up_proj" -> "<p>.experts.w13" with shard "fused".
+    """
+    m = _EXPERT_TENSOR.match(name)
+    if m and m["part"] in experts:
+        part, shard = experts[m["part"]]
+        pname = f"{m['prefix']}.{part}"
+        if pname in params:
+            return pname, params[pname], (int(m["expert"]), shard)
+    m = _FUSED_EXPERT_TENSOR.match(name)
+    if m and m["part"] in fused:
+        pname = f"{m['prefix']}.{fused[m['part']]}"
+        if pname in params:
+            return pname, params[pname], "fused"
+    return None
+
+
+def _expert_names(pname: str, param, experts: dict) -> set[str] | None:
+    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13"), else None."""
+    prefix, _, part = pname.rpartition(".")
+    if not prefix.endswith(".experts"):
+        return None
+    parts = [ckpt for ckpt, (ours, _) in experts.items() if ours == part]
+    if not parts:
+        return None
+    return {f"{prefix}.{e}.{ckpt}.weight" for e in range(param.shape[0]) for ckpt in parts}
 
 
 def _resolve(params: dict, mapping: dict, name: str):
@@ -27,6 +66,8 @@ def load_model(model: nn.Module, path: str) -> None:
     Tensors are read one at a time (`safe_open`), so peak host memory is one tensor, and each
     parameter's `weight_loader` takes only this rank's shard. A tensor the model does not know,
     a parameter the checkpoint lacks, or a shape mismatch is a ValueError naming the tensor.
+    MoE experts load from per-expert tensors or from transformers' fused 3-D ones (the model's
+    `expert_params_mapping` / `fused_expert_params_mapping`).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
@@ -34,6 +75,8 @@ def load_model(model: nn.Module, path: str) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model, "tie_word_embeddings", False)
     mapping = getattr(model, "packed_modules_mapping", {})
+    experts = getattr(model, "expert_params_mapping", {})
+    fused = getattr(model, "fused_expert_params_mapping", {})
     loaded: set[str] = set()
     for file in files:
         with _open_checked(file) as f:
@@ -42,7 +85,10 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue  # tied to the embedding, which is loaded under its own name
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed, older checkpoints carry it
-                pname, param, shard_id = _resolve(params, mapping, name)
+                if _load_kv_scale(model, name, lambda: _read_checked(f, name, file)):
+                    continue
+                hit = _resolve_expert(params, experts, fused, name) if experts or fused else None
+                pname, param, shard_id = hit or _resolve(params, mapping, name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} does not "
                                      f"belong to this model")
@@ -58,7 +104,9 @@ def load_model(model: nn.Module, path: str) -> None:
                 else:
                     loader(param, tensor, name, shard_id)
                 loaded.add(name)
-    expected = _expected_names(mapping, params, tied)
+                if shard_id == "fused":  # stands for every per-expert tensor of this parameter
+                    loaded |= _expert_names(pname, param, experts) or set()
+    expected = _expected_names(mapping, experts, params, tied)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"checkpoint {path!r} is missing tensor(s): {', '.join(missing[:8])}"
@@ -84,11 +132,41 @@ def _read_checked(f, name: str, file: str) -> torch.Tensor:
                          f"({type(e).__name__}: {e})") from None
 
 
-def _expected_names(mapping: dict, params: dict, tied: bool) -> set[str]:
-    """The checkpoint tensor names a complete checkpoint holds for these parameters."""
+# FP8 KV-cache scales, as vLLM names them: <layer>.self_attn.{k,v}_scale, or the older
+# <layer>.self_attn.{k,v}_proj.output_scale. Read into the attention layer's k_scale / v_scale.
+_KV_SCALE = re.compile(r"^(?P<attn>.+\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
+
+
+def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
+    """Whether `name` is a KV-cache scale (then copied into its attention layer when the cache is
+    FP8, and ignored otherwise: a 16-bit cache needs no scale)."""
+    m = _KV_SCALE.match(name)
+    if m is None:
+        return False
+    try:
+        attn = model.get_submodule(m["attn"]).attn
+    except AttributeError:
+        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not have") from None
+    kind = m["kv"] or m["proj"]
+    if getattr(attn, "fp8_kv_cache", False):
+        value = read().float().reshape(-1)
+        if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
+            raise ValueError(f"{name}: a KV-cache scale must be one positive finite number, got {value.tolist()[:4]}")
+        getattr(attn, f"{kind}_scale").copy_(value)
+        attn.kv_scales_from_checkpoint = True
+    return True
+
+
+def _expected_names(mapping: dict, experts: dict, params: dict, tied: bool) -> set[str]:
+    """The checkpoint tensor names a complete checkpoint holds for these parameters (experts
+    in the Hub's per-expert form)."""
     names = set()
-    for pname in params:
+    for pname, param in params.items():
         if tied and pname == "lm_head.weight":
+            continue
+        per_expert = _expert_names(pname, param, experts)
+        if per_expert is not None:
+            names |= per_expert
             continue
         parts = [part for part, (packed, _) in mapping.items() if f".{packed}." in pname]
         if parts:
@@ -104,6 +182,8 @@ def init_dummy(model: nn.Module, seed: int = 0) -> None:
     """Random weights of realistic scale (benchmarks without the real checkpoint)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
+        if param.dtype == torch.float8_e4m3fn or getattr(param, "block", None):
+            continue  # FP8 checkpoint parameters: the quantization scheme fills them (init_dummy hook)
         if "norm" in name:
             param.fill_(1.0)
         else:
