@@ -142,15 +142,39 @@ class SamplingParams:
             raise AttributeError(f"SamplingParams has no field {name!r}")
 
     # ---------------------------------------------------------------- validation
+    def _bad(self, name, why):
+        raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
     def _validate(self) -> None:
         """Check every field (ValueError naming it), store numbers as Python's own, and derive
         the normalised forms the engine reads."""
-        def bad(name, why):
-            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
-
         def put(name, value):
             object.__setattr__(self, name, value)
 
+        self._check_numbers()
+        stops, ids = self._check_stops()
+        bias, allowed, words = self._check_token_lists()
+        # Numbers are stored as Python's own (numpy's would reach the sampler's tensors).
+        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
+                           ("max_tokens", int), ("min_tokens", int), ("n", int), ("presence_penalty", float),
+                           ("frequency_penalty", float), ("repetition_penalty", float)):
+            put(name, kind(getattr(self, name)))
+        for name in ("seed", "logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                put(name, int(getattr(self, name)))
+        put("_stop_strings", stops)
+        put("_stop_ids", frozenset(int(t) for t in ids))
+        put("_logit_bias", bias)
+        put("_allowed", allowed)
+        put("_bad_words", words)
+        put("_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0)
+        put("_processes_logits", self._uses_penalties or bias is not None or allowed is not None or bool(words))
+        put("_checked", True)
+
+    def _check_numbers(self) -> None:
+        """The sampling and length numbers, the flags, n, the penalties and the logprob counts."""
+        bad, put = self._bad, lambda name, value: object.__setattr__(self, name, value)
         is_int, is_num = is_integer, is_real
         if not is_num(self.temperature) or not (self.temperature >= 0.0) or self.temperature == float("inf"):
             bad("temperature", "must be a finite number >= 0 (0 means greedy)")
@@ -189,6 +213,11 @@ class SamplingParams:
             elif v is not None and (not is_int(v) or v < -1):
                 bad(name, "must be None (off), an integer >= 0, or -1 (the whole vocabulary)")
 
+
+    def _check_stops(self) -> tuple[tuple[str, ...], list]:
+        """(stop strings, stop token ids), checked."""
+        bad = self._bad
+        is_int = is_integer
         stop = self.stop
         if stop is None:
             stops: tuple[str, ...] = ()
@@ -207,6 +236,12 @@ class SamplingParams:
             ids = []
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers or None")
+        return stops, ids
+
+    def _check_token_lists(self):
+        """(logit_bias as {id: float} or None, allowed_token_ids as a sorted tuple or None,
+        bad_words as a tuple), checked."""
+        bad, is_int, is_num = self._bad, is_integer, is_real
         bias = self.logit_bias
         if bias is not None:
             if not isinstance(bias, dict):
@@ -235,23 +270,7 @@ class SamplingParams:
         else:
             bad("bad_words", "must be None or a list of non-empty strings")
 
-        # Numbers are stored as Python's own (numpy's would reach the sampler's tensors).
-        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
-                           ("max_tokens", int), ("min_tokens", int), ("n", int), ("presence_penalty", float),
-                           ("frequency_penalty", float), ("repetition_penalty", float)):
-            put(name, kind(getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                put(name, int(getattr(self, name)))
-        put("_stop_strings", stops)
-        put("_stop_ids", frozenset(int(t) for t in ids))
-        put("_logit_bias", bias)
-        put("_allowed", allowed)
-        put("_bad_words", words)
-        put("_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0)
-        put("_processes_logits", self._uses_penalties or bias is not None or allowed is not None or bool(words))
-        put("_checked", True)
+        return bias, allowed, words
 
     def _normalised(self, name: str):
         if not self.__dict__.get("_checked"):
