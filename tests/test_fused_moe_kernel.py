@@ -172,6 +172,18 @@ def assert_within(out: torch.Tensor, ref: Bounded, what: str = "output") -> None
                              f"bound {ref.err[tuple(i)].item():.3g}")
 
 
+def assert_same(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """Bit-identical (NaNs would count as differing), with a diagnosable message."""
+    assert got.shape == want.shape and got.dtype == want.dtype, (what, got.shape, want.shape, got.dtype, want.dtype)
+    if got.dtype == torch.float8_e4m3fn:
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    if not torch.equal(got, want):
+        diff = got != want
+        raise AssertionError(f"{what}: {diff.sum().item()} of {diff.numel()} elements differ (first at "
+                             f"{diff.nonzero()[0].tolist()}); NaNs: {got.float().isnan().sum().item()} got, "
+                             f"{want.float().isnan().sum().item()} want")
+
+
 # ----------------------------------------------------------------------------- inputs
 
 
@@ -398,7 +410,10 @@ def torch_quantize_activations(x: torch.Tensor):
     rows, cols = x.shape
     groups = -(-cols // 128)
     xf = F.pad(x.float(), (0, groups * 128 - cols)).view(rows, groups, 128)
-    scale = xf.abs().amax(-1).clamp(min=1e-10) / 448.0
+    amax = xf.abs().amax(-1).clamp(min=1e-10)
+    # A tensor divisor: CUDA torch turns division by a Python scalar into a product with its
+    # reciprocal, which can differ from the kernel's correctly rounded division in the last bit.
+    scale = amax / torch.full_like(amax, 448.0)
     q = (xf / scale[..., None]).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
     return q.view(rows, -1)[:, :cols], scale
 
@@ -435,8 +450,8 @@ def test_quantize_fp8_activations_equals_torch(dtype):
     q, scale = fm.quantize_fp8_activations(x)
     want_q, want_scale = torch_quantize_activations(x)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (9, 2)
-    assert torch.equal(scale, want_scale)  # bit for bit: same fp32 arithmetic
-    assert torch.equal(q.view(torch.uint8), want_q.contiguous().view(torch.uint8))
+    assert_same(scale, want_scale, "scales")  # bit for bit: same fp32 arithmetic
+    assert_same(q, want_q.contiguous(), "quantized values")
 
 
 def fp8_problem(num_tokens, hidden, inter, num_experts, k, dtype, experts=None):
@@ -514,7 +529,7 @@ def test_fp8_fused_moe(case):
     assert out.dtype == dtype
     u = UNIT_ROUNDOFF[dtype]
     slot_out = check_fp8_gemms(x, q13, s13, q2, s2, weights, ids, fm.get_config(num_tokens, k, num_experts, True), u)
-    assert torch.equal(slot_out.view(num_tokens, k, -1).sum(1), out)  # fused_moe is these steps
+    assert_same(slot_out.view(num_tokens, k, -1).sum(1), out, "fused_moe vs its steps")
     check_fp8_vs_full_precision(out, x, w13, s13, w2, s2, weights, ids, u)
 
 
@@ -564,7 +579,7 @@ def test_gpu_fp8_qwen3_30b_shapes(num_tokens):
     out = fm.fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2)
     u = UNIT_ROUNDOFF[torch.bfloat16]
     slot_out = check_fp8_gemms(x, q13, s13, q2, s2, weights, ids, fm.get_config(num_tokens, 8, 128, True), u)
-    assert torch.equal(slot_out.view(num_tokens, 8, -1).sum(1), out)  # fused_moe is these steps
+    assert_same(slot_out.view(num_tokens, 8, -1).sum(1), out, "fused_moe vs its steps")
     check_fp8_vs_full_precision(out, x, w13, s13, w2, s2, weights, ids, u)
 
 
@@ -574,8 +589,8 @@ def test_gpu_quantize_fp8_activations_equals_torch():
     x[7] = 0
     q, scale = fm.quantize_fp8_activations(x)
     want_q, want_scale = torch_quantize_activations(x)
-    assert torch.equal(scale, want_scale)
-    assert torch.equal(q.view(torch.uint8), want_q.contiguous().view(torch.uint8))
+    assert_same(scale, want_scale, "scales")
+    assert_same(q, want_q.contiguous(), "quantized values")
 
 
 @pytest.mark.gpu
@@ -604,4 +619,4 @@ def test_gpu_fused_moe_cuda_graph_replay(num_tokens, fp8):
         torch.cuda.synchronize()
         eager = run()
         assert torch.isfinite(out).all()
-        assert torch.equal(out, eager)
+        assert_same(out, eager, "graph replay vs eager")
