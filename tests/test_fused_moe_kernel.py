@@ -93,13 +93,15 @@ def silu_mul(g: Bounded, up: Bounded, u: float) -> Bounded:
     """silu(g) * up computed in fp32 and rounded to a dtype of unit roundoff u.
 
     |silu(g') - silu(g)| <= |silu'(g)| d + d^2 / 4 (|silu''| <= 1/2); the fp32 epilogue
-    (exp, reciprocal, two products) adds <= 8 eps relative, the final rounding u."""
+    (exp, reciprocal, two products) adds a few eps relative -- more on the GPU, whose exp2 is
+    approximate (2^-22.5) and whose argument -g * log2(e) is rounded (|g| eps): 32 eps is
+    allowed (|g| < 20 here) -- and the final rounding u."""
     sig = torch.sigmoid(g.value)
     s = g.value * sig
     ds = sig * (1 + g.value * (1 - sig))
     value = s * up.value
     d1 = (ds.abs() * g.err + 0.25 * g.err**2) * up.mag + s.abs() * up.err
-    return Bounded(value, d1 + (8 * EPS32 + u) * (value.abs() + d1))
+    return Bounded(value, d1 + (32 * EPS32 + u) * (value.abs() + d1))
 
 
 def rounded(x: Bounded, u: float) -> Bounded:
