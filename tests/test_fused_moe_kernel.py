@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import fused_moe as fm
+from nanovllm.layers.moe import route_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]
@@ -222,7 +223,7 @@ def test_route_topk_equals_transformers_router(renormalize, dtype):
         router.weight.normal_()
         hidden = torch.randn(37, 32).to(dtype)
         logits, scores, indices = router(hidden)
-    weights, ids = fm.route_topk(logits, 4, renormalize)
+    weights, ids = route_topk(logits, 4, renormalize)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
     assert torch.equal(ids.long(), indices.long())
     assert torch.equal(weights, scores.float())  # bit for bit: same ops, same rounding to the dtype
@@ -232,13 +233,13 @@ def test_route_topk_equals_transformers_router(renormalize, dtype):
 
 def test_route_topk_rejects_bad_input():
     with pytest.raises(ValueError, match="top_k"):
-        fm.route_topk(torch.randn(3, 4), 5, True)
+        route_topk(torch.randn(3, 4), 5, True)
     with pytest.raises(ValueError, match="top_k"):
-        fm.route_topk(torch.randn(3, 4), 0, True)
+        route_topk(torch.randn(3, 4), 0, True)
     with pytest.raises(ValueError, match="router_logits"):
-        fm.route_topk(torch.randn(3, 4, 2), 2, True)
+        route_topk(torch.randn(3, 4, 2), 2, True)
     with pytest.raises(TypeError, match="float"):
-        fm.route_topk(torch.ones(3, 4, dtype=torch.int32), 2, True)
+        route_topk(torch.ones(3, 4, dtype=torch.int32), 2, True)
 
 
 # ----------------------------------------------------------------------------- alignment
@@ -350,7 +351,7 @@ def test_fused_moe_with_route_topk_matches_transformers_block(renormalize):
         x = torch.randn(1, 19, 64)
         want = block(x)[0]
         logits = F.linear(x[0], block.gate.weight)
-    weights, ids = fm.route_topk(logits, 3, renormalize)
+    weights, ids = route_topk(logits, 3, renormalize)
     w13, w2 = block.experts.gate_up_proj.detach(), block.experts.down_proj.detach()
     out = fm.fused_moe(x[0], w13, w2, weights, ids)
     ref = reference_moe(x[0], w13, w2, ids, weights, UNIT_ROUNDOFF[torch.float32])
@@ -560,7 +561,7 @@ def qwen3_30b_problem(num_tokens, dtype=torch.bfloat16):
     h, i, e, k = QWEN3_30B["hidden"], QWEN3_30B["inter"], QWEN3_30B["num_experts"], QWEN3_30B["k"]
     x = torch.randn(num_tokens, h, device="cuda").to(dtype)
     w13, w2 = random_experts(e, h, i, dtype, device="cuda")
-    weights, ids = fm.route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
+    weights, ids = route_topk(torch.randn(num_tokens, e, device="cuda"), k, True)
     return x, w13, w2, weights, ids
 
 
@@ -614,7 +615,7 @@ def test_gpu_fused_moe_cuda_graph_replay(num_tokens, fp8):
         out = run()
     for _ in range(3):
         x.copy_(torch.randn_like(x))
-        new_weights, new_ids = fm.route_topk(torch.randn(num_tokens, 128, device="cuda"), 8, True)
+        new_weights, new_ids = route_topk(torch.randn(num_tokens, 128, device="cuda"), 8, True)
         weights.copy_(new_weights)
         ids.copy_(new_ids)
         graph.replay()

@@ -97,29 +97,6 @@ def get_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False)
 # ----------------------------------------------------------------------------- routing
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of transformers' Qwen3MoeTopKRouter, operation for operation.
-
-    router_logits: [T, E] float. Returns (topk_weights fp32 [T, k], topk_ids int32 [T, k]):
-    softmax over E in fp32, torch.topk (descending), with `renormalize` (norm_topk_prob) the k
-    weights divided by their sum, then rounded to the logits' dtype as transformers does
-    (router_top_value.to(router_logits.dtype)) -- held in fp32, so the values are exactly
-    transformers' routing scores.
-    """
-    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be a [tokens, experts] tensor, got {getattr(router_logits, 'shape', router_logits)}")
-    if not router_logits.is_floating_point():
-        raise TypeError(f"router_logits must be a float tensor, got {router_logits.dtype}")
-    num_experts = router_logits.shape[1]
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be an int in [1, {num_experts}], got {top_k!r}")
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype).float(), ids.to(torch.int32)
-
-
 # ----------------------------------------------------------------------------- alignment
 
 

@@ -22,21 +22,26 @@ from nanovllm.distributed.group import current_tp_group, divide
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax over the experts (fp32), the `top_k` largest probabilities per token, and with
-    `renormalize` (Qwen3-MoE's norm_topk_prob) those divided by their sum.
+    """Top-k routing of transformers' Qwen3-MoE router, operation for operation: softmax over the
+    experts in fp32, the `top_k` largest probabilities per token, with `renormalize`
+    (norm_topk_prob) those divided by their sum, then rounded to the logits' dtype as
+    transformers does (held in fp32: exactly its routing scores).
 
-    router_logits: [T, E] any float dtype. Returns (topk_weights fp32 [T, top_k],
-    topk_ids int32 [T, top_k]); ids of one token are distinct, ordered by falling weight.
+    router_logits: [T, E] float. Returns (topk_weights fp32 [T, top_k], topk_ids int32
+    [T, top_k]); ids of one token are distinct, ordered by falling weight.
     """
-    if router_logits.dim() != 2:
-        raise ValueError(f"router_logits must be [tokens, experts], got {tuple(router_logits.shape)}")
-    if not 1 <= top_k <= router_logits.shape[1]:
-        raise ValueError(f"top_k={top_k} must be in [1, {router_logits.shape[1]}] (the number of experts)")
+    if not isinstance(router_logits, torch.Tensor) or router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be a [tokens, experts] tensor, got {getattr(router_logits, 'shape', router_logits)}")
+    if not router_logits.is_floating_point():
+        raise TypeError(f"router_logits must be a float tensor, got {router_logits.dtype}")
+    num_experts = router_logits.shape[1]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k={top_k!r} must be an int in [1, {num_experts}] (the number of experts)")
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids.to(torch.int32)
+    return weights.to(router_logits.dtype).float(), ids.to(torch.int32)
 
 
 def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
