@@ -26,3 +26,14 @@ def fresh_seed():
     print(f"seed {seed}")
     torch.manual_seed(seed)
     return seed
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (use with pytestmark): the tiny models' matmuls take
+    microseconds, and on a busy 2-core machine OpenMP threads fighting for the cores make every
+    step ~20x slower. Restored after the module."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -59,13 +59,8 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's matmuls are microseconds; on a busy 2-core machine OpenMP threads fighting
-    # for the cores make every step ~20x slower. Restored after the module.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """tests/conftest.py one_thread, for every test of this module."""
 
 
 @pytest.fixture(scope="module")

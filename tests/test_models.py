@@ -47,12 +47,8 @@ NAMES = list(tm.MODEL_CONFIGS)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Microsecond matmuls: OpenMP threads fighting over 2 busy cores only slow every step down.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """tests/conftest.py one_thread, for every test of this module."""
 
 
 def assert_matches_hf(path, prompts, outputs, max_tokens):

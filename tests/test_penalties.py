@@ -28,11 +28,8 @@ N = 16
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """tests/conftest.py one_thread, for every test of this module."""
 
 
 @pytest.fixture(scope="module")

@@ -38,11 +38,8 @@ from nanovllm.sampling_params import NOT_IMPLEMENTED  # noqa: E402
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """tests/conftest.py one_thread, for every test of this module."""
 
 
 @pytest.fixture(scope="module")
