@@ -5,6 +5,8 @@
     python bench.py --dummy qwen3-8b --latency    # batch-1 decode ms/token
     python bench.py --dummy qwen3-0.6b --logprobs 5   # every request also asks for 5 logprobs
     python bench.py --dummy qwen3-30b-a3b         # also qwen2.5-7b, llama-3.1-8b
+    python bench.py --dummy qwen3-0.6b --fuse-kv-store 0 --json a.json   # K/V store in its own kernel
+    python benchmarks/plot_kv_usage.py a.json kv.png                     # KV-cache use over the run
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
 of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
@@ -17,6 +19,16 @@ token + decode steps x weight bytes) / bandwidth, with decode steps = the longes
 max_tokens (all requests decode side by side). Prefill reads are ignored (a lower bound). For MoE
 models a step reads only the experts its batch routes to: estimated from the batch size under
 uniform routing (see roofline_floor).
+
+Per-step floor (beside it, not instead: the memory floor's history stays comparable): the run's
+own steps, rebuilt from its step timeline (StepTiming's shape of each step), each at its lower
+bound knowing compute as well as bytes (step_seconds): every GEMM at max(FLOPs / peak, weight
+bytes / bandwidth), attention at max(its FLOPs, its K/V bytes), the logits read once. It judges
+prefill-heavy work and large decode batches (compute-bound GEMMs) where the memory floor cannot.
+
+KV-cache use: after every step, live tokens against the capacity of the blocks held, and how
+many requests run (LLMEngine.kv_usage), beside what static batching would reserve for the same
+requests (static_batching_reservation).
 """
 
 from __future__ import annotations
@@ -497,7 +509,7 @@ def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor
     return {"step_floor_s": round(total, 3), "step_floor_prefill_s": round(floor.prefill_s / tp, 3),
             "step_floor_decode_s": round(floor.decode_s / tp, 3), "fraction_of_step_floor": round(total / seconds, 3),
             "peak_flops": args.peak_flops, "peak_flops_linear": kw["linear_peak_flops"],
-            "fuse_kv_store": getattr(llm.config, "fuse_kv_store", None),
+            "fuse_kv_store": llm.config.fuse_kv_store,
             "timeline": timeline.summary(groups), "kv_usage": kv}
 
 
