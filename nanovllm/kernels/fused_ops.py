@@ -289,7 +289,7 @@ def _qk_norm_rope_kernel(
     k_cache at slot slot_ptr[token] (contiguous rows of NUM_KV_HEADS * HEAD_DIM; slot -1
     skips the token), and NUM_K_BLOCKS more programs copy the v heads into v_cache. FP8: the
     caches are float8_e4m3fn, values quantized by *k_scale_ptr / *v_scale_ptr. Saves the
-    separate store kernel's launch and its re-read of k and v.
+    separate store kernel's launch and its read of k back from memory (v is read once either way).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)

@@ -206,7 +206,7 @@ class DecoderAttention(nn.Module):
 
             # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
             # writes k and v into the paged cache when the attention layer lets it (one launch
-            # per layer less, and k / v are not read back from memory for the store).
+            # per layer less, and k is not read back from memory for the store).
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
                 else (None, None, 0.0)
             store = self.attn.fused_store_args(meta)
