@@ -4,7 +4,8 @@
 # Env: BENCH_ARGS (single-GPU benches), TP_BENCH_ARGS (the TP=2 bench), TP_AB_ARGS (a second TP=2
 # bench with these flags instead, e.g. --gather-logits), SKIP_TP1=1 (TP=2 benches only), PROFILE_STARTUP=1,
 # KERNEL_BENCHES=1 (the kernel microbenchmarks: paged-decode split sweep (bf16 and FP8 KV) and row order, cuBLAS vs
-# cuBLASLt decode GEMMs, FP8 GEMMs, fused all-reduce vs NCCL, prefill all-reduce overlap; benchmarks/kernels/),
+# cuBLASLt decode GEMMs, FP8 GEMMs, the fused KV store, fused all-reduce vs NCCL, prefill all-reduce overlap;
+# benchmarks/kernels/),
 # LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
 # FUSE_AB=1 (the 0.6B bench with the K/V store in a kernel of its own, then fused into q/k-norm + RoPE),
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
@@ -56,6 +57,9 @@ if [ -n "${KERNEL_BENCHES:-}" ]; then
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_decode_order.py 2>&1 | tee "$OUT/bench-decode-order.log"
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_gemm.py 2>&1 | tee "$OUT/bench-gemm.log"
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_fp8_gemm.py 2>&1 | tee "$OUT/bench-fp8-gemm.log"
+  PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_fused_kv_store.py 2>&1 | tee "$OUT/bench-fused-kv-store.log"
+  PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_fused_kv_store.py --kv-fp8 2>&1 \
+    | tee -a "$OUT/bench-fused-kv-store.log"
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_all_reduce.py 2>&1 | tee "$OUT/bench-all-reduce.log"
     PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_prefill_all_reduce.py 2>&1 | tee "$OUT/bench-prefill-all-reduce.log"
