@@ -699,7 +699,11 @@ def main(argv=None):
     if args.kv_plot:
         from benchmarks.plot_kv_usage import plot_kv_usage
 
-        plot_kv_usage(res, args.kv_plot)
+        try:
+            plot_kv_usage(res, args.kv_plot)
+        except ImportError as e:  # matplotlib is optional (and absent on some GPU machines)
+            print(f"--kv-plot: {e}; plot it later: python benchmarks/plot_kv_usage.py RESULT.json OUT.png",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":
