@@ -5,6 +5,8 @@
     python bench.py --dummy qwen3-8b --latency    # batch-1 decode ms/token
     python bench.py --dummy qwen3-0.6b --logprobs 5   # every request also asks for 5 logprobs
     python bench.py --dummy qwen3-30b-a3b         # also qwen2.5-7b, llama-3.1-8b
+    python bench.py --dummy qwen3-0.6b --fuse-kv-store 0 --json a.json   # K/V store in its own kernel
+    python benchmarks/plot_kv_usage.py a.json kv.png                     # KV-cache use over the run
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
 of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
@@ -17,6 +19,16 @@ token + decode steps x weight bytes) / bandwidth, with decode steps = the longes
 max_tokens (all requests decode side by side). Prefill reads are ignored (a lower bound). For MoE
 models a step reads only the experts its batch routes to: estimated from the batch size under
 uniform routing (see roofline_floor).
+
+Per-step floor (beside it, not instead: the memory floor's history stays comparable): the run's
+own steps, rebuilt from its step timeline (StepTiming's shape of each step), each at its lower
+bound knowing compute as well as bytes (step_seconds): every GEMM at max(FLOPs / peak, weight
+bytes / bandwidth), attention at max(its FLOPs, its K/V bytes), the logits read once. It judges
+prefill-heavy work and large decode batches (compute-bound GEMMs) where the memory floor cannot.
+
+KV-cache use: after every step, live tokens against the capacity of the blocks held, and how
+many requests run (LLMEngine.kv_usage), beside what static batching would reserve for the same
+requests (static_batching_reservation).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import random
 import subprocess
 import sys
 import time
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DUMMY_CONFIGS = {name: f"benchmarks/configs/{name}"
@@ -123,6 +136,152 @@ def weight_element_bytes(llm) -> tuple[int, float]:
     return cfg.kv_dtype.itemsize, linear
 
 
+# ----------------------------------------------------------------------------- the per-step floor
+H200_PEAK_BF16 = 790e12  # FLOP/s, dense bf16 tensor-core peak of the H200 (SXM)
+H200_PEAK_FP8 = 1580e12  # FLOP/s, dense FP8
+
+
+class StepFloor(NamedTuple):
+    """The per-step floor of a run, in seconds, split by kind of step (step_floor)."""
+
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+def step_gemms(opts, rows: int, lm_rows: int, dtype_bytes: int, linear_bytes: float,
+               experts_read: float | None = None) -> list[tuple[float, float, bool]]:
+    """The GEMMs of one forward pass over `rows` tokens, `lm_rows` of which go through the LM
+    head: (FLOPs, weight bytes, is a decoder-layer projection) each, all layers together (the
+    FLOPs/byte ratio of one kind of GEMM is the same in every layer, so summing layers first
+    changes no max() below). FLOPs = 2 * rows * K * N. A MoE layer's router is one GEMM and
+    its experts another: every token goes through top_k experts (FLOPs), the weights of
+    `experts_read` experts are read (bytes; all of them when None), as weight_bytes_per_step
+    counts them. linear_bytes: bytes per element of the projection and expert weights."""
+    h, hd, nh, nkv = opts.hidden_size, opts.head_dim, opts.num_heads, opts.num_kv_heads
+    num_layers, num_moe = opts.num_layers, len(opts.moe_layers)
+    out = []
+
+    def gemm(m: float, k: int, n: int, layers: int, elem_bytes: float, linear: bool, matrices: float = 1.0):
+        """`layers` GEMMs [m, k] x [k, n]; `matrices` weight matrices of k x n read per layer."""
+        if layers:
+            out.append((2.0 * m * k * n * layers, matrices * k * n * elem_bytes * layers, linear))
+
+    gemm(rows, h, (nh + 2 * nkv) * hd, num_layers, linear_bytes, True)  # qkv
+    gemm(rows, nh * hd, h, num_layers, linear_bytes, True)  # o
+    # gate_up [h, 2I] and down [I, h]: as one [h, 3I] (same FLOPs and bytes)
+    gemm(rows, h, 3 * opts.intermediate_size, num_layers - num_moe, linear_bytes, True)
+    if num_moe:
+        m = opts.moe
+        experts = m.num_experts if experts_read is None else experts_read
+        gemm(rows, h, m.num_experts, num_moe, dtype_bytes, False)  # router
+        # Each token's top_k experts (FLOPs, as M = rows x top_k); `experts` matrices read.
+        gemm(rows * m.top_k, h, 3 * m.intermediate_size, num_moe, linear_bytes, True, matrices=experts)
+    gemm(lm_rows, h, opts.vocab_size, 1, dtype_bytes, False)  # LM head
+    return out
+
+
+def step_seconds(opts, step, dtype_bytes: int, bandwidth: float, peak_flops: float, kv_bytes: int | None = None,
+                 linear_bytes: float | None = None, linear_peak_flops: float | None = None) -> float:
+    """Lower bound in seconds of one engine step, knowing compute as well as memory.
+
+    `step` has StepTiming's fields is_prefill, num_tokens, num_seqs, context_tokens and
+    attention_pairs. Each GEMM (step_gemms; M = the step's tokens, num_seqs for the LM head)
+    takes max(FLOPs / peak, weight bytes / bandwidth): decoder projections at
+    `linear_peak_flops` (FP8 weights: ~2x; default peak_flops), the router and the LM head at
+    `peak_flops`. Attention takes max(4 * attention_pairs * heads * head_dim per layer (QK^T
+    and PV, 2 FLOPs a multiply-add) / peak, context_tokens x KV bytes per token / bandwidth),
+    which for a prefill is the new K/V written and any cached prefix read. Sampling reads
+    each row's logits once (num_seqs x vocab in the model dtype). Weights outside GEMMs (norms,
+    biases, and the embedding table, counted whole as the memory floor counts it) are bytes
+    alone. So a step is never below its share of the memory floor (roofline_floor): each term
+    is at least its bytes / bandwidth. MoE: the experts a step reads are estimated from its
+    tokens under uniform routing (expected_distinct_experts), as the memory floor does.
+    """
+    if step.num_tokens == 0:
+        return 0.0  # the launch-only first entry of a timeline
+    lin = dtype_bytes if linear_bytes is None else linear_bytes
+    lin_peak = peak_flops if linear_peak_flops is None else linear_peak_flops
+    experts = None
+    if opts.moe_layers:
+        m = opts.moe
+        experts = expected_distinct_experts(m.num_experts, m.top_k, step.num_tokens)
+    gemms = step_gemms(opts, step.num_tokens, step.num_seqs, dtype_bytes, lin, experts)
+    seconds = sum(max(f / (lin_peak if linear else peak_flops), b / bandwidth) for f, b, linear in gemms)
+    other_weights = weight_bytes_per_step(opts, dtype_bytes, experts, lin) - sum(b for _, b, _ in gemms)
+    kv_per_token = 2 * opts.num_layers * opts.num_kv_heads * opts.head_dim * (kv_bytes or dtype_bytes)
+    attn_flops = 4.0 * step.attention_pairs * opts.num_heads * opts.head_dim * opts.num_layers
+    seconds += max(attn_flops / peak_flops, step.context_tokens * kv_per_token / bandwidth)
+    sampling = step.num_seqs * opts.vocab_size * dtype_bytes
+    return seconds + (other_weights + sampling) / bandwidth
+
+
+def step_floor(hf_config, steps, dtype_bytes: int, bandwidth: float, peak_flops: float, kv_bytes: int | None = None,
+               linear_bytes: float | None = None, linear_peak_flops: float | None = None) -> StepFloor:
+    """The per-step floor of a run whose steps were `steps` (StepTiming-like, see
+    step_seconds): their lower bounds summed, prefill and decode steps apart. Unlike
+    roofline_floor it knows the schedule the run took (how many steps, which batch sizes,
+    how much prefill) and compute, so prefill-heavy work is judged against its FLOPs."""
+    opts = decoder_options(hf_config)
+    parts = [0.0, 0.0]
+    for step in steps:
+        parts[0 if step.is_prefill else 1] += step_seconds(opts, step, dtype_bytes, bandwidth, peak_flops, kv_bytes,
+                                                           linear_bytes, linear_peak_flops)
+    return StepFloor(*parts)
+
+
+# ----------------------------------------------------------------------------- KV-cache use
+
+
+def static_batching_reservation(prompts, max_tokens, batch_size: int) -> int:
+    """KV tokens static batching reserves for these requests at its peak: batches of
+    `batch_size` requests in submission order, one after another, each request of a batch
+    holding room for the batch's longest prompt (padding) + its largest max_tokens (a static
+    batch runs until its longest request ends) for the batch's whole lifetime."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    peak = 0
+    for i in range(0, len(prompts), batch_size):
+        batch = range(i, min(i + batch_size, len(prompts)))
+        peak = max(peak, len(batch) * (max(len(prompts[j]) for j in batch) + max(max_tokens[j] for j in batch)))
+    return peak
+
+
+def kv_usage_report(samples, start: float, prompts, max_tokens, batch_size: int, max_points: int = 1000) -> dict:
+    """KV-cache use over a run from per-step KVUsage samples ((perf_counter time, KVUsage) pairs,
+    StepTimeline(kv_usage=True).kv): a time series thinned to at most `max_points` points and
+    the summary (means over steps, peaks), with static batching's reservation for the same
+    requests (static_batching_reservation with `batch_size`) beside it."""
+    if not samples:
+        return {}
+    usage = [u for _, u in samples]
+    stride = -(-len(samples) // max_points)
+    kept = samples[::stride]
+    live = [u.live_tokens for u in usage]
+    allocated = [u.allocated_tokens for u in usage]
+    frag = [a - b for a, b in zip(allocated, live)]
+    static = static_batching_reservation(prompts, max_tokens, batch_size)
+    n = len(usage)
+    summary = {
+        "steps": n, "block_size": usage[0].block_size, "capacity_tokens": usage[0].num_blocks * usage[0].block_size,
+        "live_tokens_mean": round(sum(live) / n, 1), "live_tokens_peak": max(live),
+        "allocated_tokens_mean": round(sum(allocated) / n, 1), "allocated_tokens_peak": max(allocated),
+        "fragmentation_tokens_mean": round(sum(frag) / n, 1), "fragmentation_tokens_peak": max(frag),
+        "fragmentation_of_allocated": round(sum(frag) / max(sum(allocated), 1), 4),
+        "running_peak": max(u.running_seqs for u in usage),
+        "static_batching_tokens": static,
+        "static_batching": f"batches of {batch_size} requests (max_num_seqs) in submission order, each request "
+                           f"reserving its batch's longest prompt + largest max_tokens for the batch's lifetime",
+        "static_over_paged_peak": round(static / max(max(allocated), 1), 3),
+    }
+    series = {"t_s": [round(t - start, 4) for t, _ in kept], "live_tokens": [u.live_tokens for _, u in kept],
+              "allocated_tokens": [u.allocated_tokens for _, u in kept], "running": [u.running_seqs for _, u in kept]}
+    return {"summary": summary, "series": series}
+
+
 # Kernel name fragments per kind of work, first match wins: what `--profile` sums up.
 KERNEL_KINDS = (
     ("fused all-reduce + norm", ("_all_reduce_rms_norm", "_wait_count")),  # + the copy-engine wait
@@ -153,50 +312,79 @@ class StepTimeline:
     small part of its time was host-bound there.
 
     Use as a context manager around one generate(): it is one of the engine's step observers
-    (`LLMEngine.step_observers`, which get a StepTiming per step) for that long.
+    (`LLMEngine.step_observers`, which get a StepTiming per step) for that long. `timings`
+    keeps every StepTiming (the step's shape too: step_floor rebuilds the run's floor from
+    them). With kv_usage=True it also samples `llm.kv_usage()` after every step into `kv`,
+    as (time.perf_counter(), KVUsage) pairs.
     """
 
     BUCKETS = (192, 128, 64, 32, 16, 8, 1)  # decode groups: batch sizes >= these
 
-    def __init__(self, llm):
+    def __init__(self, llm, kv_usage: bool = False):
         self.llm = llm
         self.steps: list[tuple[bool, int, float, float]] = []  # (is prefill, tokens, seconds, waited)
+        self.timings: list = []  # the StepTimings themselves
+        self.kv: list = []
+        self._sample_kv = kv_usage
 
     def __enter__(self):
-        self._last = time.perf_counter()
+        self._last = self.started = time.perf_counter()
         self.llm.step_observers.append(self._record)
         return self
 
     def _record(self, timing) -> None:
         self.steps.append((timing.is_prefill, timing.num_tokens, timing.ended_at - self._last, timing.wait_s))
+        self.timings.append(timing)
+        if self._sample_kv:
+            self.kv.append((timing.ended_at, self.llm.kv_usage()))
         self._last = timing.ended_at
 
     def __exit__(self, *exc):
         self.llm.step_observers.remove(self._record)
 
-    def summary(self) -> list[dict]:
-        """One row per group: steps, seconds, ms per step, the waited fraction."""
+    @classmethod
+    def group(cls, is_prefill: bool, tokens: int) -> str:
+        """The summary group of a step."""
+        if tokens == 0:  # the first call only launches
+            return "launch"
+        if is_prefill:
+            return "prefill"
+        return "decode bs>=%d" % next(b for b in cls.BUCKETS if tokens >= b)
+
+    def summary(self, floors: dict[str, float] | None = None) -> list[dict]:
+        """One row per group: steps, seconds, ms per step, the waited fraction; with `floors`
+        (seconds per group, e.g. floors_by_group), also the group's floor and its fraction."""
         groups: dict[str, list] = {}
         for is_prefill, tokens, secs, waited in self.steps:
-            if tokens == 0:  # the first call only launches
-                name = "launch"
-            elif is_prefill:
-                name = "prefill"
-            else:
-                name = "decode bs>=%d" % next(b for b in self.BUCKETS if tokens >= b)
-            g = groups.setdefault(name, [0, 0, 0.0, 0.0])
+            g = groups.setdefault(self.group(is_prefill, tokens), [0, 0, 0.0, 0.0])
             g[0] += 1
             g[1] += tokens
             g[2] += secs
             g[3] += waited
-        return [{"group": k, "steps": n, "tokens": tok, "seconds": round(s, 4), "ms_per_step": round(s / n * 1e3, 3),
+        rows = [{"group": k, "steps": n, "tokens": tok, "seconds": round(s, 4), "ms_per_step": round(s / n * 1e3, 3),
                  "waited": round(w / max(s, 1e-12), 3)} for k, (n, tok, s, w) in groups.items()]
+        for r in rows if floors is not None else ():
+            f = floors.get(r["group"], 0.0)
+            r["floor_s"], r["of_floor"] = round(f, 4), round(f / max(r["seconds"], 1e-12), 3)
+        return rows
 
-    def table(self) -> str:
-        rows = [f"{'steps of the run':<18}{'steps':>7}{'tokens':>9}{'seconds':>9}{'ms/step':>9}{'waited':>8}"]
+    def table(self, floors: dict[str, float] | None = None) -> str:
+        with_floor = floors is not None
+        rows = [f"{'steps of the run':<18}{'steps':>7}{'tokens':>9}{'seconds':>9}{'ms/step':>9}{'waited':>8}"
+                + (f"{'floor s':>9}{'of floor':>9}" if with_floor else "")]
         rows += [f"{r['group']:<18}{r['steps']:>7}{r['tokens']:>9}{r['seconds']:>9.3f}{r['ms_per_step']:>9.3f}"
-                 f"{r['waited']:>8.0%}" for r in self.summary()]
+                 f"{r['waited']:>8.0%}" + (f"{r['floor_s']:>9.3f}{r['of_floor']:>9.1%}" if with_floor else "")
+                 for r in self.summary(floors)]
         return "\n".join(rows)
+
+    def floors_by_group(self, hf_config, dtype_bytes: int, bandwidth: float, peak_flops: float, **kw) -> dict[str, float]:
+        """step_seconds summed per summary group (keywords: step_seconds')."""
+        opts = decoder_options(hf_config)
+        out: dict[str, float] = {}
+        for t in self.timings:
+            g = self.group(t.is_prefill, t.num_tokens)
+            out[g] = out.get(g, 0.0) + step_seconds(opts, t, dtype_bytes, bandwidth, peak_flops, **kw)
+        return out
 
 
 def git_commit() -> str:
@@ -277,6 +465,56 @@ def run_vllm(model_path: str, prompts, max_tokens, load_dummy: bool, tp: int) ->
     return sum(max_tokens) / (time.perf_counter() - t)
 
 
+def add_round2_args(ap) -> None:
+    """The options of the per-step floor, the KV-use report and the fused KV store."""
+    ap.add_argument("--peak-flops", type=float, default=H200_PEAK_BF16,
+                    help="dense bf16 matrix FLOP/s of the per-step floor (default: the H200's)")
+    ap.add_argument("--peak-flops-fp8", type=float, default=H200_PEAK_FP8,
+                    help="FP8 matrix FLOP/s, used for the decoder projections when the weights are FP8")
+    ap.add_argument("--fuse-kv-store", choices=["0", "1"],
+                    help="1: the K/V cache store fused into the q/k-norm + RoPE kernel (CUDA); 0: a kernel of "
+                         "its own (sets NANOVLLM_FUSE_KV_STORE; default 1)")
+    ap.add_argument("--kv-plot", help="also plot the KV-cache use over the timed run to this PNG (matplotlib)")
+
+
+def round2_env(args) -> None:
+    """Environment switches the LLM reads when it makes its Config."""
+    if args.fuse_kv_store is not None:
+        os.environ["NANOVLLM_FUSE_KV_STORE"] = args.fuse_kv_store
+
+
+def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor: float, prompts, max_tokens) -> dict:
+    """The per-step floor of the timed run (rebuilt from its step timeline), its fraction, and
+    the KV-cache use over the run: printed, and returned as JSON fields."""
+    kv_bytes, linear_bytes = weight_element_bytes(llm)
+    fp8_weights = llm.config.quant is not None
+    kw = dict(kv_bytes=kv_bytes, linear_bytes=linear_bytes,
+              linear_peak_flops=args.peak_flops_fp8 if fp8_weights else args.peak_flops)
+    dtype_bytes = llm.config.dtype.itemsize
+    floor = step_floor(llm.config.hf_config, timeline.timings, dtype_bytes, args.bandwidth, args.peak_flops, **kw)
+    tp = args.tp
+    groups = {g: f / tp for g, f in timeline.floors_by_group(llm.config.hf_config, dtype_bytes, args.bandwidth,
+                                                               args.peak_flops, **kw).items()}
+    print(timeline.table(groups))
+    total = floor.total_s / tp
+    print(f"memory floor {memory_floor:.3f} s ({memory_floor / seconds:.1%} of it reached); per-step floor "
+          f"{total:.3f} s: prefill {floor.prefill_s / tp:.3f} + decode {floor.decode_s / tp:.3f} "
+          f"({total / seconds:.1%} reached; peak {kw['linear_peak_flops'] / 1e12:.0f} TFLOP/s for the projections)")
+    kv = kv_usage_report(timeline.kv, timeline.started, prompts, max_tokens, llm.config.max_num_seqs)
+    if kv:
+        k = kv["summary"]
+        print(f"KV cache: live tokens mean {k['live_tokens_mean']:.0f} / peak {k['live_tokens_peak']}, allocated "
+              f"mean {k['allocated_tokens_mean']:.0f} / peak {k['allocated_tokens_peak']} of {k['capacity_tokens']} "
+              f"({k['fragmentation_of_allocated']:.1%} fragmentation), peak {k['running_peak']} requests; "
+              f"static batching would reserve {k['static_batching_tokens']} ({k['static_over_paged_peak']:.2f}x "
+              f"the paged peak)")
+    return {"step_floor_s": round(total, 3), "step_floor_prefill_s": round(floor.prefill_s / tp, 3),
+            "step_floor_decode_s": round(floor.decode_s / tp, 3), "fraction_of_step_floor": round(total / seconds, 3),
+            "peak_flops": args.peak_flops, "peak_flops_linear": kw["linear_peak_flops"],
+            "fuse_kv_store": llm.config.fuse_kv_store,
+            "timeline": timeline.summary(groups), "kv_usage": kv}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -317,9 +555,11 @@ def main(argv=None):
                     help="every timed (and profiled) request also asks for its K most likely tokens' logprobs "
                          "(SamplingParams.logprobs; measures what logprobs cost). Default: none")
     ap.add_argument("--json", help="write the figures to this file")
+    add_round2_args(ap)
     args = ap.parse_args(argv)
     if args.decode_blas:
         os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # read when the LLM makes its Config
+    round2_env(args)
 
     import torch
 
@@ -360,12 +600,13 @@ def main(argv=None):
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t = time.perf_counter()
-    with StepTimeline(llm) as timeline:  # two clock reads and an append per step
+    # Per step: two clock reads, the step's shape (one pass over its rows) and a KV-use sample
+    # (one pass over the running requests): ~10 us at 256 requests.
+    with StepTimeline(llm, kv_usage=True) as timeline:
         outs = llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t
-    print(timeline.table())
     out_tokens = sum(len(o["token_ids"]) for o in outs)
     if out_tokens != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
@@ -384,8 +625,8 @@ def main(argv=None):
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
            "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
-           "logprobs": args.logprobs, "startup_s": llm.model_runner.startup_seconds,
-           "timeline": timeline.summary()}
+           "logprobs": args.logprobs, "startup_s": llm.model_runner.startup_seconds}
+    res.update(floor_report(llm, timeline, args, seconds, floor, prompts, max_tokens))
 
     if args.latency:
         p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
@@ -442,17 +683,27 @@ def main(argv=None):
     if "vllm" in args.compare:
         res["vllm_tok_s"] = run_vllm(path, prompts, max_tokens, bool(args.dummy), args.tp)
 
-    print(json.dumps(res, indent=1))
+    # (the KV-use time series goes to --json only)
+    print(json.dumps(res | {"kv_usage": res["kv_usage"].get("summary")}, indent=1))
     print(f"\n{'model':<12}{'out tok/s':>11}{'total tok/s':>13}{'floor s':>9}{'secs':>8}{'of floor':>10}"
-          f"{'cold s':>8}" + (f"{'HF tok/s':>10}" if "hf_tok_s" in res else "")
+          f"{'step floor s':>14}{'of it':>8}{'cold s':>8}" + (f"{'HF tok/s':>10}" if "hf_tok_s" in res else "")
           + (f"{'bs1 ms/tok':>12}" if "decode_ms_per_token_bs1" in res else ""))
     print(f"{name:<12}{res['output_tok_s']:>11.0f}{res['total_tok_s']:>13.0f}{floor:>9.2f}{seconds:>8.2f}"
-          f"{res['fraction_of_floor']:>10.1%}{cold_start:>8.1f}"
+          f"{res['fraction_of_floor']:>10.1%}{res['step_floor_s']:>14.2f}{res['fraction_of_step_floor']:>8.1%}"
+          f"{cold_start:>8.1f}"
           + (f"{res['hf_tok_s']:>10.0f}" if "hf_tok_s" in res else "")
           + (f"{res['decode_ms_per_token_bs1']:>12.2f}" if "decode_ms_per_token_bs1" in res else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
+    if args.kv_plot:
+        from benchmarks.plot_kv_usage import plot_kv_usage
+
+        try:
+            plot_kv_usage(res, args.kv_plot)
+        except ImportError as e:  # matplotlib is optional (and absent on some GPU machines)
+            print(f"--kv-plot: {e}; plot it later: python benchmarks/plot_kv_usage.py RESULT.json OUT.png",
+                  file=sys.stderr)
 
 
 if __name__ == "__main__":

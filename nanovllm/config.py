@@ -60,6 +60,16 @@ def decode_blas_library() -> str:
     return name
 
 
+def fuse_kv_store_switch() -> bool:
+    """NANOVLLM_FUSE_KV_STORE, checked: "1" (default) stores each layer's K/V inside the q/k-norm
+    + RoPE kernel on CUDA (one launch per layer less), "0" in the store kernel of its own (to
+    compare the two, e.g. bench.py --fuse-kv-store 0)."""
+    value = os.environ.get("NANOVLLM_FUSE_KV_STORE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"NANOVLLM_FUSE_KV_STORE must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
 def _field_is(name: str, value, kind, what: str):
     """`value` checked to be a `kind` (numpy's numbers count), as Python's own type."""
     if kind is int:
@@ -122,6 +132,9 @@ class Config:
     # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
     # workers get this copy, whatever their environment).
     decode_blas: str = field(init=False, default="cublaslt")
+    # Whether the K/V cache store is fused into the q/k-norm + RoPE kernel, from
+    # NANOVLLM_FUSE_KV_STORE when the config is made (TP workers get this copy too).
+    fuse_kv_store: bool = field(init=False, default=True)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -166,6 +179,7 @@ class Config:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
         self.decode_blas = decode_blas_library()  # a bad NANOVLLM_DECODE_BLAS fails here, before any work
+        self.fuse_kv_store = fuse_kv_store_switch()
         if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
             raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
         if self.attention_backend == "flash_attn" and bs % 256:

@@ -4,8 +4,10 @@
 # Env: BENCH_ARGS (single-GPU benches), TP_BENCH_ARGS (the TP=2 bench), TP_AB_ARGS (a second TP=2
 # bench with these flags instead, e.g. --gather-logits), SKIP_TP1=1 (TP=2 benches only), PROFILE_STARTUP=1,
 # KERNEL_BENCHES=1 (the kernel microbenchmarks: paged-decode split sweep (bf16 and FP8 KV) and row order, cuBLAS vs
-# cuBLASLt decode GEMMs, FP8 GEMMs, fused all-reduce vs NCCL, prefill all-reduce overlap; benchmarks/kernels/),
+# cuBLASLt decode GEMMs, FP8 GEMMs, the fused KV store, fused all-reduce vs NCCL, prefill all-reduce overlap;
+# benchmarks/kernels/),
 # LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
+# FUSE_AB=1 (the 0.6B bench with the K/V store in a kernel of its own, then fused into q/k-norm + RoPE),
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
 # one would outlast the device's 10-minute limit.
 # 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
@@ -28,6 +30,13 @@ if [ -n "${LOGPROBS_BENCH:-}" ]; then
     --json "$OUT/bench-qwen3-0.6b-logprobs.json" "$@" 2>&1 | tee "$OUT/bench-qwen3-0.6b-logprobs.log"
 fi
 
+if [ -n "${FUSE_AB:-}" ]; then  # A/B of the fused KV store, in one call
+  for f in 0 1; do
+    timeout 300 python3 bench.py --dummy qwen3-0.6b --latency --fuse-kv-store $f ${BENCH_ARGS:-} \
+      --json "$OUT/bench-qwen3-0.6b-fuse$f.json" "$@" 2>&1 | tee "$OUT/bench-qwen3-0.6b-fuse$f.log"
+  done
+fi
+
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   timeout 300 python3 bench.py --dummy qwen3-8b --tp 2 ${TP_BENCH_ARGS:-} --json "$OUT/bench-qwen3-8b-tp2.json" "$@" 2>&1 \
     | tee "$OUT/bench-qwen3-8b-tp2.log"
@@ -48,6 +57,9 @@ if [ -n "${KERNEL_BENCHES:-}" ]; then
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_decode_order.py 2>&1 | tee "$OUT/bench-decode-order.log"
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_gemm.py 2>&1 | tee "$OUT/bench-gemm.log"
   PYTHONPATH=. timeout 200 python3 benchmarks/kernels/bench_fp8_gemm.py 2>&1 | tee "$OUT/bench-fp8-gemm.log"
+  PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_fused_kv_store.py 2>&1 | tee "$OUT/bench-fused-kv-store.log"
+  PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_fused_kv_store.py --kv-fp8 2>&1 \
+    | tee -a "$OUT/bench-fused-kv-store.log"
   if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
     PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_all_reduce.py 2>&1 | tee "$OUT/bench-all-reduce.log"
     PYTHONPATH=. timeout 120 python3 benchmarks/kernels/bench_prefill_all_reduce.py 2>&1 | tee "$OUT/bench-prefill-all-reduce.log"
@@ -67,14 +79,18 @@ echo "gpu tests: $(tail -n 1 "$OUT/pytest_gpu.log" 2>/dev/null)  (exit $tests_rc
 python3 - "$OUT" <<'PY'
 import json, os, sys
 out = sys.argv[1]
-print(f"{'model':<14}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'cold s':>8}{'bs1 ms/tok':>12}")
-for m in ("qwen3-0.6b", "qwen3-0.6b-logprobs", "qwen3-8b", "qwen3-8b-tp2", "qwen3-8b-tp2-b"):
+print(f"{'model':<20}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'of step floor':>15}{'cold s':>8}"
+      f"{'bs1 ms/tok':>12}")
+optional = ("qwen3-0.6b-logprobs", "qwen3-0.6b-fuse0", "qwen3-0.6b-fuse1")
+for m in ("qwen3-0.6b", "qwen3-0.6b-logprobs", "qwen3-0.6b-fuse0", "qwen3-0.6b-fuse1", "qwen3-8b", "qwen3-8b-tp2",
+          "qwen3-8b-tp2-b"):
     f = os.path.join(out, f"bench-{m}.json")
     if not os.path.exists(f):
-        if m != "qwen3-0.6b-logprobs":
-            print(f"{m:<14}  (no result)")
+        if m not in optional:
+            print(f"{m:<20}  (no result)")
         continue
     r = json.load(open(f))
-    print(f"{m:<14}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
+    print(f"{m:<20}{r['output_tok_s']:>11.0f}{r['total_tok_s']:>13.0f}{r['fraction_of_floor']:>10.1%}"
+          f"{r.get('fraction_of_step_floor', float('nan')):>15.1%}"
           f"{r['cold_start_s']:>8.1f}{r.get('decode_ms_per_token_bs1', float('nan')):>12.2f}  {r.get('startup_s', '')}")
 PY

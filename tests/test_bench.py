@@ -3,6 +3,7 @@ runs end to end (on a tiny checkpoint here; real numbers come from the H200)."""
 
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -129,19 +130,33 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     decode = sum(g["tokens"] for name, g in groups.items() if name.startswith("decode"))
     assert decode >= sum(max_tokens) - len(prompts)  # every token after the first, plus rows of ended requests
     assert 0 < sum(g["seconds"] for g in groups.values()) <= res["seconds"] + 1e-3  # (rounded to ms)
+    # The per-step floor, rebuilt from the timeline: per group, and never below the memory floor.
+    assert res["step_floor_s"] >= res["floor_s"] and 0 <= res["fraction_of_step_floor"] <= 1
+    assert res["step_floor_s"] == pytest.approx(res["step_floor_prefill_s"] + res["step_floor_decode_s"], abs=2e-3)
+    assert all("floor_s" in g for g in groups.values()) and groups["launch"]["floor_s"] == 0
+    assert res["peak_flops"] == res["peak_flops_linear"] == bench.H200_PEAK_BF16  # bf16 weights
+    assert res["fuse_kv_store"] is True  # the default
+    kv = res["kv_usage"]["summary"]
+    assert kv["running_peak"] == 3 and kv["steps"] == sum(g["steps"] for g in groups.values())
+    assert 0 < kv["live_tokens_peak"] <= kv["allocated_tokens_peak"] <= kv["capacity_tokens"]
+    assert kv["live_tokens_peak"] <= sum(map(len, prompts)) + sum(max_tokens)
+    assert kv["static_batching_tokens"] == 3 * (max(map(len, prompts)) + max(max_tokens))
+    assert len(res["kv_usage"]["series"]["t_s"]) == kv["steps"]  # (fewer than 1000: every step)
 
 
 def test_bench_logprobs_option(tmp_path):
-    """--logprobs K: every timed request asks for K logprobs (the default run asks for none)."""
+    """--logprobs K: every timed request asks for K logprobs (the default run asks for none);
+    --fuse-kv-store 0 reaches the engine."""
     path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "2",
                            "--max-input-len", "110", "--max-output-len", "101", "--block-size", "16",
-                           "--logprobs", "5", "--json", str(out)],
+                           "--logprobs", "5", "--fuse-kv-store", "0", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert res["logprobs"] == 5 and res["output_tokens"] == sum(bench.workload(2, 110, 101)[1])
+    assert res["fuse_kv_store"] is False  # --fuse-kv-store 0 reached the engine's Config
 
 
 def test_startup_profile_names_where_the_cold_start_goes(tmp_path):
@@ -211,3 +226,205 @@ def test_step_timeline_groups_steps_and_counts_the_waits():
         "launch": (1, 0), "prefill": (1, 300), "decode bs>=192": (2, 456), "decode bs>=1": (2, 8)}
     assert rows["launch"]["waited"] == 0 and all(0 < r["waited"] <= 1 for k, r in rows.items() if k != "launch")
     assert "decode bs>=192" in timeline.table()
+
+
+# ----------------------------------------------------------------------------- the per-step floor
+PEAK, BW = 790e12, 4.3e12
+
+
+def _step(is_prefill, num_tokens, num_seqs, context_tokens, attention_pairs):
+    from nanovllm.engine.lifecycle import StepTiming
+
+    return StepTiming(is_prefill, num_tokens, 0.0, 0.0, num_seqs, context_tokens, attention_pairs)
+
+
+def _floor(name, steps, **kw):
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS[name]))
+    return bench.step_floor(cfg, steps, 2, BW, PEAK, **kw)
+
+
+# Qwen3-0.6B by hand: per layer q/k/v + o + gate/up/down weights, norms (2 x 1024 + q/k 2 x 128).
+QWEN3_06B_LINEARS = 1024 * 4096 + 2048 * 1024 + 3 * 1024 * 3072  # 15,728,640
+QWEN3_06B_PARAMS = 28 * (QWEN3_06B_LINEARS + 2304) + 151936 * 1024 + 1024  # tied embedding: 596,049,920
+QWEN3_06B_KV_TOKEN = 2 * 28 * 8 * 128 * 2  # bytes
+
+
+def test_step_floor_of_a_compute_bound_prefill():
+    """One fresh 4096-token prompt: every projection and the attention are compute-bound
+    (4096 FLOP per weight byte, far above 790e12 / 4.3e12 = 184); the LM head of its one
+    sampled row is weight-bound."""
+    pairs = 4096 * 4097 // 2
+    step = _step(True, 4096, 1, 4096, pairs)
+    gemms = 2 * 4096 * QWEN3_06B_LINEARS * 28 / PEAK
+    attention = 4 * pairs * 16 * 128 * 28 / PEAK
+    assert 4 * pairs * 16 * 128 * 28 / PEAK > 10 * 4096 * QWEN3_06B_KV_TOKEN / BW
+    lm_head = 151936 * 1024 * 2 / BW
+    norms_and_sampling = ((28 * 2304 + 1024) * 2 + 151936 * 2) / BW
+    expected = gemms + attention + lm_head + norms_and_sampling
+    got = _floor("qwen3-0.6b", [step])
+    assert got.decode_s == 0 and got.prefill_s == pytest.approx(expected, rel=1e-12)
+    assert got.total_s > 5 * QWEN3_06B_PARAMS * 2 / BW  # far above reading the weights
+    # FP8 projections at twice the peak: their compute term halves, nothing else moves.
+    fp8 = _floor("qwen3-0.6b", [step], linear_bytes=1, linear_peak_flops=2 * PEAK)
+    assert fp8.prefill_s == pytest.approx(expected - gemms / 2, rel=1e-12)
+
+
+def test_step_floor_of_a_weight_bound_decode_step():
+    """4 requests of 1000 context tokens in all: every GEMM reads its weights at 4 FLOP per
+    byte, so the step is bytes alone: the weights, the K/V and the logits read once."""
+    step = _step(False, 4, 4, 1000, 1000)
+    expected = (QWEN3_06B_PARAMS * 2 + 1000 * QWEN3_06B_KV_TOKEN + 4 * 151936 * 2) / BW
+    got = _floor("qwen3-0.6b", [step, _step(False, 0, 0, 0, 0)])  # (a launch-only entry adds nothing)
+    assert got.prefill_s == 0 and got.decode_s == pytest.approx(expected, rel=1e-12)
+    # FP8 weights and cache: one byte per projection weight and per cached element.
+    fp8 = _floor("qwen3-0.6b", [step], linear_bytes=1, kv_bytes=1, linear_peak_flops=2 * PEAK)
+    assert fp8.decode_s == pytest.approx(expected - (28 * QWEN3_06B_LINEARS + 500 * QWEN3_06B_KV_TOKEN) / BW,
+                                         rel=1e-12)
+
+
+def test_step_floor_of_moe_steps():
+    """Qwen3-30B-A3B (48 MoE layers of 128 experts, top 8, 768 wide; untied embedding)."""
+    attn = 2048 * 5120 + 4096 * 2048  # qkv + o
+    norms, router, expert = 2 * 2048 + 2 * 128, 128 * 2048, 3 * 2048 * 768
+    kv_token = 2 * 48 * 4 * 128 * 2
+    # Decode, one request: exactly its 8 experts are read, everything weight-bound.
+    params = 48 * (attn + norms + router + 8 * expert) + 2 * 151936 * 2048 + 2048
+    got = _floor("qwen3-30b-a3b", [_step(False, 1, 1, 1000, 1000)])
+    assert got.decode_s == pytest.approx((params * 2 + 1000 * kv_token + 151936 * 2) / BW, rel=1e-12)
+    # Prefill of 16 fresh 1024-token prompts: each token goes through 8 experts (compute), the
+    # projections, router and attention are compute-bound, the LM head (16 rows) is not.
+    pairs = 16 * 1024 * 1025 // 2
+    flops = 48 * (2 * 16384 * (attn + router + 8 * expert) + 4 * pairs * 32 * 128)
+    bytes_ = 151936 * 2048 * 2 + (48 * norms + 2048 + 151936 * 2048) * 2 + 16 * 151936 * 2
+    got = _floor("qwen3-30b-a3b", [_step(True, 16384, 16, 16384, pairs)])
+    assert got.prefill_s == pytest.approx(flops / PEAK + bytes_ / BW, rel=1e-9)  # (all 128 experts to 1e-400)
+
+
+def _memory_share(opts, step, kv_bytes=2, linear_bytes=2):
+    """What roofline_floor charges for the same step: a decode step reads the weights (the
+    experts its batch routes to) and its context's K/V; a prefill its prompts' K/V."""
+    kv = 2 * opts.num_layers * opts.num_kv_heads * opts.head_dim * kv_bytes * step.context_tokens
+    if step.is_prefill or step.num_tokens == 0:
+        return kv / BW
+    experts = None
+    if opts.moe_layers:
+        experts = bench.expected_distinct_experts(opts.moe.num_experts, opts.moe.top_k, step.num_tokens)
+    return (bench.weight_bytes_per_step(opts, 2, experts, linear_bytes) + kv) / BW
+
+
+@pytest.mark.parametrize("name", sorted(bench.DUMMY_CONFIGS))
+def test_step_floor_is_never_below_the_memory_floor(name, fresh_seed):
+    rng = random.Random(fresh_seed)
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS[name]))
+    opts = bench.decoder_options(cfg)
+    for _ in range(200):
+        kv_bytes, lin = rng.choice([(2, 2), (1, 2), (1, 1), (2, 1 + 4 / 128 ** 2)])
+        if rng.random() < 0.5:
+            b = rng.randint(1, 512)
+            context = sum(rng.randint(1, 4096) for _ in range(b))
+            step = _step(False, b, b, context, context)
+        else:
+            lens = [rng.randint(1, 4096) for _ in range(rng.randint(1, 16))]
+            cached = [rng.randint(0, 2048) for _ in lens]
+            step = _step(True, sum(lens), len(lens), sum(lens) + sum(cached),
+                         sum(n * c + n * (n + 1) // 2 for n, c in zip(lens, cached)))
+        got = bench.step_seconds(opts, step, 2, BW, PEAK, kv_bytes, lin, 2 * PEAK)
+        assert got >= _memory_share(opts, step, kv_bytes, lin) * (1 - 1e-12)
+    # The bench workload run as the memory floor pictures it (prefill in 16k-token chunks,
+    # then everyone decodes side by side): the per-step floor is at or above the memory floor.
+    prompts, max_tokens = bench.workload()
+    steps, chunk = [], []  # chunk: (new tokens, cached tokens) of each prompt piece of the step being filled
+
+    def flush():
+        steps.append(_step(True, sum(n for n, _ in chunk), len(chunk), sum(n + c for n, c in chunk),
+                           sum(n * c + n * (n + 1) // 2 for n, c in chunk)))
+        chunk.clear()
+
+    for p in map(len, prompts):
+        done = 0
+        while done < p:
+            take = min(p - done, 16384 - sum(n for n, _ in chunk))
+            chunk.append((take, done))
+            done += take
+            if sum(n for n, _ in chunk) == 16384:
+                flush()
+    flush()
+    for j in range(1, max(max_tokens)):
+        rows = [len(p) + j for p, n in zip(prompts, max_tokens) if n > j]
+        steps.append(_step(False, len(rows), len(rows), sum(rows), sum(rows)))
+    memory = bench.roofline_floor(cfg, prompts, max_tokens, 2, BW)
+    assert bench.step_floor(cfg, steps, 2, BW, PEAK).total_s >= memory
+
+
+def test_timeline_floors_by_group_add_up_to_the_step_floor():
+    class Engine:
+        step_observers: list = []
+
+        def kv_usage(self):
+            return "sampled"
+
+    llm = Engine()
+    steps = [_step(True, 0, 0, 0, 0), _step(True, 300, 2, 300, 2 * (150 * 151 // 2)),
+             _step(False, 256, 256, 200_000, 200_000), _step(False, 7, 7, 7000, 7000)]
+    with bench.StepTimeline(llm, kv_usage=True) as timeline:
+        for s in steps:
+            llm.step_observers[0](s)
+    assert timeline.timings == steps and [u for _, u in timeline.kv] == ["sampled"] * 4
+    cfg = load_hf_config(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-8b"]))
+    groups = timeline.floors_by_group(cfg, 2, BW, PEAK)
+    assert set(groups) == {"launch", "prefill", "decode bs>=192", "decode bs>=1"} and groups["launch"] == 0
+    total = bench.step_floor(cfg, steps, 2, BW, PEAK)
+    assert sum(groups.values()) == pytest.approx(total.total_s) and groups["prefill"] == pytest.approx(total.prefill_s)
+    rows = {r["group"]: r for r in timeline.summary(groups)}
+    assert rows["decode bs>=1"]["floor_s"] == round(groups["decode bs>=1"], 4)
+    assert "of floor" in timeline.table(groups) and "of floor" not in timeline.table()
+
+
+def test_static_batching_reservation():
+    prompts = [[0] * 10, [0] * 20, [0] * 5]
+    assert bench.static_batching_reservation(prompts, [3, 7, 100], 2) == max(2 * (20 + 7), 1 * (5 + 100))
+    assert bench.static_batching_reservation(prompts, [3, 7, 100], 3) == 3 * (20 + 100)
+    with pytest.raises(ValueError, match="batch_size"):
+        bench.static_batching_reservation(prompts, [3, 7, 100], 0)
+
+
+def test_kv_usage_report_summarises_and_thins_the_samples():
+    from nanovllm.engine.block_manager import KVUsage
+
+    # 2500 steps: live tokens rise 0..2499 with blocks of 16 allocated to cover them (+1 block).
+    samples = [(100.0 + i / 1000, KVUsage(16, 1000, i // 16 + 1, i, min(i, 7))) for i in range(2500)]
+    rep = bench.kv_usage_report(samples, 100.0, [[0] * 10, [0] * 20], [5, 30], batch_size=1)
+    s = rep["summary"]
+    assert s["steps"] == 2500 and s["capacity_tokens"] == 16000 and s["block_size"] == 16
+    assert s["live_tokens_peak"] == 2499 and s["live_tokens_mean"] == pytest.approx(1249.5)
+    allocated = [(i // 16 + 1) * 16 for i in range(2500)]
+    assert s["allocated_tokens_peak"] == 2512 and s["allocated_tokens_mean"] == pytest.approx(sum(allocated) / 2500, abs=0.05)
+    frag = [a - i for i, a in enumerate(allocated)]
+    assert s["fragmentation_tokens_peak"] == 16 and 1 <= min(frag) and max(frag) <= 16
+    assert s["fragmentation_of_allocated"] == pytest.approx(sum(frag) / sum(allocated), abs=1e-4)
+    assert s["running_peak"] == 7
+    assert s["static_batching_tokens"] == max(10 + 5, 20 + 30)
+    assert s["static_over_paged_peak"] == round(50 / 2512, 3)
+    series = rep["series"]
+    assert len(series["t_s"]) <= 1000 and series["t_s"][0] == 0 and series["live_tokens"][0] == 0
+    assert all(len(v) == len(series["t_s"]) for v in series.values())
+    assert series["t_s"] == sorted(series["t_s"]) and series["t_s"][-1] > 2.0
+    assert bench.kv_usage_report([], 0.0, [], [], 1) == {}
+
+
+def test_plot_kv_usage_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from nanovllm.engine.block_manager import KVUsage
+
+    samples = [(i / 10, KVUsage(16, 64, i // 4 + 1, 4 * i, 3)) for i in range(40)]
+    res = {"model": "tiny", "kv_usage": bench.kv_usage_report(samples, 0.0, [[0] * 30] * 3, [20] * 3, 3)}
+    (tmp_path / "bench.json").write_text(json.dumps(res))
+    out = tmp_path / "kv.png"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "plot_kv_usage.py"),
+                           str(tmp_path / "bench.json"), str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+    from benchmarks.plot_kv_usage import plot_kv_usage
+
+    with pytest.raises(ValueError, match="kv_usage"):
+        plot_kv_usage({"model": "old"}, str(tmp_path / "x.png"))

@@ -36,6 +36,7 @@ def check_invariants(bm: BlockManager, live: list[Sequence]) -> None:
         for b in s.block_table:
             refs[b] += 1
     assert [b.ref_count for b in bm.blocks] == refs
+    assert bm.num_shared_refs == sum(max(r - 1, 0) for r in refs)
     assert set(bm.free_blocks) == {i for i, r in enumerate(refs) if r == 0}
     used = sum(1 for r in refs if r)
     assert bm.num_free_blocks + used == bm.num_blocks

@@ -504,6 +504,7 @@ class ShadowRun:
         for s in sched.waiting:
             assert s.status == SequenceStatus.WAITING and s.block_table == [] and s.num_cached_tokens == 0
         assert [b.ref_count for b in bm.blocks] == refs, "ref counts disagree with the block tables"
+        assert bm.num_shared_refs == sum(max(r - 1, 0) for r in refs), "shared-reference count drifted"
         free = {i for i, r in enumerate(refs) if r == 0}
         assert set(bm.free_blocks) == free and len(bm.free_blocks) == len(free)
         assert bm.num_free_blocks + (bm.num_blocks - len(free)) == bm.num_blocks

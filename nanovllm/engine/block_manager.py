@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import xxhash
 
@@ -45,6 +46,32 @@ class Block:
         self.token_ids = ()
 
 
+@dataclass(frozen=True)
+class KVUsage:
+    """The KV cache at one moment (BlockManager.usage, LLMEngine.kv_usage), in tokens.
+
+    used_blocks: blocks held (ref count > 0): by the running sequences, and free blocks held
+    for the forks of n > 1 requests. live_tokens: K/V entries the running sequences hold that
+    launched steps have computed or are computing, a block shared by several of them (prefix
+    hits, forks) counted once. The rest of the allocated slots (fragmentation_tokens) are the
+    unfilled tails of each sequence's last block, the prompt blocks allocated ahead of a
+    chunked prefill, and the fork reserve."""
+
+    block_size: int
+    num_blocks: int
+    used_blocks: int
+    live_tokens: int
+    running_seqs: int
+
+    @property
+    def allocated_tokens(self) -> int:
+        return self.used_blocks * self.block_size
+
+    @property
+    def fragmentation_tokens(self) -> int:
+        return self.allocated_tokens - self.live_tokens
+
+
 class BlockManager:
     """Hands out KV blocks to sequences and shares full prefix blocks between them.
 
@@ -72,6 +99,9 @@ class BlockManager:
         self._next_prefix_id = _ROOT_PREFIX + 1
         self.num_prefix_hit_tokens = 0   # statistics
         self.num_prefix_query_tokens = 0
+        # References to blocks beyond the first holder's: sum of max(ref_count - 1, 0), kept
+        # as ref counts change (usage() counts a shared block's tokens once from it).
+        self.num_shared_refs = 0
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -80,6 +110,15 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
+
+    def usage(self, running) -> KVUsage:
+        """The cache's use now, given the running sequences (Scheduler.running): block counts
+        in O(1), one pass over `running` for their computed tokens. Every shared block is a
+        full, computed block of each holder (a prefix hit or a fork's prompt), so its extra
+        references take block_size tokens each off the sum."""
+        computed = sum(s.num_cached_tokens for s in running)
+        return KVUsage(self.block_size, self.num_blocks, self.num_blocks - len(self.free_blocks),
+                       computed - self.num_shared_refs * self.block_size, len(running))
 
     def _hash_of(self, seq: Sequence, i: int) -> int:
         """Chain hash of the sequence's i-th full block (memoised on the sequence)."""
@@ -152,6 +191,8 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self.free_blocks[block_id]
+            else:
+                self.num_shared_refs += 1
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
         seq.reserved_blocks = [self._take_free() for _ in range(self.fork_reserve(seq))]
@@ -172,6 +213,7 @@ class BlockManager:
         shared = parent.block_table[:full]
         for block_id in shared:
             self.blocks[block_id].ref_count += 1
+        self.num_shared_refs += len(shared)  # held by parent already
         child.block_table = list(shared)
         if len(parent.block_table) == full:
             return None
@@ -206,7 +248,9 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
-            if block.ref_count == 0:
+            if block.ref_count:
+                self.num_shared_refs -= 1
+            else:
                 if block.hash == -1 or self.hash_to_block.get(block.hash) != block_id:
                     block.forget()
                 self.free_blocks[block_id] = None

@@ -50,12 +50,42 @@ class StepTiming:
 
     num_tokens / is_prefill describe the step resolved (0 tokens: the first step only launched);
     wait_s is how long the host waited for that step's tokens; ended_at is time.perf_counter()
-    when the step returned."""
+    when the step returned. The step's shape, as it was launched (StepShape; zeros for the
+    launch-only first step): num_seqs sequences computed tokens, attending over
+    context_tokens K/V entries in all (cached + new, summed over them), in attention_pairs
+    (query, key) pairs under the causal mask (= context_tokens for a decode step)."""
 
     is_prefill: bool
     num_tokens: int
     wait_s: float
     ended_at: float
+    num_seqs: int = 0
+    context_tokens: int = 0
+    attention_pairs: int = 0
+
+
+class StepShape(NamedTuple):
+    """What a step computes, for roofline estimates (StepTiming's fields of the same names)."""
+
+    num_seqs: int
+    context_tokens: int
+    attention_pairs: int
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> "StepShape":
+        """The shape of a batch about to launch (each sequence's num_cached_tokens not yet
+        advanced). One pass over the batch: ~5 us for 256 decode rows, so the engine computes
+        it only while someone observes its steps."""
+        seqs = batch.seqs
+        if not batch.is_prefill:  # one new token each, attending over its cached tokens and itself
+            context = sum(s.num_cached_tokens for s in seqs) + len(seqs)
+            return cls(len(seqs), context, context)
+        context = pairs = 0
+        for s, n in zip(seqs, batch.num_new_tokens):
+            c = s.num_cached_tokens
+            context += c + n
+            pairs += n * c + n * (n + 1) // 2  # new token j sees the c cached ones and j + 1 new ones
+        return cls(len(seqs), context, pairs)
 
 
 def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
@@ -96,6 +126,7 @@ class InFlightStep:
 
     batch: ScheduledBatch
     tokens: object  # PendingTokens (engine/sampling.py)
+    shape: StepShape | None = None  # computed at launch while the engine's steps are observed
 
     def resolve(self, requests: "RequestLifecycle") -> tuple[list[StepOutput], float]:
         """Wait for the tokens and account for them; (outputs, seconds waited)."""

@@ -11,9 +11,9 @@ import time
 from typing import Callable
 
 from nanovllm.config import Config, read_json
-from nanovllm.engine.block_manager import BlockManager
+from nanovllm.engine.block_manager import BlockManager, KVUsage
 from nanovllm.engine.interrupts import deferred_interrupts
-from nanovllm.engine.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepTiming
+from nanovllm.engine.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams, derive_sample_seed, is_integer
@@ -106,6 +106,11 @@ class LLMEngine:
     def get_tokenizer(self):
         """The tokenizer (None with skip_tokenizer_init=True)."""
         return self.tokenizer
+
+    def kv_usage(self) -> KVUsage:
+        """The KV cache's use now: blocks held, the running requests' live tokens, how many run
+        (BlockManager.usage). Cheap enough to sample after every step (bench.py does)."""
+        return self.block_manager.usage(self.scheduler.running)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix; False (and nothing forgotten) while requests run."""
@@ -258,11 +263,12 @@ class LLMEngine:
                 # row was computed for nothing, one row once per request).
                 self.requests.launched(batch)
                 self._in_flight = launched
-            return self._step_result(done.batch if done is not None else batch, done is not None, outputs, waited)
+            return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
 
     def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
         try:
-            return InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids))
+            shape = StepShape.of(batch) if self.step_observers else None  # before the launch advances it
+            return InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids), shape)
         except BaseException:
             # Part of step n+1 may be queued already, overwriting step n's tokens on the device
             # that a later step would read: neither can be trusted.
@@ -283,11 +289,15 @@ class LLMEngine:
             if step is not None:
                 step.abort(self.requests)
 
-    def _step_result(self, batch: ScheduledBatch, resolved: bool, outputs: list[StepOutput],
+    def _step_result(self, step: InFlightStep, resolved: bool, outputs: list[StepOutput],
                      waited: float) -> StepResult:
+        """`step`: the step resolved, or (resolved False) the first one, which only launched."""
+        batch = step.batch
         num_tokens = batch.num_tokens if resolved else 0
         if self.step_observers:
-            timing = StepTiming(batch.is_prefill, num_tokens, waited, time.perf_counter())
+            # A step launched before the first observer came has no shape: zeros, as unresolved.
+            shape = step.shape if resolved and step.shape is not None else (0, 0, 0)
+            timing = StepTiming(batch.is_prefill, num_tokens, waited, time.perf_counter(), *shape)
             for observer in self.step_observers:
                 observer(timing)
         return StepResult(outputs, num_tokens, batch.is_prefill)

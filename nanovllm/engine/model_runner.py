@@ -105,6 +105,7 @@ class ModelRunner:
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
+                layer.fuse_kv_store = config.fuse_kv_store
         if config.load_format == "dummy":
             init_dummy(model, config.seed)
             if config.quant is not None:

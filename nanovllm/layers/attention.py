@@ -314,6 +314,10 @@ class Attention(nn.Module):
     hold their addresses) quantize and dequantize them. With `calibrate_next_prefill` set,
     the next prefill first calibrates the scales from its own K/V (`calibrate_kv_scales`),
     then clears the flag.
+
+    `fuse_kv_store` (set by the ModelRunner from Config.fuse_kv_store): the caller may store
+    this step's K/V itself while producing them (the decoder's q/k-norm + RoPE kernel, given
+    `fused_store_args`) and then pass kv_stored=True, so that the layer skips its own store.
     """
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
@@ -328,6 +332,19 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibrate_next_prefill = False
+        self.fuse_kv_store = False
+
+    def fused_store_args(self, meta: AttentionMetadata) -> dict:
+        """Keyword arguments that make `qk_norm_rope` (kernels/fused_ops.py) store this step's
+        K/V into the layer's cache (then call forward with kv_stored=True), or {} when the layer
+        must store them itself: fusion off, no cache yet (the start-up forwards), or a prefill
+        that first calibrates the FP8 scales from its K/V."""
+        if not self.fuse_kv_store or not self.k_cache.numel() or (self.calibrate_next_prefill and meta.is_prefill):
+            return {}
+        args = dict(k_cache=self.k_cache, v_cache=self.v_cache, slot_mapping=meta.slot_mapping)
+        if self.k_cache.dtype == torch.float8_e4m3fn:
+            args.update(k_scale=self.k_scale, v_scale=self.v_scale)
+        return args
 
     @torch.no_grad()
     def calibrate_kv_scales(self, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -338,11 +355,13 @@ class Attention(nn.Module):
             s = x.abs().amax().float().reshape(1) / headroom
             buf.copy_(torch.where(torch.isfinite(s) & (s > 0), s, 1.0))
 
-    def forward(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
+        """Attention output [tokens, num_heads, head_dim]; kv_stored: the caller already wrote
+        k and v into the cache (with fused_store_args)."""
         if self.calibrate_next_prefill and meta.is_prefill and k.numel():
             self.calibrate_kv_scales(k, v)
             self.calibrate_next_prefill = False
         scales = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (None, None)
-        if self.k_cache.numel():
+        if self.k_cache.numel() and not kv_stored:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, *scales)
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, *scales)

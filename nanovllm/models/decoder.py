@@ -194,17 +194,24 @@ class DecoderAttention(nn.Module):
             self.q_norm = self.k_norm = None
         # The fused kernel handles power-of-two head sizes (all the supported checkpoints').
         self.fused_rope = self.head_dim & (self.head_dim - 1) == 0
+        # Whether it runs: None = on CUDA tensors (tests set True to run it through Triton's
+        # interpreter on a CPU).
+        self.use_kernels: bool | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        if qkv.is_cuda and self.fused_rope:
+        store = {}
+        if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
             from nanovllm.kernels.fused_ops import qk_norm_rope
 
-            # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones.
+            # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
+            # writes k and v into the paged cache when the attention layer lets it (one launch
+            # per layer less, and k is not read back from memory for the store).
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
                 else (None, None, 0.0)
+            store = self.attn.fused_store_args(meta)
             q, k, v = qk_norm_rope(qkv, norms[0], norms[1], self.rotary_emb.cos_sin, positions,
-                                   self.num_heads, self.num_kv_heads, self.head_dim, norms[2])
+                                   self.num_heads, self.num_kv_heads, self.head_dim, norms[2], **store)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -213,7 +220,7 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta).reshape(-1, self.q_size))
+        return self.o_proj(self.attn(q, k, v, meta, kv_stored=bool(store)).reshape(-1, self.q_size))
 
 
 class DenseMLP(nn.Module):
