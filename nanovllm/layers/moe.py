@@ -6,6 +6,8 @@ Tensor parallelism splits every expert's intermediate dimension I, like the dens
 holds rows [r * I/tp, (r + 1) * I/tp) of gate and of up, and the same columns of down, so its
 output is a partial sum that the next RMSNorm all-reduces (reduce_results=False). The router is
 replicated: every rank routes the same (all-reduced) hidden states to the same experts.
+Block-FP8 experts (Qwen3-*-FP8 checkpoints, or `quantization="fp8"`) keep the same layout in
+float8_e4m3fn plus stacked 128x128 block scales: layers/quantization/fp8_moe.py.
 """
 
 from __future__ import annotations
