@@ -16,7 +16,8 @@ from torch import nn
 # in some versions, saved) form stacks all experts of a projection in one 3-D tensor. FP8
 # checkpoints add a block-scale tensor beside each weight (`weight_scale_inv`; fused:
 # `<part>_scale_inv`), which loads into the stacked parameter's `_scale_inv` sibling.
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>weight(?:_scale_inv)?)$")
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)"
+                            r"\.(?P<kind>weight(?:_scale_inv)?)$")
 _FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
 _SCALE = "_scale_inv"
 

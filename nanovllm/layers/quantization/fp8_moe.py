@@ -141,8 +141,8 @@ def _check_shard(experts, name: str) -> None:
     if n % BLOCK:
         where = f"each rank holds {n} of its rows (tensor_parallel_size={experts.tp_size})" if experts.tp_size > 1 \
             else f"its {n} gate rows are packed with its up rows"
-        raise ValueError(f"{name}: FP8 experts are stored in {BLOCK}x{BLOCK} blocks, but "
-                         f"moe_intermediate_size = {experts.intermediate_size}: {where}, which cuts a {BLOCK}-row block")
+        raise ValueError(f"{name}: FP8 experts are stored in {BLOCK}x{BLOCK} blocks, but moe_intermediate_size = "
+                         f"{experts.intermediate_size}: {where}, which cuts a {BLOCK}-row block")
 
 
 def _replace(experts, name: str, tensor: torch.Tensor, block: bool = False) -> None:
