@@ -1,9 +1,12 @@
 """Tiny FP8 checkpoints for tests: a 16-bit tiny checkpoint re-saved in Qwen's block-FP8 format.
 
-Every linear weight of the decoder layers (q/k/v/o, gate/up/down; experts too) becomes
-float8_e4m3fn in 128x128 blocks with a `weight_scale_inv` tensor, exactly as Qwen/Qwen3-8B-FP8
-stores them; embeddings, norms and the LM head stay as they were; config.json gains the
-quantization_config. Optionally the KV-cache scales vLLM's checkpoints carry are added.
+Every linear weight of the decoder layers (q/k/v/o, gate/up/down; Qwen3-MoE's experts too, one
+`mlp.experts.<e>.<proj>.weight` + `.weight_scale_inv` pair per expert and projection) becomes
+float8_e4m3fn in 128x128 blocks with a `weight_scale_inv` tensor, exactly as Qwen/Qwen3-8B-FP8 and
+Qwen/Qwen3-30B-A3B-FP8 store them; embeddings, norms, the LM head and the MoE routers
+(`mlp.gate`) stay as they were; config.json gains the quantization_config. Optionally the
+checkpoint lists modules it leaves in 16 bits (`modules_to_not_convert`, as Qwen's 2507 FP8 MoE
+checkpoints do: see qwen_moe_not_convert), and the KV-cache scales vLLM's checkpoints carry are added.
 """
 
 from __future__ import annotations
@@ -23,18 +26,31 @@ QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "d
 _LINEAR = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.weight$")
 
 
+def qwen_moe_not_convert(num_layers: int) -> list[str]:
+    """modules_to_not_convert as Qwen's FP8 Qwen3-MoE checkpoints (e.g. Qwen3-30B-A3B-*-2507-FP8)
+    write it: the LM head, and per layer the two norms and the router."""
+    names = ["lm_head"]
+    for i in range(num_layers):
+        names += [f"model.layers.{i}.input_layernorm", f"model.layers.{i}.mlp.gate",
+                  f"model.layers.{i}.post_attention_layernorm"]
+    return names
+
+
 def quantize_checkpoint_fp8(src: str, dst: str, scale_dtype=torch.bfloat16, kv_scales: dict | None = None,
-                            quantization_config: dict | None = None) -> str:
+                            quantization_config: dict | None = None, not_convert: list[str] | None = None) -> str:
     """Copy the checkpoint folder `src` to `dst` with its linear weights in block FP8.
 
     kv_scales: {layer index: (k_scale, v_scale)} written as model.layers.<i>.self_attn.{k,v}_scale.
+    not_convert: module names (whole dotted parts) left in 16 bits and written to the config's
+    modules_to_not_convert.
     """
     shutil.copytree(src, dst, dirs_exist_ok=True)
     file = os.path.join(dst, "model.safetensors")
     tensors = load_file(file)
+    skip = [f".{m}." for m in not_convert or ()]
     out = {}
     for name, t in tensors.items():
-        if _LINEAR.search(name) and t.dim() == 2:
+        if _LINEAR.search(name) and t.dim() == 2 and not any(m in f".{name}" for m in skip):
             w_q, scale_inv = quantize_weight_block_fp8(t.float(), scale_dtype=scale_dtype)
             out[name] = w_q
             out[name[:-len("weight")] + "weight_scale_inv"] = scale_inv
@@ -48,6 +64,8 @@ def quantize_checkpoint_fp8(src: str, dst: str, scale_dtype=torch.bfloat16, kv_s
     with open(cfg_file) as f:
         cfg = json.load(f)
     cfg["quantization_config"] = dict(quantization_config or QWEN_FP8_CONFIG)
+    if not_convert is not None:
+        cfg["quantization_config"]["modules_to_not_convert"] = list(not_convert)
     with open(cfg_file, "w") as f:
         json.dump(cfg, f, indent=2)
     return dst

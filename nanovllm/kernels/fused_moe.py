@@ -37,12 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
-QUANT_BLOCK = 128  # FP8 block size: weight scales per 128x128 block, activation scales per 128 columns
-# A group whose amax is below this gets the scale of this amax, so an all-zero group does not
-# divide by zero (its values quantize to 0 all the same).
-FP8_MIN_AMAX = 1e-10
+# QUANT_BLOCK: weight scales per 128x128 block, activation scales per 128 columns. FP8_MIN_AMAX:
+# a group whose amax is below it gets the scale of this amax. Shared with the plain-torch twin
+# of the FP8 path (layers/quantization/fp8_moe.py), so the two cannot drift apart.
+from nanovllm.kernels.fp8_format import BLOCK as QUANT_BLOCK
+from nanovllm.kernels.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
+
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_EXPERTS = 1024  # the alignment kernels hold a [chunk, next_pow2(E)] one-hot tile in registers
 

@@ -6,6 +6,8 @@ Tensor parallelism splits every expert's intermediate dimension I, like the dens
 holds rows [r * I/tp, (r + 1) * I/tp) of gate and of up, and the same columns of down, so its
 output is a partial sum that the next RMSNorm all-reduces (reduce_results=False). The router is
 replicated: every rank routes the same (all-reduced) hidden states to the same experts.
+Block-FP8 experts (Qwen3-*-FP8 checkpoints, or `quantization="fp8"`) keep the same layout in
+float8_e4m3fn plus stacked 128x128 block scales: layers/quantization/fp8_moe.py.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanovllm.layers.activation import SiluAndMul
+from nanovllm.kernels.fp8_format import FP8_DTYPE
 from nanovllm.layers.linear import ReplicatedLinear
+from nanovllm.layers.quantization.fp8_moe import moe_fp8_torch
 from nanovllm.distributed.group import current_tp_group, divide
 
 
@@ -126,13 +130,18 @@ def _fused_moe_kernel():
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The experts' weighted sum (see moe_torch): the one place that picks the implementation,
-    the fused Triton kernel on CUDA when it is available, else plain torch."""
+    the fused Triton kernel on CUDA when it is available, else plain torch. Block-FP8 experts
+    (float8_e4m3fn w13 / w2 with their block scales, layers/quantization/fp8_moe.py) take the
+    kernel's FP8 variant, or its arithmetic in torch (moe_fp8_torch)."""
     if hidden.is_cuda:
         kernel = _fused_moe_kernel()
         if kernel is not None:
-            return kernel(hidden, w13, w2, topk_weights, topk_ids)
+            return kernel(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    if w13.dtype == FP8_DTYPE:
+        return moe_fp8_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return moe_torch(hidden, w13, w2, topk_weights, topk_ids)
 
 
@@ -143,6 +152,10 @@ class MoeExperts(nn.Module):
     Weight loading (shard ids, see nanovllm/utils/loader.py): (e, 0) / (e, 1) take expert e's
     gate_proj / up_proj [I, H] into w13, (e, 0) its down_proj [H, I] into w2, and "fused" the
     stacked 3-D form transformers keeps in memory ([E, 2I, H] gate_up_proj, [E, H, I] down_proj).
+    With block-FP8 experts (`quant`, set before loading: layers/quantization/fp8_moe.py) w13 / w2
+    are float8_e4m3fn and `w13_scale_inv` / `w2_scale_inv` hold their 128x128 block scales,
+    stacked and sharded the same way from each projection's `weight_scale_inv` (counted in
+    blocks); without FP8 they are None.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
@@ -157,6 +170,9 @@ class MoeExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, shard), requires_grad=False)
         self.w13.weight_loader = self.weight_loader
         self.w2.weight_loader = self.weight_loader
+        self.register_parameter("w13_scale_inv", None)
+        self.register_parameter("w2_scale_inv", None)
+        self.quant = None  # an FP8 experts method (layers/quantization/fp8_moe.py), set before loading
 
     def _expert_index(self, shard_id, name: str) -> int:
         e = shard_id[0]
@@ -165,36 +181,43 @@ class MoeExperts(nn.Module):
         return e
 
     @staticmethod
-    def _check(loaded: torch.Tensor, expected: tuple, name: str) -> None:
+    def _check(param: torch.Tensor, loaded: torch.Tensor, expected: tuple, name: str) -> None:
         if tuple(loaded.shape) != expected:
             raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+        if (param.dtype == FP8_DTYPE) != (loaded.dtype == FP8_DTYPE):
+            # A cast between FP8 codes and real values would load garbage without a word.
+            raise ValueError(f"{name}: checkpoint tensor is {loaded.dtype}, expected {param.dtype} "
+                             f"(config.json's quantization_config and the tensors disagree)")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id=None) -> None:
-        E, H, I = self.num_experts, self.hidden_size, self.intermediate_size
+        # Block-scale parameters count rows and columns in 128-blocks (this rank's share of I is
+        # whole blocks: checked when the FP8 parameters were made).
+        unit = getattr(param, "block", None) or 1
+        E, H, I = self.num_experts, -(-self.hidden_size // unit), -(-self.intermediate_size // unit)
         n = I // self.tp_size
         cols = slice(self.tp_rank * n, (self.tp_rank + 1) * n)  # this rank's slice of I
-        if param is self.w13:
+        if param is self.w13 or param is self.w13_scale_inv:
             if shard_id == "fused":
-                self._check(loaded, (E, 2 * I, H), name)
+                self._check(param, loaded, (E, 2 * I, H), name)
                 param.data[:, :n].copy_(loaded[:, :I][:, cols])
                 param.data[:, n:].copy_(loaded[:, I:][:, cols])
             else:
                 e = self._expert_index(shard_id, name)
-                self._check(loaded, (I, H), name)
+                self._check(param, loaded, (I, H), name)
                 param.data[e, shard_id[1] * n:(shard_id[1] + 1) * n].copy_(loaded[cols])
-        elif param is self.w2:
+        elif param is self.w2 or param is self.w2_scale_inv:
             if shard_id == "fused":
-                self._check(loaded, (E, H, I), name)
+                self._check(param, loaded, (E, H, I), name)
                 param.data.copy_(loaded[:, :, cols])
             else:
                 e = self._expert_index(shard_id, name)
-                self._check(loaded, (H, I), name)
+                self._check(param, loaded, (H, I), name)
                 param.data[e].copy_(loaded[:, cols])
         else:
             raise ValueError(f"{name}: not a parameter of this experts module")
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
+        return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale_inv, self.w2_scale_inv)
 
 
 class SparseMoeBlock(nn.Module):

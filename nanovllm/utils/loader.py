@@ -13,41 +13,50 @@ from torch import nn
 
 
 # MoE experts: the Hub stores one tensor per expert and projection, transformers' in-memory (and,
-# in some versions, saved) form stacks all experts of a projection in one 3-D tensor.
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
-_FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+)$")
+# in some versions, saved) form stacks all experts of a projection in one 3-D tensor. FP8
+# checkpoints add a block-scale tensor beside each weight (`weight_scale_inv`; fused:
+# `<part>_scale_inv`), which loads into the stacked parameter's `_scale_inv` sibling.
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)"
+                            r"\.(?P<kind>weight(?:_scale_inv)?)$")
+_FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
+_SCALE = "_scale_inv"
 
 
 def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
     """(parameter name, parameter, shard id) of an expert tensor, or None for other tensors.
 
     `experts` maps a per-expert part to (parameter part, shard): "<p>.experts.<e>.gate_proj.weight"
-    -> "<p>.experts.w13" with shard (e, 0). `fused` maps a stacked part to a parameter part:
-    "<p>.experts.gate_up_proj" -> "<p>.experts.w13" with shard "fused".
+    -> "<p>.experts.w13" with shard (e, 0) (and ".weight_scale_inv" -> "<p>.experts.w13_scale_inv").
+    `fused` maps a stacked part to a parameter part: "<p>.experts.gate_up_proj" -> "<p>.experts.w13"
+    with shard "fused" (and "gate_up_proj_scale_inv" -> "w13_scale_inv").
     """
     m = _EXPERT_TENSOR.match(name)
     if m and m["part"] in experts:
         part, shard = experts[m["part"]]
-        pname = f"{m['prefix']}.{part}"
+        pname = f"{m['prefix']}.{part}" + (_SCALE if m["kind"] != "weight" else "")
         if pname in params:
             return pname, params[pname], (int(m["expert"]), shard)
     m = _FUSED_EXPERT_TENSOR.match(name)
     if m and m["part"] in fused:
-        pname = f"{m['prefix']}.{fused[m['part']]}"
+        pname = f"{m['prefix']}.{fused[m['part']]}" + (m["kind"] or "")
         if pname in params:
             return pname, params[pname], "fused"
     return None
 
 
 def _expert_names(pname: str, param, experts: dict) -> set[str] | None:
-    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13"), else None."""
+    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13", or its
+    block scales "<p>.experts.w13_scale_inv"), else None."""
     prefix, _, part = pname.rpartition(".")
     if not prefix.endswith(".experts"):
         return None
+    kind = "weight"
+    if part.endswith(_SCALE):
+        part, kind = part[:-len(_SCALE)], "weight" + _SCALE
     parts = [ckpt for ckpt, (ours, _) in experts.items() if ours == part]
     if not parts:
         return None
-    return {f"{prefix}.{e}.{ckpt}.weight" for e in range(param.shape[0]) for ckpt in parts}
+    return {f"{prefix}.{e}.{ckpt}.{kind}" for e in range(param.shape[0]) for ckpt in parts}
 
 
 def _resolve(params: dict, mapping: dict, name: str):

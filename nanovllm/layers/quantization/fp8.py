@@ -13,7 +13,9 @@ quantized when they load (`LLM(quantization="fp8")`).
   and the scheme vLLM's online FP8 uses. Its cost: a batch shares one activation scale, so an
   outlier token coarsens the others' rounding, and results depend (slightly) on the batch.
 
-Embeddings, norms and the LM head stay in 16 bits. The arithmetic: fp8_ops.py.
+MoE experts (Qwen3-MoE) are FP8 in 128x128 blocks under both schemes (from the checkpoint, or
+quantized at load time): the fused-MoE kernel's format (fp8_moe.py). Embeddings, norms, the LM
+head and the MoE routers stay in 16 bits. The arithmetic: fp8_ops.py, fp8_moe.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.layers.quantization.fp8_moe import CheckpointFp8Experts, OnlineFp8Experts
 from nanovllm.layers.quantization.fp8_ops import (BLOCK, FP8_DTYPE, fp8_block_linear, fp8_tensor_linear,
                                                   quantize_weight_block_fp8, quantize_weight_per_tensor_fp8)
 
@@ -63,26 +66,37 @@ class Fp8Config:
 
     def check_model(self, hf_config, tp: int) -> None:
         """A ValueError, before any weight loads, when a tensor-parallel shard or a packed part
-        (q / k of qkv, gate of gate_up) would not be whole 128-blocks of the checkpoint's scales."""
-        if self.scheme != "block":
-            return
+        (q / k of qkv, gate of gate_up) would not be whole 128-blocks of the checkpoint's scales,
+        or (either scheme: FP8 experts are always in 128x128 blocks) when a rank's share of the
+        MoE intermediate size would not be."""
         c = hf_config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        dims = {"num_attention_heads x head_dim": c.num_attention_heads * head_dim,
-                "num_key_value_heads x head_dim": c.num_key_value_heads * head_dim,
-                "intermediate_size": getattr(c, "intermediate_size", None),
-                "moe_intermediate_size": getattr(c, "moe_intermediate_size", None)}
+        dims = {}
+        if getattr(c, "num_experts", 0):
+            dims["moe_intermediate_size"] = getattr(c, "moe_intermediate_size", None)
+        if self.scheme == "block":
+            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            dims.update({"num_attention_heads x head_dim": c.num_attention_heads * head_dim,
+                         "num_key_value_heads x head_dim": c.num_key_value_heads * head_dim,
+                         "intermediate_size": getattr(c, "intermediate_size", None)})
         for what, n in dims.items():
             if n is not None and n % (BLOCK * tp):
                 where = f"{n // tp} rows per rank at tensor_parallel_size={tp}" if tp > 1 else f"{n} rows packed with others"
-                raise ValueError(f"FP8 block checkpoint: {what} = {n} gives {where}, which cuts a {BLOCK}-row "
-                                 f"block of the weight scales")
+                raise ValueError(f"FP8 {'block checkpoint' if self.scheme == 'block' else 'weights'}: {what} = {n} "
+                                 f"gives {where}, which cuts a {BLOCK}-row block of the weight scales")
 
     def quantizes(self, module_name: str) -> bool:
-        return not any(name and name in module_name for name in self.ignored)
+        """Whether the module is FP8: not named in `ignored`, where an entry names a module or a
+        parent of it by whole dotted parts ("model.layers.1.mlp.gate" is the router, not also
+        "model.layers.1.mlp.gate_up_proj")."""
+        dotted = f".{module_name}."
+        return not any(name and f".{name}." in dotted for name in self.ignored)
 
     def method(self):
         return BlockFp8Linear() if self.scheme == "block" else TensorFp8Linear()
+
+    def experts_method(self):
+        """How MoE experts are stored: both schemes use 128x128 blocks (fp8_moe.py)."""
+        return CheckpointFp8Experts() if self.scheme == "block" else OnlineFp8Experts()
 
 
 class BlockFp8Linear:
@@ -143,39 +157,50 @@ class TensorFp8Linear:
         return fp8_tensor_linear(x, layer.weight, layer.weight_scale, bias)
 
 
-def prepare_fp8_linears(model: nn.Module, config: Fp8Config) -> int:
-    """Give every linear layer `config` covers its FP8 method (and, for checkpoints, its FP8
-    parameters); before the weights load. Returns how many layers are quantized."""
+def _fp8_modules(model: nn.Module):
+    """The modules a scheme can make FP8: linear layers and MoE experts, with their names; the
+    routers of the MoE layers excepted (they stay 16-bit, as in vLLM's Qwen3-MoE; Qwen's FP8
+    MoE checkpoints store them in bf16, and list them in modules_to_not_convert)."""
     from nanovllm.layers.linear import LinearBase
+    from nanovllm.layers.moe import MoeExperts, SparseMoeBlock
+
+    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
+    for name, module in model.named_modules():
+        if isinstance(module, MoeExperts) or (isinstance(module, LinearBase) and id(module) not in routers):
+            yield name, module
+
+
+def prepare_fp8_linears(model: nn.Module, config: Fp8Config) -> int:
+    """Give every linear layer and MoE experts module `config` covers its FP8 method (and, for
+    checkpoints, its FP8 parameters); before the weights load. Returns how many are quantized."""
+    from nanovllm.layers.moe import MoeExperts
 
     count = 0
-    for name, module in model.named_modules():
-        if isinstance(module, LinearBase) and config.quantizes(name):
-            module.quant = config.method()
+    for name, module in _fp8_modules(model):
+        if config.quantizes(name):
+            module.quant = config.experts_method() if isinstance(module, MoeExperts) else config.method()
             module.quant.create(module, name)
             count += 1
-    logger.info("FP8 (%s scheme) for %d linear layers", config.scheme, count)
+    logger.info("FP8 (%s scheme) for %d linear layers and experts modules", config.scheme, count)
     return count
 
 
 @torch.no_grad()
 def init_dummy_fp8_linears(model: nn.Module, seed: int) -> None:
-    """Random FP8 weights for the layers whose checkpoint parameters are FP8 (load_format="dummy")."""
-    from nanovllm.layers.linear import LinearBase
-
+    """Random FP8 weights for the layers and experts whose checkpoint parameters are FP8
+    (load_format="dummy")."""
     gen = None
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.quant is not None:
+    for _, module in _fp8_modules(model):
+        if module.quant is not None:
             if gen is None:
-                gen = torch.Generator(device=module.weight.device).manual_seed(seed + 1)
+                device = next(module.parameters()).device
+                gen = torch.Generator(device=device).manual_seed(seed + 1)
             module.quant.init_dummy(module, gen)
 
 
 @torch.no_grad()
 def finish_fp8_linears(model: nn.Module) -> None:
     """After the weights loaded: quantize what the scheme quantizes at load time."""
-    from nanovllm.layers.linear import LinearBase
-
-    for module in model.modules():
-        if isinstance(module, LinearBase) and module.quant is not None:
+    for _, module in _fp8_modules(model):
+        if module.quant is not None:
             module.quant.after_loading(module)

@@ -119,37 +119,40 @@ def quantize_per_tensor_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 def quantize_weight_block_fp8(w: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),
                               scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Qwen's block-FP8 checkpoint format of a weight w [N, K] (fp16/bf16/fp32).
+    """Qwen's block-FP8 checkpoint format of a weight w [N, K], or of stacked expert weights
+    [E, N, K] (each expert's matrix blocked on its own), fp16/bf16/fp32.
 
-    Returns w_q [N, K] float8_e4m3fn and scale_inv [ceil(N/bn), ceil(K/bk)] of `scale_dtype`,
-    scale_inv = max(block amax / 448, FP8_MIN_SCALE), partial last blocks included. The codes are
-    computed from the scale as stored: with a bf16/fp16 scale rounded below amax / 448 the block's
-    largest values saturate at 448 (an error of at most that rounding, 2**-9 / 2**-12 relative).
+    Returns w_q (w's shape) float8_e4m3fn and scale_inv [(E,) ceil(N/bn), ceil(K/bk)] of
+    `scale_dtype`, scale_inv = max(block amax / 448, FP8_MIN_SCALE), partial last blocks
+    included. The codes are computed from the scale as stored: with a bf16/fp16 scale rounded
+    below amax / 448 the block's largest values saturate at 448 (an error of at most that
+    rounding, 2**-9 / 2**-12 relative).
     """
     _check_float("w", w)
-    _check_2d("w", w)
+    _check_weight_dims("w", w)
     if scale_dtype not in _FLOAT_DTYPES:
         raise ValueError(f"scale_dtype must be float16, bfloat16 or float32, got {scale_dtype}")
     bn, bk = _check_block(block)
-    n, k = w.shape
+    lead, (n, k) = w.shape[:-2], w.shape[-2:]
     nb, kb = _cdiv(n, bn), _cdiv(k, bk)
-    wp = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(nb, bn, kb, bk)
-    scale = _scale_from_amax(wp.abs().amax(dim=(1, 3))).to(scale_dtype)
-    q = _quantize_with_scale(wp, scale.float()[:, None, :, None]).view(nb * bn, kb * bk)[:n, :k].contiguous()
-    return q, scale
+    wp = F.pad(w.float(), (0, kb * bk - k, 0, nb * bn - n)).view(*lead, nb, bn, kb, bk)
+    scale = _scale_from_amax(wp.abs().amax(dim=(-3, -1))).to(scale_dtype)
+    q = _quantize_with_scale(wp, scale.float()[..., :, None, :, None])
+    return q.view(*lead, nb * bn, kb * bk)[..., :n, :k].contiguous(), scale
 
 
 def dequantize_weight_block_fp8(w_q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (BLOCK, BLOCK),
                                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """W[n, k] = w_q[n, k] * scale_inv[n // bn, k // bk], computed in fp32, returned in `dtype`.
+    """W[(e,) n, k] = w_q[(e,) n, k] * scale_inv[(e,) n // bn, k // bk], computed in fp32,
+    returned in `dtype`; w_q [N, K] or stacked experts [E, N, K].
 
     Blocks are indexed by n // bn, not by sizing them as N / scale rows (which is wrong for a
     partial last block)."""
     bn, bk = _check_block(block)
-    _check_2d("w_q", w_q)
-    n, k = w_q.shape
-    _check_scale_shape("scale_inv", scale_inv, (_cdiv(n, bn), _cdiv(k, bk)))
-    s = scale_inv.float().repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+    _check_weight_dims("w_q", w_q)
+    lead, (n, k) = w_q.shape[:-2], w_q.shape[-2:]
+    _check_scale_shape("scale_inv", scale_inv, (*lead, _cdiv(n, bn), _cdiv(k, bk)))
+    s = scale_inv.float().repeat_interleave(bn, dim=-2)[..., :n, :].repeat_interleave(bk, dim=-1)[..., :k]
     return (w_q.float() * s).to(dtype)
 
 
@@ -161,11 +164,16 @@ def quantize_weight_per_tensor_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch
     return w_q.contiguous(), scale
 
 
-def _check_scale_shape(name: str, s: torch.Tensor, shape: tuple[int, int]) -> None:
+def _check_scale_shape(name: str, s: torch.Tensor, shape: tuple[int, ...]) -> None:
     if s.dtype not in _FLOAT_DTYPES:
         raise ValueError(f"{name} must be float32, bfloat16 or float16, got {s.dtype}")
     if tuple(s.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape} (ceil(N/128), ceil(K/128)), got {tuple(s.shape)}")
+        raise ValueError(f"{name} must have shape {shape} ((E,) ceil(N/128), ceil(K/128)), got {tuple(s.shape)}")
+
+
+def _check_weight_dims(name: str, t: torch.Tensor) -> None:
+    if t.dim() not in (2, 3):
+        raise ValueError(f"{name} must be 2-D [N, K] or 3-D stacked experts [E, N, K], got shape {tuple(t.shape)}")
 
 
 # ----------------------------------------------------------------------------- linear dispatchers
