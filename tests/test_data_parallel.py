@@ -219,3 +219,28 @@ def test_script_without_a_main_guard_gets_an_error_naming_it(model_path, tmp_pat
                           env=env)
     assert proc.returncode != 0
     assert "__main__" in proc.stderr and re.search(r"replica [01] \(pid \d+\)", proc.stderr), proc.stderr[-3000:]
+
+
+def test_bench_dp2_reports_per_replica_throughput(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    import bench
+    path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)  # the workload's ids go up to 10000
+    out = tmp_path / "res.json"
+    proc = subprocess.run([sys.executable, os.path.join(root, "bench.py"), "--model", path, "--dp", "2",
+                           "--num-seqs", "4", "--max-input-len", "110", "--max-output-len", "102",
+                           "--block-size", "16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    _, max_tokens = bench.workload(4, 110, 102)
+    assert res["dp"] == 2 and res["output_tokens"] == sum(max_tokens)
+    reps = res["replicas"]
+    assert [r["replica"] for r in reps] == [0, 1] and sum(r["prompts"] for r in reps) == 4
+    assert sum(r["output_tokens"] for r in reps) == sum(max_tokens)
+    assert all(r["output_tok_s"] > 0 and r["seconds"] > 0 for r in reps)
+    assert 0 <= res["fraction_of_floor"] <= 1
