@@ -244,3 +244,59 @@ def test_bench_dp2_reports_per_replica_throughput(tmp_path):
     assert sum(r["output_tokens"] for r in reps) == sum(max_tokens)
     assert all(r["output_tok_s"] > 0 and r["seconds"] > 0 for r in reps)
     assert 0 <= res["fraction_of_floor"] <= 1
+
+
+ENDS_WITHOUT_SHUTDOWN = """
+import sys, time
+from nanovllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], data_parallel_size=2, kvcache_block_size=16, num_kvcache_blocks=64)
+    llm.generate([[1, 2, 3]] * 3, SamplingParams(max_tokens=4), use_tqdm=False)
+    print("PIDS", *[i["pid"] for i in llm.replica_info], flush=True)
+    if sys.argv[2] == "wait":
+        time.sleep(120)  # killed by the test
+"""
+
+
+def start_script(model_path, tmp_path, mode):
+    import subprocess
+    import sys
+
+    script = tmp_path / "job.py"
+    script.write_text(ENDS_WITHOUT_SHUTDOWN)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.Popen([sys.executable, str(script), model_path, mode], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": root})
+
+
+def read_pids(proc) -> list[int]:
+    for _ in range(50):  # bounded: the script prints a few lines at most
+        line = proc.stdout.readline()
+        if not line:
+            break
+        if line.startswith("PIDS"):
+            return [int(p) for p in line.split()[1:]]
+    raise AssertionError(f"no PIDS line; stderr: {proc.stderr.read()[-3000:]}")
+
+
+def test_script_ending_without_shutdown_stops_its_replicas(model_path, tmp_path):
+    proc = start_script(model_path, tmp_path, "exit")
+    try:
+        with deadline(90, "a script with a DP=2 LLM"):
+            pids = read_pids(proc)
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+    assert len(pids) == 2 and gone(pids)
+
+
+def test_replicas_exit_when_the_front_process_is_killed(model_path, tmp_path):
+    proc = start_script(model_path, tmp_path, "wait")
+    try:
+        with deadline(90, "a script with a DP=2 LLM"):
+            pids = read_pids(proc)
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
+    assert len(pids) == 2 and gone(pids, timeout=15)
