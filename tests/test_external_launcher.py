@@ -66,6 +66,18 @@ def private_network() -> list[str] | None:
     return [unshare, "-n", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh"]
 
 
+def run_torchrun(cmd: list[str], env: dict, attempts: int = 2) -> subprocess.CompletedProcess:
+    """The torchrun job; run once more only when a rank was aborted by gloo while the ranks
+    connected (a C++ exception escaping a gloo thread: "terminate called ...", SIGABRT; seen
+    once in many runs here, an upstream gloo crash in its connection setup, pytorch/pytorch
+    #188266). Any other failure is returned at once."""
+    for _ in range(attempts):
+        job = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+        if job.returncode == 0 or not ("terminate called" in job.stderr and "SIGABRT" in job.stderr):
+            return job
+    return job
+
+
 def test_two_torchrun_ranks_match_tp2(model_path, tmp_path):
     prefix = private_network()
     if prefix is None:
@@ -77,7 +89,7 @@ def test_two_torchrun_ranks_match_tp2(model_path, tmp_path):
                     "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
                     str(script), model_path, str(out), os.path.dirname(os.path.abspath(__file__))]
     env = {**os.environ, "PYTHONPATH": ROOT, "GLOO_SOCKET_IFNAME": "lo"}
-    job = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    job = run_torchrun(cmd, env)
     assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-5000:]
     ranks = [json.loads((tmp_path / f"ranks.{r}.json").read_text()) for r in range(2)]
     assert ranks[0]["score"] is not None and ranks[1]["score"] is None  # the scores live on rank 0

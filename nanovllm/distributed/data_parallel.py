@@ -66,6 +66,7 @@ class KVCapacity:
     block_size: int
 
     def blocks_for(self, num_tokens: int) -> int:
+        """KV blocks that hold `num_tokens` tokens."""
         return -(-num_tokens // self.block_size)
 
 
@@ -143,7 +144,7 @@ class DataParallelFront:
             self.launcher = self._make_launcher(backend, config, engine_kwargs)
             self.replica_info = self._wait_ready()
         except BaseException:
-            self.shutdown()
+            self._close(abandon=True)
             raise
         self.block_manager = KVCapacity(min(i["num_blocks"] for i in self.replica_info), config.kvcache_block_size)
 
@@ -206,7 +207,7 @@ class DataParallelFront:
                 self._handle(self.launcher.next_event(POLL_S), call, bar, stats)
         except BaseException as e:
             unfinished = [i for i, o in enumerate(call.outputs) if o is None]
-            self.shutdown()  # the survivors are mid-job: nothing can be trusted to line up again
+            self._close(abandon=True)  # the survivors are mid-call: nothing would line up again
             if isinstance(e, ReplicaFailed):
                 e.unfinished, e.outputs = unfinished, call.outputs
                 raise e from None
@@ -263,7 +264,7 @@ class DataParallelFront:
                 if ev.kind == "result" and ev.job == job:
                     results[ev.replica] = ev.payload
         except BaseException:
-            self.shutdown()
+            self._close(abandon=True)
             raise
         return [results[r] for r in range(self.num_replicas)]
 
@@ -291,12 +292,15 @@ class DataParallelFront:
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Stop every replica (processes / actors) and release what they hold; idempotent."""
+        self._close(abandon=False)
+
+    def _close(self, abandon: bool) -> None:
         from nanovllm.distributed.supervisor import PROCESS
 
         self._closed = True
         PROCESS.open_engines.discard(self)
         if self.launcher is not None:
-            self.launcher.shutdown()
+            self.launcher.shutdown(abandon)
         if self._ray_cluster is not None:
             self._ray_cluster.disconnect()  # stops the cluster if it was started for this LLM
 

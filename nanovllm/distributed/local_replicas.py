@@ -22,6 +22,7 @@ import os
 import queue
 import signal
 import threading
+import time
 from multiprocessing.connection import wait
 
 from nanovllm.distributed.replica import ReplicaEvent, ReplicaFailed, ReplicaLauncher, replica_process_main
@@ -66,6 +67,7 @@ def _environment(changes: dict[str, str]):
 
 
 def exit_description(code: int | None) -> str:
+    """How a replica process with this exit code ended, in words (signals by name)."""
     if code is None:
         return "is gone"
     if code < 0:
@@ -189,8 +191,9 @@ class LocalReplicaLauncher(ReplicaLauncher):
             raise ReplicaFailed(f"data-parallel replica {replica} ({self.describe(replica)}) "
                                 f"{exit_description(self.procs[replica].exitcode)}", replica) from None
 
-    def shutdown(self) -> None:
-        """Ask every replica to stop its engine, then kill the ones still there."""
+    def shutdown(self, abandon: bool = False) -> None:
+        """Ask every replica to stop its engine, then kill the ones still there after
+        STOP_TIMEOUT_S (all together; 1 s when abandoning a call or after a death)."""
         if self._closed:
             return
         self._closed = True
@@ -203,8 +206,9 @@ class LocalReplicaLauncher(ReplicaLauncher):
                 conn.send(("exit", None, ()))
             except Exception:
                 pass
+        end = time.monotonic() + (1.0 if abandon or self.dead else STOP_TIMEOUT_S)
         for proc in self.procs:
-            proc.join(timeout=STOP_TIMEOUT_S if not self.dead else 1.0)
+            proc.join(timeout=max(0.0, end - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)

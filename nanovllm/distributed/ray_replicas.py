@@ -34,6 +34,7 @@ STOP_TIMEOUT_S = 10.0
 
 
 def import_ray():
+    """The ray module, or an ImportError that says how to install it."""
     try:
         import ray
     except ImportError:
@@ -217,9 +218,9 @@ class RayReplicaLauncher(ReplicaLauncher):
         actor = self.actors[replica]
         self._follow(replica, job, lambda: actor.run.options(num_returns="streaming").remote(method, args))
 
-    def shutdown(self) -> None:
-        """Stop every actor's engine (killing the actor after STOP_TIMEOUT_S) and remove the
-        placement groups."""
+    def shutdown(self, abandon: bool = False) -> None:
+        """Stop every actor's engine (killing the actors after STOP_TIMEOUT_S; 1 s when
+        abandoning a call or after a death) and remove the placement groups."""
         if self._closed:
             return
         self._closed = True
@@ -227,7 +228,7 @@ class RayReplicaLauncher(ReplicaLauncher):
         try:
             if ray.is_initialized():
                 stops = [a.shutdown.remote() for r, a in enumerate(self.actors) if r not in self.dead]
-                ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S if not self.dead else 1.0)
+                ray.wait(stops, num_returns=len(stops), timeout=1.0 if abandon or self.dead else STOP_TIMEOUT_S)
                 for actor in self.actors:
                     ray.kill(actor, no_restart=True)
                 for group in self.groups:

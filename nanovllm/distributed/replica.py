@@ -65,8 +65,9 @@ class ReplicaLauncher:
         """How error messages name a replica (its process id, actor id, node...)."""
         raise NotImplementedError
 
-    def shutdown(self) -> None:
-        """Stop every replica (killing the ones that do not stop); idempotent."""
+    def shutdown(self, abandon: bool = False) -> None:
+        """Stop every replica (killing the ones that do not stop in time); idempotent.
+        abandon=True: replicas may be mid-call (a failure, Ctrl-C): give them a moment only."""
         raise NotImplementedError
 
 
