@@ -7,6 +7,7 @@
     python bench.py --dummy qwen3-30b-a3b         # also qwen2.5-7b, llama-3.1-8b
     python bench.py --dummy qwen3-0.6b --fuse-kv-store 0 --json a.json   # K/V store in its own kernel
     python benchmarks/plot_kv_usage.py a.json kv.png                     # KV-cache use over the run
+    python bench.py --dummy qwen3-0.6b --dp 2     # data parallelism: 2 replicas, per-replica tok/s
 
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
 of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
@@ -34,6 +35,7 @@ requests (static_batching_reservation).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -515,6 +517,40 @@ def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor
             "timeline": timeline.summary(groups), "kv_usage": kv}
 
 
+def data_parallel_floor(llm, prompts, max_tokens, args, kv_bytes, linear_bytes) -> float:
+    """The roofline floor of the run: with --dp, the slowest replica's floor on its share of the
+    requests (the front's sharding, recomputed), the replicas running side by side."""
+    from nanovllm.distributed.data_parallel import shard_by_work
+
+    shards = shard_by_work([len(p) + n for p, n in zip(prompts, max_tokens)], args.dp)
+    return max(roofline_floor(llm.config.hf_config, [prompts[i] for i in s], [max_tokens[i] for i in s],
+                              llm.config.dtype.itemsize, args.bandwidth, kv_bytes=kv_bytes,
+                              linear_bytes=linear_bytes) for s in shards if s) / args.tp
+
+
+def finish_data_parallel(llm, args, name, out_tokens, in_tokens, seconds, floor, cold_start) -> None:
+    """The figures of a --dp run, per replica too (prompts, tokens, seconds and output tok/s of
+    its share), printed and written to --json."""
+    replicas = [{"replica": s.replica, "prompts": s.prompts, "output_tokens": s.output_tokens,
+                 "seconds": round(s.seconds, 3), "output_tok_s": round(s.output_tok_s, 1),
+                 "startup_s": info["startup_seconds"], "kv_blocks": info["num_blocks"]}
+                for s, info in zip(llm.replica_stats, llm.replica_info)]
+    res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "dp": args.dp,
+           "num_seqs": args.num_seqs, "output_tokens": out_tokens, "seconds": round(seconds, 3),
+           "output_tok_s": round(out_tokens / seconds, 1), "total_tok_s": round((in_tokens + out_tokens) / seconds, 1),
+           "floor_s": round(floor, 3), "fraction_of_floor": round(floor / seconds, 3),
+           "cold_start_s": round(cold_start, 2), "replicas": replicas}
+    llm.shutdown()
+    print(json.dumps(res, indent=1))
+    for r in replicas:
+        print(f"replica {r['replica']}: {r['prompts']} prompts, {r['output_tokens']} tokens in {r['seconds']:.2f} s"
+              f" = {r['output_tok_s']:.0f} tok/s")
+    print(f"{name} x{args.dp}: {res['output_tok_s']:.0f} output tok/s, {res['fraction_of_floor']:.1%} of the floor")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -524,6 +560,8 @@ def main(argv=None):
     ap.add_argument("--max-input-len", type=int, default=1024, help="prompts are randint(100, this) tokens")
     ap.add_argument("--max-output-len", type=int, default=1024, help="max_tokens are randint(100, this)")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1,
+                    help="data-parallel replicas (LLM data_parallel_size): the JSON gets per-replica throughput")
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--nccl-all-reduce", action="store_true",
                     help="TP: every all-reduce through NCCL (LLM custom_all_reduce=False)")
@@ -557,6 +595,8 @@ def main(argv=None):
     ap.add_argument("--json", help="write the figures to this file")
     add_round2_args(ap)
     args = ap.parse_args(argv)
+    if args.dp > 1 and (args.latency or args.profile or args.profile_startup or args.gather_logits):
+        ap.error("--dp > 1 measures throughput only (no --latency, --profile, --profile-startup, --gather-logits)")
     if args.decode_blas:
         os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # read when the LLM makes its Config
     round2_env(args)
@@ -587,7 +627,7 @@ def main(argv=None):
               custom_all_reduce=not args.nccl_all_reduce, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              calculate_kv_scales=args.calculate_kv_scales)
+              calculate_kv_scales=args.calculate_kv_scales, **({"data_parallel_size": args.dp} if args.dp > 1 else {}))
     cold_start = time.perf_counter() - t0
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False
@@ -595,14 +635,15 @@ def main(argv=None):
     # The default workload uses none of the optional sampling features (logprobs, penalties, n > 1):
     # plain temperature sampling, as nano-vllm's bench.py.
     extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
-    llm.generate([[1, 2, 3]], SamplingParams(**extra), use_tqdm=False)  # warm-up
+    llm.generate([[1, 2, 3]] * args.dp, SamplingParams(**extra), use_tqdm=False)  # warm-up (every replica)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     t = time.perf_counter()
     # Per step: two clock reads, the step's shape (one pass over its rows) and a KV-use sample
-    # (one pass over the running requests): ~10 us at 256 requests.
-    with StepTimeline(llm, kv_usage=True) as timeline:
+    # (one pass over the running requests): ~10 us at 256 requests. Replicas step on their own:
+    # no timeline of one engine's steps with --dp.
+    with (StepTimeline(llm, kv_usage=True) if args.dp == 1 else contextlib.nullcontext()) as timeline:
         outs = llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -612,8 +653,9 @@ def main(argv=None):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
     in_tokens = sum(map(len, prompts))
     kv_bytes, linear_bytes = weight_element_bytes(llm)
-    floor = roofline_floor(llm.config.hf_config, prompts, max_tokens, llm.config.dtype.itemsize, args.bandwidth,
-                           kv_bytes=kv_bytes, linear_bytes=linear_bytes) / args.tp
+    floor = data_parallel_floor(llm, prompts, max_tokens, args, kv_bytes, linear_bytes)
+    if args.dp > 1:
+        return finish_data_parallel(llm, args, name, out_tokens, in_tokens, seconds, floor, cold_start)
     rank0 = getattr(llm.model_runner, "runner", llm.model_runner)  # TP: rank 0's ModelRunner
     res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
            "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),

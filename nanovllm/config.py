@@ -17,6 +17,11 @@ from nanovllm.sampling_params import is_integer, is_real
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
+# vLLM's names. None / "mp": the engine's own processes (tensor-parallel workers, data-parallel
+# replicas on this node); "ray": data-parallel replicas as Ray actors (nanovllm/distributed/
+# ray_replicas.py); "external_launcher": torchrun started every tensor-parallel rank
+# (nanovllm/distributed/external_launcher.py).
+EXECUTOR_BACKENDS = (None, "mp", "ray", "external_launcher")
 TOKENIZER_MODES = ("auto", "slow")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -95,6 +100,8 @@ class Config:
 
     model: str
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     max_model_len: int = 4096
@@ -148,7 +155,8 @@ class Config:
 
     def __post_init__(self):
         for name, kind, what in (
-                ("tensor_parallel_size", int, "an integer >= 1"), ("max_num_seqs", int, "an integer >= 1"),
+                ("tensor_parallel_size", int, "an integer >= 1"), ("data_parallel_size", int, "an integer >= 1"),
+                ("max_num_seqs", int, "an integer >= 1"),
                 ("max_num_batched_tokens", int, "an integer >= 1"), ("max_model_len", int, "an integer >= 1"),
                 ("kvcache_block_size", int, "a power of two >= 16"),
                 ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1"),
@@ -160,6 +168,7 @@ class Config:
         self._check_tokenizer_options()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
+        self._check_executor_options()
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
         if self.max_num_batched_tokens < 1:
@@ -220,8 +229,29 @@ class Config:
         if any(n % tp for n in sizes.values()):
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
                              + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
-        if self.device == "cuda" and tp > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size={tp} but only {torch.cuda.device_count()} GPU(s) are visible")
+        self._check_gpu_count()
+
+    def _check_gpu_count(self) -> None:
+        """The engine's own processes must fit on this node's GPUs; Ray places replicas on the
+        cluster's GPUs, and torchrun's ranks may span nodes (external_launcher.py checks those)."""
+        tp, dp = self.tensor_parallel_size, self.data_parallel_size
+        if self.device != "cuda" or self.distributed_executor_backend not in (None, "mp"):
+            return
+        if tp * dp > torch.cuda.device_count():
+            what = f"tensor_parallel_size={tp}" if dp == 1 else \
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} = {tp * dp} GPUs"
+            raise ValueError(f"{what} but only {torch.cuda.device_count()} GPU(s) are visible")
+
+    def _check_executor_options(self) -> None:
+        backend = self.distributed_executor_backend
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r}: must be one of {EXECUTOR_BACKENDS}")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={self.data_parallel_size}: must be >= 1")
+        if backend == "external_launcher" and self.data_parallel_size != 1:
+            raise ValueError("distributed_executor_backend='external_launcher' runs one tensor-parallel engine "
+                             "over torchrun's ranks; data_parallel_size must be 1 (launch one torchrun job per "
+                             "replica, or use the 'mp' / 'ray' backends for data parallelism)")
 
     def _check_tokenizer_options(self) -> None:
         if self.tokenizer_mode not in TOKENIZER_MODES:

@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Iterator
 
+from nanovllm.distributed.data_parallel import DataParallelFront, wants_data_parallel
 from nanovllm.engine.detokenizer import decode_tokens
 from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.engine.llm_engine import LLMEngine
@@ -14,7 +15,7 @@ from nanovllm.engine.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
-__all__ = ["LLM", "StreamOutput"]
+__all__ = ["LLM", "DataParallelLLM", "StreamOutput"]
 
 # Keys of vLLM's prompt dicts (TextPrompt / TokensPrompt) for inputs nano-vllm has no use for.
 _UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
@@ -29,6 +30,13 @@ class LLM(LLMEngine):
     >>> out.outputs[0].text == out["text"]   # vLLM's RequestOutput, also nano-vllm's dict
     True
     """
+
+    def __new__(cls, model: str = None, **kwargs):
+        # The one choice of front: a single engine in this process, or (data_parallel_size > 1,
+        # or the Ray backend) replicas of it elsewhere behind the same methods.
+        if cls is LLM and wants_data_parallel(kwargs):
+            cls = DataParallelLLM
+        return super().__new__(cls)
 
     def __init__(self, model: str, **kwargs):
         # Taken by generate / stream / chat, so that a second caller (another thread, or an open
@@ -106,11 +114,12 @@ class LLM(LLMEngine):
         return self.tokenize(text), text
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
         fields; also a dict: out["text"], out["token_ids"], out["finish_reason"] read the first
         completion). Without sampling_params, the model's generation defaults apply
-        (get_default_sampling_params)."""
+        (get_default_sampling_params). use_tqdm: show a progress bar; or, as in vLLM, a
+        callable that makes one from tqdm's keywords (total, desc, ...)."""
         requests = self._normalize(prompts, sampling_params)
         seqs = []
         with self._exclusive():
@@ -192,12 +201,15 @@ class LLM(LLMEngine):
             self._token_texts.update(zip(missing, decode_tokens(self.tokenizer, missing)))
         return [self._token_texts[t] for t in ids]
 
-    def _run_to_completion(self, total: int, use_tqdm: bool) -> None:
+    def _run_to_completion(self, total: int, use_tqdm) -> None:
         bar = None
         if use_tqdm:
-            from tqdm.auto import tqdm
-
-            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True)
+            # As in vLLM, use_tqdm may be a callable that makes the bar (tqdm's keywords).
+            if callable(use_tqdm):
+                make_bar = use_tqdm
+            else:
+                from tqdm.auto import tqdm as make_bar
+            bar = make_bar(total=total, desc="Generating", dynamic_ncols=True)
         prefill_tps = decode_tps = 0.0
         while self.has_unfinished():
             t = time.perf_counter()
@@ -257,7 +269,7 @@ class LLM(LLMEngine):
                 # Every finished increment handed out has already forgotten its text state.
                 self._release(seqs)
 
-    def chat(self, messages, sampling_params=None, use_tqdm: bool = True,
+    def chat(self, messages, sampling_params=None, use_tqdm=True,
              **chat_template_kwargs) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of
         conversations, through the tokenizer's chat template. Extra keyword arguments go to the
@@ -297,6 +309,14 @@ class LLM(LLMEngine):
             options = sorted(used - _CHAT_TEMPLATE_BUILTINS)
             raise TypeError(f"chat() got keyword arguments the chat template does not use: {', '.join(unknown)} "
                             f"(template variables: {', '.join(options) or 'none'})")
+
+
+class DataParallelLLM(DataParallelFront, LLM):
+    """What `LLM(model, data_parallel_size=N, ...)` (or distributed_executor_backend="ray")
+    returns: the same validation, chat template and outputs as LLM, with the prompts of every
+    call shared out over N engine replicas (nanovllm/distributed/data_parallel.py)."""
+
+    replica_class = LLM  # what each replica runs (an ordinary engine of tensor_parallel_size GPUs)
 
 
 _CHAT_ROLES = ("system", "user", "assistant", "tool")

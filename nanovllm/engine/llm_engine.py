@@ -42,7 +42,7 @@ class LLMEngine:
 
     def __init__(self, model: str, **kwargs):
         self.config = config = Config.from_kwargs(model, **kwargs)
-        if config.tensor_parallel_size > 1:
+        if config.tensor_parallel_size > 1 and config.distributed_executor_backend != "external_launcher":
             from nanovllm.distributed.worker import refuse_unguarded_main
 
             refuse_unguarded_main()
@@ -69,6 +69,13 @@ class LLMEngine:
         self._closed = False
 
     def _start_model_runner(self, config: Config):
+        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
+            raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
+                             "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
+        if config.distributed_executor_backend == "external_launcher":
+            from nanovllm.distributed.external_launcher import ExternalLauncherRunner
+
+            return ExternalLauncherRunner(config)
         if config.tensor_parallel_size > 1:
             from nanovllm.distributed.tensor_parallel import TensorParallelRunner
 
