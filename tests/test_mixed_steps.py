@@ -1,0 +1,135 @@
+"""Mixed steps (LLM(mixed_steps=True), the server's scheduling): decode rows ride along with
+prompt chunks in one prefill-shaped step. In-process on a tiny random checkpoint (CPU, fp32):
+
+1. a long prompt being prefilled does not stop a running request from getting a token in each
+   of those steps (and without mixed steps it does: the test can tell the two apart);
+2. mixed schedules give the same greedy tokens as split ones (prefill steps and decode steps
+   apart), with chunking, prefix hits, n > 1 forks, preemption and overlap scheduling's
+   on-device tokens (a decode row's input taken from the previous step's sampled tokens).
+
+The scheduler's own invariants under mixed steps are fuzzed in test_scheduler.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import assert_idle, greedy, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
+
+from nanovllm import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def gqa(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory, "gqa")
+
+
+def record_batches(llm) -> list[tuple[bool, int, int]]:
+    """(is_prefill, decode rows, preempted) of every batch the scheduler hands out from now on;
+    a decode row computes the newest token of a sequence that has generated some."""
+    batches = []
+    schedule = llm.scheduler.schedule
+
+    def recording():
+        batch = schedule()
+        if batch is not None:
+            decoding = sum(1 for s in batch.seqs if s.num_uncomputed_tokens == 1 and s.num_completion_tokens > 0)
+            batches.append((batch.is_prefill, decoding, len(batch.preempted)))
+        return batch
+
+    llm.scheduler.schedule = recording
+    return batches
+
+
+def tokens_during_prefill(path: str, mixed: bool) -> tuple[list[int], int]:
+    """Start request a, let it decode, then add b with a 120-token prompt (budget 16: eight
+    prefill steps). Returns how many tokens a got in each step until b's first token, and the
+    number of steps that took."""
+    llm = make_llm(path, max_num_batched_tokens=16, mixed_steps=mixed)
+    try:
+        a = llm.add_request(rand_ids(5, seed=1), greedy(40))
+        for _ in range(3):
+            llm.step()
+        b = llm.add_request(rand_ids(120, seed=2), greedy(2))
+        per_step = []
+        for _ in range(30):  # bounded: b needs 8 prefill steps (+1 in flight)
+            outputs, _, _ = llm.step()
+            if any(o.seq is b for o in outputs):
+                break
+            per_step.append(sum(len(o.new_token_ids) for o in outputs if o.seq is a))
+        else:
+            raise AssertionError("b never got its first token")
+        llm.abort(a)
+        while llm.has_unfinished():
+            llm.step()
+        assert_idle(llm)
+        return per_step, len(per_step)
+    finally:
+        llm.shutdown()
+
+
+def test_a_long_prefill_does_not_stall_a_running_request(gqa):
+    per_step, steps = tokens_during_prefill(gqa, mixed=True)
+    assert steps >= 120 // 16, per_step
+    assert per_step == [1] * steps, f"tokens of the running request per step while b prefills: {per_step}"
+    # The split policy prefills b first: a gets nothing for most of those steps.
+    split, _ = tokens_during_prefill(gqa, mixed=False)
+    assert split.count(0) >= 120 // 16 - 1, split
+
+
+@pytest.mark.parametrize("budget,blocks", [(24, 128), (64, 12)], ids=["chunked", "preempting"])
+def test_mixed_schedules_give_the_same_greedy_tokens_as_split_ones(gqa, budget, blocks):
+    # Prompts of 1 to 70 tokens, two sharing a 32-token prefix (prefix hits), one with n=2
+    # (greedy: both samples equal), max_tokens up to 24; a budget of 24 chunks most prompts
+    # beside running decodes; 12 blocks of 16 tokens force preemption by recompute.
+    shared = rand_ids(32, seed=7)
+    prompts = [rand_ids(n, seed=10 + n) for n in (1, 9, 17, 40, 70, 3)] + [shared + [5], shared + [6, 7]]
+    params = [greedy(8 + 2 * i) for i in range(len(prompts))]
+    params[2] = greedy(12, n=2)
+    results = {}
+    for mixed in (False, True):
+        llm = make_llm(gqa, max_num_batched_tokens=budget, num_kvcache_blocks=blocks, max_num_seqs=6,
+                       mixed_steps=mixed)
+        try:
+            batches = record_batches(llm)
+            out = llm.generate(prompts, params, use_tqdm=False)
+            results[mixed] = [[c.token_ids for c in o.outputs] for o in out]
+            assert_idle(llm)
+            mixed_rows = sum(rows for prefill, rows, _ in batches if prefill)
+            preempted = sum(n for _, _, n in batches)
+            assert (mixed_rows > 0) == mixed, "mixed decode rows into prompt work, or did not"
+            if blocks == 12:
+                assert preempted > 0, "the small cache did not preempt"
+        finally:
+            llm.shutdown()
+    assert results[True] == results[False]
+    assert results[True][2][0] == results[True][2][1]
+
+
+def test_mixed_steps_with_penalties_and_logprobs_match_split_ones(gqa):
+    """Rows that process logits (repetition penalty: device token counts updated from each
+    step's samples) and ask for logprobs, decoded inside mixed steps."""
+    prompts = [rand_ids(n, seed=40 + n) for n in (4, 50, 30)]
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3, logprobs=2),
+              greedy(6), greedy(10, presence_penalty=0.5)]
+    results = {}
+    for mixed in (False, True):
+        llm = make_llm(gqa, max_num_batched_tokens=16, mixed_steps=mixed)
+        try:
+            out = llm.generate(prompts, params, use_tqdm=False)
+            results[mixed] = out
+        finally:
+            llm.shutdown()
+    for split, mixed in zip(results[False], results[True]):
+        assert mixed.outputs[0].token_ids == split.outputs[0].token_ids
+    lp_split, lp_mixed = results[False][0].outputs[0].logprobs, results[True][0].outputs[0].logprobs
+    for a, b in zip(lp_split, lp_mixed):
+        assert a.keys() == b.keys()
+        # The same fp32 logits computed by the decode path and by the varlen prefill path:
+        # summation order differs, so allow a few fp32 ulps of a logit of magnitude ~10.
+        assert all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
