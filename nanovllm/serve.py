@@ -32,13 +32,15 @@ import time
 import typing
 import uuid
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
-from nanovllm.engine.async_engine import Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest, Failed, Finished, call_sinks
+from nanovllm.engine.async_engine import (Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest, EngineStopped, Failed,
+                                          Finished, call_sinks)
 from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, LegacyLogprobs, chat_logprobs,
                                       error_body, usage)
 
@@ -111,7 +113,8 @@ class Run:
                     self._open.clear()  # all of them were refused together
                     if isinstance(event.error, (ValueError, TypeError, NotImplementedError)):
                         raise bad_request(event.error)
-                    raise APIError(503, str(event.error), "server_error")
+                    raise APIError(503 if isinstance(event.error, EngineStopped) else 500, str(event.error),
+                                   "server_error")
                 accepted[index] = event
         except BaseException:
             self.close()
@@ -135,6 +138,8 @@ class Run:
                     self._open.discard(index)
                 elif isinstance(event, Failed):
                     self._open.discard(index)
+                    if isinstance(event.error, EngineStopped):
+                        raise APIError(503, str(event.error), "server_error")
                     raise APIError(500, f"the request failed in the engine: {event.error}", "server_error")
         finally:
             self.close()
@@ -480,11 +485,94 @@ def listen_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, which on shutdown (SIGTERM) lets open responses run for the grace
+    period and then ends the requests still running: their streams get an error event and
+    `data: [DONE]` (a clean end) instead of a connection cut by the task's cancellation."""
+
+    def __init__(self, config: uvicorn.Config, openai_server: OpenAIServer, grace_s: float):
+        super().__init__(config)
+        self.openai_server, self.grace_s = openai_server, grace_s
+
+    async def shutdown(self, sockets=None):
+        engine = self.openai_server.engine
+        if engine is not None:
+            # (a moment before uvicorn's own deadline, so that the error events still go out)
+            asyncio.get_running_loop().call_later(max(0.0, self.grace_s - 1.0), engine.abort_all)
+        await super().shutdown(sockets)
+
+
+class ServerProcess:
+    """`python -m nanovllm.serve MODEL ARGS... --port 0` as a subprocess on 127.0.0.1, for
+    tests and benchmarks: started and healthy (GET /health) within `timeout` seconds, else a
+    RuntimeError with the end of its log; `url` is its base URL ("http://127.0.0.1:PORT").
+    `stop()` sends SIGTERM and returns the exit code (SIGKILL after `timeout`). A context
+    manager. Standard library only."""
+
+    def __init__(self, model: str, args: list[str] = (), timeout: float = 120.0, cwd: str | None = None,
+                 env: dict | None = None):
+        import collections
+        import subprocess
+        import threading
+
+        self.log: collections.deque[str] = collections.deque(maxlen=400)
+        self.proc = subprocess.Popen([sys.executable, "-m", "nanovllm.serve", model, "--host", "127.0.0.1",
+                                      "--port", "0", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=cwd, env=env)
+        self._port = threading.Event()
+        self.url = ""
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            self._wait_healthy(timeout)
+        except BaseException:
+            self.stop(10)
+            raise
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.log.append(line.rstrip())
+            if not self._port.is_set() and line.startswith("nanovllm.serve: ") and " on http://" in line:
+                self.url = line.rsplit(" on ", 1)[1].strip()
+                self._port.set()
+
+    def _wait_healthy(self, timeout: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n" + "\n".join(self.log))
+            if self._port.wait(0.1):
+                try:
+                    with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
+                        if r.status == 200:
+                            return
+                except OSError:
+                    pass
+        raise RuntimeError(f"the server was not healthy within {timeout} s:\n" + "\n".join(self.log))
+
+    def stop(self, timeout: float = 30.0) -> int:
+        import subprocess
+
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     from nanovllm.llm import LLM
 
     llm = LLM(args.model, **llm_options(args))
@@ -493,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
         host, port = sock.getsockname()[:2]
         app = create_app(llm, args.served_model_name or args.model)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, app.state.server, args.shutdown_timeout)
         # uvicorn takes SIGINT / SIGTERM while it runs and, once it has shut down, raises the
         # signal again under the handler that was there before: make that one a no-op, so a
         # SIGTERM ends the process normally (exit 0) after the clean shutdown below.

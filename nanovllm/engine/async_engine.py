@@ -20,7 +20,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from nanovllm.engine.sequence import SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -66,6 +65,10 @@ class Finished:
     """Every sample has ended (the request's last event)."""
 
     num_cached_tokens: int
+
+
+class EngineStopped(RuntimeError):
+    """The loop stopped, or was told to end every request (a server shutting down)."""
 
 
 @dataclass
@@ -158,6 +161,10 @@ class EngineLoop:
         """End `request` now, freeing its KV blocks; no further events (idempotent)."""
         self._commands.put(("abort", request))
 
+    def abort_all(self, reason: str = "the server is shutting down") -> None:
+        """End every request now: each gets Failed(EngineStopped(reason)); the loop runs on."""
+        self._commands.put(("abort_all", reason))
+
     def stop(self, timeout: float | None = 30.0) -> None:
         """Abort every request (each gets Failed), release the LLM and join the thread."""
         if self._thread is None:
@@ -178,8 +185,10 @@ class EngineLoop:
             logger.exception("the engine loop stopped")
             self.error = e
         finally:
-            self._fail_all(RuntimeError("the server is shutting down" if self.error is None
-                                        else f"the engine failed: {self.error!r}"))
+            error = EngineStopped("the server is shutting down") if self.error is None else \
+                RuntimeError(f"the engine failed: {self.error!r}")
+            self._fail_active(error)
+            self._refuse_queued(error)
             self._flush()
             self.llm._busy.release()
 
@@ -195,8 +204,10 @@ class EngineLoop:
                 return False
             if kind == "add":
                 self._add(arg)
-            else:
+            elif kind == "abort":
                 self._abort(arg)
+            else:
+                self._fail_active(EngineStopped(arg))
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
@@ -285,25 +296,31 @@ class EngineLoop:
                 prompt_logprobs = llm._prompt_logprobs(r.seq)
             self._emit(r, Delta(seq.sample_index, o.text, o.new_token_ids, logprobs, o.finish_reason,
                                 seq.stop_reason, prompt_logprobs))
-            if o.finished and all(s.status == SequenceStatus.FINISHED for s in r.seq.samples):
+            # Finished after the last sample's last delta (several samples may end in one step:
+            # their statuses change before their outputs are handed out).
+            if o.finished and not any(s.seq_id in self._active for s in r.seq.samples):
                 self._emit(r, Finished(r.seq.num_cached_prompt_tokens or 0), last=True)
 
-    def _fail_all(self, error: BaseException) -> None:
+    def _fail_active(self, error: BaseException) -> None:
+        """End every added request with Failed(error), and the step in flight."""
         for r in {id(r): r for r in self._active.values()}.values():
             self._drop(r)
             self._emit(r, Failed(error), last=True)
-        while True:  # requests still queued: refuse them
-            try:
-                kind, arg = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            if kind == "add":
-                for r in arg:
-                    self._emit(r, Failed(error), last=True)
         try:
             self.llm.cancel_in_flight()
         except Exception:  # noqa: BLE001 (a dead engine)
             logger.exception("could not cancel the step in flight")
+
+    def _refuse_queued(self, error: BaseException) -> None:
+        """The loop is ending: requests still queued get Failed(error)."""
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                for r in arg:
+                    self._emit(r, Failed(error), last=True)
 
     def _emit(self, r: EngineRequest, event, last: bool = False) -> None:
         self._outbox.append((r, event))
