@@ -46,11 +46,11 @@ def record_batches(llm) -> list[tuple[bool, int, int]]:
     return batches
 
 
-def tokens_during_prefill(path: str, mixed: bool) -> tuple[list[int], int]:
+def tokens_during_prefill(path: str, mixed: bool, **options) -> tuple[list[int], int]:
     """Start request a, let it decode, then add b with a 120-token prompt (budget 16: eight
     prefill steps). Returns how many tokens a got in each step until b's first token, and the
     number of steps that took."""
-    llm = make_llm(path, max_num_batched_tokens=16, mixed_steps=mixed)
+    llm = make_llm(path, max_num_batched_tokens=16, mixed_steps=mixed, **options)
     try:
         a = llm.add_request(rand_ids(5, seed=1), greedy(40))
         for _ in range(3):
@@ -133,3 +133,25 @@ def test_mixed_steps_with_penalties_and_logprobs_match_split_ones(gqa):
         # The same fp32 logits computed by the decode path and by the varlen prefill path:
         # summation order differs, so allow a few fp32 ulps of a logit of magnitude ~10.
         assert all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_mixed_steps_on_cuda_give_the_split_greedy_tokens(gqa, enforce_eager):
+    """On the GPU (Triton backend, CUDA graphs for the plain decode steps, pinned host copies):
+    decode rows of mixed steps take their input token from the device buffer inside a varlen
+    prefill step. fp32, so that both schedules compute the same numbers up to summation order."""
+    prompts = [rand_ids(n, seed=60 + n) for n in (3, 20, 90, 45, 130, 7)]
+    params = [greedy(10 + 3 * i) for i in range(len(prompts))]
+    results = {}
+    for mixed in (False, True):
+        llm = make_llm(gqa, device="cuda", dtype="float32", max_num_batched_tokens=32, mixed_steps=mixed,
+                       enforce_eager=enforce_eager)
+        try:
+            results[mixed] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert_idle(llm)
+        finally:
+            llm.shutdown()
+    assert results[True] == results[False]
+    per_step, steps = tokens_during_prefill(gqa, mixed=True, device="cuda", dtype="float32")
+    assert per_step == [1] * steps

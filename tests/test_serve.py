@@ -373,6 +373,27 @@ def test_every_config_field_is_a_flag():
     assert llm_options(parser.parse_args(["/m", "--no-mixed-steps"])) == {"mixed_steps": False}
 
 
+def test_serve_bench_runs_and_reports(ckpt, tmp_path):
+    """benchmarks/serve_bench.py end to end on the tiny model (a few short requests): its own
+    server, the JSON report, and offline generate on the same requests."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import serve_bench
+
+    out = tmp_path / "serve.json"
+    assert serve_bench.main(["--model", ckpt, "--clients", "3", "--requests", "5", "--min-input", "4",
+                             "--max-input", "30", "--min-output", "3", "--max-output", "9", "--out", str(out),
+                             "--server-args", f"--kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
+    report = json.loads(out.read_text())
+    s = report["server"]
+    with open(os.path.join(ckpt, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    _, lengths = serve_bench.workload(5, vocab, 4, 30, 3, 9)
+    assert s["output_tokens"] == report["offline"]["output_tokens"] == sum(lengths)
+    assert s["exit_code"] == 0 and s["ttft_ms"]["n"] == 5 and s["itl_ms"]["n"] == sum(lengths) - 5
+    assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["p99"]
+    assert report["server_vs_offline"] > 0
+
+
 # ---------------------------------------------------------------------------- shutdown (last)
 def _children(pid: int) -> list[int]:
     out = []
