@@ -195,7 +195,7 @@ def test_new_prompts_are_prefilled_before_running_sequences_decode():
     batch, _ = step(sched)
     assert batch.is_prefill and batch.seqs == [b]
     batch, _ = step(sched)
-    assert not batch.is_prefill and batch.seqs == [b, a]   # (longest context first)
+    assert not batch.is_prefill and batch.seqs == [a, b]
 
 
 def test_mixed_steps_decode_rows_ride_along_with_prompt_chunks():

@@ -187,10 +187,10 @@ class Scheduler:
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
         kept: list[Sequence] = []  # what goes back to the front of the queue, in its order
-        capacity = bm.block_size
+        capacity, mixed = bm.block_size, self.mixed_steps
         while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
-            if seq.num_uncomputed_tokens > 1:
+            if mixed and seq.num_uncomputed_tokens > 1:  # (split steps decode only when no prompt is pending)
                 kept.append(seq)  # a prompt being chunked (mixed steps): not a decode row
                 continue
             if len(seq) <= len(seq.block_table) * capacity:
