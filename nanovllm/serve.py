@@ -96,6 +96,8 @@ class Run:
             except asyncio.TimeoutError:
                 if await self.http.is_disconnected():
                     raise ClientGone() from None
+                if not self.engine.running and self.queue.empty():  # (it stopped as this was submitted)
+                    raise APIError(503, "the server is shutting down", "server_error") from None
 
     async def start(self) -> None:
         """Submit, and wait until every prompt is accepted (APIError 400 if one is refused)."""

@@ -155,3 +155,55 @@ def test_mixed_steps_on_cuda_give_the_split_greedy_tokens(gqa, enforce_eager):
     assert results[True] == results[False]
     per_step, steps = tokens_during_prefill(gqa, mixed=True, device="cuda", dtype="float32")
     assert per_step == [1] * steps
+
+
+@pytest.mark.parametrize("device,dtype,tol", [("cpu", "float32", 1e-5),
+                                              pytest.param("cuda", "bfloat16", 1e-2, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("cached,new", [([256, 40, 100, 7], [20, 5, 1, 1]), ([33, 64, 5], [1, 1, 1])],
+                         ids=["prefill+decode", "decode-rows-only"])
+def test_triton_backend_runs_decode_rows_of_a_mixed_step_through_the_decode_kernel(cached, new, device, dtype, tol,
+                                                                                   fresh_seed):
+    """TritonBackend on a mixed step's metadata (its last rows one-token decode rows): the
+    decode rows go through the paged decode kernel (Triton's interpreter on the CPU), the others
+    through the prefill path (the torch reference in fp32 on the CPU; aten's FlashAttention in
+    bf16 on the GPU). Against a plain fp32 softmax attention, relative to the output's norm:
+    in fp32 only rounding of sums over <= 276 keys (<= 1e-5); in bf16 the inputs' and the
+    output's rounding (2**-8 each) dominate (<= 1e-2, test_attention's bound)."""
+    import torch
+
+    from test_attention import dense_new_kv, make_cache_scenario, prefill_meta, reference_attention
+
+    from nanovllm.layers.attention import TritonBackend
+
+    q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 4, 2, 16, 16, getattr(torch, dtype), device,
+                                                seed=fresh_seed)
+    meta = prefill_meta(cached, new, bt, device)
+    meta.num_decode_rows = len(new) - max((i + 1 for i, n in enumerate(new) if n != 1), default=0)
+    meta.num_splits = 2
+    calls = []
+    backend = TritonBackend()
+    decode = backend._decode
+    backend._decode = lambda *a, **kw: calls.append(a[0].shape[0]) or decode(*a, **kw)
+    k_new, v_new = dense_new_kv(ks, vs, new)
+    out = backend.forward(q, k_new, v_new, kc, vc, meta, 16 ** -0.5).float()
+    ref = reference_attention(q.float(), [k.float() for k in ks], [v.float() for v in vs], new, 16 ** -0.5)
+    assert calls == [meta.num_decode_rows]
+    assert ((out - ref).norm() / ref.norm()).item() <= tol
+
+
+def test_step_inputs_mark_the_trailing_decode_rows_for_the_triton_backend():
+    import torch
+
+    from nanovllm.engine.step_inputs import StepInput, StepInputs
+
+    def meta_of(backend, q_lens, starts):
+        inputs = StepInputs(8, 4, 16, torch.device("cpu"), backend, 2)
+        inputs.num_splits = lambda bs, width: (bs, width)  # (needs a GPU's SM count otherwise)
+        step = StepInput(True, [[3] * n for n in q_lens], starts, [[i] for i in range(len(q_lens))])
+        return inputs.prefill(step)[2]
+
+    meta = meta_of("triton", [5, 1, 1], [0, 7, 9])
+    assert meta.num_decode_rows == 2 and meta.num_splits == (2, 1)
+    assert meta_of("triton", [1, 5], [7, 0]).num_decode_rows == 0   # decode rows come last, or none count
+    assert meta_of("triton", [1, 1], [0, 0]).num_decode_rows == 0   # fresh prompts: no cache to read
+    assert meta_of("torch", [5, 1], [0, 7]).num_decode_rows == 0    # the other backends take rows as they are

@@ -133,6 +133,20 @@ def test_completion_of_several_prompts_with_n2_and_seed(client, offline, ckpt):
     assert [c.token_ids for c in again.choices] == [c.token_ids for c in out.choices]
 
 
+def test_sampling_fields_reach_the_engine(client, offline, ckpt):
+    prompt = rand_ids(8, seed=11)
+    # logit_bias (OpenAI's string keys) forces a token; top_k / repetition_penalty / min_tokens come
+    # through extra_body as vLLM's fields; penalties as OpenAI's
+    out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=5, temperature=0, logit_bias={"42": 100},
+                                    extra_body=IGNORE_EOS)
+    assert out.choices[0].token_ids == [42] * 5
+    fields = dict(temperature=0.7, top_p=0.9, seed=5, presence_penalty=0.5, frequency_penalty=0.3)
+    extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.2, **IGNORE_EOS)
+    out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=10, extra_body=extra, **fields)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, top_k=20, min_p=0.05, repetition_penalty=1.2, **fields)
+    assert out.choices[0].token_ids == offline.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_completion_streaming_gives_the_same_text_and_a_usage_chunk(client, offline, ckpt):
     prompt = rand_ids(7, seed=4)
     ref = offline.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0]

@@ -190,6 +190,12 @@ class StepInputs:
         table_tensor = self._to_device(tables, torch.int32) if has_prefix else None
         slot_mapping = self._to_device(slots, torch.int32)
         meta = prefill_metadata(q_list, k_list, slot_mapping, table_tensor, self.device, self.pin)
+        if has_prefix and self.backend_name == "triton":
+            # The decode rows of a mixed step come last: the paged decode kernel takes them.
+            ones = np.flatnonzero(q_lens != 1)
+            meta.num_decode_rows = len(q_list) - (int(ones[-1]) + 1 if ones.size else 0)
+            if meta.num_decode_rows:
+                meta.num_splits = self.num_splits(meta.num_decode_rows, width)
         ids = self._to_device(list(itertools.chain.from_iterable(step.token_ids)), torch.long)
         if step.src_rows is not None:
             # The pending token of a row is its last new token (and its only one).
