@@ -45,8 +45,9 @@ from nanovllm.serve import ServerProcess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKS = 128
-SERVER_ARGS = ["--kvcache-block-size", str(BLOCK), "--num-kvcache-blocks", str(BLOCKS), "--max-num-seqs", "64",
-               "--max-num-batched-tokens", "256", "--log-level", "warning"]
+# On the CPU also on a GPU machine: the offline engine it is compared with computes the same fp32 numbers.
+SERVER_ARGS = ["--device", "cpu", "--kvcache-block-size", str(BLOCK), "--num-kvcache-blocks", str(BLOCKS),
+               "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--log-level", "warning"]
 IGNORE_EOS = {"ignore_eos": True, "return_token_ids": True}
 DEADLINE_S = 60.0  # any single request
 
@@ -72,7 +73,7 @@ def server(ckpt):
 @pytest.fixture(scope="module")
 def offline(ckpt):
     """The offline engine with the server's options (but mixed steps: generate's default)."""
-    llm = make_llm(ckpt, num_kvcache_blocks=BLOCKS, max_num_seqs=64, max_num_batched_tokens=256)
+    llm = make_llm(ckpt, device="cpu", num_kvcache_blocks=BLOCKS, max_num_seqs=64, max_num_batched_tokens=256)
     yield llm
     llm.shutdown()
 
@@ -396,7 +397,7 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     out = tmp_path / "serve.json"
     assert serve_bench.main(["--model", ckpt, "--clients", "3", "--requests", "5", "--min-input", "4",
                              "--max-input", "30", "--min-output", "3", "--max-output", "9", "--out", str(out),
-                             "--server-args", f"--kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
+                             "--server-args", f"--device cpu --kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
     report = json.loads(out.read_text())
     s = report["server"]
     with open(os.path.join(ckpt, "config.json")) as f:
