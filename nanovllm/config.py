@@ -131,6 +131,9 @@ class Config:
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
     quantization: str | None = None
+    # Decode rows ride along with prompt chunks in one prefill-shaped step (Scheduler), so running
+    # requests keep getting tokens while a long prompt prefills: the server's policy, for latency.
+    mixed_steps: bool = False
     hf_config: object = field(init=False, repr=False, default=None)
     # The linear layers' weight scheme (layers/quantization: an Fp8Config or None), from
     # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
@@ -163,7 +166,7 @@ class Config:
                 ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer")):
             setattr(self, name, _field_is(name, getattr(self, name), kind, what))
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce",
-                     "trust_remote_code", "calculate_kv_scales"):
+                     "trust_remote_code", "calculate_kv_scales", "mixed_steps"):
             _field_is(name, getattr(self, name), bool, "True or False")
         self._check_tokenizer_options()
         if self.tensor_parallel_size < 1:

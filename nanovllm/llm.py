@@ -155,9 +155,10 @@ class LLM(LLMEngine):
         """One generate / stream at a time: steps run every queued request, so a second caller
         would swallow the first one's outputs. The check and the claim are one atomic step."""
         if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this LLM is already generating (an open stream() iterator, or a call from "
-                               "another thread); an LLM serves one generate/stream/chat at a time: finish "
-                               "or close the other one first, or give each thread its own LLM")
+            raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
+                               "another thread, or a server's engine loop); an LLM serves one "
+                               "generate/stream/chat at a time: finish or close the other one first, or "
+                               "give each thread its own LLM")
         try:
             yield
         finally:
@@ -283,12 +284,22 @@ class LLM(LLMEngine):
         for i, conv in enumerate(conversations):
             _check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
         self._check_chat_template_kwargs(chat_template_kwargs)
-        prompts = []
-        for conv in conversations:
-            text = self.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True,
-                                                      **chat_template_kwargs)
-            prompts.append(self.tokenizer.encode(text, add_special_tokens=False))
+        prompts = [self._render_chat(conv, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
+        """The prompt tokens chat() generates from for one conversation (checked as chat() checks
+        it): the chat template with the generation prompt, tokenized without added special tokens."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
+        _check_conversation(messages, "messages")
+        self._check_chat_template_kwargs(chat_template_kwargs)
+        return self._render_chat(messages, chat_template_kwargs)
+
+    def _render_chat(self, conversation, chat_template_kwargs: dict) -> list[int]:
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
+                                                  **chat_template_kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_chat_template_kwargs(self, kwargs: dict) -> None:
         """A TypeError for keywords chat() sets itself, and for ones the chat template never

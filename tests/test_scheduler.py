@@ -198,6 +198,39 @@ def test_new_prompts_are_prefilled_before_running_sequences_decode():
     assert not batch.is_prefill and batch.seqs == [a, b]
 
 
+def test_mixed_steps_decode_rows_ride_along_with_prompt_chunks():
+    sched = make_sched(budget=8)
+    sched.mixed_steps = True
+    a = add(sched, [1, 2, 3], max_tokens=8)
+    step(sched)                                   # a's prompt
+    b = add(sched, range(10, 40), max_tokens=2)   # 30 prompt tokens: chunks of 7 beside a's row
+    chunks = []
+    while b.num_completion_tokens == 0:
+        before = a.num_completion_tokens
+        batch, advanced = step(sched)
+        assert batch.is_prefill and batch.seqs == [b, a] and a in advanced
+        assert a.num_completion_tokens == before + 1 and batch.num_tokens <= 8
+        chunks.append(batch.num_new_tokens[0])
+    assert chunks == [7, 7, 7, 7, 2]
+    batch, _ = step(sched)                        # no prompt work left: a plain decode step
+    assert not batch.is_prefill and batch.seqs == [b, a]   # (longest context first)
+    run_all(sched)
+    assert a.num_completion_tokens == 8 and b.num_completion_tokens == 2
+
+
+def test_mixed_steps_without_prompt_work_are_plain_decode_steps():
+    sched = make_sched(budget=2)
+    sched.mixed_steps = True
+    seqs = [add(sched, [i, i + 1], max_tokens=3) for i in range(3)]
+    batch, _ = step(sched)                        # a budget of 2: one prompt, one more chunk
+    assert batch.is_prefill and batch.num_tokens == 2
+    for batch in run_all(sched):
+        assert batch.num_tokens <= 2
+        if not batch.is_prefill:
+            assert all(n == 1 for n in batch.num_new_tokens)
+    assert all(s.num_completion_tokens == 3 for s in seqs)
+
+
 def test_admission_is_first_come_first_served_when_the_cache_is_short():
     sched = make_sched(num_blocks=4, block_size=4)
     a = add(sched, range(12), max_tokens=2)       # 3 blocks
@@ -381,9 +414,10 @@ class ShadowRun:
     different prefix is caught even when its own token ids match.
     """
 
-    def __init__(self, rng: random.Random, overlap: bool = False, forks: bool = False):
+    def __init__(self, rng: random.Random, overlap: bool = False, forks: bool = False, mixed: bool = False):
         self.rng = rng
         self.overlap = overlap      # schedule step n+1 before resolving step n's tokens
+        self.mixed = mixed          # decode rows ride along with prompt work (Scheduler mixed_steps)
         self.forks = forks          # some requests have n > 1 samples sharing the prompt's blocks
         self.last_tokens: list[int] = []  # what the previous fake step sampled ("on the device")
         self.bs = bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
@@ -397,7 +431,7 @@ class ShadowRun:
         vocab = rng.randint(2, 6)                  # tiny vocabulary: lots of equal blocks
         self.vocab = vocab
         self.bm = BlockManager(self.num_blocks, bs, self.prefix)
-        self.sched = Scheduler(self.bm, self.max_num_seqs, self.budget)
+        self.sched = Scheduler(self.bm, self.max_num_seqs, self.budget, mixed_steps=mixed)
         self.kv = [[None] * bs for _ in range(self.num_blocks)]
         self.trie: dict[tuple[int, int], int] = {}
         self.node_token = [None]
@@ -417,6 +451,9 @@ class ShadowRun:
         self.forked = 0
         self.copies = 0
         self.fresh_forks: set[int] = set()  # forked by the batch just scheduled, not launched yet
+        self.mixed_steps = 0  # prefill-shaped steps that also carried decode rows
+        self.decoders: list[Sequence] = []  # running sequences with one token to compute, before a schedule
+        self.waiting_before: set[int] = set()
 
     def _make_request(self, pools):
         rng = self.rng
@@ -581,6 +618,8 @@ class ShadowRun:
             while pending and pending[0][0] <= self.steps:
                 sched.add(pending.pop(0)[1])
             self.check_invariants()
+            self.decoders = [s for s in sched.running if s.num_uncomputed_tokens == 1]
+            self.waiting_before = {id(s) for s in sched.waiting}
             batch = sched.schedule()
             if batch is None and inflight is None:
                 assert not sched.has_unfinished(), f"deadlock: {list(sched.waiting)} {list(sched.running)}"
@@ -649,7 +688,9 @@ class ShadowRun:
             assert len(seq.block_table) >= bm.blocks_for(seq.num_cached_tokens + n), "scheduled token without a slot"
         for seq in batch.preempted:
             assert seq.status == SequenceStatus.WAITING and seq.block_table == [] and seq in sched.waiting
-        if not batch.is_prefill:
+        if self.mixed:
+            self.check_mixed_batch(batch)
+        elif not batch.is_prefill:
             assert all(n == 1 and s.num_uncomputed_tokens == 1 for s, n in zip(batch.seqs, batch.num_new_tokens))
             # decode runs every running sequence the budget / cap allows
             cap = min(self.max_num_seqs, self.budget)
@@ -658,6 +699,28 @@ class ShadowRun:
                 "decode with prefill pending"
         else:
             assert not batch.preempted
+
+    def check_mixed_batch(self, batch) -> None:
+        """Mixed steps: no decoding sequence waits for prompt work. Every sequence that had one
+        token to compute gets its row, unless it was preempted or the rows reached the cap; a
+        step with prompt work is prefill-shaped; a step that preempted admits nobody."""
+        sched = self.sched
+        cap = min(self.max_num_seqs, self.budget)
+        admitted = [s for s in batch.seqs if id(s) in self.waiting_before]
+        rows = [s for s in batch.seqs if s.num_uncomputed_tokens == 1 and id(s) not in self.waiting_before]
+        decoders = {id(s) for s in self.decoders}
+        assert all(id(s) in decoders for s in rows), "a decode row that was not decoding"
+        preempted = {id(s) for s in batch.preempted}
+        skipped = [s for s in self.decoders if id(s) not in preempted and s not in rows]
+        assert not skipped or len(rows) == cap, f"decoding sequences {skipped} wait although rows are free"
+        prompt = [s for s in batch.seqs if s.num_uncomputed_tokens > 1] + admitted
+        assert batch.is_prefill == bool(prompt), "prompt work must make the step prefill-shaped, and only it"
+        assert not (batch.preempted and admitted), "admitted in a step that preempted"
+        if not batch.is_prefill:
+            assert not any(s.num_uncomputed_tokens > 1 for s in sched.running if s not in batch.forks) \
+                or len(rows) == self.budget, "prompt work left out although the budget allows"
+        elif rows:
+            self.mixed_steps += 1
 
     def check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params
@@ -685,22 +748,24 @@ def _weak_hash(parent: int, token_ids) -> int:
     return (parent * 3 + sum(token_ids)) % 7
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
 @pytest.mark.parametrize("weak_hash", [False, True], ids=["xxhash", "colliding-hash"])
-def test_random_schedules_keep_every_invariant(weak_hash, overlap, monkeypatch):
+def test_random_schedules_keep_every_invariant(weak_hash, overlap, mixed, monkeypatch):
     n = int(os.environ.get("NANOVLLM_FUZZ_SCHEDULES", NUM_SCHEDULES_WEAK_HASH if weak_hash else NUM_SCHEDULES))
-    base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + (10**6 if weak_hash else 0)
+    base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + (10**6 if weak_hash else 0) + (5 * 10**6 if mixed else 0)
     if weak_hash:
         monkeypatch.setattr(bm_mod, "chain_hash", _weak_hash)
-    totals = dict(schedules=0, requests=0, steps=0, preemptions=0, hit_tokens=0, chunks=0, wasted_rows=0)
+    totals = dict(schedules=0, requests=0, steps=0, preemptions=0, hit_tokens=0, chunks=0, wasted_rows=0,
+                  mixed_steps=0)
     t0 = time.perf_counter()
     for i in range(n):
         seed = base + i
-        run = ShadowRun(random.Random(seed), overlap)
+        run = ShadowRun(random.Random(seed), overlap, mixed=mixed)
         try:
             run.run()
         except AssertionError as e:
-            raise AssertionError(f"schedule seed={seed} (overlap={overlap}, bs={run.bs}, blocks={run.num_blocks}, "
+            raise AssertionError(f"schedule seed={seed} (overlap={overlap}, mixed={mixed}, bs={run.bs}, blocks={run.num_blocks}, "
                                  f"budget={run.budget}, max_num_seqs={run.max_num_seqs}, "
                                  f"prefix={run.prefix}): {e}") from e
         totals["schedules"] += 1
@@ -710,6 +775,7 @@ def test_random_schedules_keep_every_invariant(weak_hash, overlap, monkeypatch):
         totals["hit_tokens"] += run.hit_tokens
         totals["chunks"] += run.chunks
         totals["wasted_rows"] += run.wasted_rows
+        totals["mixed_steps"] += run.mixed_steps
     print(f"\n{'colliding' if weak_hash else 'xxhash'}: {totals} in {time.perf_counter() - t0:.1f}s")
     assert totals["schedules"] == n
     if "NANOVLLM_FUZZ_SCHEDULES" not in os.environ and not weak_hash:
@@ -717,23 +783,25 @@ def test_random_schedules_keep_every_invariant(weak_hash, overlap, monkeypatch):
     # the generator must actually exercise the interesting paths
     assert totals["preemptions"] > 0 and totals["hit_tokens"] > 0 and totals["chunks"] > 0
     assert (totals["wasted_rows"] > 0) == overlap  # stops discovered after the next launch
+    assert (totals["mixed_steps"] > 0) == mixed
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["split", "mixed"])
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-order", "overlapped"])
-def test_random_schedules_with_parallel_sampling(overlap):
+def test_random_schedules_with_parallel_sampling(overlap, mixed):
     """The same shadow check with requests of n > 1 samples: the samples are forked when the
     prompt's last token is scheduled (in a prefill chunk or a decode row), share its full blocks,
     get a copy of its partly filled last block, run, get preempted and recomputed on their own,
     and every block comes back."""
     n = int(os.environ.get("NANOVLLM_FUZZ_SCHEDULES", 1000))
-    base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + 2 * 10**6
+    base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + 2 * 10**6 + (5 * 10**6 if mixed else 0)
     totals = dict(forked=0, copies=0, preemptions=0)
     for i in range(n):
-        run = ShadowRun(random.Random(base + i), overlap, forks=True)
+        run = ShadowRun(random.Random(base + i), overlap, forks=True, mixed=mixed)
         try:
             run.run()
         except AssertionError as e:
-            raise AssertionError(f"schedule seed={base + i} (overlap={overlap}, bs={run.bs}, blocks={run.num_blocks}, "
+            raise AssertionError(f"schedule seed={base + i} (overlap={overlap}, mixed={mixed}, bs={run.bs}, blocks={run.num_blocks}, "
                                  f"budget={run.budget}, max_num_seqs={run.max_num_seqs}, prefix={run.prefix}): {e}") from e
         totals["forked"] += run.forked
         totals["copies"] += run.copies

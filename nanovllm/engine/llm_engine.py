@@ -58,7 +58,8 @@ class LLMEngine:
         self.model_runner = self._start_model_runner(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.mixed_steps)
         self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len,
                                          release=self.model_runner.release)
         self.step_observers: list[Callable[[StepTiming], None]] = []

@@ -134,9 +134,7 @@ class ModelRunner:
             self.sampler.share_previous()
         every = None  # prefill: the hidden state of every packed token
         if step.is_prefill:
-            if step.src_rows is not None:
-                raise RuntimeError("internal error: a prefill step got a token that is still on the device")
-            ids, pos, meta, last = self.inputs.prefill(step)
+            ids, pos, meta, last = self.inputs.prefill(step, self.sampler.input_tokens)
             every = self.model(ids, pos, meta)
             hidden = every[last]
             if not step.prompt_rows:

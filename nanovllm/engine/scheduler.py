@@ -54,12 +54,22 @@ class Scheduler:
     A request with n > 1 is queued as its sample 0; the step that computes the last token of its
     prompt forks the other samples (BlockManager.fork), which then run as sequences of their
     own. Their rows are counted against max_num_seqs from the admission of sample 0 on.
+
+    `mixed_steps` (the server's policy, for latency): decoding sequences never wait for prompt
+    work. Every step first gives each decoding sequence its one token (preempting as a decode
+    step does), then spends what is left of the token budget on prompt chunks and admissions;
+    such a step is prefill-shaped (is_prefill, varlen) with one-token rows for the decoders.
+    A step with no prompt work is a plain decode step (CUDA graphs). No sequence is admitted in
+    a step that preempted one: the cache is short, and a sequence preempted just now may still
+    wait for its newest token.
     """
 
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 mixed_steps: bool = False):
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.mixed_steps = mixed_steps
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
@@ -77,7 +87,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step's work: pending prompt work first, else one decode token for everyone."""
+        """The next step's work: pending prompt work first, else one decode token for everyone
+        (with mixed_steps: decode tokens for everyone, then prompt work in the same step)."""
+        if self.mixed_steps:
+            return self._schedule_mixed()
         return self._schedule_prefill() or self._schedule_decode()
 
     def _rows_taken(self) -> int:
@@ -86,7 +99,16 @@ class Scheduler:
         return len(self.running) + unforked
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        budget = self.max_num_batched_tokens
+        seqs, counts = self._prompt_work(self.max_num_batched_tokens, admit=True)
+        if not seqs:
+            return None
+        batch = ScheduledBatch(seqs, counts, is_prefill=True)
+        self._fork_finished_prompts(batch)
+        return batch
+
+    def _prompt_work(self, budget: int, admit: bool) -> tuple[list[Sequence], list[int]]:
+        """Prompt chunks within `budget` tokens: first the rest of partly prefilled prompts, then
+        (`admit`) waiting sequences in arrival order while the sequence cap and free blocks allow."""
         seqs, counts = [], []
         for seq in self.running:
             if budget == 0:
@@ -97,7 +119,7 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
         bm = self.block_manager
-        while self.waiting and budget > 0 and \
+        while admit and self.waiting and budget > 0 and \
                 self._rows_taken() + 1 + len(self.waiting[0].pending_forks) <= self.max_num_seqs:
             seq = self.waiting[0]
             if not bm.can_allocate(seq):
@@ -112,14 +134,15 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-        if not seqs:
-            return None
-        batch = ScheduledBatch(seqs, counts, is_prefill=True)
+        return seqs, counts
+
+    def _fork_finished_prompts(self, batch: ScheduledBatch) -> None:
+        """Fork the pending samples of every row that computes the last token of its prompt
+        (a prefill chunk, or a decode row when a chunk left one token)."""
         if self._forking:
-            for i, (seq, n) in enumerate(zip(seqs, counts)):
+            for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
                 if seq.pending_forks and n == seq.num_uncomputed_tokens:
                     self._fork(batch, seq, i)
-        return batch
 
     def _fork(self, batch: ScheduledBatch, parent: Sequence, row: int) -> None:
         """`batch` computes the last prompt token of `parent` (row `row`): fork its pending
@@ -139,15 +162,40 @@ class Scheduler:
         self.block_manager.release_reserved(parent)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
+        scheduled, preempted = self._decode_rows()
+        if not scheduled:
+            return None
+        return self._decode_batch(scheduled, preempted)
+
+    def _decode_batch(self, scheduled: list[Sequence], preempted: list[Sequence]) -> ScheduledBatch:
+        # Rows longest context first: the Triton decode attention kernel starts its programs in
+        # row order, and the longest ones starting first shorten the tail (kernels/paged_decode.py;
+        # other backends do not care). Stable, and every length grows by one per step, so the
+        # order holds from step to step. Outputs of a step come in this order too.
+        scheduled.sort(key=len, reverse=True)
+        batch = ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
+        self._fork_finished_prompts(batch)
+        return batch
+
+    def _decode_rows(self) -> tuple[list[Sequence], list[Sequence]]:
+        """(decode rows, preempted): one token for each running sequence that has only its
+        newest token to compute, up to the sequence cap and the token budget, in queue order;
+        a row that needs a block and finds none preempts the newest running sequence (which
+        may be itself). Partly prefilled prompts (mixed steps only) are passed over."""
         bm = self.block_manager
         cap = min(self.max_num_seqs, self.max_num_batched_tokens)
         scheduled: list[Sequence] = []
         preempted: list[Sequence] = []
-        capacity = bm.block_size
+        kept: list[Sequence] = []  # what goes back to the front of the queue, in its order
+        capacity, mixed = bm.block_size, self.mixed_steps
         while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
+            if mixed and seq.num_uncomputed_tokens > 1:  # (split steps decode only when no prompt is pending)
+                kept.append(seq)  # a prompt being chunked (mixed steps): not a decode row
+                continue
             if len(seq) <= len(seq.block_table) * capacity:
                 scheduled.append(seq)  # the common case: the newest token fits its last block
+                kept.append(seq)
                 continue
             while not bm.can_append(seq):
                 # Recompute the newest sequence rather than this older one: it has done the
@@ -160,19 +208,18 @@ class Scheduler:
             else:
                 bm.append_slot(seq)
                 scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
-        if not scheduled:
-            return None
-        # Rows longest context first: the Triton decode attention kernel starts its programs in
-        # row order, and the longest ones starting first shorten the tail (kernels/paged_decode.py;
-        # other backends do not care). Stable, and every length grows by one per step, so the
-        # order holds from step to step. Outputs of a step come in this order too.
-        scheduled.sort(key=len, reverse=True)
-        batch = ScheduledBatch(scheduled, [1] * len(scheduled), is_prefill=False, preempted=preempted)
-        if self._forking:  # a prompt whose last token a chunk left over is computed as a decode row
-            for i, seq in enumerate(scheduled):
-                if seq.pending_forks and seq.num_uncomputed_tokens == 1:
-                    self._fork(batch, seq, i)
+                kept.append(seq)
+        self.running.extendleft(reversed(kept))
+        return scheduled, preempted
+
+    def _schedule_mixed(self) -> ScheduledBatch | None:
+        """Decode rows first, then prompt work in the rest of the budget (see the class doc)."""
+        decoding, preempted = self._decode_rows()
+        seqs, counts = self._prompt_work(self.max_num_batched_tokens - len(decoding), admit=not preempted)
+        if not seqs:
+            return self._decode_batch(decoding, preempted) if decoding else None
+        batch = ScheduledBatch(seqs + decoding, counts + [1] * len(decoding), is_prefill=True, preempted=preempted)
+        self._fork_finished_prompts(batch)
         return batch
 
     def _preempt(self, seq: Sequence) -> None:

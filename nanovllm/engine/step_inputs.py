@@ -23,8 +23,9 @@ class StepInput:
 
     token_ids[i]: the new tokens of sequence i (decode: just its last token); start_pos[i]: how
     many of its tokens are already in the KV cache; block_tables[i]: its KV blocks; src_rows
-    (decode only, None when all tokens are known): for each sequence, the row of the previous
-    step's sampled tokens that holds its input token, or -1 to use token_ids.
+    (None when all tokens are known): for each sequence, the row of the previous step's sampled
+    tokens that holds its last new token, or -1 to use token_ids. Only a sequence that computes
+    just its newest token has one: a decode row, also in a mixed (prefill-shaped) step.
 
     Rarer extras (None when unused): fork_rows, the rows whose hidden state the samples forked in
     this step sample from (their sampling rows follow the sequences'); block_copies, the (src,
@@ -166,8 +167,10 @@ class StepInputs:
         # copy waits for the GPU to drain its queue, which would undo overlap scheduling.
         return host_to_device(data, dtype, self.device, self.pin)
 
-    def prefill(self, step: StepInput):
-        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row."""
+    def prefill(self, step: StepInput, input_tokens=None):
+        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row.
+        With `step.src_rows` (decode rows of a mixed step), `input_tokens(ids, src)` takes their
+        tokens from the device (TokenSampler.input_tokens), src holding a row per packed token."""
         bs = self.block_size
         q_lens = np.fromiter(map(len, step.token_ids), dtype=np.int64, count=len(step.token_ids))
         starts = np.asarray(step.start_pos, dtype=np.int64)
@@ -187,7 +190,18 @@ class StepInputs:
         table_tensor = self._to_device(tables, torch.int32) if has_prefix else None
         slot_mapping = self._to_device(slots, torch.int32)
         meta = prefill_metadata(q_list, k_list, slot_mapping, table_tensor, self.device, self.pin)
+        if has_prefix and self.backend_name == "triton":
+            # The decode rows of a mixed step come last: the paged decode kernel takes them.
+            ones = np.flatnonzero(q_lens != 1)
+            meta.num_decode_rows = len(q_list) - (int(ones[-1]) + 1 if ones.size else 0)
+            if meta.num_decode_rows:
+                meta.num_splits = self.num_splits(meta.num_decode_rows, width)
         ids = self._to_device(list(itertools.chain.from_iterable(step.token_ids)), torch.long)
+        if step.src_rows is not None:
+            # The pending token of a row is its last new token (and its only one).
+            src = np.full(int(cu_q[-1]), -1, dtype=np.int64)
+            src[cu_q - 1] = step.src_rows
+            ids = input_tokens(ids, self._to_device(src, torch.long))
         return ids, self._to_device(positions, torch.long), meta, self._to_device(cu_q - 1, torch.long)
 
     def decode(self, step: StepInput, padded_bs: int, input_tokens):

@@ -20,6 +20,7 @@ bitwise the same K/V as the first computation did. The flash_attn backend takes 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import logging
@@ -198,6 +199,8 @@ class TritonBackend(_TritonKVStore):
         if not meta.is_prefill:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                 num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
+        if meta.num_decode_rows:
+            return self._mixed(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
         if q.dtype == torch.float32:
             # aten's FlashAttention kernel takes only fp16/bf16; fp32 (tests) uses the reference.
             return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
@@ -223,6 +226,25 @@ class TritonBackend(_TritonKVStore):
             rows = slice(cu_q_host[a], cu_q_host[b])
             out[rows] = self._flash(q[rows], kk, vv, cu_q, cu_k, max(meta.query_lens[a:b]), max(meta.kv_lens[a:b]),
                                     scale)
+        return out
+
+    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale):
+        """A prefill step whose last rows are one-token decode rows (a mixed step): those attend
+        through the paged decode kernel, reading the cache in place as a decode step does; the
+        prefill path would first gather each one's whole context into a contiguous copy."""
+        d = meta.num_decode_rows
+        p, t = len(meta.query_lens) - d, q.size(0) - d  # prefill rows, and their packed tokens
+        out = torch.empty_like(q)
+        out[t:] = self._decode(q[t:], k_cache, v_cache, meta.block_tables[p:], meta.context_lens[p:], scale,
+                               num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
+        if p:
+            ql, kl = meta.query_lens[:p], meta.kv_lens[:p]
+            head = dataclasses.replace(
+                meta, slot_mapping=meta.slot_mapping[:t], context_lens=meta.context_lens[:p],
+                block_tables=meta.block_tables[:p], cu_seqlens_q=meta.cu_seqlens_q[:p + 1],
+                cu_seqlens_k=meta.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
+                has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
+            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, head, scale, k_scale, v_scale)
         return out
 
     @staticmethod

@@ -22,6 +22,9 @@ class AttentionMetadata:
         tokens (prefix hit or an earlier chunk), so K/V must be read from the paged cache.
     query_lens / kv_lens: the same lengths as host lists, for backends that loop on the host.
     num_splits: how many KV splits the Triton decode kernel uses (fixed per captured batch size).
+    num_decode_rows (prefill only; set for the triton backend): the last this many sequences
+        have one new token each and cached K/V (the decode rows of a mixed step); they attend
+        through the paged decode kernel, with num_splits splits.
     """
 
     is_prefill: bool
@@ -36,6 +39,7 @@ class AttentionMetadata:
     query_lens: list[int] | None = None
     kv_lens: list[int] | None = None
     num_splits: int = 1
+    num_decode_rows: int = 0
 
 
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:

@@ -1,0 +1,201 @@
+"""Serving benchmark: N concurrent streaming clients against `python -m nanovllm.serve`.
+
+    python benchmarks/serve_bench.py --dummy qwen3-0.6b --clients 64 --out serve.json
+    python benchmarks/serve_bench.py --model /path/to/ckpt --clients 16 --requests 64 --offline none
+
+It starts the server itself (a subprocess on 127.0.0.1, on a free port), sends a warm-up round,
+then the workload: bench.py's requests (random.seed(0); prompts of randint(100, 1024) token ids
+below 10,000; max_tokens randint(100, 1024); ignore_eos), `--requests` of them, taken in order
+by `--clients` concurrent clients (each sends its next request when the last one ends: a closed
+loop). Each is a streaming /v1/completions request with token-id prompts and
+`return_token_ids`, so every chunk is one engine step's token of it. It stops the server and
+then, unless `--offline none`, runs the same requests through the offline `LLM.generate` in
+this process (split steps, and with `--offline both` also mixed steps), for the throughput ratio.
+
+Reported (JSON, `--out`, and printed): output tokens per second over the whole run, requests
+per second, time to first token (send -> first token chunk), inter-token latency (gaps between a
+request's successive token chunks, pooled over all requests) and end-to-end latency, each as
+mean / p50 / p90 / p99 in milliseconds (seconds for end-to-end). With `--dummy` the model has
+random weights (load_format="dummy") and no tokenizer (skip_tokenizer_init): token ids in,
+token ids out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, ROOT)
+
+DUMMY_CONFIGS = {name: os.path.join(HERE, "configs", name)
+                 for name in ("qwen3-0.6b", "qwen3-8b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-30b-a3b")}
+
+
+def workload(num: int, vocab: int, min_in: int = 100, max_in: int = 1024, min_out: int = 100, max_out: int = 1024):
+    """bench.py's requests ((prompt ids, max_tokens) in its RNG order), token ids below the
+    vocabulary for a model smaller than 10,000 tokens."""
+    random.seed(0)
+    hi = min(10000, vocab - 1)
+    prompts = [[random.randint(0, hi) for _ in range(random.randint(min_in, max_in))] for _ in range(num)]
+    max_tokens = [random.randint(min_out, max_out) for _ in range(num)]
+    return prompts, max_tokens
+
+
+def percentiles(xs: list[float], scale: float = 1.0) -> dict:
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+
+    def q(p):  # nearest rank
+        return s[min(len(s) - 1, max(0, int(round(p / 100 * len(s) + 0.5)) - 1))] * scale
+
+    return {"n": len(s), "mean": statistics.fmean(s) * scale, "p50": q(50), "p90": q(90), "p99": q(99),
+            "max": s[-1] * scale}
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streaming completion; its timings (perf_counter seconds) and token count."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.6, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    sent = time.perf_counter()
+    stamps, tokens, finish = [], 0, None
+    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread()).decode()[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            if "error" in data:
+                raise RuntimeError(f"stream error: {data['error']}")
+            for choice in data["choices"]:
+                n = len(choice.get("token_ids") or ())
+                if n:
+                    stamps.append(time.perf_counter())
+                    tokens += n
+                finish = choice.get("finish_reason") or finish
+    if tokens != max_tokens:
+        raise RuntimeError(f"got {tokens} tokens of {max_tokens} (finish_reason {finish})")
+    return {"sent": sent, "stamps": stamps, "tokens": tokens}
+
+
+async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout: float) -> tuple[list[dict], float]:
+    """Closed loop: `clients` workers take the next request in order until none is left."""
+    import httpx
+
+    results: list[dict | None] = [None] * len(prompts)
+    next_index = iter(range(len(prompts)))
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
+        async def worker():
+            for i in next_index:
+                results[i] = await one_request(client, url, model, prompts[i], max_tokens[i])
+
+        t0 = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout)
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+def summarize(results: list[dict], wall: float) -> dict:
+    ttft = [r["stamps"][0] - r["sent"] for r in results]
+    itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
+    e2e = [r["stamps"][-1] - r["sent"] for r in results]
+    out = sum(r["tokens"] for r in results)
+    return {"wall_s": wall, "output_tokens": out, "output_tok_s": out / wall, "requests_per_s": len(results) / wall,
+            "ttft_ms": percentiles(ttft, 1e3), "itl_ms": percentiles(itl, 1e3), "e2e_s": percentiles(e2e)}
+
+
+def run_server(args, path: str, prompts, max_tokens) -> dict:
+    from nanovllm.serve import ServerProcess
+
+    server_args = shlex.split(args.server_args)
+    if args.dummy:
+        server_args = ["--load-format", "dummy", "--skip-tokenizer-init"] + server_args
+    t = time.perf_counter()
+    with ServerProcess(path, server_args + ["--log-level", "warning"], timeout=args.startup_timeout, cwd=ROOT) as server:
+        startup = time.perf_counter() - t
+        # Warm-up: one round of short requests at full concurrency (kernels JIT, allocator).
+        warm_p, warm_t = workload(args.clients, args.vocab, 16, 64, 8, 16)
+        asyncio.run(drive(server.url, path, warm_p, warm_t, args.clients, args.timeout))
+        results, wall = asyncio.run(drive(server.url, path, prompts, max_tokens, args.clients, args.timeout))
+        rc = server.stop(60)
+    report = summarize(results, wall)
+    report.update(startup_s=startup, exit_code=rc)
+    return report
+
+
+def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
+    from nanovllm import LLM, SamplingParams
+
+    from nanovllm.serve import build_parser, llm_options
+
+    # The server's LLM options, parsed by the server's own parser: the same engine.
+    server_args = shlex.split(args.server_args)
+    if args.dummy:
+        server_args = ["--load-format", "dummy", "--skip-tokenizer-init"] + server_args
+    options = llm_options(build_parser().parse_args([path, *server_args]))
+    options["mixed_steps"] = mixed
+    llm = LLM(path, **options)
+    try:
+        sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+        llm.generate(prompts[:args.clients], sps[:args.clients], use_tqdm=False)  # warm-up
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sps, use_tqdm=False)
+        seconds = time.perf_counter() - t
+    finally:
+        llm.shutdown()
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--dummy", choices=sorted(DUMMY_CONFIGS), help="real model shape, random weights, no tokenizer")
+    src.add_argument("--model", help="a checkpoint folder")
+    ap.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
+    ap.add_argument("--requests", type=int, default=256, help="requests in the timed run")
+    ap.add_argument("--min-input", type=int, default=100)
+    ap.add_argument("--max-input", type=int, default=1024)
+    ap.add_argument("--min-output", type=int, default=100)
+    ap.add_argument("--max-output", type=int, default=1024)
+    ap.add_argument("--server-args", default="", help="more flags for the server (LLM options), one string")
+    ap.add_argument("--offline", choices=["split", "both", "none"], default="split",
+                    help="also run the requests through LLM.generate: split steps, split and mixed, or not")
+    ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole timed run")
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
+    ap.add_argument("--out", help="write the JSON report here")
+    args = ap.parse_args(argv)
+    path = DUMMY_CONFIGS[args.dummy] if args.dummy else args.model
+    with open(os.path.join(path, "config.json")) as f:
+        args.vocab = json.load(f)["vocab_size"]
+    prompts, max_tokens = workload(args.requests, args.vocab, args.min_input, args.max_input, args.min_output,
+                                   args.max_output)
+    report = {"model": args.dummy or path, "clients": args.clients, "requests": args.requests,
+              "prompt_tokens": sum(map(len, prompts)), "server_args": args.server_args,
+              "server": run_server(args, path, prompts, max_tokens)}
+    if args.offline != "none":
+        report["offline"] = run_offline(args, path, prompts, max_tokens, mixed=False)
+        report["server_vs_offline"] = report["server"]["output_tok_s"] / report["offline"]["output_tok_s"]
+    if args.offline == "both":
+        report["offline_mixed"] = run_offline(args, path, prompts, max_tokens, mixed=True)
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""OpenAI's API as nano-vllm serves it: request bodies (validated by pydantic), their mapping onto
+`SamplingParams`, and the JSON of responses, stream chunks, logprobs, usage and errors.
+
+Request bodies take OpenAI's fields plus vLLM's extra sampling fields (what the official client
+sends through `extra_body`: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...).
+Fields of the wrong type and unknown fields are refused (HTTP 400 naming them), never dropped.
+No HTTP here: serve.py is the server.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict
+
+from nanovllm.outputs import Logprob
+from nanovllm.sampling_params import SamplingParams
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk
+
+
+class _Sampling(_Body):
+    """The fields both endpoints share. None means "the default": the model's generation
+    defaults (generation_config.json) for temperature, top_p, top_k, min_p and
+    repetition_penalty, as vLLM does; SamplingParams' defaults otherwise."""
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted, unused
+    # vLLM's extra sampling fields
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # vLLM's: each choice also carries its token ids (and the prompt's), stream chunks their new ones
+    return_token_ids: bool | None = False
+
+    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The SamplingParams this request asks for (ValueError / TypeError as SamplingParams
+        raises them). `max_tokens` None: a placeholder of 1, replaced once the prompt's length
+        is known (EngineRequest.fill_max_tokens)."""
+        kw = dict(defaults)
+        for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty", "stop", "seed", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
+                     "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "allowed_token_ids", "bad_words"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return SamplingParams(n=self.n, max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs, **kw)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions. `logprobs` (0..max_logprobs): the legacy format's top tokens."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool | None = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def check(self) -> None:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo together with logprobs is not supported")
+        if self.max_tokens is None:
+            raise ValueError("max_tokens must be an integer >= 1")
+
+    def prompts(self) -> list:
+        """The prompts: one text or token-id list each."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise ValueError("prompt must not be empty")
+        return list(p)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def as_template_message(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for it
+        out = {"role": role, "content": content}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions. `logprobs` (bool) with `top_logprobs` (0..20) most likely
+    tokens; `chat_template_kwargs` (vLLM's) go to the template (e.g. enable_thinking)."""
+
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if self.tools:
+            raise ValueError("tools are not supported")
+        if self.tool_choice not in (None, "none"):
+            raise ValueError("tool_choice is not supported")
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than {'type': 'text'} is not supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        if not self.messages:
+            raise ValueError("messages must not be empty")
+
+    @property
+    def output_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+# ---------------------------------------------------------------------------- responses
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict:
+    """OpenAI's error JSON."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _top(entry: dict[int, Logprob], k: int) -> list[Logprob]:
+    """The k most likely tokens of one position's {token id: Logprob} (the sampled token comes
+    first in it, whatever its rank)."""
+    return sorted(entry.values(), key=lambda lp: lp.rank if lp.rank is not None else 1 << 62)[:k]
+
+
+class LegacyLogprobs:
+    """The completions endpoint's logprobs ({tokens, token_logprobs, top_logprobs,
+    text_offset}), built up as tokens arrive; `offset` is where the text starts."""
+
+    def __init__(self, k: int, offset: int = 0):
+        self.k, self.offset = k, offset
+        self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
+
+    def add(self, entries: list[dict[int, Logprob]]) -> dict:
+        """Append these positions; returns the JSON of just them (a stream chunk's)."""
+        start = len(self.tokens)
+        for entry in entries:
+            chosen = next(iter(entry.values()))
+            text = chosen.decoded_token or ""
+            self.tokens.append(text)
+            self.token_logprobs.append(chosen.logprob)
+            self.top_logprobs.append({(lp.decoded_token or ""): lp.logprob for lp in _top(entry, self.k)}
+                                     if self.k else {})
+            self.text_offset.append(self.offset)
+            self.offset += len(text)
+        return self.json(start)
+
+    def json(self, start: int = 0) -> dict:
+        return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
+                "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
+
+
+def _token_json(lp: Logprob) -> dict:
+    text = lp.decoded_token or ""
+    return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(entries: list[dict[int, Logprob]], k: int) -> list[dict]:
+    """The chat endpoint's logprobs content items of these positions."""
+    out = []
+    for entry in entries:
+        item = _token_json(next(iter(entry.values())))
+        item["top_logprobs"] = [_token_json(lp) for lp in _top(entry, k)] if k else []
+        out.append(item)
+    return out

@@ -1,0 +1,454 @@
+"""The OpenAI-compatible server (`python -m nanovllm.serve`), driven by the official `openai`
+client against a server subprocess on 127.0.0.1 (a free port: the server binds port 0 and
+prints it) on a tiny random checkpoint (CPU, fp32). One server for the module; the last test
+stops it with SIGTERM. What is checked:
+
+1. completions and chat, streaming and not, give exactly the tokens, text and logprobs that the
+   offline LLM.generate / LLM.chat give for the same request (greedy; n=2 and seeded sampling
+   too; stop strings with their finish reason); usage counts; OpenAI's chunk format, the usage
+   chunk and `data: [DONE]`;
+2. 32 concurrent greedy streams (the async client) all complete with generate's tokens;
+3. a client that disconnects mid-stream gets its request aborted: /health's free KV blocks are
+   back to all of them within a deadline;
+4. bad requests get 400 (404 for an unknown model) with OpenAI's error JSON, and the server
+   keeps serving;
+5. SIGTERM, with a stream in flight, ends the server (a tensor-parallel one, so that it has a
+   child process) with exit code 0 within a deadline, and no child process outlives it.
+
+In process (no HTTP): the engine loop holds the LLM (generate() raises while it runs), aborts
+free blocks, and the flags cover every Config field. Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
+
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.serve import ServerProcess  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BLOCKS = 128
+# On the CPU also on a GPU machine: the offline engine it is compared with computes the same fp32 numbers.
+SERVER_ARGS = ["--device", "cpu", "--kvcache-block-size", str(BLOCK), "--num-kvcache-blocks", str(BLOCKS),
+               "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--log-level", "warning"]
+IGNORE_EOS = {"ignore_eos": True, "return_token_ids": True}
+DEADLINE_S = 60.0  # any single request
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")  # this checkout's nanovllm
+    return env
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory, "gqa")
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    proc = ServerProcess(ckpt, SERVER_ARGS, timeout=180, cwd=ROOT, env=_env())
+    yield proc
+    proc.stop(30)
+
+
+@pytest.fixture(scope="module")
+def offline(ckpt):
+    """The offline engine with the server's options (but mixed steps: generate's default)."""
+    llm = make_llm(ckpt, device="cpu", num_kvcache_blocks=BLOCKS, max_num_seqs=64, max_num_batched_tokens=256)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=DEADLINE_S, max_retries=0)
+
+
+def health(server) -> dict:
+    return httpx.get(server.url + "/health", timeout=10).json()
+
+
+def wait_idle(server, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = health(server)
+        if h["free_kv_blocks"] == h["num_kv_blocks"] and h["requests"] == 0:
+            return h
+        assert time.monotonic() < deadline, f"KV blocks not all free within {timeout} s: {h}"
+        time.sleep(0.05)
+
+
+# ---------------------------------------------------------------------------- basics
+def test_models_and_health(server, client, ckpt):
+    models = client.models.list().data
+    assert [m.id for m in models] == [ckpt]
+    h = health(server)
+    assert h["status"] == "ok" and h["num_kv_blocks"] == BLOCKS and h["free_kv_blocks"] == BLOCKS
+
+
+def test_completion_matches_generate(client, offline, ckpt):
+    prompt = rand_ids(11, seed=1)
+    out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
+    ref = offline.generate([prompt], greedy(12), use_tqdm=False)[0].outputs[0]
+    choice = out.choices[0]
+    assert choice.token_ids == ref.token_ids and choice.text == ref.text
+    assert choice.finish_reason == "length" and choice.index == 0
+    assert out.usage.prompt_tokens == 11 and out.usage.completion_tokens == 12 and out.usage.total_tokens == 23
+    assert out.object == "text_completion" and out.model == ckpt
+    # a text prompt, tokenized by the server as generate tokenizes it
+    text = "Hello world, nano"
+    out = client.completions.create(model=ckpt, prompt=text, max_tokens=6, temperature=0, extra_body=IGNORE_EOS)
+    ref = offline.generate(text, greedy(6), use_tqdm=False)[0]
+    assert out.choices[0].text == ref.outputs[0].text and out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_completion_of_several_prompts_with_n2_and_seed(client, offline, ckpt):
+    prompts = [rand_ids(5, seed=2), rand_ids(9, seed=3)]
+    body = dict(model=ckpt, prompt=prompts, max_tokens=8, temperature=1.0, n=2, seed=1234, extra_body=IGNORE_EOS)
+    out = client.completions.create(**body)
+    sp = SamplingParams(temperature=1.0, n=2, seed=1234, max_tokens=8, ignore_eos=True)
+    ref = offline.generate(prompts, sp, use_tqdm=False)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    assert [c.token_ids for c in out.choices] == [c.token_ids for r in ref for c in r.outputs]
+    assert out.usage.prompt_tokens == 14 and out.usage.completion_tokens == 32
+    again = client.completions.create(**body)  # the seed makes it reproducible
+    assert [c.token_ids for c in again.choices] == [c.token_ids for c in out.choices]
+
+
+def test_sampling_fields_reach_the_engine(client, offline, ckpt):
+    prompt = rand_ids(8, seed=11)
+    # logit_bias (OpenAI's string keys) forces a token; top_k / repetition_penalty / min_tokens come
+    # through extra_body as vLLM's fields; penalties as OpenAI's
+    out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=5, temperature=0, logit_bias={"42": 100},
+                                    extra_body=IGNORE_EOS)
+    assert out.choices[0].token_ids == [42] * 5
+    fields = dict(temperature=0.7, top_p=0.9, seed=5, presence_penalty=0.5, frequency_penalty=0.3)
+    extra = dict(top_k=20, min_p=0.05, repetition_penalty=1.2, **IGNORE_EOS)
+    out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=10, extra_body=extra, **fields)
+    sp = SamplingParams(max_tokens=10, ignore_eos=True, top_k=20, min_p=0.05, repetition_penalty=1.2, **fields)
+    assert out.choices[0].token_ids == offline.generate([prompt], sp, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_completion_streaming_gives_the_same_text_and_a_usage_chunk(client, offline, ckpt):
+    prompt = rand_ids(7, seed=4)
+    ref = offline.generate([prompt], greedy(16), use_tqdm=False)[0].outputs[0]
+    chunks = list(client.completions.create(model=ckpt, prompt=prompt, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    assert all(c.object == "text_completion" for c in chunks)
+    body, last = chunks[:-1], chunks[-1]
+    assert "".join(c.choices[0].text for c in body) == ref.text
+    assert [t for c in body for t in c.choices[0].token_ids] == ref.token_ids
+    assert [c.choices[0].finish_reason for c in body] == [None] * (len(body) - 1) + ["length"]
+    assert all(c.usage is None for c in body)
+    assert last.choices == [] and last.usage.completion_tokens == 16 and last.usage.prompt_tokens == 7
+
+
+def test_streams_end_with_done(server, ckpt):
+    lines = []
+    body = {"model": ckpt, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line:
+                lines.append(line)
+    assert lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_stop_strings(client, offline, ckpt):
+    prompt = rand_ids(6, seed=5)
+    full = offline.generate([prompt], greedy(24), use_tqdm=False)[0].outputs[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    assert stop, full
+    ref = offline.generate([prompt], greedy(24, stop=[stop]), use_tqdm=False)[0].outputs[0]
+    assert ref.finish_reason == "stop"
+    for stream in (False, True):
+        out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=24, temperature=0, stop=[stop],
+                                        stream=stream, extra_body=IGNORE_EOS)
+        choices = [c.choices[0] for c in out] if stream else out.choices
+        assert "".join(c.text for c in choices) == ref.text
+        assert choices[-1].finish_reason == "stop" and stop not in ref.text
+
+
+def test_completion_logprobs_equal_generate(client, offline, ckpt):
+    prompt = rand_ids(9, seed=6)
+    out = client.completions.create(model=ckpt, prompt=prompt, max_tokens=6, temperature=0, logprobs=3,
+                                    extra_body=IGNORE_EOS)
+    ref = offline.generate([prompt], greedy(6, logprobs=3), use_tqdm=False)[0].outputs[0]
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    for i, (token, entry) in enumerate(zip(ref.token_ids, ref.logprobs)):
+        chosen = entry[token]
+        # the same computation (a lone request: the same steps), so equal up to the JSON round trip
+        assert lp.token_logprobs[i] == pytest.approx(chosen.logprob, abs=1e-6)
+        assert lp.tokens[i] == chosen.decoded_token
+        top = sorted(entry.values(), key=lambda x: x.rank)[:3]
+        assert lp.top_logprobs[i] == {x.decoded_token: pytest.approx(x.logprob, abs=1e-6) for x in top}
+    offsets = lp.text_offset
+    assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp.tokens))
+
+
+# ---------------------------------------------------------------------------- chat
+MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list the primes below 30"}]
+
+
+def test_chat_matches_llm_chat(client, offline, ckpt):
+    ref = offline.chat(MESSAGES, greedy(10, logprobs=2), use_tqdm=False)[0]
+    out = client.chat.completions.create(model=ckpt, messages=MESSAGES, max_completion_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS)
+    choice = out.choices[0]
+    assert out.object == "chat.completion" and choice.message.role == "assistant"
+    assert choice.message.content == ref.outputs[0].text and choice.token_ids == ref.outputs[0].token_ids
+    assert choice.finish_reason == "length"
+    assert out.usage.prompt_tokens == len(ref.prompt_token_ids) and out.usage.completion_tokens == 10
+    for item, token, entry in zip(choice.logprobs.content, ref.outputs[0].token_ids, ref.outputs[0].logprobs):
+        assert item.logprob == pytest.approx(entry[token].logprob, abs=1e-6) and item.token == entry[token].decoded_token
+        assert [t.logprob for t in item.top_logprobs] == pytest.approx(
+            sorted((x.logprob for x in entry.values()), reverse=True)[:2], abs=1e-6)
+    # streaming: a role chunk first, then the same text; max_tokens (the older name) also works
+    chunks = list(client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body=IGNORE_EOS))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref.outputs[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_chat_n2_streams_both_choices(client, offline, ckpt):
+    sp = SamplingParams(temperature=0.8, n=2, seed=7, max_tokens=8, ignore_eos=True)
+    ref = offline.chat(MESSAGES, sp, use_tqdm=False)[0]
+    chunks = list(client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=8, temperature=0.8, n=2,
+                                                 seed=7, stream=True, extra_body=IGNORE_EOS))
+    for j in range(2):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == j]
+        assert [t for c in mine for t in (c.token_ids or [])] == ref.outputs[j].token_ids
+        assert mine[-1].finish_reason == "length"
+
+
+# ---------------------------------------------------------------------------- concurrency
+def test_32_concurrent_greedy_streams_match_generate(client, offline, server, ckpt):
+    prompts = [rand_ids(3 + (7 * i) % 40, seed=100 + i) for i in range(32)]
+    lengths = [4 + i % 9 for i in range(32)]
+    ref = offline.generate(prompts, [greedy(n) for n in lengths], use_tqdm=False)
+    aclient = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", timeout=DEADLINE_S, max_retries=0)
+
+    async def one(prompt, n):
+        ids, finish = [], None
+        stream = await aclient.completions.create(model=ckpt, prompt=prompt, max_tokens=n, temperature=0,
+                                                  stream=True, extra_body=IGNORE_EOS)
+        async for chunk in stream:
+            ids.extend(chunk.choices[0].token_ids)
+            finish = chunk.choices[0].finish_reason or finish
+        return ids, finish
+
+    async def all_of_them():
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths))), 120)
+        finally:
+            await aclient.close()
+
+    got = asyncio.run(all_of_them())
+    for i, ((ids, finish), r) in enumerate(zip(got, ref)):
+        assert ids == r.outputs[0].token_ids, f"stream {i}"
+        assert finish == "length"
+    wait_idle(server)
+
+
+def test_a_client_that_disconnects_gets_its_blocks_freed(server, ckpt):
+    wait_idle(server)
+    body = {"model": ckpt, "prompt": rand_ids(40, seed=8), "max_tokens": 400, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    held = None
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+        assert r.status_code == 200
+        for i, _ in enumerate(r.iter_lines()):
+            if i == 10:  # some tokens arrived: the request holds KV blocks now
+                held = health(server)
+                break
+    # leaving the block closed the connection mid-stream
+    assert held is not None and held["free_kv_blocks"] < BLOCKS and held["requests"] == 1, held
+    idle = wait_idle(server, timeout=15)
+    assert idle["steps"] - held["steps"] < 350, "the request ran on instead of being aborted"
+
+
+# ---------------------------------------------------------------------------- errors
+BAD_BODIES = [
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),          # a field of the wrong type
+    ({"prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    ({"prompt": "x", "n": True}, "n"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "no_such_field": 1}, "no_such_field"),            # unknown fields are refused
+    ({"prompt": "x", "max_tokens": 100000}, "max_model_len"),          # too long
+    ({"prompt": "x", "temperature": -1}, "temperature"),               # SamplingParams' checks
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "logprobs": 1000}, "max_logprobs"),
+    ({"prompt": [10**9]}, "vocabulary"),                               # the engine's prompt checks
+    ({"prompt": ""}, "empty"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
+]
+
+
+@pytest.mark.parametrize("body,needle", BAD_BODIES, ids=[n for _, n in BAD_BODIES])
+def test_bad_requests_get_400_with_a_message(server, ckpt, body, needle):
+    r = httpx.post(server.url + "/v1/completions", json={"model": ckpt, **body}, timeout=DEADLINE_S)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert needle in err["message"] or err["param"] == needle, err
+
+
+def test_bad_requests_through_the_client_and_the_server_keeps_serving(client, server, ckpt):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=ckpt, prompt="x", max_tokens=10**6)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=ckpt, messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=2, temperature=-3)
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert e.value.status_code == 404 and "no-such-model" in str(e.value)
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json", timeout=10,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.get(server.url + "/v1/nothing", timeout=10).status_code == 404
+    out = client.completions.create(model=ckpt, prompt="still here", max_tokens=3, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    wait_idle(server)
+
+
+# ---------------------------------------------------------------------------- in process
+def test_the_engine_loop_owns_the_llm_and_aborts_free_blocks(offline):
+    from nanovllm.engine.async_engine import Accepted, Delta, EngineLoop, EngineRequest, Failed, Finished
+
+    events, arrived = [], threading.Event()
+
+    def sink(event):
+        events.append(event)
+        arrived.set()
+
+    loop = EngineLoop(offline)
+    loop.start()
+    try:
+        with pytest.raises(RuntimeError, match="already generating"):
+            offline.generate([[1, 2, 3]], greedy(2), use_tqdm=False)
+        done = EngineRequest(rand_ids(5, seed=9), greedy(3), sink)
+        long = EngineRequest(rand_ids(5, seed=10), greedy(400), sink)
+        bad = EngineRequest([1, 2], SamplingParams(max_tokens=10**6), sink)
+        loop.submit([done])
+        loop.submit([long])
+        loop.submit([bad])
+        deadline = time.monotonic() + 30
+        while not (any(isinstance(e, Finished) for e in events) and any(isinstance(e, Failed) for e in events)):
+            assert arrived.wait(max(0.0, deadline - time.monotonic())), f"no events in time: {events}"
+            arrived.clear()
+        loop.abort(long)
+        while loop.stats.free_kv_blocks != loop.stats.num_kv_blocks or loop.stats.requests:
+            assert time.monotonic() < deadline, loop.stats
+            time.sleep(0.01)
+        assert isinstance(events[0], Accepted)
+        deltas = [e for e in events if isinstance(e, Delta)]
+        assert sum(len(d.token_ids) for d in deltas if d.finish_reason is not None) >= 1
+        assert isinstance(next(e for e in events if isinstance(e, Failed)).error, ValueError)
+    finally:
+        loop.stop()
+    assert not loop.running
+    assert offline.generate([[1, 2, 3]], greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_every_config_field_is_a_flag():
+    from nanovllm.serve import build_parser, config_fields, llm_options
+
+    parser = build_parser()
+    flags = {a.dest: a for a in parser._actions}
+    for f in config_fields():
+        assert f.name in flags and flags[f.name].help, f"LLM option {f.name} has no flag"
+    args = parser.parse_args(["/m", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--dtype", "float16",
+                              "--gpu-memory-utilization", "0.5"])
+    assert llm_options(args) == {"max_num_seqs": 7, "enable_prefix_caching": False, "dtype": "float16",
+                                 "gpu_memory_utilization": 0.5, "mixed_steps": True}
+    assert llm_options(parser.parse_args(["/m", "--no-mixed-steps"])) == {"mixed_steps": False}
+
+
+def test_serve_bench_runs_and_reports(ckpt, tmp_path):
+    """benchmarks/serve_bench.py end to end on the tiny model (a few short requests): its own
+    server, the JSON report, and offline generate on the same requests."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import serve_bench
+
+    out = tmp_path / "serve.json"
+    assert serve_bench.main(["--model", ckpt, "--clients", "3", "--requests", "5", "--min-input", "4",
+                             "--max-input", "30", "--min-output", "3", "--max-output", "9", "--out", str(out),
+                             "--server-args", f"--device cpu --kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
+    report = json.loads(out.read_text())
+    s = report["server"]
+    with open(os.path.join(ckpt, "config.json")) as f:
+        vocab = json.load(f)["vocab_size"]
+    _, lengths = serve_bench.workload(5, vocab, 4, 30, 3, 9)
+    assert s["output_tokens"] == report["offline"]["output_tokens"] == sum(lengths)
+    assert s["exit_code"] == 0 and s["ttft_ms"]["n"] == 5 and s["itl_ms"]["n"] == sum(lengths) - 5
+    assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["p99"]
+    assert report["server_vs_offline"] > 0
+
+
+# ---------------------------------------------------------------------------- shutdown (last)
+def _children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out.extend(int(x) for x in f.read().split())
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads child processes from /proc")
+def test_sigterm_shuts_down_cleanly_with_a_stream_in_flight(ckpt, server):
+    server.stop(30)  # the module's server is done: give its cores back
+    args = SERVER_ARGS + ["--tensor-parallel-size", "2", "--shutdown-timeout", "2"]
+    with ServerProcess(ckpt, args, timeout=180, cwd=ROOT, env=_env()) as tp:
+        kids = _children(tp.proc.pid)
+        assert kids, "a tensor-parallel server has a worker process"
+        body = {"model": ckpt, "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", tp.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+            lines = r.iter_lines()
+            for _ in range(4):
+                next(lines)
+            t0 = time.monotonic()
+            tp.proc.send_signal(signal.SIGTERM)
+            rest = [x for x in lines if x]  # the stream ends cleanly, also when ended by the shutdown
+        assert tp.proc.wait(60) == 0
+        assert time.monotonic() - t0 < 60
+        assert rest[-1] == "data: [DONE]"
+        last = json.loads(rest[-2][6:])
+        assert last.get("error", {}).get("code") is None and "shutting down" in last["error"]["message"] \
+            if "error" in last else last["choices"][0]["finish_reason"] == "length"
+        deadline = time.monotonic() + 10
+        while any(_alive(k) for k in kids):
+            assert time.monotonic() < deadline, f"child processes {[k for k in kids if _alive(k)]} outlived the server"
+            time.sleep(0.1)
