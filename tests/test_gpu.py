@@ -147,22 +147,29 @@ def test_n_samples_logprobs_and_penalties_with_cuda_graphs_equal_eager(bf16_mode
 
 
 def test_logprobs_match_transformers_on_gpu(bf16_model):
-    """logprobs and prompt logprobs in bf16 on the GPU against transformers' bf16 logits:
-    within 0.05 (bf16 logits carry ~3 significant digits; log_softmax of logits of magnitude
-    ~10 differs by a few 1e-2 between two bf16 implementations)."""
-    hf = tm.load_hf_model(bf16_model, dtype=torch.bfloat16, device="cuda")
-    llm = LLM(bf16_model, max_model_len=1024)
+    """logprobs and prompt logprobs in bf16 on the GPU, against log_softmax of transformers' fp32
+    logits of the same sequence: no further off than transformers' own bf16 run is (x1.5,
+    + 0.02). A fixed bound does not fit: on the H200 the engine's bf16 logprobs were 0.137 away
+    from transformers' bf16 ones on this random model, whose large, peaked logits make bf16
+    rounding visible in log-probabilities (the CPU tests match fp32 to 1e-4)."""
     prompt = prompts_of([40])[0]
+    llm = LLM(bf16_model, max_model_len=1024)
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3,
                                                 prompt_logprobs=3), use_tqdm=False)[0]
-    c = out.outputs[0]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([prompt + c.token_ids], device="cuda")).logits[0].float(), -1)
-    for j, (t, e) in enumerate(zip(c.token_ids, c.logprobs)):
-        assert abs(e[t].logprob - ref[len(prompt) - 1 + j, t].item()) < 0.05
-    for p in range(1, len(prompt)):
-        assert abs(out.prompt_logprobs[p][prompt[p]].logprob - ref[p - 1, prompt[p]].item()) < 0.05
     llm.shutdown()
+    c = out.outputs[0]
+    ids = torch.tensor([prompt + c.token_ids], device="cuda")
+    refs = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        hf = tm.load_hf_model(bf16_model, dtype=dtype, device="cuda")
+        with torch.no_grad():
+            refs[dtype] = torch.log_softmax(hf(ids).logits[0].float(), -1)
+        del hf
+    ref, hf16 = refs[torch.float32], refs[torch.bfloat16]
+    pairs = [(len(prompt) - 1 + j, t, e[t].logprob) for j, (t, e) in enumerate(zip(c.token_ids, c.logprobs))]
+    pairs += [(p - 1, prompt[p], out.prompt_logprobs[p][prompt[p]].logprob) for p in range(1, len(prompt))]
+    for pos, tok, got in pairs:
+        assert abs(got - ref[pos, tok].item()) <= 1.5 * abs(hf16[pos, tok].item() - ref[pos, tok].item()) + 0.02
 
 
 def test_sampling_stays_reproducible_on_gpu(bf16_model):
