@@ -81,8 +81,8 @@ def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     routing on the host (a sync). Dense (default while a CUDA graph is being captured, which
     allows no sync): every expert runs on every token as batched GEMMs over groups of experts,
     weighted 0 where it was not chosen (the group's weighted sum is one fp32 contraction, so the
-    order of the additions differs from the sparse path's). E / k times the work: a stopgap for
-    CUDA-graph decode until the fused kernel is in.
+    order of the additions differs from the sparse path's). E / k times the work: CUDA uses the
+    fused kernel instead (fused_experts); this path is its reference in the GPU tests.
     """
     _check_moe_args(hidden, w13, w2, topk_weights, topk_ids)
     num_experts = w13.shape[0]
