@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ from nanovllm.layers.quantization.fp8_ops import (
     quantize_weight_per_tensor_fp8,
     scaled_mm_blockwise,
 )
+from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 
 # (model, gemm, K, N)
 SHAPES = [
@@ -60,27 +60,9 @@ WRONG = 1e-2
 DEVICE = "cuda"
 
 
-def graph_us(fn, calls: int = 20, replays: int = 10) -> float:
-    """Median over `replays` of the microseconds per call in a CUDA graph of `calls` calls of fn
-    (scripts/timing.py's cuda_graph_us gives the mean over its replays; a median shrugs off a
-    stray slow replay)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+def graph_us(fn) -> float:
+    """Median microseconds per call in a CUDA graph of 20 calls (timing.cuda_graph_us)."""
+    return cuda_graph_us(fn, 20, 10, median=True)
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

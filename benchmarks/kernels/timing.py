@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import statistics
+
 import torch
 
 
-def cuda_graph_us(fn, calls: int = 20, replays: int = 10, before_timing=None) -> float:
+def cuda_graph_us(fn, calls: int = 20, replays: int = 10, before_timing=None, median: bool = False) -> float:
     """Microseconds per call of `fn`, replayed from a CUDA graph of `calls` calls, so that
     launch gaps are those of the engine's decode graphs, not of Python. `fn` runs eagerly once
     first (Triton compiles outside the capture); `before_timing` runs just before the clock
-    starts (a barrier, for collectives)."""
+    starts (a barrier, for collectives). The mean over `replays` replays, or with `median` the
+    median of the replays timed one by one (a stray slow replay then does not count)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -20,13 +23,16 @@ def cuda_graph_us(fn, calls: int = 20, replays: int = 10, before_timing=None) ->
     torch.cuda.synchronize()
     if before_timing is not None:
         before_timing()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * replays)
+    times = []
+    for _ in range(1 if not median else replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays if not median else 1):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / (calls * (replays if not median else 1)))
+    return statistics.median(times)
 
 
 def random_paged_batch(batch: int, kv_heads: int, width: int, ctx_range: tuple[int, int], gen: torch.Generator,
