@@ -28,6 +28,22 @@ def fresh_seed():
     return seed
 
 
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """torch.empty / torch.empty_like return NaN-filled float (and float8) tensors during the
+    test, so a kernel that leaves part of its output unwritten fails instead of passing on
+    whatever the allocator handed back."""
+    empty, empty_like = torch.empty, torch.empty_like
+
+    def poison(t):
+        if t.is_floating_point():
+            t.fill_(float("nan"))
+        return t
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module's tests (use with pytestmark): the tiny models' matmuls take

@@ -29,7 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tiny_model as tm  # noqa: E402
-from fp8_checkpoints import QWEN_FP8_CONFIG, dequantized_weights, quantize_checkpoint_fp8  # noqa: E402
+from fp8_checkpoints import QWEN_FP8_CONFIG, dequantized_weights, make_peaked, quantize_checkpoint_fp8  # noqa: E402
 from helpers import assert_idle, edit_json, greedy, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
@@ -121,19 +121,9 @@ def peaked(tmp_path_factory):
     """A tiny model whose greedy choices mean something: linear weights x0.3 (the default tiny
     model's linears have a gain of ~3 each, so errors compound layer by layer, as in no trained
     model) and the LM head x3 (mean top-token probability ~0.8)."""
-    import re
-
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("peaked")
     src = tm.make_tiny_qwen3(root / "bf16", **ALIGNED)
-    file = os.path.join(src, "model.safetensors")
-    t = load_file(file)
-    for name in t:
-        if re.search(r"_proj\.weight$", name):
-            t[name] = t[name] * 0.3
-    t["lm_head.weight"] = t["lm_head.weight"] * 3
-    save_file(t, file, metadata={"format": "pt"})
+    make_peaked(src)
     return src, quantize_checkpoint_fp8(src, str(root / "fp8"))
 
 

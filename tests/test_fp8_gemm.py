@@ -28,24 +28,10 @@ from nanovllm.layers.quantization.fp8_ops import (
     quantize_weight_per_tensor_fp8,
 )
 
-pytestmark = pytest.mark.usefixtures("fresh_seed")  # tests/conftest.py
+pytestmark = pytest.mark.usefixtures("fresh_seed", "poisoned_outputs")  # tests/conftest.py
 FP8 = torch.float8_e4m3fn
 U32 = 2.0**-24  # fp32 unit roundoff
 UNIT_ROUNDOFF = {torch.float32: 0.0, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-9}  # of the output cast
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """torch.empty / torch.empty_like return NaN-filled float (and float8) tensors in these tests."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
 
 
 def cdiv(a: int, b: int) -> int:

@@ -32,21 +32,7 @@ TOL = {
 EPS = 1e-6
 
 
-pytestmark = pytest.mark.usefixtures("fresh_seed")  # tests/conftest.py
-
-
-@pytest.fixture(autouse=True)
-def poisoned_outputs(monkeypatch):
-    """Make torch.empty / torch.empty_like return NaN-filled float tensors during the test."""
-    empty, empty_like = torch.empty, torch.empty_like
-
-    def poison(t):
-        if t.is_floating_point():
-            t.fill_(float("nan"))
-        return t
-
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: poison(empty(*a, **k)))
-    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: poison(empty_like(*a, **k)))
+pytestmark = pytest.mark.usefixtures("fresh_seed", "poisoned_outputs")  # tests/conftest.py
 
 
 def assert_matches(out: torch.Tensor, ref: torch.Tensor, min_exact: float = 0.98) -> None:

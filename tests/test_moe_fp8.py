@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tiny_model as tm  # noqa: E402
-from fp8_checkpoints import QWEN_FP8_CONFIG, quantize_checkpoint_fp8, qwen_moe_not_convert  # noqa: E402
+from fp8_checkpoints import QWEN_FP8_CONFIG, make_peaked, quantize_checkpoint_fp8, qwen_moe_not_convert  # noqa: E402
 from helpers import (assert_idle, copy_checkpoint, edit_json, greedy, make_llm, rand_ids,  # noqa: E402
                      rewrite_safetensors)
 
@@ -447,17 +447,9 @@ def test_logits_stay_close_to_the_16_bit_engine(ckpts, how):
 def peaked(tmp_path_factory):
     """Linear and expert weights x0.3 (the tiny model's gain of ~3 per linear compounds errors
     as no trained model does), LM head x3 (peaked logits): its greedy choices mean something."""
-    from safetensors.torch import load_file, save_file
-
     root = tmp_path_factory.mktemp("moe_peaked")
     src = tm.make_tiny_qwen3_moe(root / "bf16", **MOE)
-    file = os.path.join(src, "model.safetensors")
-    t = load_file(file)
-    for name in t:
-        if re.search(r"_proj\.weight$", name):
-            t[name] = t[name] * 0.3
-    t["lm_head.weight"] = t["lm_head.weight"] * 3
-    save_file(t, file, metadata={"format": "pt"})
+    make_peaked(src)
     return src, quantize_checkpoint_fp8(src, str(root / "fp8"), not_convert=qwen_moe_not_convert(MOE["num_layers"]))
 
 
