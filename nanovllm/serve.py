@@ -39,8 +39,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
-from nanovllm.engine.async_engine import (Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest, EngineStopped, Failed,
-                                          Finished, call_sinks)
+from nanovllm.distributed.data_parallel import wants_data_parallel
+from nanovllm.engine.async_engine import (SINGLE_ENGINE_ONLY, Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest,
+                                          EngineStopped, Failed, Finished, call_sinks)
 from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, LegacyLogprobs, chat_logprobs,
                                       error_body, usage)
 
@@ -573,11 +574,15 @@ class ServerProcess:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = llm_options(args)
+    if wants_data_parallel(options):  # before any replica starts, not when the app does
+        parser.error(SINGLE_ENGINE_ONLY)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from nanovllm.llm import LLM
 
-    llm = LLM(args.model, **llm_options(args))
+    llm = LLM(args.model, **options)
     try:
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]

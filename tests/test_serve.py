@@ -388,6 +388,26 @@ def test_every_config_field_is_a_flag():
     assert llm_options(parser.parse_args(["/m", "--no-mixed-steps"])) == {"mixed_steps": False}
 
 
+@pytest.mark.parametrize("flags", [["--data-parallel-size", "2"], ["--distributed-executor-backend", "ray"]])
+def test_a_data_parallel_server_is_refused_before_any_work(flags, capsys):
+    """The engine loop drives one in-process engine: the server says so at once, before it
+    loads anything (the model path does not exist) or starts a replica."""
+    from nanovllm.serve import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["/no/such/model", *flags])
+    assert exit_info.value.code == 2
+    assert "one server per replica" in capsys.readouterr().err
+
+
+def test_the_engine_loop_refuses_a_data_parallel_llm():
+    from nanovllm.engine.async_engine import EngineLoop
+    from nanovllm.llm import DataParallelLLM
+
+    with pytest.raises(ValueError, match="drives one engine in this process"):
+        EngineLoop(object.__new__(DataParallelLLM))  # (no replicas started: the check comes first)
+
+
 def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     """benchmarks/serve_bench.py end to end on the tiny model (a few short requests): its own
     server, the JSON report, and offline generate on the same requests."""

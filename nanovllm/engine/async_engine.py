@@ -118,6 +118,12 @@ def call_sinks(items: list[tuple[EngineRequest, object]]) -> None:
         request.sink(event)
 
 
+# Why a data-parallel LLM cannot be served (and what to do instead).
+SINGLE_ENGINE_ONLY = ("the engine loop (and so the OpenAI server) drives one engine in this process; a data-parallel "
+                      "LLM (data_parallel_size > 1 or distributed_executor_backend='ray') has none: run one server "
+                      "per replica behind a load balancer")
+
+
 class EngineLoop:
     """Owns `llm` on a background thread while it runs (see the module docstring).
 
@@ -128,6 +134,10 @@ class EngineLoop:
     """
 
     def __init__(self, llm: "LLM", dispatch: Callable[[list], None] = call_sinks):
+        from nanovllm.distributed.data_parallel import DataParallelFront
+
+        if isinstance(llm, DataParallelFront):
+            raise ValueError(SINGLE_ENGINE_ONLY)
         self.llm = llm
         self.dispatch = dispatch
         self.error: BaseException | None = None
