@@ -202,15 +202,20 @@ class LLM(LLMEngine):
             self._token_texts.update(zip(missing, decode_tokens(self.tokenizer, missing)))
         return [self._token_texts[t] for t in ids]
 
+    @staticmethod
+    def _progress_bar(use_tqdm, total: int):
+        """The generate() progress bar over `total` completions, or None without one."""
+        if not use_tqdm:
+            return None
+        # As in vLLM, use_tqdm may be a callable that makes the bar (tqdm's keywords).
+        if callable(use_tqdm):
+            make_bar = use_tqdm
+        else:
+            from tqdm.auto import tqdm as make_bar
+        return make_bar(total=total, desc="Generating", dynamic_ncols=True)
+
     def _run_to_completion(self, total: int, use_tqdm) -> None:
-        bar = None
-        if use_tqdm:
-            # As in vLLM, use_tqdm may be a callable that makes the bar (tqdm's keywords).
-            if callable(use_tqdm):
-                make_bar = use_tqdm
-            else:
-                from tqdm.auto import tqdm as make_bar
-            bar = make_bar(total=total, desc="Generating", dynamic_ncols=True)
+        bar = self._progress_bar(use_tqdm, total)
         prefill_tps = decode_tps = 0.0
         while self.has_unfinished():
             t = time.perf_counter()
@@ -255,7 +260,7 @@ class LLM(LLMEngine):
                     for j, o in enumerate(outputs):
                         i, seq = where[o.seq.seq_id]
                         if o.finished:
-                            self.final_text(o.seq)  # forget its detokenizer
+                            self.forget_text(o.seq)  # its text went out in the increments
                         cumulative, logprobs = self._logprobs(o.seq, o.logprobs or (), o.new_token_ids)
                         completion = CompletionOutput(o.seq.sample_index, o.text, o.new_token_ids, cumulative,
                                                       logprobs, o.finish_reason, o.seq.stop_reason)

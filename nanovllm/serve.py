@@ -255,8 +255,9 @@ class OpenAIServer:
                 tokens += len(d.token_ids)
                 logprobs = None
                 if body.logprobs is not None:
-                    lp = lps.setdefault(index, LegacyLogprobs(body.logprobs))
-                    logprobs = lp.add(d.logprobs or [])
+                    if index not in lps:
+                        lps[index] = LegacyLogprobs(body.logprobs)
+                    logprobs = lps[index].add(d.logprobs or [])
                 if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
                     yield chunk(index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids)
             if body.include_usage:

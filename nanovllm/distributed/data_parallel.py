@@ -195,7 +195,7 @@ class DataParallelFront:
         self._check_open()
         work = [len(ids) + p.n * p.max_tokens for ids, p, _ in requests]
         call = _Call(next(self._jobs), shard_by_work(work, self.num_replicas), [None] * len(requests))
-        bar = _progress_bar(use_tqdm, sum(p.n for _, p, _ in requests))
+        bar = self._progress_bar(use_tqdm, sum(p.n for _, p, _ in requests))  # (LLM's)
         stats = [ReplicaStats(r) for r in range(self.num_replicas)]
         try:
             for r, shard in enumerate(call.shards):
@@ -215,10 +215,8 @@ class DataParallelFront:
         finally:
             if bar is not None:
                 bar.close()
-        base = next(self._request_ids)
-        for i, out in enumerate(call.outputs):  # unique within this LLM, as a single engine's
-            out.request_id = str(base + i)
-        self._request_ids = itertools.count(base + len(call.outputs))
+        for out in call.outputs:  # unique within this LLM, as a single engine's
+            out.request_id = str(next(self._request_ids))
         self.replica_stats = stats
         return call.outputs
 
@@ -309,13 +307,3 @@ def _prompt_dict(ids: list[int], text: str | None) -> dict:
     """A validated prompt as the replica's LLM takes it: its token ids, and its text if any (so
     RequestOutput.prompt reads the same as on a single engine)."""
     return {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
-
-
-def _progress_bar(use_tqdm, total: int):
-    if not use_tqdm:
-        return None
-    if callable(use_tqdm):
-        return use_tqdm(total=total, desc="Generating", dynamic_ncols=True)
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="Generating", dynamic_ncols=True)

@@ -297,7 +297,7 @@ class EngineLoop:
                 continue  # aborted by its caller
             seq = o.seq
             if o.finished:
-                llm.final_text(seq)  # forgets its detokenizer (o.text holds the rest)
+                llm.forget_text(seq)  # o.text holds the rest of its text
                 del self._active[seq.seq_id]
             _, logprobs = llm._logprobs(seq, o.logprobs or (), o.new_token_ids)
             prompt_logprobs = None

@@ -176,7 +176,8 @@ class LLMEngine:
         return tuple(out)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
-        """Reject a request that could never be served, before any work starts."""
+        """Reject a request that could never be served, before any work starts (`params` as
+        prepare_params returns them: their own checks are done)."""
         cfg = self.config
         if num_prompt_tokens > cfg.max_model_len:
             raise ValueError(f"prompt of {num_prompt_tokens} tokens is longer than max_model_len={cfg.max_model_len}")
@@ -184,11 +185,6 @@ class LLMEngine:
         if total > cfg.max_model_len:
             raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
                              f"exceeds max_model_len={cfg.max_model_len}")
-        outside = [t for t in params.stop_ids if t >= self.vocab_size]
-        if outside:
-            raise ValueError(f"stop_token_ids {outside} are outside the vocabulary [0, {self.vocab_size})")
-        if params.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
         # The last generated token's K/V is never written, hence total - 1.
         bm = self.block_manager
         blocks = bm.blocks_for(total - 1)

@@ -28,8 +28,6 @@ import triton.language as tl
 from nanovllm.kernels.fp8_format import BLOCK, FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Cap on the programs of the per-tensor amax pass (one atomic each), past which each program
-# loops over several row tiles.
 
 # fp8_block_matmul tile configs: (largest M served, config). Decode-sized M gets short, narrow
 # tiles so that a skinny GEMM still spreads over the 132 SMs (N / BLOCK_N programs); prefill gets

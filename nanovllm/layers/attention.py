@@ -29,13 +29,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels.fp8_format import FP8_MAX
 from nanovllm.utils.context import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------------------- helpers
-FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
 # Calibration headroom R: scale = amax / R, so the calibrating prefill's largest |K| is stored
 # as R (of e4m3's 448) and later tokens may be 448 / R times larger before they saturate. One
 # prefill is a small sample (other prompts and later positions can exceed its amax), and a
@@ -70,7 +70,7 @@ def fp8_kv(k_cache: torch.Tensor, k_scale, v_scale) -> bool:
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x as an FP8 cache stores it: clamp(x.float() / scale, -448, 448) in e4m3 (round to
     nearest even). The clamp comes first: torch's cast turns values beyond 448 into NaN."""
-    return (x.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
 
 
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:

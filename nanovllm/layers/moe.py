@@ -230,8 +230,6 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
                  norm_topk_prob: bool):
         super().__init__()
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"num_experts_per_tok={top_k} must be in [1, num_experts={num_experts}]")
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)

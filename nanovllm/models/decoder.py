@@ -42,6 +42,10 @@ class MoeOptions:
     intermediate_size: int
     norm_topk_prob: bool
 
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
 
 @dataclass(frozen=True)
 class DecoderOptions:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions, common_options, head_dim_of, reject_sliding_window
+from nanovllm.models.decoder import DecoderForCausalLM, DecoderOptions, common_options, reject_sliding_window
 
-__all__ = ["Qwen3ForCausalLM", "head_dim_of"]
+__all__ = ["Qwen3ForCausalLM"]
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):

@@ -39,6 +39,4 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
         moe = MoeOptions(num_experts=config.num_experts, top_k=config.num_experts_per_tok,
                          intermediate_size=config.moe_intermediate_size,
                          norm_topk_prob=bool(config.norm_topk_prob)) if layers else None
-        if moe is not None and not 1 <= moe.top_k <= moe.num_experts:
-            raise ValueError(f"num_experts_per_tok={moe.top_k} must be in [1, num_experts={moe.num_experts}]")
         return common_options(config, qk_norm=True, qkv_bias=bias, o_bias=bias, moe=moe, moe_layers=layers)

@@ -69,12 +69,14 @@ class Fp8Config:
         (q / k of qkv, gate of gate_up) would not be whole 128-blocks of the checkpoint's scales,
         or (either scheme: FP8 experts are always in 128x128 blocks) when a rank's share of the
         MoE intermediate size would not be."""
+        from nanovllm.models.decoder import head_dim_of  # (the model modules import this one)
+
         c = hf_config
         dims = {}
         if getattr(c, "num_experts", 0):
             dims["moe_intermediate_size"] = getattr(c, "moe_intermediate_size", None)
         if self.scheme == "block":
-            head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+            head_dim = head_dim_of(c)
             dims.update({"num_attention_heads x head_dim": c.num_attention_heads * head_dim,
                          "num_key_value_heads x head_dim": c.num_key_value_heads * head_dim,
                          "intermediate_size": getattr(c, "intermediate_size", None)})
