@@ -11,13 +11,13 @@ checkpoints do: see qwen_moe_not_convert), and the KV-cache scales vLLM's checkp
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
 
 import torch
-from safetensors.torch import load_file, save_file
+from helpers import edit_json, rewrite_safetensors
+from safetensors.torch import load_file
 
 from nanovllm.layers.quantization.fp8_ops import quantize_weight_block_fp8
 
@@ -45,29 +45,29 @@ def quantize_checkpoint_fp8(src: str, dst: str, scale_dtype=torch.bfloat16, kv_s
     modules_to_not_convert.
     """
     shutil.copytree(src, dst, dirs_exist_ok=True)
-    file = os.path.join(dst, "model.safetensors")
-    tensors = load_file(file)
     skip = [f".{m}." for m in not_convert or ()]
-    out = {}
-    for name, t in tensors.items():
-        if _LINEAR.search(name) and t.dim() == 2 and not any(m in f".{name}" for m in skip):
-            w_q, scale_inv = quantize_weight_block_fp8(t.float(), scale_dtype=scale_dtype)
-            out[name] = w_q
-            out[name[:-len("weight")] + "weight_scale_inv"] = scale_inv
-        else:
-            out[name] = t
-    for layer, (k, v) in (kv_scales or {}).items():
-        out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(float(k))
-        out[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(float(v))
-    save_file({k: v.contiguous() for k, v in out.items()}, file, metadata={"format": "pt"})
-    cfg_file = os.path.join(dst, "config.json")
-    with open(cfg_file) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = dict(quantization_config or QWEN_FP8_CONFIG)
-    if not_convert is not None:
-        cfg["quantization_config"]["modules_to_not_convert"] = list(not_convert)
-    with open(cfg_file, "w") as f:
-        json.dump(cfg, f, indent=2)
+
+    def quantize(tensors):
+        out = {}
+        for name, t in tensors.items():
+            if _LINEAR.search(name) and t.dim() == 2 and not any(m in f".{name}" for m in skip):
+                w_q, scale_inv = quantize_weight_block_fp8(t.float(), scale_dtype=scale_dtype)
+                out[name] = w_q
+                out[name[:-len("weight")] + "weight_scale_inv"] = scale_inv
+            else:
+                out[name] = t
+        for layer, (k, v) in (kv_scales or {}).items():
+            out[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(float(k))
+            out[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(float(v))
+        return out
+
+    def add_quantization_config(cfg):
+        cfg["quantization_config"] = dict(quantization_config or QWEN_FP8_CONFIG)
+        if not_convert is not None:
+            cfg["quantization_config"]["modules_to_not_convert"] = list(not_convert)
+
+    rewrite_safetensors(dst, quantize)
+    edit_json(os.path.join(dst, "config.json"), add_quantization_config)
     return dst
 
 
@@ -84,11 +84,12 @@ def make_peaked(src: str) -> str:
     """Rescale a tiny checkpoint in place so that its greedy choices mean something: linear and
     expert weights x0.3 (the tiny models' gain of ~3 per linear compounds errors as no trained
     model does) and the LM head x3 (peaked logits). Returns src."""
-    file = os.path.join(src, "model.safetensors")
-    t = load_file(file)
-    for name in t:
-        if re.search(r"_proj\.weight$", name):
-            t[name] = t[name] * 0.3
-    t["lm_head.weight"] = t["lm_head.weight"] * 3
-    save_file(t, file, metadata={"format": "pt"})
+
+    def rescale(t):
+        for name in t:
+            if re.search(r"_proj\.weight$", name):
+                t[name] = t[name] * 0.3
+        t["lm_head.weight"] = t["lm_head.weight"] * 3
+
+    rewrite_safetensors(src, rescale)
     return src

@@ -25,9 +25,7 @@ from nanovllm import Logprob, SamplingParams  # noqa: E402
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """tests/conftest.py one_thread, for every test of this module."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

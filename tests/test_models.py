@@ -46,9 +46,7 @@ from nanovllm.config import Config  # noqa: E402
 NAMES = list(tm.MODEL_CONFIGS)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """tests/conftest.py one_thread, for every test of this module."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def assert_matches_hf(path, prompts, outputs, max_tokens):

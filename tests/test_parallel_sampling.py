@@ -25,9 +25,7 @@ from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.sampling_params import derive_sample_seed  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """tests/conftest.py one_thread, for every test of this module."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

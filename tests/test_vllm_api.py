@@ -37,9 +37,7 @@ from nanovllm import CompletionOutput, RequestOutput, SamplingParams, StreamOutp
 from nanovllm.sampling_params import NOT_IMPLEMENTED  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread(one_thread):
-    """tests/conftest.py one_thread, for every test of this module."""
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ Public API
 ----------
 - ``make_tokenizer(path) -> PreTrainedTokenizerFast``
 - ``make_tiny_model(path, family="qwen3", *, vocab_size=None, hidden_size=64, ..., **family_options) -> str``
-- ``make_tiny_qwen3`` / ``make_tiny_qwen2`` / ``make_tiny_llama`` / ``make_tiny_qwen3_moe(path, **kw) -> str``
+- ``make_tiny_qwen3`` / ``make_tiny_qwen3_moe(path, **kw) -> str``
 - ``MODEL_CONFIGS``: named checkpoints of the other families; ``make_named(path, name, **overrides)``
 - ``fuse_expert_tensors(path)`` / ``unfuse_expert_tensors(path)``: MoE expert tensor layouts
 - ``load_hf_model(path, dtype=torch.float32, device="cpu")``
@@ -42,9 +42,7 @@ __all__ = [
     "MODEL_CONFIGS",
     "fuse_expert_tensors",
     "make_named",
-    "make_tiny_llama",
     "make_tiny_model",
-    "make_tiny_qwen2",
     "make_tiny_qwen3",
     "make_tiny_qwen3_moe",
     "make_tokenizer",
@@ -316,13 +314,13 @@ def _init_weights(model, seed: int, tie: bool) -> None:
         model.get_input_embeddings().weight.mul_(0.5)
 
 
-# Per family: transformers config class, model class, config.json model_type, the options a
-# family accepts beyond the common ones (name -> default).
+# Per family: transformers config class, model class, the options a family accepts beyond the
+# common ones (name -> default).
 _FAMILIES = {
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {}),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
-    "llama": ("LlamaConfig", "LlamaForCausalLM", "llama", {"attention_bias": False, "mlp_bias": False}),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe",
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"attention_bias": False, "mlp_bias": False}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
                    "decoder_sparse_step": 1, "mlp_only_layers": []}),
 }
@@ -365,7 +363,7 @@ def make_tiny_model(
 
     if family not in _FAMILIES:
         raise ValueError(f"unknown family {family!r}; one of {FAMILIES}")
-    config_name, model_name, model_type, extra_defaults = _FAMILIES[family]
+    config_name, model_name, extra_defaults = _FAMILIES[family]
     unknown = set(family_options) - set(extra_defaults)
     if unknown:
         raise ValueError(f"options {sorted(unknown)} do not apply to {family}")
@@ -434,17 +432,6 @@ def make_tiny_model(
 def make_tiny_qwen3(path, **kwargs) -> str:
     """A random tiny Qwen3 checkpoint (see make_tiny_model)."""
     return make_tiny_model(path, "qwen3", **kwargs)
-
-
-def make_tiny_qwen2(path, **kwargs) -> str:
-    """A random tiny Qwen2/Qwen2.5 checkpoint (q/k/v biases; see make_tiny_model)."""
-    kwargs.setdefault("head_dim", None)
-    return make_tiny_model(path, "qwen2", **kwargs)
-
-
-def make_tiny_llama(path, **kwargs) -> str:
-    """A random tiny Llama 3.x checkpoint (see make_tiny_model)."""
-    return make_tiny_model(path, "llama", **kwargs)
 
 
 def make_tiny_qwen3_moe(path, **kwargs) -> str:
