@@ -50,12 +50,14 @@ DUMMY_CONFIGS = {name: f"benchmarks/configs/{name}"
 H200_COPY_BANDWIDTH = 4.3e12  # B/s, device-to-device copy measured on the H200
 
 
-def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024):
-    """nano-vllm's benchmark requests: (prompt token ids, max_tokens) pairs, in its RNG order."""
+def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, min_input_len: int = 100,
+             min_output_len: int = 100, max_id: int = 10000):
+    """nano-vllm's benchmark requests: (prompt token ids, max_tokens) pairs, in its RNG order
+    (the defaults are its workload; token ids 0..max_id)."""
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input_len))]
+    prompts = [[random.randint(0, max_id) for _ in range(random.randint(min_input_len, max_input_len))]
                for _ in range(num_seqs)]
-    max_tokens = [random.randint(100, max_output_len) for _ in range(num_seqs)]
+    max_tokens = [random.randint(min_output_len, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
@@ -264,7 +266,7 @@ def kv_usage_report(samples, start: float, prompts, max_tokens, batch_size: int,
     kept = samples[::stride]
     live = [u.live_tokens for u in usage]
     allocated = [u.allocated_tokens for u in usage]
-    frag = [a - b for a, b in zip(allocated, live)]
+    frag = [u.fragmentation_tokens for u in usage]
     static = static_batching_reservation(prompts, max_tokens, batch_size)
     n = len(usage)
     summary = {

@@ -26,7 +26,6 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import shlex
 import statistics
 import sys
@@ -36,18 +35,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-DUMMY_CONFIGS = {name: os.path.join(HERE, "configs", name)
-                 for name in ("qwen3-0.6b", "qwen3-8b", "qwen2.5-7b", "llama-3.1-8b", "qwen3-30b-a3b")}
+import bench  # noqa: E402  (ROOT/bench.py: the dummy configs and the workload)
+
+DUMMY_CONFIGS = {name: os.path.join(ROOT, rel) for name, rel in bench.DUMMY_CONFIGS.items()}
 
 
 def workload(num: int, vocab: int, min_in: int = 100, max_in: int = 1024, min_out: int = 100, max_out: int = 1024):
     """bench.py's requests ((prompt ids, max_tokens) in its RNG order), token ids below the
     vocabulary for a model smaller than 10,000 tokens."""
-    random.seed(0)
-    hi = min(10000, vocab - 1)
-    prompts = [[random.randint(0, hi) for _ in range(random.randint(min_in, max_in))] for _ in range(num)]
-    max_tokens = [random.randint(min_out, max_out) for _ in range(num)]
-    return prompts, max_tokens
+    return bench.workload(num, max_in, max_out, min_in, min_out, max_id=min(10000, vocab - 1))
+
+
+def server_flags(args) -> list[str]:
+    """The server's flags: --server-args, with the dummy-model ones first under --dummy."""
+    flags = shlex.split(args.server_args)
+    return ["--load-format", "dummy", "--skip-tokenizer-init"] + flags if args.dummy else flags
 
 
 def percentiles(xs: list[float], scale: float = 1.0) -> dict:
@@ -118,11 +120,8 @@ def summarize(results: list[dict], wall: float) -> dict:
 def run_server(args, path: str, prompts, max_tokens) -> dict:
     from nanovllm.serve import ServerProcess
 
-    server_args = shlex.split(args.server_args)
-    if args.dummy:
-        server_args = ["--load-format", "dummy", "--skip-tokenizer-init"] + server_args
     t = time.perf_counter()
-    with ServerProcess(path, server_args + ["--log-level", "warning"], timeout=args.startup_timeout, cwd=ROOT) as server:
+    with ServerProcess(path, server_flags(args) + ["--log-level", "warning"], timeout=args.startup_timeout, cwd=ROOT) as server:
         startup = time.perf_counter() - t
         # Warm-up: one round of short requests at full concurrency (kernels JIT, allocator).
         warm_p, warm_t = workload(args.clients, args.vocab, 16, 64, 8, 16)
@@ -140,10 +139,7 @@ def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
     from nanovllm.serve import build_parser, llm_options
 
     # The server's LLM options, parsed by the server's own parser: the same engine.
-    server_args = shlex.split(args.server_args)
-    if args.dummy:
-        server_args = ["--load-format", "dummy", "--skip-tokenizer-init"] + server_args
-    options = llm_options(build_parser().parse_args([path, *server_args]))
+    options = llm_options(build_parser().parse_args([path, *server_flags(args)]))
     options["mixed_steps"] = mixed
     llm = LLM(path, **options)
     try:

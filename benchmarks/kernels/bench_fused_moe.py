@@ -8,7 +8,7 @@ scales and per-token-group activation quantization) it
 - checks the output against a plain-torch fp32 reference (loop over experts; the FP8 variant
   against the unquantized bf16 weights) and prints the normwise relative error;
 - times fused_moe and its three steps (alignment, gate_up, down) from CUDA graphs of 20 calls
-  (scripts/timing.py);
+  (benchmarks/kernels/timing.py);
 - reports the achieved bandwidth over the bytes that must move: the weights of the experts the
   routing actually hits (distinct experts, with their FP8 scales) plus every activation tensor
   written once and read once, and TFLOP/s (2 * T * k * 3 * H * I flops).
@@ -29,10 +29,11 @@ import torch
 import triton
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+sys.path.insert(0, str(ROOT))
 
 from nanovllm.kernels import fused_moe as fm  # noqa: E402
-from timing import cuda_graph_us  # noqa: E402  (scripts/timing.py)
+from nanovllm.layers.quantization.fp8_ops import quantize_weight_block_fp8  # noqa: E402
+from timing import cuda_graph_us  # noqa: E402  (benchmarks/kernels/timing.py, beside this script)
 
 H, I, E, K = 2048, 768, 128, 8
 TOKENS = (1, 8, 32, 64, 128, 256, 512, 2048, 8192)
@@ -47,15 +48,6 @@ SWEEP = [  # (block_m, gate_up (bn, bk, warps, stages), down (bn, bk, warps, sta
     (128, (64, 64, 8, 3), (128, 64, 8, 3)),
     (128, (128, 64, 8, 3), (256, 64, 8, 3)),
 ]
-
-
-def block_quantize(w: torch.Tensor):
-    """[E, R, C] -> (float8_e4m3fn [E, R, C], fp32 scales [E, R/128, C/128]); R, C multiples of 128."""
-    e, r, c = w.shape
-    blocks = w.float().view(e, r // 128, 128, c // 128, 128)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-10) / 448.0
-    q = (blocks / scale[:, :, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q.view(e, r, c), scale
 
 
 def reference(x, w13, w2, weights, ids):
@@ -101,8 +93,8 @@ def main() -> None:
     dev = "cuda"
     w13 = (torch.randn(E, 2 * I, H, device=dev) / H**0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device=dev) / I**0.5).bfloat16()
-    q13, s13 = block_quantize(w13)
-    q2, s2 = block_quantize(w2)
+    q13, s13 = quantize_weight_block_fp8(w13)  # (the engine's FP8 experts' format, fp32 scales)
+    q2, s2 = quantize_weight_block_fp8(w2)
     variants = {"bf16": (w13, w2, {}), "fp8": (q13, q2, {"w13_scale": s13, "w2_scale": s2})}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
     print(f"{'T':>5} {'var':>4} {'experts':>7} {'us':>8} {'align':>6} {'gate_up':>8} {'down':>7} {'GB/s':>7} "
@@ -129,11 +121,12 @@ def main() -> None:
                                                               scales.get("w13_scale")))
             us_down = cuda_graph_us(lambda: fm.moe_down(inter, b, weights, sorted_ids, block_experts, cfg,
                                                         scales.get("w2_scale")))
-            gbs = moved_bytes(num_tokens, distinct, fp8) / us / 1e3
+            nbytes = moved_bytes(num_tokens, distinct, fp8)
+            gbs = nbytes / us / 1e3
             tflops = 2 * num_tokens * K * 3 * H * I / us / 1e6
             row = {"tokens": num_tokens, "variant": name, "distinct_experts": distinct, "us": us,
                    "align_us": us_align, "gate_up_us": us_gate_up, "down_us": us_down,
-                   "bytes": moved_bytes(num_tokens, distinct, fp8), "GB_s": gbs, "TFLOP_s": tflops,
+                   "bytes": nbytes, "GB_s": gbs, "TFLOP_s": tflops,
                    "rel_err": err, "correct": ok, "config": repr(cfg)}
             print(f"{num_tokens:>5} {name:>4} {distinct:>7} {us:>8.1f} {us_align:>6.1f} {us_gate_up:>8.1f} "
                   f"{us_down:>7.1f} {gbs:>7.0f} {tflops:>8.1f} {err:>8.2e}{'' if ok else ' WRONG'}  "
