@@ -7,7 +7,8 @@ It starts the server itself (a subprocess on 127.0.0.1, on a free port), sends a
 then the workload: bench.py's requests (random.seed(0); prompts of randint(100, 1024) token ids
 below 10,000; max_tokens randint(100, 1024); ignore_eos), `--requests` of them, taken in order
 by `--clients` concurrent clients (each sends its next request when the last one ends: a closed
-loop). Each is a streaming /v1/completions request with token-id prompts and
+loop), spread over `--client-processes` processes (request i goes to process i mod P), so that
+the clients' own Python (an SSE line parsed per token) does not become what is measured. Each is a streaming /v1/completions request with token-id prompts and
 `return_token_ids`, so every chunk is one engine step's token of it. It stops the server and
 then, unless `--offline none`, runs the same requests through the offline `LLM.generate` in
 this process (split steps, and with `--offline both` also mixed steps), for the throughput ratio.
@@ -108,6 +109,36 @@ async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout
     return results, wall
 
 
+def _drive_share(url, model, prompts, max_tokens, clients, timeout):
+    """One client process's share of the run: its results and (start, end) perf_counter times
+    (CLOCK_MONOTONIC: comparable across processes)."""
+    t0 = time.perf_counter()
+    results, wall = asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout))
+    return results, t0, t0 + wall
+
+
+def drive_processes(url: str, model: str, prompts, max_tokens, clients: int, processes: int,
+                    timeout: float) -> tuple[list[dict], float]:
+    """drive() over `processes` client processes (request i to process i mod P, clients split
+    evenly); the wall time runs from the first start to the last end."""
+    processes = max(1, min(processes, clients, len(prompts)))
+    if processes == 1:
+        return asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout))
+    import concurrent.futures
+    import multiprocessing
+
+    shares = [(url, model, prompts[p::processes], max_tokens[p::processes],
+               clients // processes + (p < clients % processes), timeout) for p in range(processes)]
+    # fork: this process has not touched a GPU (the server is a subprocess) and the workers need
+    # nothing but drive().
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
+        parts = list(pool.map(_drive_share, *zip(*shares)))
+    results: list[dict | None] = [None] * len(prompts)
+    for p, (share, _, _) in enumerate(parts):
+        results[p::processes] = share
+    return results, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+
+
 def summarize(results: list[dict], wall: float) -> dict:
     ttft = [r["stamps"][0] - r["sent"] for r in results]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
@@ -125,8 +156,9 @@ def run_server(args, path: str, prompts, max_tokens) -> dict:
         startup = time.perf_counter() - t
         # Warm-up: one round of short requests at full concurrency (kernels JIT, allocator).
         warm_p, warm_t = workload(args.clients, args.vocab, 16, 64, 8, 16)
-        asyncio.run(drive(server.url, path, warm_p, warm_t, args.clients, args.timeout))
-        results, wall = asyncio.run(drive(server.url, path, prompts, max_tokens, args.clients, args.timeout))
+        drive_processes(server.url, path, warm_p, warm_t, args.clients, args.client_processes, args.timeout)
+        results, wall = drive_processes(server.url, path, prompts, max_tokens, args.clients, args.client_processes,
+                                        args.timeout)
         rc = server.stop(60)
     report = summarize(results, wall)
     report.update(startup_s=startup, exit_code=rc)
@@ -161,6 +193,7 @@ def main(argv=None) -> int:
     src.add_argument("--model", help="a checkpoint folder")
     ap.add_argument("--clients", type=int, default=64, help="concurrent streaming clients")
     ap.add_argument("--requests", type=int, default=256, help="requests in the timed run")
+    ap.add_argument("--client-processes", type=int, default=4, help="processes the clients are spread over")
     ap.add_argument("--min-input", type=int, default=100)
     ap.add_argument("--max-input", type=int, default=1024)
     ap.add_argument("--min-output", type=int, default=100)
@@ -177,7 +210,8 @@ def main(argv=None) -> int:
         args.vocab = json.load(f)["vocab_size"]
     prompts, max_tokens = workload(args.requests, args.vocab, args.min_input, args.max_input, args.min_output,
                                    args.max_output)
-    report = {"model": args.dummy or path, "clients": args.clients, "requests": args.requests,
+    report = {"model": args.dummy or path, "clients": args.clients, "client_processes": args.client_processes,
+              "requests": args.requests,
               "prompt_tokens": sum(map(len, prompts)), "server_args": args.server_args,
               "server": run_server(args, path, prompts, max_tokens)}
     if args.offline != "none":

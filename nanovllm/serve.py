@@ -12,9 +12,11 @@ request, 404 for an unknown model or route, 500 when the engine failed, 503 once
 
 Every `LLM` option is a flag, made from nanovllm/config.py's Config fields (a new option is a
 new flag); the server turns mixed steps on by default (decode rows ride along with prompt
-chunks, so running streams keep flowing while a long prompt prefills). One thread owns the
-engine (engine/async_engine.py, EngineLoop); the HTTP side only queues commands to it and
-reads events back. A client that disconnects has its request aborted and its blocks freed.
+chunks, so running streams keep flowing while a long prompt prefills). The engine runs in a
+process of its own (engine/engine_process.py: the EngineLoop of engine/async_engine.py in a
+child), so that the HTTP side's Python and the engine's steps never wait for each other's GIL;
+this process only sends it commands and reads events back. A client that disconnects has its
+request aborted and its blocks freed.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.data_parallel import wants_data_parallel
 from nanovllm.engine.async_engine import (SINGLE_ENGINE_ONLY, Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest,
                                           EngineStopped, Failed, Finished, call_sinks)
+from nanovllm.engine.engine_process import EngineProcess
 from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, LegacyLogprobs, chat_logprobs,
                                       error_body, usage)
 
@@ -74,10 +77,12 @@ def bad_request(e: BaseException) -> APIError:
 # ---------------------------------------------------------------------------- one HTTP request
 class Run:
     """The engine requests of one HTTP request (one per prompt) and their events, read on the
-    event loop; leaving `events()` early (a disconnect, a cancelled task) aborts them."""
+    event loop; leaving `batches()` early (a disconnect, a cancelled task) aborts them.
+    `watch_disconnect`: check the connection while waiting for events (a JSON response; a
+    streaming response's task is cancelled by Starlette itself when its client goes)."""
 
-    def __init__(self, engine: EngineLoop, http: Request, requests_of):
-        self.engine, self.http = engine, http
+    def __init__(self, engine: EngineLoop | EngineProcess, http: Request, requests_of, watch_disconnect: bool = True):
+        self.engine, self.http, self.watch = engine, http, watch_disconnect
         self.queue: asyncio.Queue = asyncio.Queue()
         self.requests: list[EngineRequest] = requests_of(self._sink)
         self.prompt_ids: list[list[int]] = []
@@ -89,9 +94,11 @@ class Run:
 
     async def _next(self):
         """The next (prompt index, event); ClientGone once the client has disconnected."""
+        if not self.queue.empty():
+            return self.queue.get_nowait()
+        if not self.watch:  # (no timer per event: it costs more than the rest of a token's chunk)
+            return await self.queue.get()
         while True:
-            if not self.queue.empty():
-                return self.queue.get_nowait()
             try:
                 return await asyncio.wait_for(self.queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
@@ -102,9 +109,10 @@ class Run:
 
     async def start(self) -> None:
         """Submit, and wait until every prompt is accepted (APIError 400 if one is refused)."""
-        if not self.engine.running:
-            raise APIError(503, "the server is shutting down", "server_error")
-        self.engine.submit(self.requests)
+        try:
+            self.engine.submit(self.requests)
+        except RuntimeError:  # it stopped
+            raise APIError(503, "the server is shutting down", "server_error") from None
         accepted: dict[int, Accepted] = {}
         try:
             while len(accepted) < len(self.requests):
@@ -125,25 +133,36 @@ class Run:
         self.prompt_ids = [accepted[i].prompt_token_ids for i in range(len(self.requests))]
         self.prompt_texts = [accepted[i].prompt_text for i in range(len(self.requests))]
 
-    async def events(self):
-        """(prompt index, Delta) until every request finished (or the client left: then the
-        requests are aborted and the iteration just ends); a Failed raises APIError 500."""
+    async def batches(self):
+        """Lists of (prompt index, Delta): each time, every delta that has arrived (one engine
+        step's, or several when this stream fell behind, to be written at once), until every
+        request finished (or the client left: then the requests are aborted and the iteration
+        just ends); a Failed raises APIError after the deltas before it."""
         try:
             while self._open:
                 try:
-                    index, event = await self._next()
+                    items = [await self._next()]
                 except ClientGone:
                     logger.info("client disconnected: request aborted")
                     return
-                if isinstance(event, Delta):
-                    yield index, event
-                elif isinstance(event, Finished):
-                    self._open.discard(index)
-                elif isinstance(event, Failed):
-                    self._open.discard(index)
-                    if isinstance(event.error, EngineStopped):
-                        raise APIError(503, str(event.error), "server_error")
-                    raise APIError(500, f"the request failed in the engine: {event.error}", "server_error")
+                while not self.queue.empty():
+                    items.append(self.queue.get_nowait())
+                deltas, error = [], None
+                for index, event in items:
+                    if isinstance(event, Delta):
+                        deltas.append((index, event))
+                    elif isinstance(event, Finished):
+                        self._open.discard(index)
+                    elif isinstance(event, Failed):
+                        self._open.discard(index)
+                        error = error or (APIError(503, str(event.error), "server_error")
+                                          if isinstance(event.error, EngineStopped) else
+                                          APIError(500, f"the request failed in the engine: {event.error}",
+                                                   "server_error"))
+                if deltas:
+                    yield deltas
+                if error is not None:
+                    raise error
         finally:
             self.close()
 
@@ -157,15 +176,42 @@ def sse(data) -> str:
     return f"data: {json.dumps(data) if not isinstance(data, str) else data}\n\n"
 
 
+async def _flat(run: Run):
+    """(prompt index, Delta) one at a time (a JSON response gathers them all anyway)."""
+    async for batch in run.batches():
+        for item in batch:
+            yield item
+
+
+class Chunks:
+    """The server-sent events of one stream: OpenAI's chunk objects (the head's fields, one
+    choice, the usage when asked), the head encoded once (a chunk is written for every token of
+    every stream, so its JSON is on the server's hottest path)."""
+
+    def __init__(self, head: dict, body, prompt_tokens: int):
+        self.head, self.prompt_tokens, self.continuous = head, prompt_tokens, body.continuous_usage
+        self._prefix = "data: " + json.dumps(head)[:-1] + ', "choices": ['  # (json.dumps of a dict ends in "}")
+        self._suffix = '], "usage": null}\n\n' if body.include_usage else "]}\n\n"
+
+    def choice(self, choice: dict, tokens: int) -> str:
+        """A chunk of one choice; `tokens`: the completion tokens so far (continuous usage)."""
+        if self.continuous:
+            return sse({**self.head, "choices": [choice], "usage": usage(self.prompt_tokens, tokens)})
+        return self._prefix + json.dumps(choice) + self._suffix
+
+    def usage(self, tokens: int) -> str:
+        """The last chunk of a stream that asked for usage: no choices."""
+        return sse({**self.head, "choices": [], "usage": usage(self.prompt_tokens, tokens)})
+
+
 # ---------------------------------------------------------------------------- the app
 class OpenAIServer:
-    """The routes' logic over one EngineLoop (built on startup, see create_app)."""
+    """The routes' logic over one engine: an EngineProcess (the server's) or an EngineLoop."""
 
-    def __init__(self, llm, served_model_name: str):
-        self.llm, self.name = llm, served_model_name
-        self.engine: EngineLoop | None = None
+    def __init__(self, engine: EngineProcess | EngineLoop, served_model_name: str):
+        self.engine, self.name = engine, served_model_name
         self.created = int(time.time())
-        self.defaults = dict(llm.generation_defaults)  # generation_config.json's sampling defaults
+        self.defaults = dict(engine.info.generation_defaults)  # generation_config.json's sampling defaults
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:
@@ -174,13 +220,13 @@ class OpenAIServer:
 
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
-                                            "owned_by": "nano-vllm", "max_model_len": self.llm.config.max_model_len}]}
+                                            "owned_by": "nano-vllm", "max_model_len": self.engine.info.max_model_len}]}
 
     def health(self) -> JSONResponse:
         engine = self.engine
-        ok = engine is not None and engine.running
+        ok = engine.running
         body = {"status": "ok" if ok else "unavailable"}
-        if engine is not None:
+        if engine.stats is not None:
             body.update(dataclasses.asdict(engine.stats))
         return JSONResponse(body, status_code=200 if ok else 503)
 
@@ -193,7 +239,7 @@ class OpenAIServer:
         except (ValueError, TypeError, NotImplementedError) as e:
             raise bad_request(e) from None
         run = Run(self.engine, http, lambda sink: [EngineRequest(p, params, sink(i), want_prompt_text=bool(body.echo))
-                                                  for i, p in enumerate(prompts)])
+                                                  for i, p in enumerate(prompts)], watch_disconnect=not body.stream)
         await run.start()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name}
@@ -214,7 +260,7 @@ class OpenAIServer:
                 if body.return_token_ids:
                     choices[pi * n + j].update(prompt_token_ids=run.prompt_ids[pi], token_ids=[])
         tokens = 0
-        async for pi, d in run.events():
+        async for pi, d in _flat(run):
             c = choices[pi * n + d.index]
             texts[c["index"]].append(d.text)
             tokens += len(d.token_ids)
@@ -232,36 +278,35 @@ class OpenAIServer:
                 "usage": usage(sum(map(len, run.prompt_ids)), tokens)}
 
     async def _completion_stream(self, run: Run, body: CompletionRequest, head: dict):
-        n, prompt_tokens, tokens = body.n, sum(map(len, run.prompt_ids)), 0
-        lps = {}
-        extra = {"usage": None} if body.include_usage else {}
+        n, tokens, lps = body.n, 0, {}
+        chunks = Chunks(head, body, sum(map(len, run.prompt_ids)))
 
-        def chunk(index, text, logprobs=None, finish=None, stop=None, token_ids=()):
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
+        def choice(index, text, logprobs=None, finish=None, stop=None, token_ids=()):
+            c = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish, "stop_reason": stop}
             if body.return_token_ids:
-                choice["token_ids"] = list(token_ids)
-            data = {**head, "choices": [choice], **extra}
-            if body.continuous_usage:
-                data["usage"] = usage(prompt_tokens, tokens)
-            return sse(data)
+                c["token_ids"] = list(token_ids)
+            return chunks.choice(c, tokens)
 
         try:
             if body.echo:
-                for pi, text in enumerate(run.prompt_texts):
-                    for j in range(n):
-                        yield chunk(pi * n + j, text or "")
-            async for pi, d in run.events():
-                index = pi * n + d.index
-                tokens += len(d.token_ids)
-                logprobs = None
-                if body.logprobs is not None:
-                    if index not in lps:
-                        lps[index] = LegacyLogprobs(body.logprobs)
-                    logprobs = lps[index].add(d.logprobs or [])
-                if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
-                    yield chunk(index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids)
+                yield "".join(choice(pi * n + j, text or "") for pi, text in enumerate(run.prompt_texts)
+                              for j in range(n))
+            async for batch in run.batches():
+                parts = []
+                for pi, d in batch:
+                    index = pi * n + d.index
+                    tokens += len(d.token_ids)
+                    logprobs = None
+                    if body.logprobs is not None:
+                        if index not in lps:
+                            lps[index] = LegacyLogprobs(body.logprobs)
+                        logprobs = lps[index].add(d.logprobs or [])
+                    if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
+                        parts.append(choice(index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids))
+                if parts:
+                    yield "".join(parts)  # (one write for all this stream's new chunks)
             if body.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, tokens)})
+                yield chunks.usage(tokens)
         except APIError as e:
             yield sse(error_body(e.message, e.type, e.param, e.code))
         yield sse("[DONE]")
@@ -275,7 +320,8 @@ class OpenAIServer:
         except (ValueError, TypeError, NotImplementedError) as e:
             raise bad_request(e) from None
         run = Run(self.engine, http, lambda sink: [EngineRequest(prompt, params, sink(0),
-                                                                 fill_max_tokens=body.output_limit is None)])
+                                                                 fill_max_tokens=body.output_limit is None)],
+                  watch_disconnect=not body.stream)
         await run.start()
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name}
@@ -294,7 +340,7 @@ class OpenAIServer:
             for c in choices:
                 c.update(prompt_token_ids=run.prompt_ids[0], token_ids=[])
         tokens = 0
-        async for _, d in run.events():
+        async for _, d in _flat(run):
             c = choices[d.index]
             texts[d.index].append(d.text)
             tokens += len(d.token_ids)
@@ -309,31 +355,31 @@ class OpenAIServer:
         return {**head, "choices": choices, "usage": usage(len(run.prompt_ids[0]), tokens)}
 
     async def _chat_stream(self, run: Run, body: ChatCompletionRequest, head: dict):
-        k, prompt_tokens, tokens = body.num_logprobs, len(run.prompt_ids[0]), 0
-        extra = {"usage": None} if body.include_usage else {}
+        k, tokens = body.num_logprobs, 0
+        chunks = Chunks(head, body, len(run.prompt_ids[0]))
 
-        def chunk(index, delta, logprobs=None, finish=None, stop=None, token_ids=()):
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        def choice(index, delta, logprobs=None, finish=None, stop=None, token_ids=()):
+            c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:
-                choice["stop_reason"] = stop
+                c["stop_reason"] = stop
             if body.return_token_ids:
-                choice["token_ids"] = list(token_ids)
-            data = {**head, "choices": [choice], **extra}
-            if body.continuous_usage:
-                data["usage"] = usage(prompt_tokens, tokens)
-            return sse(data)
+                c["token_ids"] = list(token_ids)
+            return chunks.choice(c, tokens)
 
         try:
-            for j in range(body.n):
-                yield chunk(j, {"role": "assistant", "content": ""})
-            async for _, d in run.events():
-                tokens += len(d.token_ids)
-                logprobs = {"content": chat_logprobs(d.logprobs or [], k)} if k is not None else None
-                if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
-                    yield chunk(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
-                                d.stop_reason, d.token_ids)
+            yield "".join(choice(j, {"role": "assistant", "content": ""}) for j in range(body.n))
+            async for batch in run.batches():
+                parts = []
+                for _, d in batch:
+                    tokens += len(d.token_ids)
+                    logprobs = {"content": chat_logprobs(d.logprobs or [], k)} if k is not None else None
+                    if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
+                        parts.append(choice(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
+                                            d.stop_reason, d.token_ids))
+                if parts:
+                    yield "".join(parts)
             if body.include_usage:
-                yield sse({**head, "choices": [], "usage": usage(prompt_tokens, tokens)})
+                yield chunks.usage(tokens)
         except APIError as e:
             yield sse(error_body(e.message, e.type, e.param, e.code))
         yield sse("[DONE]")
@@ -349,10 +395,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def create_app(llm, served_model_name: str) -> FastAPI:
-    """The FastAPI app serving `llm`; its lifespan starts the engine loop (handing events to
-    the app's event loop with call_soon_threadsafe) and stops it."""
-    server = OpenAIServer(llm, served_model_name)
+def create_app(engine: EngineProcess | EngineLoop, served_model_name: str) -> FastAPI:
+    """The FastAPI app serving `engine` (an EngineProcess started already, or an EngineLoop);
+    its lifespan hands the engine's events to the app's event loop (call_soon_threadsafe: one
+    hop per engine step), starts the engine if it has not started, and stops it."""
+    server = OpenAIServer(engine, served_model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -362,12 +409,13 @@ def create_app(llm, served_model_name: str) -> FastAPI:
             with contextlib.suppress(RuntimeError):  # the event loop has closed: nobody is listening
                 loop.call_soon_threadsafe(call_sinks, items)
 
-        server.engine = EngineLoop(llm, dispatch)
-        server.engine.start()
+        engine.dispatch = dispatch
+        if not engine.running:
+            engine.start()
         try:
             yield
         finally:
-            server.engine.stop()
+            engine.stop()
 
     app = FastAPI(title="nano-vllm", lifespan=lifespan)
     app.state.server = server
@@ -499,10 +547,8 @@ class DrainingServer(uvicorn.Server):
         self.openai_server, self.grace_s = openai_server, grace_s
 
     async def shutdown(self, sockets=None):
-        engine = self.openai_server.engine
-        if engine is not None:
-            # (a moment before uvicorn's own deadline, so that the error events still go out)
-            asyncio.get_running_loop().call_later(max(0.0, self.grace_s - 1.0), engine.abort_all)
+        # (a moment before uvicorn's own deadline, so that the error events still go out)
+        asyncio.get_running_loop().call_later(max(0.0, self.grace_s - 1.0), self.openai_server.engine.abort_all)
         await super().shutdown(sockets)
 
 
@@ -581,13 +627,12 @@ def main(argv: list[str] | None = None) -> int:
     if wants_data_parallel(options):  # before any replica starts, not when the app does
         parser.error(SINGLE_ENGINE_ONLY)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from nanovllm.llm import LLM
-
-    llm = LLM(args.model, **options)
+    engine = EngineProcess(args.model, options, log_level=args.log_level.upper())
+    engine.start()  # the model loads in the engine's process (its error, if it cannot, is raised here)
     try:
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
-        app = create_app(llm, args.served_model_name or args.model)
+        app = create_app(engine, args.served_model_name or args.model)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
         server = DrainingServer(config, app.state.server, args.shutdown_timeout)
         # uvicorn takes SIGINT / SIGTERM while it runs and, once it has shut down, raises the
@@ -598,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nanovllm.serve: {args.served_model_name or args.model} on http://{host}:{port}", flush=True)
         server.run(sockets=[sock])
     finally:
-        llm.shutdown()
+        engine.stop()
     return 0
 
 

@@ -374,6 +374,22 @@ def test_the_engine_loop_owns_the_llm_and_aborts_free_blocks(offline):
     assert offline.generate([[1, 2, 3]], greedy(2), use_tqdm=False)[0].outputs[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_stream_chunks_are_the_json_of_the_whole_chunk(include_usage):
+    """Chunks encodes the head once and splices each choice in: the same JSON as encoding the
+    whole chunk object."""
+    from nanovllm.openai_protocol import CompletionRequest
+    from nanovllm.serve import Chunks
+
+    body = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": include_usage})
+    head = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m \"q\""}
+    choice = {"index": 1, "text": "caf\u00e9\n", "logprobs": None, "finish_reason": None, "token_ids": [3, 4]}
+    line = Chunks(head, body, 5).choice(choice, 2)
+    assert line.startswith("data: ") and line.endswith("\n\n")
+    want = {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+    assert json.loads(line[6:]) == want and line[6:-2] == json.dumps(want)
+
+
 def test_every_config_field_is_a_flag():
     from nanovllm.serve import build_parser, config_fields, llm_options
 
@@ -451,8 +467,9 @@ def test_sigterm_shuts_down_cleanly_with_a_stream_in_flight(ckpt, server):
     server.stop(30)  # the module's server is done: give its cores back
     args = SERVER_ARGS + ["--tensor-parallel-size", "2", "--shutdown-timeout", "2"]
     with ServerProcess(ckpt, args, timeout=180, cwd=ROOT, env=_env()) as tp:
-        kids = _children(tp.proc.pid)
-        assert kids, "a tensor-parallel server has a worker process"
+        kids = _children(tp.proc.pid)  # the engine's process, and under it the tensor-parallel worker
+        kids += [g for k in kids for g in _children(k)]
+        assert len(kids) >= 2, "a tensor-parallel server has an engine process and a worker under it"
         body = {"model": ckpt, "prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True,
                 "ignore_eos": True}
         with httpx.stream("POST", tp.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:

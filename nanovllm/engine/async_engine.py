@@ -94,10 +94,19 @@ class EngineRequest:
         # prompt's text, decoded from token ids if need be (echo).
         self.fill_max_tokens = fill_max_tokens
         self.want_prompt_text = want_prompt_text
+        self.request_id: int | None = None  # set by an EngineProcess (its key on both sides)
         self.seq = None        # its Sequence (sample 0) once added
         self.done = False      # no more events will come
         self.aborted = False   # the caller aborted it (maybe before it was added)
         self._first_sent = False
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a server needs to know of the engine it drives."""
+
+    generation_defaults: dict  # generation_config.json's sampling defaults
+    max_model_len: int
 
 
 @dataclass(frozen=True)
@@ -133,13 +142,16 @@ class EngineLoop:
     stopped the loop, if one did (the engine is then unusable: a dead tensor-parallel worker).
     """
 
-    def __init__(self, llm: "LLM", dispatch: Callable[[list], None] = call_sinks):
+    def __init__(self, llm: "LLM", dispatch: Callable[[list], None] = call_sinks,
+                 on_stats: Callable[[EngineStats], None] | None = None):
         from nanovllm.distributed.data_parallel import DataParallelFront
 
         if isinstance(llm, DataParallelFront):
             raise ValueError(SINGLE_ENGINE_ONLY)
         self.llm = llm
         self.dispatch = dispatch
+        self.on_stats = on_stats  # called with the new stats after an iteration that changed them but had no events
+        self.info = EngineInfo(dict(llm.generation_defaults), llm.config.max_model_len)
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, EngineRequest] = {}  # seq id of every live sample -> its request
@@ -338,13 +350,16 @@ class EngineLoop:
             r.done = True
 
     def _flush(self) -> None:
-        self.stats = self._current_stats()
-        if self._outbox:
-            items, self._outbox = self._outbox, []
-            try:
+        stats = self._current_stats()
+        changed, self.stats = stats != self.stats, stats
+        try:
+            if self._outbox:
+                items, self._outbox = self._outbox, []
                 self.dispatch(items)
-            except Exception:  # noqa: BLE001 (the receiving side is gone: nothing to tell it)
-                logger.exception("could not hand out the engine's events")
+            elif changed and self.on_stats is not None:
+                self.on_stats(stats)
+        except Exception:  # noqa: BLE001 (the receiving side is gone: nothing to tell it)
+            logger.exception("could not hand out the engine's events")
 
     def _current_stats(self) -> EngineStats:
         bm, sched = self.llm.block_manager, self.llm.scheduler

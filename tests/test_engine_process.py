@@ -1,0 +1,134 @@
+"""EngineProcess: the server's engine loop in a child process (nanovllm/engine/engine_process.py).
+
+The tokens it streams are compared with offline generate; its failure modes are: the model
+cannot be built (the LLM's own error, raised in the parent), the child dies (every open request
+is told), stop (every open request is told, no process left)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint
+
+from nanovllm import SamplingParams
+from nanovllm.engine.async_engine import Accepted, Delta, EngineRequest, EngineStopped, Failed, Finished
+from nanovllm.engine.engine_process import EngineProcess
+
+OPTIONS = dict(device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_num_seqs=8)
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory, "gqa")
+
+
+class Sinks:
+    """Each request's events, in arrival order (delivered on the reader thread)."""
+
+    def __init__(self):
+        self.events: dict[int, list] = {}
+        self.changed = threading.Condition()
+
+    def sink(self, key: int):
+        def put(event):
+            with self.changed:
+                self.events.setdefault(key, []).append(event)
+                self.changed.notify_all()
+        return put
+
+    def wait(self, done, timeout: float = DEADLINE_S) -> None:
+        deadline = time.monotonic() + timeout
+        with self.changed:
+            while not done(self.events):
+                left = deadline - time.monotonic()
+                assert left > 0, f"timed out: {self.events}"
+                self.changed.wait(left)
+
+
+def ended(events: list) -> bool:
+    return bool(events) and isinstance(events[-1], (Finished, Failed))
+
+
+def test_streams_the_tokens_of_offline_generate_and_frees_aborted_blocks(ckpt):
+    prompts = [rand_ids(n, seed=i) for i, n in enumerate((5, 9, 14))]
+    llm = make_llm(ckpt, **OPTIONS)
+    try:
+        want = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy(12), use_tqdm=False)]
+    finally:
+        llm.shutdown()
+    sinks = Sinks()
+    engine = EngineProcess(ckpt, OPTIONS)
+    engine.start()
+    try:
+        assert engine.info.max_model_len > 0 and engine.stats.free_kv_blocks == engine.stats.num_kv_blocks
+        requests = [EngineRequest(p, greedy(12), sinks.sink(i)) for i, p in enumerate(prompts)]
+        long = EngineRequest(rand_ids(6, seed=7), greedy(500), sinks.sink(9))
+        engine.submit(requests + [long])
+        sinks.wait(lambda ev: all(ended(ev.get(i, [])) for i in range(3)))
+        for i, p in enumerate(prompts):
+            events = sinks.events[i]
+            assert isinstance(events[0], Accepted) and events[0].prompt_token_ids == p
+            assert isinstance(events[-1], Finished)
+            got = [t for e in events if isinstance(e, Delta) for t in e.token_ids]
+            assert got == want[i]
+        engine.abort(long)  # mid-generation: its blocks come back, and no more of its events
+        deadline = time.monotonic() + DEADLINE_S
+        while engine.stats.free_kv_blocks != engine.stats.num_kv_blocks or engine.stats.requests:
+            assert time.monotonic() < deadline, engine.stats
+            time.sleep(0.01)
+        seen = len(sinks.events[9])
+        time.sleep(0.2)
+        assert len(sinks.events[9]) == seen and not ended(sinks.events[9])
+        # A refused request (too long for the cache) is Failed with the engine's ValueError.
+        engine.submit([EngineRequest([1, 2], SamplingParams(max_tokens=10**6), sinks.sink(20))])
+        sinks.wait(lambda ev: ended(ev.get(20, [])))
+        assert isinstance(sinks.events[20][0], Failed) and isinstance(sinks.events[20][0].error, ValueError)
+    finally:
+        engine.stop()
+    assert not engine.running and not engine._proc.is_alive()
+
+
+def test_a_model_that_cannot_be_built_raises_its_error_here(ckpt):
+    engine = EngineProcess(ckpt, {**OPTIONS, "max_num_seqs": 0})
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        engine.start()
+    assert not engine.running and not engine._proc.is_alive()
+    with pytest.raises(RuntimeError, match="not running"):
+        engine.submit([EngineRequest([1, 2], greedy(2), lambda e: None)])
+
+
+def test_stop_fails_open_requests_and_a_dead_child_fails_them_too(ckpt):
+    sinks = Sinks()
+    engine = EngineProcess(ckpt, OPTIONS)
+    engine.start()
+    try:
+        engine.submit([EngineRequest(rand_ids(5, seed=1), greedy(500), sinks.sink(0))])
+        sinks.wait(lambda ev: any(isinstance(e, Delta) for e in ev.get(0, [])))
+    finally:
+        engine.stop()
+    assert isinstance(sinks.events[0][-1], Failed) and isinstance(sinks.events[0][-1].error, EngineStopped)
+
+    engine = EngineProcess(ckpt, OPTIONS)
+    engine.start()
+    try:
+        engine.submit([EngineRequest(rand_ids(5, seed=2), greedy(500), sinks.sink(1))])
+        sinks.wait(lambda ev: any(isinstance(e, Delta) for e in ev.get(1, [])))
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        sinks.wait(lambda ev: ended(ev[1]))
+        last = sinks.events[1][-1]
+        assert isinstance(last, Failed) and "died" in str(last.error)
+        deadline = time.monotonic() + DEADLINE_S
+        while engine.running:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert "exit code -9" in str(engine.error)
+        with pytest.raises(RuntimeError, match="not running"):
+            engine.submit([EngineRequest([1, 2], greedy(2), lambda e: None)])
+    finally:
+        engine.stop()
