@@ -32,6 +32,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from nanovllm.kernels import fused_moe as fm  # noqa: E402
+from nanovllm.layers.moe import route_topk  # noqa: E402
 from nanovllm.layers.quantization.fp8_ops import quantize_weight_block_fp8  # noqa: E402
 from timing import cuda_graph_us  # noqa: E402  (benchmarks/kernels/timing.py, beside this script)
 
@@ -102,7 +103,7 @@ def main() -> None:
     rows = []
     for num_tokens in args.tokens:
         x = torch.randn(num_tokens, H, device=dev).bfloat16()
-        weights, ids = fm.route_topk(torch.randn(num_tokens, E, device=dev), K, True)
+        weights, ids = route_topk(torch.randn(num_tokens, E, device=dev), K, True)
         distinct = ids.unique().numel()
         ref = reference(x, w13, w2, weights, ids)
         for name, (a, b, scales) in variants.items():

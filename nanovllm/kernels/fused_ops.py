@@ -238,14 +238,17 @@ def _norm_rope_heads(
 def _store_heads(cache_ptr, scale_ptr, slot, row, offs, x1, x2, mask, HALF: tl.constexpr, FP8: tl.constexpr):
     """Write the halves x1 | x2 (at offs, offs + HALF of a cache row of `row` elements) into
     cache slot `slot` (none when slot < 0), FP8-quantized by *scale_ptr when FP8."""
+    # (x1 / x2 are never reassigned here: under the runtime `if`, Triton refuses a variable whose
+    # type changes, as bf16 -> fp32 through the quantizer would.)
     if slot >= 0:
+        dst = cache_ptr + slot * row + offs
         if FP8:
             scale = tl.load(scale_ptr)
-            x1 = _quantize_e4m3(x1, scale)
-            x2 = _quantize_e4m3(x2, scale)
-        dst = cache_ptr + slot * row + offs
-        tl.store(dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst, _quantize_e4m3(x1, scale).to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, _quantize_e4m3(x2, scale).to(cache_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
