@@ -92,7 +92,9 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
 
 
 async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout: float) -> tuple[list[dict], float]:
-    """Closed loop: `clients` workers take the next request in order until none is left."""
+    """Closed loop: `clients` workers take the next request in order until none is left. Each
+    result also says when its worker found the list empty ("worker_done"; the same for all of
+    a worker's results)."""
     import httpx
 
     results: list[dict | None] = [None] * len(prompts)
@@ -100,8 +102,13 @@ async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         async def worker():
+            mine = []
             for i in next_index:
                 results[i] = await one_request(client, url, model, prompts[i], max_tokens[i])
+                mine.append(results[i])
+            done = time.perf_counter()
+            for r in mine:
+                r["worker_done"] = done
 
         t0 = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(clients))), timeout)
@@ -139,13 +146,34 @@ def drive_processes(url: str, model: str, prompts, max_tokens, clients: int, pro
     return results, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
 
 
-def summarize(results: list[dict], wall: float) -> dict:
+def steady_state(results: list[dict], clients: int) -> dict:
+    """Output tokens per second while every client had a request open: from the moment the
+    last of the first `clients` requests had its first token to the moment the first client
+    found no request left (after it, fewer streams are open: the closed loop's tail)."""
+    first = sorted(results, key=lambda r: r["sent"])[:clients]
+    start = max(r["stamps"][0] for r in first)
+    end = min(r["worker_done"] for r in results)
+    if end <= start:
+        return {"window_s": 0.0, "output_tok_s": None}
+    tokens = sum(start <= t < end for r in results for t in r["stamps"])
+    return {"window_s": end - start, "output_tok_s": tokens / (end - start)}
+
+
+def summarize(results: list[dict], wall: float, clients: int) -> dict:
     ttft = [r["stamps"][0] - r["sent"] for r in results]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     e2e = [r["stamps"][-1] - r["sent"] for r in results]
     out = sum(r["tokens"] for r in results)
     return {"wall_s": wall, "output_tokens": out, "output_tok_s": out / wall, "requests_per_s": len(results) / wall,
-            "ttft_ms": percentiles(ttft, 1e3), "itl_ms": percentiles(itl, 1e3), "e2e_s": percentiles(e2e)}
+            "steady_state": steady_state(results, clients), "ttft_ms": percentiles(ttft, 1e3),
+            "itl_ms": percentiles(itl, 1e3), "e2e_s": percentiles(e2e)}
+
+
+def fresh(prompts, vocab: int, max_id: int = 10000):
+    """The same prompt lengths with other token ids (every id + 1, wrapping below the
+    vocabulary and 10,001): a warm-up that leaves nothing in the prefix cache for the run."""
+    top = min(max_id + 1, vocab)
+    return [[(t + 1) % top for t in p] for p in prompts]
 
 
 def run_server(args, path: str, prompts, max_tokens) -> dict:
@@ -154,13 +182,15 @@ def run_server(args, path: str, prompts, max_tokens) -> dict:
     t = time.perf_counter()
     with ServerProcess(path, server_flags(args) + ["--log-level", "warning"], timeout=args.startup_timeout, cwd=ROOT) as server:
         startup = time.perf_counter() - t
-        # Warm-up: one round of short requests at full concurrency (kernels JIT, allocator).
-        warm_p, warm_t = workload(args.clients, args.vocab, 16, 64, 8, 16)
-        drive_processes(server.url, path, warm_p, warm_t, args.clients, args.client_processes, args.timeout)
+        # Warm-up: the workload's prompt lengths with other ids (nothing to reuse from the prefix
+        # cache), at most 32 tokens out, at full concurrency: prefill and mixed-step shapes compile
+        # their kernels here, not in the timed run.
+        drive_processes(server.url, path, fresh(prompts, args.vocab), [min(n, 32) for n in max_tokens], args.clients,
+                        args.client_processes, args.timeout)
         results, wall = drive_processes(server.url, path, prompts, max_tokens, args.clients, args.client_processes,
                                         args.timeout)
         rc = server.stop(60)
-    report = summarize(results, wall)
+    report = summarize(results, wall, args.clients)
     report.update(startup_s=startup, exit_code=rc)
     return report
 
@@ -176,7 +206,8 @@ def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
     llm = LLM(path, **options)
     try:
         sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
-        llm.generate(prompts[:args.clients], sps[:args.clients], use_tqdm=False)  # warm-up
+        warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=min(n, 32)) for n in max_tokens]
+        llm.generate(fresh(prompts, args.vocab), warm, use_tqdm=False)  # warm-up, as the server's
         t = time.perf_counter()
         outs = llm.generate(prompts, sps, use_tqdm=False)
         seconds = time.perf_counter() - t

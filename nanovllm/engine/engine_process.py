@@ -19,6 +19,7 @@ It has the loop's interface (`submit`, `abort`, `abort_all`, `stop`, `running`, 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -205,6 +206,11 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str) ->
     except BaseException as e:  # noqa: BLE001 (the parent raises it)
         send(("failed", _picklable(e)))
         return
+    # What loading made (modules, tensors' Python objects, the tokenizer) lives as long as the
+    # engine: frozen, a full collection while serving does not walk it (a pause every open stream
+    # would feel).
+    gc.collect()
+    gc.freeze()
     requests: dict[int, EngineRequest] = {}
 
     def dispatch(items) -> None:
