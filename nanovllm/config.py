@@ -68,8 +68,8 @@ def decode_blas_library() -> str:
 def fuse_kv_store_switch() -> bool:
     """NANOVLLM_FUSE_KV_STORE, checked: "1" stores each layer's K/V inside the q/k-norm + RoPE
     kernel on CUDA (one launch per layer less), "0" (default) in the store kernel of its own.
-    Off by default: the fused kernel failed its GPU tests on the H200 (BENCHMARKS.md, 2026-12-01),
-    though it passes them in the Triton interpreter."""
+    Off by default: it passes its GPU tests since its FP8 branch compiles, but measured no faster on
+    the H200 (BENCHMARKS.md, "fused K/V store")."""
     value = os.environ.get("NANOVLLM_FUSE_KV_STORE", "0")
     if value not in ("0", "1"):
         raise ValueError(f"NANOVLLM_FUSE_KV_STORE must be 0 or 1, got {value!r}")

@@ -184,9 +184,6 @@ def test_engine_gives_the_same_tokens_fused_or_not(ckpt, monkeypatch, kv_cache_d
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(reason="on the H200 (2026-12-01) the engine's tokens changed with the fused store on (this test "
-                          "and test_gpu.py's reproducibility test failed; with it off they pass); root cause open, the "
-                          "store is off by default (NANOVLLM_FUSE_KV_STORE=0)", strict=False)
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_gpu_engine_gives_the_same_tokens_fused_or_not(ckpt, monkeypatch, kv_cache_dtype):
     """bf16 on the GPU, decode through CUDA graphs (the fused store inside them), chunked

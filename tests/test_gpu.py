@@ -241,6 +241,7 @@ def test_fp32_families_greedy_through_cuda_graphs(bf16_family):
     prompts.append(prompts[2][:256] + prompts_of([40], seed=1)[0])  # shares 16 blocks with prompt 2
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert llm.block_manager.num_prefix_hit_tokens >= 128  # 224 on CPU: the blocks prompt 2's chunks cached
+    llm.shutdown()
     for p, o in zip(prompts, outs):
         check_greedy_close(hf32, p, o["token_ids"], tm.hf_greedy(hf32, p, 24))
     llm.shutdown()
