@@ -176,11 +176,33 @@ def fresh(prompts, vocab: int, max_id: int = 10000):
     return [[(t + 1) % top for t in p] for p in prompts]
 
 
+def engine_steps(step_log: str, start: float, end: float) -> dict:
+    """The engine's steps (the server's --step-log) that ended inside [start, end]: for decode
+    steps and for prompt-carrying (mixed) ones, how many, their time in all and the gap before
+    each (ms: the time from the previous step's end, what a stream waits between tokens)."""
+    steps = []
+    with open(step_log) as f:
+        for line in f:
+            steps.append(json.loads(line))
+    out = {}
+    for kind, prefill in (("decode", False), ("prompt", True)):
+        gaps = [(b["ended_at"] - a["ended_at"]) for a, b in zip(steps, steps[1:])
+                if b["is_prefill"] == prefill and start <= b["ended_at"] <= end]
+        rows = [b["num_seqs"] for b in steps[1:] if b["is_prefill"] == prefill and start <= b["ended_at"] <= end]
+        out[kind] = {"steps": len(gaps), "seconds": sum(gaps), "gap_ms": percentiles(gaps, 1e3),
+                     "mean_rows": statistics.fmean(rows) if rows else 0.0}
+    return out
+
+
 def run_server(args, path: str, prompts, max_tokens) -> dict:
+    import tempfile
+
     from nanovllm.serve import ServerProcess
 
+    step_log = os.path.join(tempfile.mkdtemp(prefix="serve_bench_"), "steps.jsonl")
+    flags = server_flags(args) + ["--log-level", "warning", "--step-log", step_log]
     t = time.perf_counter()
-    with ServerProcess(path, server_flags(args) + ["--log-level", "warning"], timeout=args.startup_timeout, cwd=ROOT) as server:
+    with ServerProcess(path, flags, timeout=args.startup_timeout, cwd=ROOT) as server:
         startup = time.perf_counter() - t
         # Warm-up: the workload's prompt lengths with other ids (nothing to reuse from the prefix
         # cache), at most 32 tokens out, at full concurrency: prefill and mixed-step shapes compile
@@ -191,7 +213,8 @@ def run_server(args, path: str, prompts, max_tokens) -> dict:
                                         args.timeout)
         rc = server.stop(60)
     report = summarize(results, wall, args.clients)
-    report.update(startup_s=startup, exit_code=rc)
+    start = min(r["sent"] for r in results)
+    report.update(startup_s=startup, exit_code=rc, engine_steps=engine_steps(step_log, start, start + wall))
     return report
 
 

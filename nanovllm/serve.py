@@ -504,6 +504,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--step-log", default=None, metavar="PATH",
+                        help="write one JSON line per engine step to PATH (its kind, tokens, rows, when it ended, "
+                             "how long the host waited for it): where serving latency goes")
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open responses may run on after SIGTERM before they are cancelled")
     llm = parser.add_argument_group("LLM options (nanovllm.LLM's keyword arguments)")
@@ -627,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
     if wants_data_parallel(options):  # before any replica starts, not when the app does
         parser.error(SINGLE_ENGINE_ONLY)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = EngineProcess(args.model, options, log_level=args.log_level.upper())
+    engine = EngineProcess(args.model, options, log_level=args.log_level.upper(), step_log=args.step_log)
     engine.start()  # the model loads in the engine's process (its error, if it cannot, is raised here)
     try:
         sock = listen_socket(args.host, args.port)

@@ -443,6 +443,8 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     assert s["exit_code"] == 0 and s["ttft_ms"]["n"] == 5 and s["itl_ms"]["n"] == sum(lengths) - 5
     assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["p99"]
     assert report["server_vs_offline"] > 0
+    steps = s["engine_steps"]  # the server's --step-log, over the timed run
+    assert steps["decode"]["steps"] + steps["prompt"]["steps"] > 0 and steps["prompt"]["steps"] >= 1
     steady = s["steady_state"]  # (3 clients, 5 requests: the window may be empty)
     assert steady["window_s"] >= 0 and (steady["output_tok_s"] is None or steady["output_tok_s"] > 0)
 

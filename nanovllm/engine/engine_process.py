@@ -19,8 +19,10 @@ It has the loop's interface (`submit`, `abort`, `abort_all`, `stop`, `running`, 
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
+import json
 import logging
 import multiprocessing as mp
 import pickle
@@ -44,8 +46,9 @@ class EngineProcess:
     joins the child."""
 
     def __init__(self, model: str, options: dict, dispatch: Callable[[list], None] = call_sinks,
-                 log_level: str = "WARNING"):
+                 log_level: str = "WARNING", step_log: str | None = None):
         self.model, self.options, self.dispatch, self.log_level = model, dict(options), dispatch, log_level
+        self.step_log = step_log  # a file: one JSON line per engine step (StepTiming), for diagnosis
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
         self.error: BaseException | None = None
@@ -72,7 +75,8 @@ class EngineProcess:
         commands_in, self._commands = ctx.Pipe(duplex=False)
         self._events, events_out = ctx.Pipe(duplex=False)
         self._proc = ctx.Process(target=_engine_main, name="nanovllm-engine", daemon=False,
-                                 args=(self.model, self.options, commands_in, events_out, self.log_level))
+                                 args=(self.model, self.options, commands_in, events_out, self.log_level,
+                                       self.step_log))
         self._proc.start()
         commands_in.close()  # (the child's ends: closed here, so that either side sees the other go)
         events_out.close()
@@ -188,7 +192,7 @@ class EngineProcess:
 
 
 # ---------------------------------------------------------------------------- the child
-def _engine_main(model: str, options: dict, commands, events, log_level: str) -> None:
+def _engine_main(model: str, options: dict, commands, events, log_level: str, step_log: str | None) -> None:
     """The child: build the LLM, run its EngineLoop, obey commands until "stop" or the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when the engine stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -202,6 +206,7 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str) ->
     try:
         from nanovllm.llm import LLM
 
+        log = open(step_log, "w", buffering=1 << 16) if step_log else None
         llm = LLM(model, **options)
     except BaseException as e:  # noqa: BLE001 (the parent raises it)
         send(("failed", _picklable(e)))
@@ -211,6 +216,8 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str) ->
     # would feel).
     gc.collect()
     gc.freeze()
+    if log is not None:
+        llm.step_observers.append(lambda t: log.write(json.dumps(dataclasses.asdict(t)) + "\n"))
     requests: dict[int, EngineRequest] = {}
 
     def dispatch(items) -> None:
@@ -253,6 +260,8 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str) ->
     finally:
         loop.stop(timeout=None)
         llm.shutdown()
+        if log is not None:
+            log.close()
         send(("stopped", _picklable(loop.error) if loop.error is not None else None))
 
 
