@@ -1,0 +1,220 @@
+"""Compile nano-vllm's Triton kernels for Hopper (sm90) on a machine without a GPU.
+
+    python tests/hopper_compile.py [scenario ...]     # one JSON line per kernel launch
+
+Each scenario calls a kernel wrapper (paged_decode_attention, store_kvcache, ...) with CPU
+tensors of the dtypes the H200 runs (bf16 activations, bf16 or FP8 caches and weights). The
+launches are caught instead of run (JITFunction.run is replaced): each one's arguments become
+a Triton signature (tensors as pointer types, ints, floats, constexprs as given), which
+`triton.compile` turns into a cubin for sm90 through Triton's own CUDA front end and ptxas.
+That front end type-checks what the interpreter of CI's other kernel tests never does. Must run
+without TRITON_INTERPRET (tests/test_kernel_compile.py starts it so). Kernel outputs are never
+written, so a wrapper's host code after a launch sees garbage: the scenarios avoid wrappers
+that read kernel results back on the host.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
+TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float64: "fp64",
+         torch.float8_e4m3fn: "fp8e4nv", torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16",
+         torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+
+def _type_of(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + TYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2**31 <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"no Triton type for {type(value).__name__}")
+
+
+def capture_launches(scenario) -> list[tuple]:
+    """Run `scenario()` with every Triton launch caught: [(kernel, args by name, options)]."""
+    from triton.runtime.jit import JITFunction
+
+    launches = []
+    original = JITFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "num_ctas") if k in kwargs}
+        named = dict(zip(self.arg_names, args))
+        named.update(kwargs)
+        launches.append((self, named, options))
+
+    JITFunction.run = run
+    try:
+        scenario()
+    finally:
+        JITFunction.run = original
+    return launches
+
+
+def compile_launch(kernel, named: dict, options: dict):
+    """triton.compile of one caught launch for sm90 (a missing argument keeps its default)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, constexprs = {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.name in named:
+            value = named[p.name]
+        elif p.has_default:
+            value = p.default
+        else:
+            raise TypeError(f"{kernel.fn.__name__}: no value for {p.name}")
+        if p.is_constexpr or value is None:
+            signature[p.name] = "constexpr"
+            constexprs[(i,)] = value
+        else:
+            signature[p.name] = _type_of(value)
+    src = ASTSource(kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+# ---------------------------------------------------------------------------- scenarios
+def _paged_decode(cache_dtype, num_splits):
+    from nanovllm.kernels.paged_decode import paged_decode_attention
+
+    q = torch.randn(5, 16, 128).to(BF16)
+    k_cache = torch.zeros(8, 256, 8, 128).to(cache_dtype)
+    v_cache = torch.zeros(8, 256, 8, 128).to(cache_dtype)
+    tables = torch.zeros(5, 4, dtype=torch.int32)
+    lens = torch.full((5,), 300, dtype=torch.int32)
+    scales = (torch.ones(1), torch.ones(1)) if cache_dtype == FP8 else (None, None)
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits, k_scale=scales[0], v_scale=scales[1])
+
+
+def _store(cache_dtype):
+    from nanovllm.kernels.kv_store import store_kvcache
+
+    k, v = torch.randn(7, 8, 128).to(BF16), torch.randn(7, 8, 128).to(BF16)
+    k_cache = torch.zeros(4, 256, 8, 128).to(cache_dtype)
+    v_cache = torch.zeros(4, 256, 8, 128).to(cache_dtype)
+    scales = (torch.ones(1), torch.ones(1)) if cache_dtype == FP8 else (None, None)
+    store_kvcache(k, v, k_cache, v_cache, torch.arange(7), *scales)
+
+
+def _qk_norm_rope(cache_dtype, norm):
+    from nanovllm.kernels.fused_ops import qk_norm_rope
+    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+
+    nh, nkv, hd, tokens = 16, 8, 128, 6
+    qkv = torch.randn(tokens, (nh + 2 * nkv) * hd).to(BF16)
+    w = [torch.ones(hd).to(BF16), torch.ones(hd).to(BF16)] if norm else [None, None]
+    cos_sin = RotaryEmbedding(hd, 4096, 1e6).cos_sin
+    positions = torch.arange(tokens)
+    kw = {}
+    if cache_dtype is not None:
+        caches = [torch.zeros(4, 256, nkv, hd).to(cache_dtype) for _ in range(2)]
+        scales = (torch.ones(1), torch.ones(1)) if cache_dtype == FP8 else (None, None)
+        kw = dict(k_cache=caches[0], v_cache=caches[1], slot_mapping=torch.arange(tokens), k_scale=scales[0],
+                  v_scale=scales[1])
+    qk_norm_rope(qkv, w[0], w[1], cos_sin, positions, nh, nkv, hd, 1e-6, **kw)
+
+
+def _rms_norm_and_silu():
+    from nanovllm.kernels.fused_ops import rms_norm, silu_and_mul
+
+    x, w = torch.randn(6, 1024).to(BF16), torch.ones(1024).to(BF16)
+    rms_norm(x, w, 1e-6)
+    rms_norm(x, w, 1e-6, torch.randn(6, 1024).to(BF16))
+    silu_and_mul(torch.randn(6, 2 * 3072).to(BF16))
+
+
+def _fp8_gemm():
+    from nanovllm.kernels.fp8_gemm import fp8_block_matmul, quantize_fp8_per_tensor, quantize_fp8_per_token_group
+
+    x = torch.randn(9, 512).to(BF16)
+    quantize_fp8_per_token_group(x)
+    quantize_fp8_per_tensor(x)
+    a_q, a_s = torch.zeros(9, 512).to(FP8), torch.ones(9, 4)
+    w_q, w_s = torch.zeros(384, 512).to(FP8), torch.ones(3, 4)
+    fp8_block_matmul(a_q, a_s, w_q, w_s, BF16)
+
+
+def _fused_moe(fp8, tokens=5, experts=8, k=2):
+    from nanovllm.kernels import fused_moe as fm
+
+    hidden, inter = 256, 128
+    x = torch.randn(tokens, hidden).to(BF16)
+    weights = torch.full((tokens, k), 0.5)
+    ids = torch.randint(0, experts, (tokens, k), dtype=torch.int32)
+    if fp8:
+        w13, w2 = torch.zeros(experts, 2 * inter, hidden).to(FP8), torch.zeros(experts, hidden, inter).to(FP8)
+        s13, s2 = torch.ones(experts, 2 * inter // 128, hidden // 128), torch.ones(experts, hidden // 128, inter // 128)
+        fm.fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2)
+    else:
+        w13, w2 = torch.zeros(experts, 2 * inter, hidden).to(BF16), torch.zeros(experts, hidden, inter).to(BF16)
+        fm.fused_moe(x, w13, w2, weights, ids)
+
+
+def _sampling(dtype):
+    from nanovllm.kernels.sampling import gumbel_argmax_triton
+
+    b = 4
+    x = torch.randn(b, 20_000).to(dtype)
+    seeds, offsets = torch.arange(b, dtype=torch.int64), torch.arange(b, dtype=torch.int64)
+    gumbel_argmax_triton(x, None, seeds, offsets, torch.full((b,), 0.7))
+    gumbel_argmax_triton(x, torch.full((b,), -1.0), seeds, offsets)
+
+
+SCENARIOS = {
+    "paged_decode_bf16": lambda: _paged_decode(BF16, 1),
+    "paged_decode_bf16_splits": lambda: _paged_decode(BF16, 3),
+    "paged_decode_fp8": lambda: _paged_decode(FP8, 1),
+    "paged_decode_fp8_splits": lambda: _paged_decode(FP8, 3),
+    "store_kvcache_bf16": lambda: _store(BF16),
+    "store_kvcache_fp8": lambda: _store(FP8),
+    "qk_norm_rope": lambda: _qk_norm_rope(None, True),
+    "qk_norm_rope_store_bf16": lambda: _qk_norm_rope(BF16, True),
+    "qk_norm_rope_store_fp8": lambda: _qk_norm_rope(FP8, True),
+    "rope_only_store_fp8": lambda: _qk_norm_rope(FP8, False),
+    "rms_norm_silu": _rms_norm_and_silu,
+    "fp8_gemm": _fp8_gemm,
+    "fused_moe_bf16": lambda: _fused_moe(False),
+    "fused_moe_fp8": lambda: _fused_moe(True),
+    # Many routed slots: the chunked alignment kernels, and the GEMM tiles of large batches.
+    "fused_moe_bf16_prefill": lambda: _fused_moe(False, tokens=2048, experts=128, k=8),
+    "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
+    "sampling_bf16": lambda: _sampling(BF16),
+    "sampling_fp32": lambda: _sampling(torch.float32),
+}
+
+
+def main(names: list[str]) -> None:
+    if os.environ.get("TRITON_INTERPRET"):
+        raise SystemExit("run without TRITON_INTERPRET: the interpreter's @triton.jit cannot be compiled")
+    for name in names or list(SCENARIOS):
+        try:
+            launches = capture_launches(SCENARIOS[name])
+        except Exception as e:  # noqa: BLE001 (reported, the next scenario runs)
+            print(json.dumps({"scenario": name, "ok": False, "error": f"calling the wrapper: {type(e).__name__}: {e}"}))
+            continue
+        if not launches:
+            print(json.dumps({"scenario": name, "ok": False, "error": "no kernel was launched"}))
+        for kernel, named, options in launches:
+            result = {"scenario": name, "kernel": kernel.fn.__name__}
+            try:
+                result["ok"] = bool(compile_launch(kernel, named, options).asm["cubin"])
+            except Exception as e:  # noqa: BLE001
+                result.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
+            print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
