@@ -122,9 +122,12 @@ class EngineStats:
 
 
 def call_sinks(items: list[tuple[EngineRequest, object]]) -> None:
-    """The default dispatch: each event to its request's sink, on the loop thread."""
+    """Each event to its request's sink (the default dispatch, on the loop thread; a server's,
+    on its event loop). Requests aborted meanwhile get nothing: an EngineProcess's events may
+    be on their way to this thread when the abort is made."""
     for request, event in items:
-        request.sink(event)
+        if not request.aborted:
+            request.sink(event)
 
 
 # Why a data-parallel LLM cannot be served (and what to do instead).

@@ -109,8 +109,10 @@ class EngineProcess:
 
     def abort(self, request: EngineRequest) -> None:
         """End `request` now (its blocks are freed in the child); no further events (idempotent)."""
-        if self._requests.pop(getattr(request, "request_id", None), None) is not None:
-            request.done = True
+        with self._registry_lock:
+            known = self._requests.pop(getattr(request, "request_id", None), None) is not None
+            request.aborted = request.done = True  # (call_sinks drops what the reader had in hand)
+        if known:
             self._send(("abort", request.request_id))
 
     def abort_all(self, reason: str = "the server is shutting down") -> None:
@@ -173,14 +175,15 @@ class EngineProcess:
 
     def _deliver(self, batch: list) -> None:
         items = []
-        for request_id, event in batch:
-            r = self._requests.get(request_id)
-            if r is None:
-                continue  # aborted here since the child sent it
-            if isinstance(event, (Finished, Failed)):
-                del self._requests[request_id]
-                r.done = True
-            items.append((r, event))
+        with self._registry_lock:  # (abort() may pop a request meanwhile, on another thread)
+            for request_id, event in batch:
+                r = self._requests.get(request_id)
+                if r is None:
+                    continue  # aborted here since the child sent it
+                if isinstance(event, (Finished, Failed)):
+                    del self._requests[request_id]
+                    r.done = True
+                items.append((r, event))
         if items:
             self._dispatch(items)
 
