@@ -132,3 +132,24 @@ def test_stop_fails_open_requests_and_a_dead_child_fails_them_too(ckpt):
             engine.submit([EngineRequest([1, 2], greedy(2), lambda e: None)])
     finally:
         engine.stop()
+
+
+def test_events_of_an_aborted_request_are_dropped_on_both_threads():
+    """abort() on the event loop's thread races the reader thread's delivery: events the child
+    sent before it heard of the abort are dropped by the reader (the request is gone from the
+    registry), and those the reader had already handed on are dropped by call_sinks (the
+    request is marked aborted)."""
+    from nanovllm.engine.async_engine import call_sinks
+
+    got = []
+    engine = EngineProcess("unused", {}, dispatch=call_sinks)
+    engine._proc = object()  # (never started: only the registry and the delivery are used)
+    engine._send = lambda message: None
+    a, b = (EngineRequest([1], greedy(2), lambda e, k=k: got.append((k, e))) for k in "ab")
+    engine.submit([a, b])
+    in_hand = [(a, Delta(0, "x", [5], None, None, None))]  # taken by the reader before the abort
+    engine.abort(a)
+    engine._deliver([(a.request_id, Delta(0, "y", [6], None, None, None)), (b.request_id, Finished(0))])
+    call_sinks(in_hand)
+    assert [k for k, _ in got] == ["b"] and isinstance(got[0][1], Finished)
+    assert not engine._requests and a.done and b.done
