@@ -92,11 +92,12 @@ class Run:
     def _sink(self, index: int):
         return lambda event: self.queue.put_nowait((index, event))
 
-    async def _next(self):
-        """The next (prompt index, event); ClientGone once the client has disconnected."""
+    async def _next(self, watch: bool | None = None):
+        """The next (prompt index, event); ClientGone once the client has disconnected (checked
+        only when watching: `watch`, else the Run's watch_disconnect)."""
         if not self.queue.empty():
             return self.queue.get_nowait()
-        if not self.watch:  # (no timer per event: it costs more than the rest of a token's chunk)
+        if not (self.watch if watch is None else watch):  # (no timer per token: it costs more than the chunk)
             return await self.queue.get()
         while True:
             try:
@@ -117,7 +118,7 @@ class Run:
         try:
             while len(accepted) < len(self.requests):
                 try:
-                    index, event = await self._next()
+                    index, event = await self._next(watch=True)  # (also: the engine stopping meanwhile)
                 except ClientGone:
                     raise APIError(400, "the client disconnected") from None
                 if isinstance(event, Failed):
@@ -211,7 +212,11 @@ class OpenAIServer:
     def __init__(self, engine: EngineProcess | EngineLoop, served_model_name: str):
         self.engine, self.name = engine, served_model_name
         self.created = int(time.time())
-        self.defaults = dict(engine.info.generation_defaults)  # generation_config.json's sampling defaults
+
+    @property
+    def defaults(self) -> dict:
+        """generation_config.json's sampling defaults (known once the engine has started)."""
+        return self.engine.info.generation_defaults
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.name:

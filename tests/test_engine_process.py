@@ -153,3 +153,38 @@ def test_events_of_an_aborted_request_are_dropped_on_both_threads():
     call_sinks(in_hand)
     assert [k for k, _ in got] == ["b"] and isinstance(got[0][1], Finished)
     assert not engine._requests and a.done and b.done
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_child(ckpt):
+    """The child ignores SIGINT (the parent decides when it stops): a Ctrl-C in start() must
+    end it there, or the interpreter's exit would wait for it forever."""
+    engine = EngineProcess(ckpt, OPTIONS)
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))  # (spawning + importing take longer)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.start()
+    finally:
+        timer.cancel()
+    assert not engine.running and not engine._proc.is_alive()
+
+
+def test_a_request_whose_preparation_raises_anything_is_refused_not_the_engine(ckpt):
+    """A chat template that raises (jinja2's TemplateError: Qwen's templates call
+    raise_exception) refuses its request with a ValueError; the engine serves on."""
+    from nanovllm.engine.async_engine import ChatPrompt
+
+    sinks = Sinks()
+    engine = EngineProcess(ckpt, OPTIONS)
+    engine.start()
+    try:
+        bad = ChatPrompt([{"role": "user", "content": "hi"}], {"chat_template": "{{ raise_exception('boom') }}"})
+        engine.submit([EngineRequest(bad, greedy(3), sinks.sink(0))])
+        sinks.wait(lambda ev: ended(ev.get(0, [])))
+        (failed,) = sinks.events[0]
+        assert isinstance(failed, Failed) and isinstance(failed.error, ValueError) and "boom" in str(failed.error)
+        engine.submit([EngineRequest(rand_ids(5, seed=3), greedy(3), sinks.sink(1))])
+        sinks.wait(lambda ev: ended(ev.get(1, [])))
+        assert isinstance(sinks.events[1][-1], Finished) and engine.running
+    finally:
+        engine.stop()

@@ -257,6 +257,11 @@ class EngineLoop:
                         text = llm.tokenizer.decode(ids)
                 except (ValueError, TypeError, NotImplementedError) as e:
                     raise type(e)(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from None
+                except Exception as e:  # noqa: BLE001 (the request's fault, e.g. a chat template's raise_exception)
+                    # Anything else preparing one request (the chat template raising jinja2's
+                    # TemplateError, a tokenizer error) refuses that request, not the engine.
+                    where = f"prompt {i}: " if len(requests) > 1 else ""
+                    raise ValueError(f"{where}{type(e).__name__}: {e}") from None
                 prepared.append((r, ids, params, text))
         except (ValueError, TypeError, NotImplementedError) as e:
             for r in requests:

@@ -87,6 +87,11 @@ class EngineProcess:
             self._stopped.set()
             raise RuntimeError(f"the engine process exited while loading the model (exit code "
                                f"{self._proc.exitcode})") from None
+        except BaseException:  # Ctrl-C while the model loads: the child ignores SIGINT, so end it here
+            self._proc.kill()
+            self._proc.join()
+            self._stopped.set()
+            raise
         if kind == "failed":
             self._proc.join(30)
             self._stopped.set()
@@ -105,7 +110,13 @@ class EngineProcess:
                 r.request_id = next(self._ids)
                 self._requests[r.request_id] = r
                 batch.append((r.request_id, r.prompt, r.params, r.fill_max_tokens, r.want_prompt_text))
-        self._send(("add", batch))
+        try:
+            self._send(("add", batch))
+        except BaseException:  # (a prompt or params that do not pickle): nothing was queued
+            with self._registry_lock:
+                for r in requests:
+                    self._requests.pop(r.request_id, None)
+            raise
 
     def abort(self, request: EngineRequest) -> None:
         """End `request` now (its blocks are freed in the child); no further events (idempotent)."""
