@@ -323,6 +323,9 @@ def test_bad_requests_through_the_client_and_the_server_keeps_serving(client, se
         client.chat.completions.create(model=ckpt, messages=[{"role": "wizard", "content": "x"}], max_tokens=2)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=2, temperature=-3)
+    with pytest.raises(openai.BadRequestError, match="boom"):  # a template that raises: that request only
+        client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=2, extra_body={
+            "chat_template_kwargs": {"chat_template": "{{ raise_exception('boom') }}"}})
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
     assert e.value.status_code == 404 and "no-such-model" in str(e.value)
