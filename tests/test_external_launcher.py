@@ -66,11 +66,12 @@ def private_network() -> list[str] | None:
     return [unshare, "-n", "sh", "-c", f'{ip} link set lo up && exec "$@"', "sh"]
 
 
-def run_torchrun(cmd: list[str], env: dict, attempts: int = 2) -> subprocess.CompletedProcess:
-    """The torchrun job; run once more only when a rank was aborted by gloo while the ranks
-    connected (a C++ exception escaping a gloo thread: "terminate called ...", SIGABRT; seen
-    once in many runs here, an upstream gloo crash in its connection setup, pytorch/pytorch
-    #188266). Any other failure is returned at once."""
+def run_torchrun(cmd: list[str], env: dict, attempts: int = 4) -> subprocess.CompletedProcess:
+    """The torchrun job; run again (up to `attempts` in all) only when a rank was aborted by
+    gloo while the ranks connected (a C++ exception escaping a gloo thread: "terminate called
+    ...", SIGABRT, before any step: an upstream gloo crash in its connection setup,
+    pytorch/pytorch #188266). Measured on a 2-core CI-like machine on 2026-12-01: 1 of 12 single
+    attempts, and two in a row once in a CI run, hence four. Any other failure is returned at once."""
     for _ in range(attempts):
         job = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
         if job.returncode == 0 or not ("terminate called" in job.stderr and "SIGABRT" in job.stderr):
