@@ -188,10 +188,12 @@ def engine_steps(step_log: str, start: float, end: float) -> dict:
         for line in f:
             steps.append(json.loads(line))
     out = {}
+    # A step of no tokens only launched the first step after the engine sat idle: its gap is the
+    # idle time, not a step's.
+    timed = [(a, b) for a, b in zip(steps, steps[1:]) if b["num_tokens"] and start <= b["ended_at"] <= end]
     for kind, prefill in (("decode", False), ("prompt", True)):
-        gaps = [(b["ended_at"] - a["ended_at"]) for a, b in zip(steps, steps[1:])
-                if b["is_prefill"] == prefill and start <= b["ended_at"] <= end]
-        rows = [b["num_seqs"] for b in steps[1:] if b["is_prefill"] == prefill and start <= b["ended_at"] <= end]
+        gaps = [b["ended_at"] - a["ended_at"] for a, b in timed if b["is_prefill"] == prefill]
+        rows = [b["num_seqs"] for _, b in timed if b["is_prefill"] == prefill]
         out[kind] = {"steps": len(gaps), "seconds": sum(gaps), "gap_ms": percentiles(gaps, 1e3),
                      "mean_rows": statistics.fmean(rows) if rows else 0.0}
     return out

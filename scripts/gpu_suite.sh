@@ -8,14 +8,20 @@
 # benchmarks/kernels/),
 # LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
 # FUSE_AB=1 (the 0.6B bench with the K/V store in a kernel of its own, then fused into q/k-norm + RoPE),
+# SERVE_BENCH=1 (benchmarks/serve_bench.py on Qwen3-0.6B, 64 streaming clients: throughput against offline,
+# TTFT / ITL, and the engine's step gaps by kind from the server's --step-log),
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
 # one would outlast the device's 10-minute limit.
 # 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
-# Logs and JSON go to $OUT (default /tmp/gpu_suite); a short table is printed last.
+# Logs and JSON are written to a scratch folder and packed into $OUT/gpu_suite.tgz (default OUT:
+# /tmp/gpu_suite), with the printed table in $OUT/summary.txt: the device tool brings back at most
+# 8 files of $OUT. A short table is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_suite}
-mkdir -p "$OUT"
+DEST=${OUT:-/tmp/gpu_suite}
+OUT=$(mktemp -d /tmp/gpu_suite_logs.XXXXXX)
+mkdir -p "$DEST"
+trap 'tar -czf "$DEST/gpu_suite.tgz" -C "$OUT" . ; cp "$OUT/summary.txt" "$DEST/" 2>/dev/null' EXIT
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
@@ -47,6 +53,12 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
 fi
 fi
 
+if [ -n "${SERVE_BENCH:-}" ]; then  # the OpenAI server under 64 streaming clients, against offline generate
+  timeout 240 python3 benchmarks/serve_bench.py --dummy qwen3-0.6b --clients 64 --requests 256 --timeout 180 \
+    --startup-timeout 90 --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1
+  echo "serve_bench exit $?"
+fi
+
 if [ -n "${PROFILE_STARTUP:-}" ]; then  # where the 0.6B cold start goes (cProfile of LLM())
   timeout 120 python3 bench.py --dummy qwen3-0.6b --profile-startup > "$OUT/startup-profile.txt" 2>&1
 fi
@@ -73,6 +85,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   tests_rc=${PIPESTATUS[0]}
 fi
 
+{
 echo
 echo "=== summary ==="
 echo "gpu tests: $(tail -n 1 "$OUT/pytest_gpu.log" 2>/dev/null)  (exit $tests_rc)"
@@ -94,3 +107,17 @@ for m in ("qwen3-0.6b", "qwen3-0.6b-logprobs", "qwen3-0.6b-fuse0", "qwen3-0.6b-f
           f"{r.get('fraction_of_step_floor', float('nan')):>15.1%}"
           f"{r['cold_start_s']:>8.1f}{r.get('decode_ms_per_token_bs1', float('nan')):>12.2f}  {r.get('startup_s', '')}")
 PY
+if [ -f "$OUT/serve.json" ]; then
+  python3 - "$OUT/serve.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1])); s = r["server"]
+print(f"serve: {s['output_tok_s']:.0f} tok/s = {r.get('server_vs_offline', float('nan')):.1%} of offline; steady "
+      f"{s['steady_state']['output_tok_s']}; TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms; ITL "
+      f"mean/p50/p99 {s['itl_ms']['mean']:.2f}/{s['itl_ms']['p50']:.2f}/{s['itl_ms']['p99']:.2f} ms "
+      f"(under 0.2 ms: {s['itl_under_0.2ms_share']:.1%})")
+for kind, g in s["engine_steps"].items():
+    print(f"  engine {kind} steps: {g['steps']}, {g['seconds']:.2f} s, gap p50/p99/max {g['gap_ms'].get('p50', 0):.2f}/"
+          f"{g['gap_ms'].get('p99', 0):.2f}/{g['gap_ms'].get('max', 0):.1f} ms, mean rows {g['mean_rows']:.1f}")
+PY
+fi
+} | tee "$OUT/summary.txt"
