@@ -51,7 +51,6 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat1
 MOE = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, num_layers=3,
            moe_intermediate_size=256, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1])
 PROMPTS = [rand_ids(n, seed=n) for n in (7, 37, 60)]
-EXPERT = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.(weight|weight_scale_inv)$")
 
 
 @pytest.fixture(scope="module")
@@ -179,29 +178,9 @@ def test_fp8_experts_shard_with_their_scales_under_tp(fresh_seed):
     torch.testing.assert_close(parts, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def fuse_fp8_experts(path) -> None:
-    """transformers' fused FP8 layout: gate_up_proj / down_proj [+ _scale_inv] stacks."""
-    def fn(t):
-        out, per = {}, {}
-        for name, v in t.items():
-            m = EXPERT.match(name)
-            if m:
-                per.setdefault((int(m[1]), m[4]), {}).setdefault(int(m[2]), {})[m[3]] = v
-            else:
-                out[name] = v
-        for (layer, kind), by_e in per.items():
-            suffix = "" if kind == "weight" else "_scale_inv"
-            order = sorted(by_e)
-            out[f"model.layers.{layer}.mlp.experts.gate_up_proj{suffix}"] = torch.stack(
-                [torch.cat([by_e[e]["gate"], by_e[e]["up"]]) for e in order])
-            out[f"model.layers.{layer}.mlp.experts.down_proj{suffix}"] = torch.stack([by_e[e]["down"] for e in order])
-        return out
-    rewrite_safetensors(str(path), fn)
-
-
 def test_fused_fp8_expert_checkpoints_load_like_per_expert_ones(ckpts, tmp_path):
     folder = copy_checkpoint(ckpts["fp8"], tmp_path / "fused")
-    fuse_fp8_experts(folder)
+    tm.fuse_expert_tensors(folder)  # (scales too: gate_up_proj_scale_inv, down_proj_scale_inv)
     assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in checkpoint_tensors(folder)
     with engine(ckpts["fp8"]) as a, engine(folder) as b:
         pa = dict(a.model_runner.model.named_parameters())

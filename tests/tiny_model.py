@@ -11,6 +11,7 @@ Public API
 - ``make_tiny_qwen3`` / ``make_tiny_qwen3_moe(path, **kw) -> str``
 - ``MODEL_CONFIGS``: named checkpoints of the other families; ``make_named(path, name, **overrides)``
 - ``fuse_expert_tensors(path)`` / ``unfuse_expert_tensors(path)``: MoE expert tensor layouts
+- ``rewrite_tensors(path, fn)``: replace a checkpoint's tensors with ``fn(tensors)``
 - ``load_hf_model(path, dtype=torch.float32, device="cpu")``
 - ``hf_greedy(model, prompt_ids, max_new_tokens) -> list[int]``
 - ``CONFIGS``: named keyword sets for ``make_tiny_qwen3``
@@ -47,6 +48,7 @@ __all__ = [
     "make_tiny_qwen3_moe",
     "make_tokenizer",
     "unfuse_expert_tensors",
+    "rewrite_tensors",
     "special_token_ids",
     "tiny_qwen3_path",
 ]
@@ -458,14 +460,18 @@ def _patch_config_json(path: Path, architecture: str, dtype, rope_theta, rope_sc
 # transformers' fused expert tensors (<p>.experts.gate_up_proj [E, 2I, H], .down_proj [E, H, I])
 # against the Hub's per-expert ones (<p>.experts.<e>.{gate,up,down}_proj.weight).
 _FUSED_EXPERTS = re.compile(r"^(.+\.experts)\.(gate_up_proj|down_proj)$")
-_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv)$")
 
 
-def _rewrite_tensors(path: Path, fn) -> None:
+def rewrite_tensors(path, fn) -> None:
+    """Replace a checkpoint folder's tensors with `fn(dict name -> tensor)` (edited in place, or
+    the dict it returns)."""
     from safetensors.torch import load_file, save_file
 
-    file = path / "model.safetensors"
-    tensors = fn(load_file(str(file)))
+    file = Path(path) / "model.safetensors"
+    tensors = load_file(str(file))
+    new = fn(tensors)
+    tensors = tensors if new is None else new
     save_file({k: v.contiguous() for k, v in sorted(tensors.items())}, str(file), metadata={"format": "pt"})
 
 
@@ -488,28 +494,30 @@ def unfuse_expert_tensors(path) -> None:
                     out[f"{m[1]}.{e}.up_proj.weight"] = up
         return out
 
-    _rewrite_tensors(Path(path), fn)
+    rewrite_tensors(path, fn)
 
 
 def fuse_expert_tensors(path) -> None:
-    """Rewrite a checkpoint's per-expert tensors as transformers' fused 3-D ones (for loader tests)."""
+    """Rewrite a checkpoint's per-expert tensors as transformers' fused 3-D ones (for loader
+    tests); FP8 ones' `weight_scale_inv` become `gate_up_proj_scale_inv` / `down_proj_scale_inv`."""
 
     def fn(tensors):
         out, experts = {}, {}
         for name, t in tensors.items():
             m = _PER_EXPERT.match(name)
             if m:
-                experts.setdefault(m[1], {}).setdefault(int(m[2]), {})[m[3]] = t
+                experts.setdefault((m[1], m[4]), {}).setdefault(int(m[2]), {})[m[3]] = t
             else:
                 out[name] = t
-        for prefix, by_expert in experts.items():
+        for (prefix, kind), by_expert in experts.items():
+            suffix = "" if kind == "weight" else "_scale_inv"
             order = sorted(by_expert)
-            out[f"{prefix}.gate_up_proj"] = torch.stack(
+            out[f"{prefix}.gate_up_proj{suffix}"] = torch.stack(
                 [torch.cat([by_expert[e]["gate_proj"], by_expert[e]["up_proj"]]) for e in order])
-            out[f"{prefix}.down_proj"] = torch.stack([by_expert[e]["down_proj"] for e in order])
+            out[f"{prefix}.down_proj{suffix}"] = torch.stack([by_expert[e]["down_proj"] for e in order])
         return out
 
-    _rewrite_tensors(Path(path), fn)
+    rewrite_tensors(path, fn)
 
 
 # --------------------------------------------------------------------------------------------
