@@ -19,6 +19,23 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """The tiny GQA Qwen3 checkpoint most engine tests share (a module defining its own
+    `ckpt` uses that one instead)."""
+    from helpers import tiny_checkpoint
+
+    return tiny_checkpoint(tmp_path_factory, "gqa")
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    """A CPU engine on `ckpt` with the tests' defaults (helpers.make_llm), one per module."""
+    from helpers import make_llm
+
+    return make_llm(ckpt)
+
+
 @pytest.fixture(autouse=True)
 def _release_gpu_memory(request):
     """After each GPU test: collect garbage and return the CUDA cache. An engine a test drops

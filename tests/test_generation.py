@@ -36,7 +36,6 @@ from helpers import (  # noqa: E402
     edit_json,
     greedy,
     make_llm,
-    tiny_checkpoint,
 )
 
 from nanovllm import SamplingParams  # noqa: E402
@@ -59,16 +58,6 @@ PROMPTS = [
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory, "gqa")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return make_llm(ckpt)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import BLOCK, assert_idle, greedy, hf_logits, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
+from helpers import BLOCK, assert_idle, greedy, hf_logits, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import Logprob, SamplingParams  # noqa: E402
 
@@ -26,16 +26,6 @@ TOL = 1e-4
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory, "gqa")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return make_llm(ckpt)
 
 
 def check_position(entry: dict, token: int, ref_lp: torch.Tensor, k: int, worst: list) -> None:

@@ -19,18 +19,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import BLOCK, assert_idle, greedy, hf_reference, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
+from helpers import BLOCK, assert_idle, greedy, hf_reference, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.sampling_params import derive_sample_seed  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory, "gqa")
 
 
 @pytest.fixture(scope="module")

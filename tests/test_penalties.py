@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import assert_idle, greedy, hf_logits, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
+from helpers import assert_idle, greedy, hf_logits, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
 
@@ -28,16 +28,6 @@ N = 16
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory, "gqa")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return make_llm(ckpt)
 
 
 PROMPTS = [rand_ids(7, 700), rand_ids(23, 701), [5, 5, 5, 5]]

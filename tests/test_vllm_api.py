@@ -29,7 +29,6 @@ from helpers import (  # noqa: E402
     greedy,
     make_llm,
     rand_ids,
-    tiny_checkpoint,
 )
 
 import nanovllm  # noqa: E402
@@ -38,16 +37,6 @@ from nanovllm.sampling_params import NOT_IMPLEMENTED  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return tiny_checkpoint(tmp_path_factory, "gqa")
-
-
-@pytest.fixture(scope="module")
-def llm(ckpt):
-    return make_llm(ckpt)
 
 
 def count_launches(monkeypatch, llm) -> list:
