@@ -16,7 +16,6 @@ front process is killed exits by itself (replica._exit_with_parent).
 from __future__ import annotations
 
 import contextlib
-import logging
 import multiprocessing as mp
 import os
 import queue
@@ -28,7 +27,6 @@ from multiprocessing.connection import wait
 from nanovllm.distributed.replica import ReplicaEvent, ReplicaFailed, ReplicaLauncher, replica_process_main
 from nanovllm.distributed.supervisor import UNGUARDED_MAIN_EXIT_CODE
 
-logger = logging.getLogger(__name__)
 
 # How long shutdown waits for a replica to stop its engine (and tensor-parallel workers) before
 # killing it, and how long the reader waits for a dying replica's last message.
@@ -163,9 +161,7 @@ class LocalReplicaLauncher(ReplicaLauncher):
         message = f"the process {exit_description(proc.exitcode)}"
         if words:
             message += f":\n{words}"
-        self.dead[r] = message
-        logger.error("data-parallel replica %d (%s) %s", r, self.describe(r), message)
-        self._events.put(ReplicaEvent("died", r, None, message))
+        self._mark_dead(r, None, message)
 
     def next_event(self, timeout: float) -> ReplicaEvent | None:
         try:
@@ -181,9 +177,7 @@ class LocalReplicaLauncher(ReplicaLauncher):
 
     # ------------------------------------------------------------------ calls
     def submit(self, replica: int, job: int, method: str, args: tuple) -> None:
-        if replica in self.dead:
-            raise ReplicaFailed(f"data-parallel replica {replica} ({self.describe(replica)}) died earlier: "
-                                f"{self.dead[replica]}", replica)
+        self._refuse_if_dead(replica)
         try:
             self.conns[replica].send((method, job, args))
         except OSError:  # it died since the last call; the reader has its word on it

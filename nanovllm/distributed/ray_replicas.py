@@ -23,7 +23,7 @@ import threading
 import traceback
 import uuid
 
-from nanovllm.distributed.replica import Replica, ReplicaEvent, ReplicaFailed, ReplicaLauncher
+from nanovllm.distributed.replica import Replica, ReplicaEvent, ReplicaLauncher
 
 logger = logging.getLogger(__name__)
 
@@ -184,9 +184,7 @@ class RayReplicaLauncher(ReplicaLauncher):
         from ray.exceptions import RayActorError
 
         if isinstance(e, RayActorError):
-            self.dead[replica] = f"the actor died: {e}"
-            logger.error("data-parallel replica %d (%s) died: %s", replica, self.describe(replica), e)
-            self._events.put(ReplicaEvent("died", replica, job, self.dead[replica]))
+            self._mark_dead(replica, job, f"the actor died: {e}")
         else:
             self._events.put(ReplicaEvent("error", replica, job, f"{type(e).__name__}: {e}"))
 
@@ -212,9 +210,7 @@ class RayReplicaLauncher(ReplicaLauncher):
 
     # ------------------------------------------------------------------ calls
     def submit(self, replica: int, job: int, method: str, args: tuple) -> None:
-        if replica in self.dead:
-            raise ReplicaFailed(f"data-parallel replica {replica} ({self.describe(replica)}) died earlier: "
-                                f"{self.dead[replica]}", replica)
+        self._refuse_if_dead(replica)
         actor = self.actors[replica]
         self._follow(replica, job, lambda: actor.run.options(num_returns="streaming").remote(method, args))
 

@@ -9,7 +9,9 @@ front's pipe, answered with "progress" / "result" / "error" messages tagged with
 
 from __future__ import annotations
 
+import logging
 import os
+import queue
 import signal
 import socket
 import threading
@@ -53,6 +55,8 @@ class ReplicaLauncher:
     """
 
     num_replicas: int
+    dead: dict[int, str]  # replica -> how it died (set by _mark_dead)
+    _events: "queue.Queue[ReplicaEvent]"  # what next_event returns, filled by the launcher's threads
 
     def submit(self, replica: int, job: int, method: str, args: tuple) -> None:
         raise NotImplementedError
@@ -69,6 +73,20 @@ class ReplicaLauncher:
         """Stop every replica (killing the ones that do not stop in time); idempotent.
         abandon=True: replicas may be mid-call (a failure, Ctrl-C): give them a moment only."""
         raise NotImplementedError
+
+    # ------------------------------------------------------------------ for the launchers
+    def _mark_dead(self, replica: int, job: int | None, message: str) -> None:
+        """Replica `replica` died (`message`: how): remembered, logged, and a "died" event."""
+        self.dead[replica] = message
+        logging.getLogger(type(self).__module__).error("data-parallel replica %d (%s) %s", replica,
+                                                       self.describe(replica), message)
+        self._events.put(ReplicaEvent("died", replica, job, message))
+
+    def _refuse_if_dead(self, replica: int) -> None:
+        """ReplicaFailed when `replica` died earlier (submit's first check)."""
+        if replica in self.dead:
+            raise ReplicaFailed(f"data-parallel replica {replica} ({self.describe(replica)}) died earlier: "
+                                f"{self.dead[replica]}", replica)
 
 
 class Replica:
