@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
+import math
 import os
 import shlex
 import statistics
@@ -180,13 +182,16 @@ def fresh(prompts, vocab: int, max_id: int = 10000):
 
 
 def engine_steps(step_log: str, start: float, end: float) -> dict:
-    """The engine's steps (the server's --step-log) that ended inside [start, end]: for decode
-    steps and for prompt-carrying (mixed) ones, how many, their time in all and the gap before
-    each (ms: the time from the previous step's end, what a stream waits between tokens)."""
-    steps = []
+    """step_stats of the server's --step-log (one StepTiming JSON line per step)."""
     with open(step_log) as f:
-        for line in f:
-            steps.append(json.loads(line))
+        return step_stats([json.loads(line) for line in f], start, end)
+
+
+def step_stats(steps: list[dict], start: float, end: float) -> dict:
+    """The engine's steps (StepTiming dicts) that ended inside [start, end]: for decode steps
+    and for prompt-carrying (mixed) ones, how many, their time in all, the gap before each (ms:
+    the time from the previous step's end, what a stream waits between tokens) and the part of
+    it the host spent waiting for the device (wait_ms)."""
     out = {}
     # A step of no tokens only launched the first step after the engine sat idle: its gap is the
     # idle time, not a step's.
@@ -194,8 +199,11 @@ def engine_steps(step_log: str, start: float, end: float) -> dict:
     for kind, prefill in (("decode", False), ("prompt", True)):
         gaps = [b["ended_at"] - a["ended_at"] for a, b in timed if b["is_prefill"] == prefill]
         rows = [b["num_seqs"] for _, b in timed if b["is_prefill"] == prefill]
+        waits = [b["wait_s"] for _, b in timed if b["is_prefill"] == prefill]
+        tokens = [b["num_tokens"] for _, b in timed if b["is_prefill"] == prefill]
         out[kind] = {"steps": len(gaps), "seconds": sum(gaps), "gap_ms": percentiles(gaps, 1e3),
-                     "mean_rows": statistics.fmean(rows) if rows else 0.0}
+                     "wait_ms": percentiles(waits, 1e3), "mean_rows": statistics.fmean(rows) if rows else 0.0,
+                     "mean_tokens": statistics.fmean(tokens) if tokens else 0.0}
     return out
 
 
@@ -245,6 +253,90 @@ def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
     return {"seconds": seconds, "output_tokens": tokens, "output_tok_s": tokens / seconds}
 
 
+def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
+    """The server's engine (its LLM options, mixed steps) driven in this process by the same
+    closed loop, with no HTTP: `clients` requests open at once, the next one added when one ends.
+    What the engine alone does under the server's arrival pattern, to tell its cost from the
+    HTTP side's. With --profile DIR, the torch profiler's tables of steps 400-600 (by device time and by
+    host time) go to DIR/closed_loop_profile.txt."""
+    import torch
+
+    from nanovllm import LLM, SamplingParams
+    from nanovllm.serve import build_parser, llm_options
+
+    options = llm_options(build_parser().parse_args([path, *server_flags(args)]))
+    llm = LLM(path, **options)
+    steps: list[dict] = []
+    llm.step_observers.append(lambda t: steps.append(dataclasses.asdict(t)))
+    try:
+        def loop(prompt_list, token_list, profile_dir=None):
+            todo = iter(range(len(prompt_list)))
+            open_, first, last, stamps = {}, {}, {}, {}
+            def add():
+                i = next(todo, None)
+                if i is not None:
+                    seq = llm.add_request(prompt_list[i], SamplingParams(temperature=0.6, ignore_eos=True,
+                                                                         max_tokens=token_list[i]))
+                    open_[seq.seq_id] = i
+                    stamps[i] = [time.perf_counter()]
+            for _ in range(args.clients):
+                add()
+            prof, n = None, 0
+            while llm.has_unfinished():
+                if profile_dir and n == 400:
+                    prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                              torch.profiler.ProfilerActivity.CUDA])
+                    prof.__enter__()
+                outputs = llm.step().outputs
+                n += 1
+                if prof is not None and n == 600:
+                    prof.__exit__(None, None, None)
+                    with open(os.path.join(profile_dir, "closed_loop_profile.txt"), "w") as f:
+                        for key in ("cuda_time_total", "cpu_time_total"):
+                            f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+                    prof = None
+                now = time.perf_counter()
+                for o in outputs:
+                    i = open_[o.seq.seq_id]
+                    if o.new_token_ids:
+                        stamps[i].append(now)
+                    if o.finished:
+                        del open_[o.seq.seq_id]
+                        add()
+            return stamps
+
+        loop(fresh(prompts, args.vocab), [min(n, 32) for n in max_tokens])  # warm-up, as the server's
+        torch.cuda.synchronize() if torch.cuda.is_available() else None
+        steps.clear()
+        before = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+        compiled = triton_cache_entries()
+        t = time.perf_counter()
+        stamps = loop(prompts, max_tokens, args.profile)
+        wall = time.perf_counter() - t
+        compiled = triton_cache_entries() - compiled
+        after = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
+    finally:
+        llm.shutdown()
+    ttft = [s[1] - s[0] for s in stamps.values() if len(s) > 1]
+    itl = [b - a for s in stamps.values() for a, b in zip(s[1:], s[2:])]
+    tokens = sum(max_tokens)
+    report = {"seconds": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
+              "ttft_ms": percentiles(ttft, 1e3), "itl_ms": percentiles(itl, 1e3),
+              "engine_steps": step_stats(steps, -math.inf, math.inf)}
+    # Allocator events in the timed run: a cudaMalloc retry frees the cache and synchronizes.
+    report["cuda_allocator"] = {k: after.get(k, 0) - before.get(k, 0)
+                                for k in ("num_alloc_retries", "num_device_alloc", "num_device_free")}
+    # Triton kernels compiled during the timed run (new entries in its cache folder): a shape the
+    # warm-up did not cover, which stalls its step for the compile.
+    report["triton_compiles"] = compiled
+    return report
+
+
+def triton_cache_entries() -> int:
+    folder = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return len(os.listdir(folder)) if os.path.isdir(folder) else 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -263,6 +355,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole timed run")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--out", help="write the JSON report here")
+    ap.add_argument("--closed-loop", action="store_true",
+                    help="also drive the server's engine in this process by the same closed loop, without HTTP")
+    ap.add_argument("--profile", metavar="DIR", help="with --closed-loop: profile steps 400-600 into DIR")
     args = ap.parse_args(argv)
     path = DUMMY_CONFIGS[args.dummy] if args.dummy else args.model
     with open(os.path.join(path, "config.json")) as f:
@@ -276,6 +371,8 @@ def main(argv=None) -> int:
     if args.offline != "none":
         report["offline"] = run_offline(args, path, prompts, max_tokens, mixed=False)
         report["server_vs_offline"] = report["server"]["output_tok_s"] / report["offline"]["output_tok_s"]
+    if args.closed_loop:
+        report["closed_loop"] = run_closed_loop(args, path, prompts, max_tokens)
     if args.offline == "both":
         report["offline_mixed"] = run_offline(args, path, prompts, max_tokens, mixed=True)
     text = json.dumps(report, indent=2)

@@ -9,7 +9,8 @@
 # LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
 # FUSE_AB=1 (the 0.6B bench with the K/V store in a kernel of its own, then fused into q/k-norm + RoPE),
 # SERVE_BENCH=1 (benchmarks/serve_bench.py on Qwen3-0.6B, 64 streaming clients: throughput against offline,
-# TTFT / ITL, and the engine's step gaps by kind from the server's --step-log),
+# TTFT / ITL, and the engine's step gaps by kind from the server's --step-log; SERVE_ARGS: more serve_bench flags,
+# e.g. "--closed-loop --profile \$OUT"),
 # PYTEST_ARGS, TEST_TIMEOUT; SKIP_BENCH=1 or SKIP_TESTS=1 to split the suite over two calls when
 # one would outlast the device's 10-minute limit.
 # 1. bench.py on dummy Qwen3-0.6B and Qwen3-8B shapes, 2. the GPU tests (pytest -m gpu).
@@ -54,8 +55,9 @@ fi
 fi
 
 if [ -n "${SERVE_BENCH:-}" ]; then  # the OpenAI server under 64 streaming clients, against offline generate
-  timeout 240 python3 benchmarks/serve_bench.py --dummy qwen3-0.6b --clients 64 --requests 256 --timeout 180 \
-    --startup-timeout 90 --out "$OUT/serve.json" > "$OUT/serve.log" 2>&1
+  timeout 400 python3 benchmarks/serve_bench.py --dummy qwen3-0.6b --clients 64 --requests 256 --timeout 180 \
+    --startup-timeout 90 --out "$OUT/serve.json" ${SERVE_ARGS:-} \
+    $([ -n "${SERVE_PROFILE:-}" ] && echo --closed-loop --profile "$OUT") > "$OUT/serve.log" 2>&1
   echo "serve_bench exit $?"
 fi
 
@@ -115,9 +117,19 @@ print(f"serve: {s['output_tok_s']:.0f} tok/s = {r.get('server_vs_offline', float
       f"{s['steady_state']['output_tok_s']}; TTFT p50/p99 {s['ttft_ms']['p50']:.0f}/{s['ttft_ms']['p99']:.0f} ms; ITL "
       f"mean/p50/p99 {s['itl_ms']['mean']:.2f}/{s['itl_ms']['p50']:.2f}/{s['itl_ms']['p99']:.2f} ms "
       f"(under 0.2 ms: {s['itl_under_0.2ms_share']:.1%})")
-for kind, g in s["engine_steps"].items():
-    print(f"  engine {kind} steps: {g['steps']}, {g['seconds']:.2f} s, gap p50/p99/max {g['gap_ms'].get('p50', 0):.2f}/"
-          f"{g['gap_ms'].get('p99', 0):.2f}/{g['gap_ms'].get('max', 0):.1f} ms, mean rows {g['mean_rows']:.1f}")
+def steps(where, stats):
+    for kind, g in stats.items():
+        print(f"  {where} {kind} steps: {g['steps']}, {g['seconds']:.2f} s, gap p50/p99/max {g['gap_ms'].get('p50', 0):.2f}/"
+              f"{g['gap_ms'].get('p99', 0):.2f}/{g['gap_ms'].get('max', 0):.1f} ms, wait p50/p99 "
+              f"{g['wait_ms'].get('p50', 0):.2f}/{g['wait_ms'].get('p99', 0):.2f} ms, mean rows {g['mean_rows']:.1f}, "
+              f"mean tokens {g['mean_tokens']:.0f}")
+steps("server", s["engine_steps"])
+c = r.get("closed_loop")
+if c:
+    print(f"closed loop (no HTTP): {c['output_tok_s']:.0f} tok/s; TTFT p50/p99 {c['ttft_ms']['p50']:.0f}/"
+          f"{c['ttft_ms']['p99']:.0f} ms; ITL mean/p50/p99 {c['itl_ms']['mean']:.2f}/{c['itl_ms']['p50']:.2f}/"
+          f"{c['itl_ms']['p99']:.2f} ms; triton compiles {c['triton_compiles']}; allocator {c['cuda_allocator']}")
+    steps("closed", c["engine_steps"])
 PY
 fi
 } | tee "$OUT/summary.txt"

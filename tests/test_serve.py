@@ -436,7 +436,7 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     out = tmp_path / "serve.json"
     assert serve_bench.main(["--model", ckpt, "--clients", "3", "--requests", "5", "--min-input", "4",
                              "--max-input", "30", "--min-output", "3", "--max-output", "9", "--out", str(out),
-                             "--server-args", f"--device cpu --kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
+                             "--closed-loop", "--server-args", f"--device cpu --kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
     report = json.loads(out.read_text())
     s = report["server"]
     with open(os.path.join(ckpt, "config.json")) as f:
@@ -448,6 +448,10 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     assert report["server_vs_offline"] > 0
     steps = s["engine_steps"]  # the server's --step-log, over the timed run
     assert steps["decode"]["steps"] + steps["prompt"]["steps"] > 0 and steps["prompt"]["steps"] >= 1
+    closed = report["closed_loop"]  # the same engine and requests without HTTP
+    assert closed["output_tokens"] == sum(lengths) and closed["ttft_ms"]["n"] == 5
+    assert closed["itl_ms"]["n"] == sum(lengths) - 5 and closed["output_tok_s"] > 0
+    assert closed["engine_steps"]["prompt"]["steps"] >= 1 and closed["triton_compiles"] >= 0
     steady = s["steady_state"]  # (3 clients, 5 requests: the window may be empty)
     assert steady["window_s"] >= 0 and (steady["output_tok_s"] is None or steady["output_tok_s"] > 0)
 
