@@ -135,6 +135,10 @@ class Config:
     # Decode rows ride along with prompt chunks in one prefill-shaped step (Scheduler), so running
     # requests keep getting tokens while a long prompt prefills: the server's policy, for latency.
     mixed_steps: bool = False
+    # Prefill-shaped steps (prompt chunks, mixed steps) of up to this many tokens replay
+    # piecewise CUDA graphs, attention eager between the pieces (engine/prefill_graphs.py);
+    # larger ones run eagerly. 0: all eagerly. On CUDA without enforce_eager only.
+    max_prefill_graph_tokens: int = 2048
     hf_config: object = field(init=False, repr=False, default=None)
     # The linear layers' weight scheme (layers/quantization: an Fp8Config or None), from
     # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
@@ -164,7 +168,8 @@ class Config:
                 ("max_num_batched_tokens", int, "an integer >= 1"), ("max_model_len", int, "an integer >= 1"),
                 ("kvcache_block_size", int, "a power of two >= 16"),
                 ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1"),
-                ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer")):
+                ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer"),
+                ("max_prefill_graph_tokens", int, "an integer >= 0")):
             setattr(self, name, _field_is(name, getattr(self, name), kind, what))
         for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce",
                      "trust_remote_code", "calculate_kv_scales", "mixed_steps"):
@@ -179,6 +184,8 @@ class Config:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
         if self.max_model_len < 1:
             raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
+        if self.max_prefill_graph_tokens < 0:
+            raise ValueError(f"max_prefill_graph_tokens={self.max_prefill_graph_tokens}: must be >= 0 (0: no prefill graphs)")
         bs = self.kvcache_block_size
         if bs < 16 or bs & (bs - 1):
             raise ValueError(f"kvcache_block_size={bs}: must be a power of two >= 16")

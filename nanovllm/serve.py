@@ -481,6 +481,7 @@ OPTION_HELP = {
     "calculate_kv_scales": "calibrate the FP8 KV cache's scales on the first prefill",
     "quantization": "None or 'fp8' (FP8 checkpoints are detected by themselves)",
     "mixed_steps": "decode rows ride along with prompt chunks in one step (the server's default: on)",
+    "max_prefill_graph_tokens": "prefill-shaped steps of up to this many tokens replay piecewise CUDA graphs (0: none)",
 }
 SERVER_DEFAULTS = {"mixed_steps": True}
 

@@ -49,13 +49,13 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=inputs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.inputs, self.blas = inputs, blas
+        self.pool = None  # the graphs' memory pool (the prefill graphs capture into it too)
         with torch.inference_mode(), preferred_blas(blas):
             self._capture(forward, input_tokens)
         logger.info("captured CUDA graphs for decode batch sizes %s (%s)", self.sizes, blas)
 
     def _capture(self, forward, input_tokens) -> None:
         """One graph per size, largest first, so the smaller ones reuse its memory pool."""
-        pool = None
         for bs in reversed(self.sizes):
             ids, pos, slots, ctx, src, tables = self.inputs.buffers.views(bs)
             meta = self.inputs.decode_metadata(bs, slots, ctx, tables)
@@ -66,9 +66,9 @@ class DecodeGraphs:
             tables.fill_(0)
             forward(input_tokens(ids, src), pos, meta)  # warm-up outside the graph (Triton compiles, cuBLAS plans)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool):
+            with torch.cuda.graph(graph, self.pool):
                 self.hidden[:bs] = forward(input_tokens(ids, src), pos, meta)
-            pool = graph.pool() if pool is None else pool
+            self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[bs] = graph
             torch.cuda.synchronize()
 

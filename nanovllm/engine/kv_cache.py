@@ -65,8 +65,9 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     """KV blocks that fit in gpu_memory_utilization of the GPU, counting only our own use.
 
     Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
-    + the peak of the largest decode batch: its forward (what the CUDA-graph pool holds),
-    its logits, and room for sampling with a full-vocabulary sort (top-p, the worst case; on the
+    + what the CUDA-graph pool holds: the larger of the largest decode batch's forward and
+    (with piecewise prefill graphs) the largest prefill bucket's, plus the latter's buffers;
+    + the largest decode batch's logits and room for sampling with a full-vocabulary sort (top-p, the worst case; on the
     sampling rank only) + `other_bytes` held outside the caching allocator (symmetric memory).
     Other processes' memory is not charged to us, but we never take more than is free.
     """
@@ -79,11 +80,20 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     prefill_peak = torch.cuda.max_memory_allocated() - base
     torch.cuda.reset_peak_memory_stats()
     warmup_forward(model, config.max_num_seqs, 1, device)
+    graph_peak = torch.cuda.max_memory_allocated() - base
+    prefill_graph_tokens = 0 if config.enforce_eager else min(config.max_prefill_graph_tokens,
+                                                                 config.max_num_batched_tokens)
+    if prefill_graph_tokens:  # the pieces share the decode graphs' pool (engine/prefill_graphs.py)
+        torch.cuda.reset_peak_memory_stats()
+        warmup_forward(model, prefill_graph_tokens, config.max_model_len, device)
+        # Its q/k/v, attention-output and hidden-state buffers: under 8 x hidden_size per token.
+        buffers = prefill_graph_tokens * config.hf_config.hidden_size * 8 * config.dtype.itemsize
+        graph_peak = max(graph_peak, torch.cuda.max_memory_allocated() - base) + buffers
     # Sampling is not run here (that would compile its kernels inside the cold start): its
     # worst case, a full-vocabulary sort for top-p, holds about fp32 logits + sorted values +
     # int64 indices + a cumulative sum per row, ~24 bytes per logit.
     sampler_peak = config.max_num_seqs * config.hf_config.vocab_size * 24 if sampling_rank else 0
-    decode_peak = torch.cuda.max_memory_allocated() - base + sampler_peak
+    decode_peak = graph_peak + sampler_peak
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     held = base + other_bytes

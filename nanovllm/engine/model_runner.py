@@ -23,6 +23,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.group import create_tp_group, use_tp_group
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
+from nanovllm.engine.prefill_graphs import PrefillGraphs
 from nanovllm.engine.sampling import PendingTokens, TokenSampler
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_inputs import StepInput, StepInputs
@@ -75,12 +76,13 @@ class ModelRunner:
         self.inputs = StepInputs(max_rows, max_blocks_per_seq, config.kvcache_block_size, self.device,
                                  self.backend.name, spec.num_kv_heads)
         self.sampler = TokenSampler(max_rows, self.device, self.tp)
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         # The torch backend loops over sequences on the host: nothing a graph could replay.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
                                        min(config.max_num_seqs, 512), hf.hidden_size, config.dtype,
                                        config.decode_blas)
+            self.prefill_graphs = self._capture_prefill_graphs(config)
         if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
@@ -88,6 +90,16 @@ class ModelRunner:
         self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
         logger.info("model runner ready: %s seconds", self.startup_seconds)
+
+    def _capture_prefill_graphs(self, config: Config) -> PrefillGraphs | None:
+        """Piecewise graphs for prefill-shaped steps of up to max_prefill_graph_tokens tokens
+        (engine/prefill_graphs.py), or None: turned off, or the K/V store fused into a kernel
+        inside the pieces (it would replay the capture's slots)."""
+        max_tokens = min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+        if max_tokens < 1 or config.fuse_kv_store:
+            return None
+        return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
+                             self.device, pool=self.graphs.pool)
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""
@@ -135,7 +147,11 @@ class ModelRunner:
         every = None  # prefill: the hidden state of every packed token
         if step.is_prefill:
             ids, pos, meta, last = self.inputs.prefill(step, self.sampler.input_tokens)
-            every = self.model(ids, pos, meta)
+            graphs = self.prefill_graphs
+            if graphs is not None and graphs.bucket_for(ids.numel()) is not None:
+                every = graphs.run(ids, pos, meta)
+            else:
+                every = self.model(ids, pos, meta)
             hidden = every[last]
             if not step.prompt_rows:
                 every = None  # (free it before the LM head, as before prompt logprobs existed)
@@ -205,7 +221,7 @@ class ModelRunner:
         """Release the KV cache, graphs and weights (GPU memory goes back to the allocator).
         synchronize=False when a kernel may never finish (a TP peer died and NCCL's abort hung):
         then the memory stays cached rather than wait for the device."""
-        self.graphs = None
+        self.graphs = self.prefill_graphs = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None

@@ -355,6 +355,9 @@ class Attention(nn.Module):
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibrate_next_prefill = False
         self.fuse_kv_store = False
+        # While piecewise prefill graphs are captured (engine/prefill_graphs.py): called instead
+        # of attending, with forward's arguments and this layer first; it returns the output.
+        self.graph_break = None
 
     def fused_store_args(self, meta: AttentionMetadata) -> dict:
         """Keyword arguments that make `qk_norm_rope` (kernels/fused_ops.py) store this step's
@@ -380,6 +383,8 @@ class Attention(nn.Module):
     def forward(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         """Attention output [tokens, num_heads, head_dim]; kv_stored: the caller already wrote
         k and v into the cache (with fused_store_args)."""
+        if self.graph_break is not None:
+            return self.graph_break(self, q, k, v, meta, kv_stored)
         if self.calibrate_next_prefill and meta.is_prefill and k.numel():
             self.calibrate_kv_scales(k, v)
             self.calibrate_next_prefill = False

@@ -1,0 +1,142 @@
+"""Prefill-shaped steps (prompt chunks, mixed steps) as piecewise CUDA graphs.
+
+A prefill step's attention depends on how its tokens split into sequences (varlen lengths,
+cached prefixes, decode rows), so it has no fixed shape to capture; the rest of each layer
+(norms, GEMMs, RoPE, the MLP or MoE) depends only on the number of tokens. So for a few token
+counts (buckets) the forward is captured in pieces cut at every attention call: piece 0 runs
+from the embedding to layer 0's q/k/v, piece i from layer i-1's attention output to layer i's
+q/k/v, the last one from the last attention output through the final norm. A step of T tokens
+replays the pieces of the smallest bucket that holds T, running the real attention eagerly
+between them on the first T rows (padding rows are computed, never attended to, never read).
+
+Why it pays: an eager prefill step launches ~15 kernels per layer, each through Python, torch's
+dispatcher and cuBLAS's heuristics; on a small model that host work is far longer than the GPU
+work, and in a server every arriving request brings such a step (a mixed step), stalling every
+running stream for its length. Replayed, a step costs one launch per piece plus the attention
+calls. Numbers: BENCHMARKS.md.
+
+The pieces share the decode graphs' memory pool: every replay reads only buffers outside the
+pool (the inputs, the q/k/v and attention-output buffers below, weights, KV cache) or what an
+earlier piece of the same replay wrote, so graphs may replay in any order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from nanovllm.utils.context import prefill_metadata
+
+logger = logging.getLogger(__name__)
+
+
+def prefill_graph_sizes(max_tokens: int) -> list[int]:
+    """Token buckets up to `max_tokens`: powers of two from 16 to 256, then steps of 256 (padding
+    wastes at most a quarter below 1,024 tokens and an eighth above 2,048)."""
+    if max_tokens < 1:
+        return []
+    sizes = [s for s in (16, 32, 64, 128) if s < max_tokens] + list(range(256, max_tokens, 256))
+    return sizes + [max_tokens]
+
+
+@dataclass
+class _Bucket:
+    """One bucket's pieces and, between them, the attention layers they stop at."""
+
+    pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+    layers: list[torch.nn.Module] = field(default_factory=list)
+
+
+class PrefillGraphs:
+    """Piecewise graphs of `model`'s forward for prefill-shaped steps of up to `max_tokens`
+    tokens (see the module docstring). `attn_layers` are the model's Attention modules in
+    forward order; `pool`: the memory pool to capture into (the decode graphs')."""
+
+    def __init__(self, model, attn_layers, max_tokens: int, hidden_size: int, dtype: torch.dtype,
+                 device: torch.device, pool=None):
+        self.model, self.attn_layers = model, attn_layers
+        self.sizes = prefill_graph_sizes(max_tokens)
+        n = self.sizes[-1]
+        first = attn_layers[0]
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.attn_out = torch.zeros_like(self.q)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.buckets: dict[int, _Bucket] = {}
+        self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):  # largest first: the pool grows once
+                try:
+                    self.buckets[size] = self._capture(size)
+                except Exception as e:
+                    raise RuntimeError(f"capturing the piecewise prefill graph of {size} tokens failed ({e!r}); "
+                                       "LLM(max_prefill_graph_tokens=0) runs prefill steps eagerly") from e
+        logger.info("captured piecewise prefill graphs for %s tokens", self.sizes)
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        """The smallest bucket that holds `num_tokens`, or None (run eagerly)."""
+        return next((s for s in self.sizes if s >= num_tokens), None)
+
+    def _capture(self, n: int) -> _Bucket:
+        # Warm-up outside the graphs (Triton compiles, cuBLAS picks its kernels for M = n): a
+        # plain eager forward of one n-token sequence that stores nothing (slots -1).
+        meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.ids.device)
+        self.model(self.ids[:n], self.positions[:n], meta)
+        bucket = _Bucket()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+
+        def cut(layer, q, k, v, _meta, kv_stored):
+            # End the running piece with q/k/v in the buffers the eager attention will read,
+            # and start the next one on the buffer that attention will write.
+            nonlocal graph
+            if kv_stored:
+                raise RuntimeError("piecewise prefill graphs need the K/V store outside the graphs")
+            self.q[:n].copy_(q)
+            self.k[:n].copy_(k)
+            self.v[:n].copy_(v)
+            graph.capture_end()
+            bucket.pieces.append(graph)
+            bucket.layers.append(layer)
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=self.pool)
+            return self.attn_out[:n]
+
+        for layer in self.attn_layers:
+            layer.graph_break = cut
+        try:
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=self.pool)
+                self.hidden[:n].copy_(self.model(self.ids[:n], self.positions[:n], meta))
+                graph.capture_end()
+                bucket.pieces.append(graph)
+        finally:
+            for layer in self.attn_layers:
+                layer.graph_break = None
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        if len(bucket.layers) != len(self.attn_layers):
+            raise RuntimeError(f"the forward called attention {len(bucket.layers)} times, "
+                               f"not once per layer ({len(self.attn_layers)})")
+        return bucket
+
+    def run(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """The model's final hidden states [T, hidden] for a prefill step of T = len(ids) tokens
+        (at most the largest bucket): the same as model(ids, positions, meta). The result is a
+        view of a buffer the next step overwrites."""
+        t = ids.numel()
+        bucket = self.buckets[self.bucket_for(t)]
+        self.ids[:t].copy_(ids)
+        self.positions[:t].copy_(positions)
+        q, k, v = self.q[:t], self.k[:t], self.v[:t]
+        for piece, layer in zip(bucket.pieces, bucket.layers):
+            piece.replay()
+            self.attn_out[:t].copy_(layer(q, k, v, meta))
+        bucket.pieces[-1].replay()
+        return self.hidden[:t]

@@ -1,0 +1,135 @@
+"""Piecewise CUDA graphs for prefill-shaped steps (engine/prefill_graphs.py).
+
+On CPU: the token buckets, the option's checks and the attention layer's cut hook. On the GPU
+(marked gpu): the replayed pieces against the eager forward on fresh random batches, and whole
+engines with and without the graphs (mixed steps, chunking, prefix hits, prompt logprobs, steps
+above the largest bucket) giving the same greedy tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import assert_idle, greedy, make_llm, rand_ids  # noqa: E402
+
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.config import Config  # noqa: E402
+from nanovllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes  # noqa: E402
+from nanovllm.layers.attention import Attention  # noqa: E402
+from nanovllm.utils.context import prefill_metadata  # noqa: E402
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16, 100, 256, 1000, 2048, 5000])
+def test_buckets_cover_every_size_with_bounded_padding(max_tokens):
+    sizes = prefill_graph_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens and sizes[0] <= 16
+    for t in range(1, max_tokens + 1):
+        b = next(s for s in sizes if s >= t)
+        # Padding: below 256 tokens at most the next power of two (and at least 16 rows);
+        # above it, at most 255 rows.
+        assert b - t <= (max(t, 16) if t <= 256 else 255), (t, b)
+    assert prefill_graph_sizes(0) == []
+
+
+def test_option_is_checked(ckpt):
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        Config(ckpt, max_prefill_graph_tokens=-1)
+    with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
+        Config(ckpt, max_prefill_graph_tokens=2.5)
+    assert Config(ckpt).max_prefill_graph_tokens == 2048
+
+
+def test_attention_hands_its_call_to_the_cut_hook():
+    layer = Attention(4, 8, 0.5, 2)
+    q, k, v = torch.randn(3, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    seen = []
+    layer.graph_break = lambda *args: seen.append(args) or "cut"
+    assert layer(q, k, v, "meta", kv_stored=False) == "cut"
+    (got,) = seen
+    assert got[0] is layer and got[1] is q and got[2] is k and got[3] is v and got[4] == "meta" and got[5] is False
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_replayed_pieces_match_the_eager_forward(ckpt):
+    """Fresh random prompts packed varlen (no cached prefix), through the bucket's pieces and
+    through the plain forward: the same hidden states up to fp32 summation order (the padded
+    GEMMs may pick other kernels; 1e-4 relative is ~1,000 fp32 ulps, far below what a wrong
+    row, piece or buffer would give, which is O(1))."""
+    llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=512, max_prefill_graph_tokens=300)
+    try:
+        runner = llm.model_runner
+        graphs = runner.prefill_graphs
+        assert isinstance(graphs, PrefillGraphs) and graphs.sizes[-1] == 300
+        rng = random.Random()
+        seed = rng.randrange(1 << 30)
+        rng.seed(seed)
+        vocab = llm.config.hf_config.vocab_size
+        for total in (1, 17, 64, 255, 300):
+            lens, left = [], total
+            while left:
+                lens.append(min(left, rng.randint(1, 80)))
+                left -= lens[-1]
+            ids = torch.tensor([rng.randrange(vocab) for _ in range(total)], device="cuda")
+            pos = torch.cat([torch.arange(n) for n in lens]).cuda()
+            meta = prefill_metadata(lens, lens, torch.full((total,), -1, dtype=torch.int32), None, "cuda")
+            graphs.hidden.fill_(float("nan"))  # poisoned: every row read must be written
+            with torch.inference_mode():
+                got = graphs.run(ids, pos, meta).clone()
+                want = runner.model(ids, pos, meta)
+            assert got.shape == want.shape and torch.isfinite(got).all(), (seed, total)
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 1e-4, f"seed {seed}, {total} tokens in {lens}: relative error {err:.2e}"
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.gpu
+def test_engines_with_and_without_prefill_graphs_agree(ckpt):
+    """Mixed steps (decode rows beside prompt chunks, their inputs taken from the device),
+    chunked prompts, prefix hits (cached blocks read back in the eager attention) and prompt
+    logprobs, with a bucket cap below the step budget so that some steps run eagerly. fp32."""
+    shared = rand_ids(48, seed=3)
+    prompts = [rand_ids(n, seed=20 + n) for n in (5, 70, 33, 140, 9)] + [shared + [1, 2], shared + [3]]
+    params = [greedy(12 + 4 * i) for i in range(len(prompts))]
+    params[1] = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    results, replays = {}, {}
+    for cap in (0, 40):
+        llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=64, mixed_steps=True,
+                       max_prefill_graph_tokens=cap)
+        try:
+            graphs = llm.model_runner.prefill_graphs
+            assert (graphs is None) == (cap == 0)
+            count = {"graph": 0, "eager": 0}
+            if graphs is not None:
+                run, fits = graphs.run, graphs.bucket_for
+
+                def counting_run(*a, _run=run):
+                    count["graph"] += 1
+                    return _run(*a)
+
+                def counting_fits(n, _fits=fits):
+                    count["eager"] += _fits(n) is None
+                    return _fits(n)
+
+                graphs.run, graphs.bucket_for = counting_run, counting_fits
+            out = llm.generate(prompts, params, use_tqdm=False)
+            results[cap] = out
+            replays[cap] = count
+            assert_idle(llm)
+        finally:
+            llm.shutdown()
+    assert replays[40]["graph"] > 0 and replays[40]["eager"] > 0, replays
+    for a, b in zip(results[0], results[40]):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    lp_eager, lp_graph = results[0][1].prompt_logprobs, results[40][1].prompt_logprobs
+    assert lp_eager[0] is None and lp_graph[0] is None and len(lp_eager) == len(lp_graph) == 70
+    for a, b in zip(lp_eager[1:], lp_graph[1:]):
+        assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
