@@ -95,7 +95,9 @@ def test_replayed_pieces_match_the_eager_forward(ckpt):
 def test_engines_with_and_without_prefill_graphs_agree(ckpt):
     """Mixed steps (decode rows beside prompt chunks, their inputs taken from the device),
     chunked prompts, prefix hits (cached blocks read back in the eager attention) and prompt
-    logprobs, with a bucket cap below the step budget so that some steps run eagerly. fp32."""
+    logprobs, with a bucket cap below the step budget so that some steps run eagerly. fp32.
+    Three sequences at a time: later prompts arrive while others decode, in steps of a few
+    tokens (graphs); the first ones fill the 64-token budget (eager)."""
     shared = rand_ids(48, seed=3)
     prompts = [rand_ids(n, seed=20 + n) for n in (5, 70, 33, 140, 9)] + [shared + [1, 2], shared + [3]]
     params = [greedy(12 + 4 * i) for i in range(len(prompts))]
@@ -103,7 +105,7 @@ def test_engines_with_and_without_prefill_graphs_agree(ckpt):
     results, replays = {}, {}
     for cap in (0, 40):
         llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=64, mixed_steps=True,
-                       max_prefill_graph_tokens=cap)
+                       max_num_seqs=3, max_prefill_graph_tokens=cap)
         try:
             graphs = llm.model_runner.prefill_graphs
             assert (graphs is None) == (cap == 0)
