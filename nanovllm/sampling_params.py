@@ -17,6 +17,18 @@ def is_integer(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+def as_token_ids(values) -> list[int] | None:
+    """A list or tuple of integers (int or numpy's, not bool) as a new list of Python ints, or
+    None if some element is not one. Plain ints are recognised in C (the set of the elements'
+    types) instead of one isinstance against numbers.Integral per token, which cost ~50 ms of
+    host time for the bench's 143k prompt tokens."""
+    if set(map(type, values)) <= {int}:
+        return list(values)
+    if all(is_integer(t) for t in values):
+        return [int(t) for t in values]
+    return None
+
+
 def is_real(x) -> bool:
     """A real number (int, float, numpy's), not bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)

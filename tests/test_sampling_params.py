@@ -421,3 +421,16 @@ def test_numpy_numbers_are_accepted_and_stored_as_python_numbers():
     assert p.stop_ids == frozenset({7}) and all(type(t) is int for t in p.stop_ids)
     with pytest.raises(ValueError, match="max_tokens"):
         SamplingParams(max_tokens=np.bool_(True))  # numpy's bool is not a count
+
+
+def test_as_token_ids_takes_ints_and_numpy_ints_only():
+    import numpy as np
+
+    from nanovllm.sampling_params import as_token_ids
+
+    assert as_token_ids([3, 1, 2]) == [3, 1, 2] and as_token_ids((5, 6)) == [5, 6]
+    got = as_token_ids([np.int32(4), 7, np.int64(2)])
+    assert got == [4, 7, 2] and all(type(t) is int for t in got)
+    assert as_token_ids([1, True]) is None and as_token_ids([1.0]) is None and as_token_ids(["1"]) is None
+    src = [1, 2]
+    assert as_token_ids(src) is not src  # a copy: the caller's list is not the engine's

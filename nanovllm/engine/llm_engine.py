@@ -16,7 +16,7 @@ from nanovllm.engine.interrupts import deferred_interrupts
 from nanovllm.engine.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.engine.scheduler import ScheduledBatch, Scheduler
 from nanovllm.engine.sequence import Sequence
-from nanovllm.sampling_params import SamplingParams, derive_sample_seed, is_integer
+from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 logger = logging.getLogger(__name__)
 
@@ -94,14 +94,14 @@ class LLMEngine:
             if not prompt:
                 raise ValueError("empty prompt")
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(is_integer(t) for t in prompt):
-            ids = [int(t) for t in prompt]
+        elif isinstance(prompt, (list, tuple)) and (ids := as_token_ids(prompt)) is not None:
+            pass
         else:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops; the list below only on error)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
         return ids
 
