@@ -541,7 +541,8 @@ def finish_data_parallel(llm, args, name, out_tokens, in_tokens, seconds, floor,
            "num_seqs": args.num_seqs, "output_tokens": out_tokens, "seconds": round(seconds, 3),
            "output_tok_s": round(out_tokens / seconds, 1), "total_tok_s": round((in_tokens + out_tokens) / seconds, 1),
            "floor_s": round(floor, 3), "fraction_of_floor": round(floor / seconds, 3),
-           "cold_start_s": round(cold_start, 2), "replicas": replicas}
+           "cold_start_s": round(cold_start, 2), "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+           "replicas": replicas}
     llm.shutdown()
     print(json.dumps(res, indent=1))
     for r in replicas:
@@ -594,6 +595,9 @@ def main(argv=None):
     ap.add_argument("--logprobs", type=int, metavar="K",
                     help="every timed (and profiled) request also asks for its K most likely tokens' logprobs "
                          "(SamplingParams.logprobs; measures what logprobs cost). Default: none")
+    ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of every request (default 1.0: off)")
+    ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of every request (default 0: off)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="SamplingParams.min_p of every request (default 0.0: off)")
     ap.add_argument("--json", help="write the figures to this file")
     add_round2_args(ap)
     args = ap.parse_args(argv)
@@ -637,6 +641,7 @@ def main(argv=None):
     # The default workload uses none of the optional sampling features (logprobs, penalties, n > 1):
     # plain temperature sampling, as nano-vllm's bench.py.
     extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
+    extra.update(top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)  # the filters (off by default)
     llm.generate([[1, 2, 3]] * args.dp, SamplingParams(**extra), use_tqdm=False)  # warm-up (every replica)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     if torch.cuda.is_available():
@@ -669,7 +674,8 @@ def main(argv=None):
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
            "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
-           "logprobs": args.logprobs, "startup_s": llm.model_runner.startup_seconds}
+           "logprobs": args.logprobs, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+           "startup_s": llm.model_runner.startup_seconds}
     res.update(floor_report(llm, timeline, args, seconds, floor, prompts, max_tokens))
 
     if args.latency:

@@ -173,6 +173,18 @@ def _sampling(dtype):
     gumbel_argmax_triton(x, torch.full((b,), -1.0), seeds, offsets)
 
 
+def _filtered_sampling(dtype, top_k=True, top_p=True, min_p=True, scale=True, rounds=1):
+    from nanovllm.kernels.top_p import filtered_sample_triton
+
+    b = 4
+    x = torch.randn(b, 20_000).to(dtype)
+    full = lambda v: torch.full((b,), v)  # noqa: E731
+    filtered_sample_triton(x, torch.tensor([0.0, 0.7, 1.0, 1.3]), full(1.0) if top_k else None,
+                           full(0.9) if top_p else None, full(-3.0) if min_p else None,
+                           torch.arange(b, dtype=torch.int64), torch.arange(b, dtype=torch.int64), scale=scale,
+                           rounds=rounds)
+
+
 SCENARIOS = {
     "paged_decode_bf16": lambda: _paged_decode(BF16, 1),
     "paged_decode_bf16_splits": lambda: _paged_decode(BF16, 3),
@@ -193,6 +205,12 @@ SCENARIOS = {
     "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
     "sampling_bf16": lambda: _sampling(BF16),
     "sampling_fp32": lambda: _sampling(torch.float32),
+    # Every launch of filtered_sample_triton: round 0, a chunked round and the last (looping) decide.
+    "filtered_sampling_bf16": lambda: _filtered_sampling(BF16),
+    "filtered_sampling_fp32_prescaled_top_p": lambda: _filtered_sampling(torch.float32, top_k=False, min_p=False,
+                                                                         scale=False, rounds=0),
+    "filtered_sampling_min_p_bf16": lambda: _filtered_sampling(BF16, top_k=False, top_p=False),
+    "filtered_sampling_greedy_mix_bf16": lambda: _filtered_sampling(BF16, top_k=False, top_p=False, min_p=False),
 }
 
 

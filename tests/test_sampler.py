@@ -1,5 +1,8 @@
 """Sampler: exact filter masks, greedy/suppress, distribution, per-row reproducibility."""
 
+import dataclasses
+import functools
+import itertools
 import math
 
 import pytest
@@ -491,10 +494,15 @@ def test_sampler_scales_in_kernel_only_when_eligible(monkeypatch):
         (tensors(base + [SP()], device=DEVICE),
          (torch.tensor([0], device=DEVICE), torch.tensor([3], device=DEVICE))),
     ]
-    for i, (t, suppress) in enumerate(ineligible):
-        calls.clear()
-        sampler(logits, t, suppress)
-        assert calls == [1], i
+    wide_top_k = (tensors(base + [SP(top_k=200, top_p=0.9)], device=DEVICE), None)  # 200 * 8 > 1000: a sort
+    for fused_filters in (True, False):
+        sampler = Sampler(fused_filters=fused_filters)
+        for i, (t, suppress) in enumerate(ineligible + [wide_top_k]):
+            calls.clear()
+            sampler(logits, t, suppress)
+            # The filter kernel reads the raw logits unless tokens are suppressed or top-k is wide.
+            copies = suppress is not None or t is wide_top_k[0] or not fused_filters
+            assert calls == [1] * copies, (fused_filters, i)
     eligible = tensors(base + [SP()], device=DEVICE)
     assert sampler_mod._fuse_scaling(logits, eligible, None)
     # The kernel reads each row as one unit-stride run.
@@ -538,6 +546,241 @@ def test_cpu_and_cuda_agree_and_graph_capture():
     expected = sampler(new_logits.cuda(), t_gpu)
     torch.cuda.synchronize()
     assert torch.equal(static_out, expected)
+
+
+# ---------------------------------------------------------------- filter kernel (kernels/top_p.py)
+
+# Rows whose top-p cut lies closer than this to a token boundary (|mass through some distinct
+# value - top_p * Z| / Z, in float64) are not compared: there the float32 rounding of either
+# path's mass sums may move the cut by one value. Each side's relative error is at most about
+# (2 + the mass-weighted |s - m| + log2 V) * 2**-24 (rounding of s - m and of exp per term, then
+# of the sums; the CPU cumsum accumulates in double): under 3e-6 for these logits.
+CUT_MARGIN = 1e-5
+TILES = dict(chunk=512, block=256)  # several chunks per row, the last one partial; fast to interpret
+needs_triton = pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+
+
+@pytest.fixture
+def fused(monkeypatch):
+    """Sampler.forward through filtered_sample_triton (on CPU: interpreted), with small tiles:
+    fused(logits, t, suppress=None, **kernel_kw) -> tokens on the CPU."""
+    from nanovllm.kernels import top_p
+
+    monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)
+
+    def run(logits, t, suppress=None, **kw):
+        # poison: the outputs and workspace start as garbage, so that a value read unwritten shows.
+        monkeypatch.setattr(sampler_mod, "filtered_sample_triton",
+                            functools.partial(top_p.filtered_sample_triton, **{**TILES, "poison": True, **kw}))
+        t_dev = dataclasses.replace(t, **{f: getattr(t, f).to(DEVICE) for f in
+                                          ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "offsets")})
+        sup = None if suppress is None else tuple(v.to(DEVICE) for v in suppress)
+        return Sampler()(logits.to(DEVICE), t_dev, sup).cpu()
+
+    return run
+
+
+def reference_tokens(logits, t, suppress=None):
+    """apply_filters' distribution (with a full sort: it keeps every tie of the k-th logit)
+    sampled with the kernels' own noise (gumbel_argmax_triton of the masked scores); greedy
+    rows take the first argmax."""
+    masked = apply_filters(logits, dataclasses.replace(t, sort_k=-1), suppress)
+    sampled = gumbel_argmax_triton(masked.to(DEVICE), None, t.seeds.to(DEVICE), t.offsets.to(DEVICE), **TILES)
+    return torch.where(t.temperatures.cpu() == 0, masked.argmax(-1).cpu(), sampled.cpu())
+
+
+def top_p_margins(logits, t, suppress=None):
+    """Per row, how close top-p's cut comes to a boundary between distinct scores, relative to
+    Z (float64; inf on rows without top-p)."""
+    scores = sampler_mod._scaled(logits, t, suppress).double()
+    margins = []
+    for row, p, k in zip(scores, t.top_ps.tolist(), t.top_ks.tolist()):
+        s = row[torch.isfinite(row)]
+        if p >= 1.0:
+            margins.append(math.inf)
+            continue
+        if 0 < k < s.numel():
+            s = s[s >= s.topk(k).values[-1]]
+        vals, counts = torch.unique(s, sorted=True, return_counts=True)
+        mass = (torch.exp(vals - vals[-1]) * counts).flip(0).cumsum(0)  # through each value, descending
+        margins.append(((mass - p * mass[-1]).abs() / mass[-1]).min().item())
+    return margins
+
+
+def random_filter_params(gen, n, top_p=True):
+    """n rows cycling through filter mixes (greedy and unfiltered rows too), random values."""
+    kinds = ["top_p", "top_k top_p", "min_p", "top_k top_p min_p", "greedy", "plain", "top_k", "top_p min_p"]
+    rand = lambda lo, hi: lo + (hi - lo) * torch.rand((), generator=gen).item()  # noqa: E731
+    params = []
+    for i in range(n):
+        kind = kinds[i % len(kinds)]
+        kw = {"temperature": 0.0 if kind == "greedy" else rand(0.3, 2.0)}
+        if "top_p" in kind and top_p:
+            kw["top_p"] = rand(0.2, 0.99)
+        if "top_k" in kind:
+            kw["top_k"] = int(torch.randint(1, 60, (), generator=gen))
+        if "min_p" in kind:
+            kw["min_p"] = rand(0.01, 0.3)
+        params.append(SP(**kw))
+    return params
+
+
+def random_keys(gen, n):
+    return (torch.randint(-(2**63), 2**63 - 1, (n,), generator=gen).tolist(),
+            torch.randint(0, 2**40, (n,), generator=gen).tolist())
+
+
+def assert_tokens_match(got, want, margins, context):
+    """Equal tokens on every row whose top-p cut is not razor-thin; those skipped (returned)."""
+    skipped = [i for i, m in enumerate(margins) if m < CUT_MARGIN]
+    bad = [(i, int(got[i]), int(want[i])) for i in range(len(got)) if i not in skipped and got[i] != want[i]]
+    assert not bad, (context, bad)
+    return len(skipped)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_filter_kernel_matches_filters_and_noise(dtype, fused):
+    gen = torch.Generator()
+    seed = gen.seed()  # fresh inputs each run; the seed is in every failure message
+    skipped = with_top_p = 0
+    for trial in range(3):
+        b, vocab = 16, int(torch.randint(1000, 5000, (), generator=gen))
+        logits = (torch.randn(b, vocab, generator=gen) * 3).to(dtype)
+        # The last trial has no top-p row: its launches skip the mass passes.
+        t = tensors(random_filter_params(gen, b, top_p=trial < 2), *random_keys(gen, b))
+        margins = top_p_margins(logits, t)
+        got = fused(logits, t)
+        skipped += assert_tokens_match(got, reference_tokens(logits, t), margins, (seed, trial))
+        with_top_p += sum(m < math.inf for m in margins)
+    # Razor-thin cuts are rare (a cut falls within 1e-5 of a boundary about 2e-5 / p(boundary token)).
+    assert skipped <= max(1, with_top_p // 10), (seed, skipped, with_top_p)
+
+
+def rejection_rounds(logits, t):
+    """How many candidates the rising-floor search tries on each row (a float64 model of the
+    kernels' loop, for rows with top-p only, from the whole vocabulary up)."""
+    u = hash_uniform(t.seeds, t.offsets, logits.shape[-1]).double()
+    scores = sampler_mod._scaled(logits, t, None).double()
+    noisy = scores - u.log().neg().log()
+    kept = torch.isfinite(apply_filters(logits, dataclasses.replace(t, sort_k=-1)))
+    rounds = []
+    for s, y, keep in zip(scores, noisy, kept):
+        live = torch.ones_like(keep)
+        for n in itertools.count(1):
+            c = int(torch.where(live, y, -math.inf).argmax())
+            if keep[c]:
+                break
+            live &= s > s[c]
+        rounds.append(n)
+    return rounds
+
+
+@needs_triton
+@pytest.mark.parametrize("rounds", [0, 1, 2])
+def test_filter_kernel_exact_when_candidates_are_rejected_many_times(rounds, fused):
+    # Low top_p over a flat distribution: the first candidate is almost never kept, and the
+    # floor climbs for several rounds, past the chunked rounds into the last decide's loop.
+    gen = torch.Generator()
+    seed = gen.seed()
+    b, vocab = 16, 2000
+    logits = torch.randn(b, vocab, generator=gen) * 0.5
+    params = [SP(top_p=p, temperature=temp) for p in (0.01, 0.02, 0.05, 0.1) for temp in (0.7, 1.0, 1.5, 1.0)]
+    t = tensors(params, *random_keys(gen, b))
+    tries = rejection_rounds(logits, t)
+    # The test has teeth: rows take several candidates, some more than 1 + 2 chunked rounds.
+    assert sum(tries) >= 2.5 * b and max(tries) >= 4, (seed, tries)
+    margins = top_p_margins(logits, t)
+    skipped = assert_tokens_match(fused(logits, t, rounds=rounds), reference_tokens(logits, t), margins,
+                                  (seed, tries))
+    assert skipped <= b // 4, (seed, skipped)  # each row's cut is razor-thin with probability ~2%
+
+
+@needs_triton
+@pytest.mark.parametrize("mass_a,mass_b,rounds", [(0.30, 0.29, 2), (0.10, 0.095, 0)])
+def test_filter_kernel_cut_between_two_heavy_tokens(mass_a, mass_b, rounds, fused):
+    # Token A holds mass_a of the mass and B, next, mass_b; top_p sits 0.1% below or above A's
+    # mass: B is cut or kept. B is often a candidate (with A at 10%, after a rejected tail
+    # token, in the last decide's loop), so a test of the mass against top_p * Z that is loose
+    # by a fraction of a percent shows.
+    gen = torch.Generator()
+    seed = gen.seed()
+    b, vocab = 32, 2000
+    logits = torch.randn(b, vocab, generator=gen) * 0.5
+    a, bb = torch.randint(0, vocab, (2, b), generator=gen)
+    bb = torch.where(bb == a, (a + 777) % vocab, bb)
+    rows = torch.arange(b)
+    logits[rows, a] = logits[rows, bb] = -math.inf
+    tail = torch.logsumexp(logits.double(), dim=-1)
+    z = tail - math.log(1 - mass_a - mass_b)  # log Z once A and B join
+    logits[rows, a] = (z + math.log(mass_a)).float()
+    logits[rows, bb] = (z + math.log(mass_b)).float()
+    exact_a = torch.softmax(logits.double(), dim=-1)[rows, a]
+    top_p = (exact_a * torch.tensor([0.999, 1.001]).repeat(b // 2)).tolist()
+    t = tensors([SP(top_p=p) for p in top_p], *random_keys(gen, b))
+    want = reference_tokens(logits, t)
+    assert torch.equal(want[0::2], a[0::2]), seed  # B cut: always A
+    kept_b = want[1::2] == bb[1::2]
+    assert (kept_b | (want[1::2] == a[1::2])).all() and kept_b.any(), seed  # B kept: A or B
+    assert torch.equal(fused(logits, t, rounds=rounds), want), seed
+
+
+@needs_triton
+def test_filter_kernel_dominant_token_over_a_kept_tail(fused):
+    # One token holds half the mass, 6+ nats above a flat tail that top_p = 0.75 half keeps: a
+    # quarter of the first candidates are rejected, and the winner of the next round is often a
+    # kept tail token in a chunk whose max is far below the row's (which must still be read).
+    gen = torch.Generator()
+    seed = gen.seed()
+    b, vocab = 64, 2000
+    logits = torch.randn(b, vocab, generator=gen) * 0.3
+    top = torch.randint(0, vocab, (b,), generator=gen)
+    rows = torch.arange(b)
+    logits[rows, top] = torch.logsumexp(logits, dim=-1)  # as much mass as the rest
+    t = tensors([SP(top_p=0.75)] * b, *random_keys(gen, b))
+    want = reference_tokens(logits, t)
+    assert (want != top).sum() >= b // 8, seed  # the tail is sampled (a third of the rows on average)
+    margins = top_p_margins(logits, t)
+    skipped = assert_tokens_match(fused(logits, t), want, margins, seed)
+    assert skipped <= b // 4, (seed, skipped)  # a cut in the flat tail is razor-thin ~8% of the time
+
+
+@needs_triton
+def test_filter_kernel_greedy_ties_suppress_and_masked_rows(fused):
+    gen = torch.Generator()
+    seed = gen.seed()
+    b, vocab = 8, 1000
+    logits = torch.randn(b, vocab, generator=gen) * 2
+    logits[0, [700, 300, 301]] = 9.0  # a greedy row: the first of the tied maxima, across chunks
+    params = [SP(temperature=0.0), SP(top_p=0.9), SP(top_k=3, top_p=0.5), SP(min_p=0.2, top_p=0.8),
+              SP(temperature=0.0, top_p=0.5), SP(temperature=0.6, top_p=0.7), SP(), SP(top_k=10)]
+    t = tensors(params, *random_keys(gen, b))
+    assert fused(logits, t)[0] == 300
+    # Suppressed tokens (the kernel then reads the scaled copy): each row's top 3, and all but
+    # 5 tokens of row 5, which leaves most chunks of that row empty.
+    top3 = logits.topk(3, dim=-1).indices
+    rows = [torch.arange(b).repeat_interleave(3), torch.full((vocab - 5,), 5)]
+    cols = [top3.flatten(), torch.arange(5, vocab)]
+    suppress = (torch.cat(rows), torch.cat(cols))
+    got = fused(logits, t, suppress)
+    assert not any(int(got[i]) in top3[i].tolist() for i in range(b) if i != 5), seed
+    assert got[5] < 5, seed
+    margins = top_p_margins(logits, t, suppress)
+    assert_tokens_match(got, reference_tokens(logits, t, suppress), margins, seed)
+
+
+@pytest.mark.gpu
+def test_filter_kernel_matches_filters_and_noise_on_cuda():
+    # Qwen3's vocabulary in bf16 with the default tiles; the reference runs on the GPU too, so
+    # that torch.log(min_p) is the same float on both sides.
+    gen = torch.Generator()
+    seed = gen.seed()
+    b, vocab = 64, 151_936
+    logits = (torch.randn(b, vocab, generator=gen) * 3).to(torch.bfloat16).cuda()
+    t = tensors(random_filter_params(gen, b), *random_keys(gen, b), device="cuda")
+    margins = top_p_margins(logits, t)
+    skipped = assert_tokens_match(Sampler()(logits, t).cpu(), reference_tokens(logits, t), margins, seed)
+    assert skipped <= max(2, b // 10), (seed, skipped)
 
 
 # ---------------------------------------------------------------- per-shard candidates (TP)

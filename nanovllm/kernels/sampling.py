@@ -18,6 +18,26 @@ def _lowbias32(h):
 
 
 @triton.jit
+def _row_key(seed_ptr, offset_ptr, row):
+    """The row's 32-bit noise key from its int64 seed and offset, as _row_keys computes it."""
+    seed = tl.load(seed_ptr + row)
+    offset = tl.load(offset_ptr + row)
+    key = _lowbias32(0x9E3779B9 ^ (seed & 0xFFFFFFFF).to(tl.uint32))
+    key = _lowbias32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    key = _lowbias32(key ^ (offset & 0xFFFFFFFF).to(tl.uint32))
+    return _lowbias32(key ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
+
+
+@triton.jit
+def _log_exp_noise(ids, key):
+    """log(-log u) with u = hash_uniform of token ids under the row key: x minus this is
+    x plus Gumbel noise (every kernel that samples uses this, so their noise is bitwise one)."""
+    h = _lowbias32(_lowbias32(ids.to(tl.uint32)) ^ key)
+    u = (h >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
+    return tl.log(-tl.log(u))
+
+
+@triton.jit
 def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, temp_ptr, seed_ptr, offset_ptr, val_ptr,
                           idx_ptr, vocab, n_chunks, first_id,
                           CHUNK: tl.constexpr, BLOCK: tl.constexpr, HAS_THR: tl.constexpr,
@@ -32,13 +52,8 @@ def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, temp_ptr, seed_ptr, offset_p
     """
     row = tl.program_id(0)
     chunk = tl.program_id(1)
-    # The row key, as in _row_keys; recomputed per program, which beats ~50 tiny launches.
-    seed = tl.load(seed_ptr + row)
-    offset = tl.load(offset_ptr + row)
-    key = _lowbias32(0x9E3779B9 ^ (seed & 0xFFFFFFFF).to(tl.uint32))
-    key = _lowbias32(key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32))
-    key = _lowbias32(key ^ (offset & 0xFFFFFFFF).to(tl.uint32))
-    key = _lowbias32(key ^ ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32))
+    # Recomputed per program, which beats ~50 tiny launches.
+    key = _row_key(seed_ptr, offset_ptr, row)
     x_row = x_ptr + row.to(tl.int64) * x_stride
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32) + chunk * CHUNK + first_id
@@ -54,9 +69,7 @@ def _gumbel_argmax_kernel(x_ptr, x_stride, thr_ptr, temp_ptr, seed_ptr, offset_p
             # approximate div.full.f32 on NVIDIA GPUs, which would flip some tokens.
             x = tl.div_rn(x, temp)
         ids = cols + first_id
-        h = _lowbias32(_lowbias32(ids.to(tl.uint32)) ^ key)
-        u = (h >> 9).to(tl.float32) * 1.1920928955078125e-07 + 5.960464477539063e-08
-        s = x - tl.log(-tl.log(u))
+        s = x - _log_exp_noise(ids, key)
         if HAS_THR:
             s = tl.where(x < thr, float("-inf"), s)
         better = s > best

@@ -17,6 +17,7 @@ try:
     import triton
 
     from nanovllm.kernels.sampling import gumbel_argmax_triton, gumbel_partials_triton
+    from nanovllm.kernels.top_p import filtered_sample_triton
 except ImportError:  # Triton only ships for Linux; the torch path covers the rest
     triton = None
 
@@ -92,6 +93,7 @@ class SamplingTensors:
     with one set of flags is only valid for batches with the same flags.
     sort_k: how many of each row's largest logits the top-k/top-p step must see (the largest
     top_k, or -1 for the whole vocabulary when some row uses top_p without top_k).
+    max_top_k: the largest top_k of any row (0 = none).
     """
 
     temperatures: torch.Tensor
@@ -106,6 +108,7 @@ class SamplingTensors:
     need_top_p: bool
     need_min_p: bool
     sort_k: int = -1
+    max_top_k: int = 0
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], offsets: list[int],
@@ -155,6 +158,7 @@ class SamplingTensors:
             need_top_p=any(x < 1.0 for x in ps),
             need_min_p=any(x > 0.0 for x in mps),
             sort_k=sort_k,
+            max_top_k=max(ks, default=0),
         )
 
     @classmethod
@@ -171,6 +175,14 @@ def filters_off(p: SamplingParams) -> bool:
     return p.temperature == 0.0 or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
 
 
+def _kth_threshold(vals: torch.Tensor, t: SamplingTensors, width: int) -> torch.Tensor:
+    """Each row's top_k-th value from its `width` largest, descending vals [B, width]: fp32 [B],
+    -inf on rows without top-k."""
+    k = t.top_ks.long().clamp(0, width)
+    kth = vals.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
+    return torch.where(k > 0, kth.float(), _NEG_INF)
+
+
 def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Per-row logit threshold [B] of top-k followed by top-p (on the renormalised top-k set)."""
     vocab = x.shape[-1]
@@ -180,9 +192,7 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
         vals, idx = torch.topk(x, width, dim=-1)
     else:
         vals, idx = torch.sort(x, dim=-1, descending=True)
-    k = t.top_ks.long().clamp(0, width)
-    kth = vals.gather(1, (k - 1).clamp(min=0)[:, None]).squeeze(1)
-    thr = torch.where(k > 0, kth, _NEG_INF)
+    thr = _kth_threshold(vals, t, width)
     if not t.need_top_p:
         return thr
     if t.need_top_k:
@@ -274,14 +284,19 @@ def _fuse_scaling(logits: torch.Tensor, t: SamplingTensors, suppress) -> bool:
 class Sampler(torch.nn.Module):
     """Picks one token per row from logits [B, V] (fp32, bf16 or fp16); see SamplingTensors.
 
-    On CUDA (with Triton) noise, masking and argmax are one fused kernel, which also does the
-    temperature scaling when no filter, greedy row or suppressed token needs the scaled logits;
-    elsewhere they are torch ops over [B, V] temporaries. Both compute the same integer hash,
-    so they agree except where float rounding of log() flips a near-tie.
+    On CUDA (with Triton) noise, masking and argmax are fused kernels: gumbel_argmax_triton when
+    every row samples from its plain temperature distribution, else filtered_sample_triton,
+    which finds top-p's token without sorting (kernels/top_p.py); both scale the raw logits
+    themselves unless tokens are suppressed. Elsewhere they are torch ops over [B, V]
+    temporaries. Both compute the same integer hash, so they agree except where float rounding
+    of log() flips a near-tie, or of the probability mass sums moves a token across top-p's cut.
+    fused_filters=False keeps the older CUDA route for filters (scaled fp32 copy, top-k or a
+    full sort, then gumbel_argmax_triton with a threshold), for A/B measurements.
     """
 
-    def __init__(self):
+    def __init__(self, fused_filters: bool = True):
         super().__init__()
+        self.fused_filters = fused_filters
         self._token_hashes: dict[tuple[int, torch.device, int], torch.Tensor] = {}
 
     def _hashes(self, vocab_size: int, device: torch.device, start: int = 0) -> torch.Tensor:
@@ -309,6 +324,10 @@ class Sampler(torch.nn.Module):
             return logits.argmax(dim=-1)
         if _fuse_scaling(logits, t, suppress):
             return gumbel_argmax_triton(logits, None, t.seeds, t.offsets, t.temperatures)
+        if self.fused_filters and not t.all_greedy and _use_triton(logits):
+            tokens = self._fused_filtered(logits, t, suppress)
+            if tokens is not None:
+                return tokens
         x = _scaled(logits, t, suppress)
         if t.all_greedy:
             return x.argmax(dim=-1)
@@ -322,6 +341,31 @@ class Sampler(torch.nn.Module):
         if t.any_greedy:
             sampled = torch.where(t.temperatures == 0, argmax, sampled)
         return sampled
+
+    def _fused_filtered(self, logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor | None:
+        """forward's tokens through filtered_sample_triton, or None when some row's top_k is too
+        large for a partial top-k (the sorting route then).
+
+        Used for min-p, top-k and greedy rows too, not only top-p: reading the raw logits once
+        beats writing and rereading their fp32 copy (and a separate argmax pass for greedy rows).
+        """
+        vocab = logits.shape[-1]
+        width = max(1, min(t.max_top_k, vocab))
+        if t.need_top_k and width * 8 > vocab:
+            return None
+        x, scale = logits, True
+        if suppress is not None or logits.stride(-1) != 1:
+            x, scale = _scaled(logits, t, suppress), False
+        thr = None
+        if t.need_top_k:
+            # On the raw logits: x -> x / T (correctly rounded, T > 0) never reverses an order, so
+            # the k-th largest of the scores is the k-th largest logit divided by T, which is
+            # what the kernel compares the scores with. Holds for fp32 too, where division may
+            # merge neighbours: the tokens tied with the threshold after division are kept.
+            thr = _kth_threshold(torch.topk(x, width, dim=-1).values, t, width)
+        return filtered_sample_triton(x, t.temperatures, thr, t.top_ps if t.need_top_p else None,
+                                      torch.log(t.min_ps) if t.need_min_p else None, t.seeds, t.offsets,
+                                      scale=scale)
 
     def candidates(self, logits: torch.Tensor, t: SamplingTensors, first_id: int = 0):
         """One vocabulary shard's candidate per row: (score fp32 [B], token id int64 [B]).
