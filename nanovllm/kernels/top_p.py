@@ -171,7 +171,10 @@ def _row_candidate(cand_v_ptr, cand_i_ptr, cand_s_ptr, base, n_chunks, NC_P2: tl
     return idx, tl.max(tl.where((cv == best) & (ci == idx), cs, float("-inf")), axis=0)
 
 
-@triton.jit
+# n_rows is not specialized (Triton would compile a variant for 1, for multiples of 16 and for
+# the rest): the batch size changes from step to step, and a compile in the middle of a run
+# stalls that step for a second.
+@triton.jit(do_not_specialize=["n_rows"])
 def _filter_scan_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
                         part_m_ptr, part_mi_ptr, part_z_ptr, cand_v_ptr, cand_i_ptr, cand_s_ptr,
                         state_ptr, done_ptr, n_rows, vocab, n_chunks,
@@ -254,7 +257,7 @@ def _filter_mass_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
             tl.store(part_s_ptr + base + chunk, mass)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
                           part_m_ptr, part_mi_ptr, part_z_ptr, cand_v_ptr, cand_i_ptr, cand_s_ptr, part_s_ptr,
                           state_ptr, done_ptr, out_ptr, n_rows, vocab, n_chunks, max_iters,
@@ -358,12 +361,15 @@ def filtered_sample_triton(x: torch.Tensor, temperatures: torch.Tensor, thr: tor
     b, vocab = x.shape
     n_chunks = triton.cdiv(vocab, chunk)
     n = b * n_chunks
-    fbuf = torch.empty(5 * n + 3 * b, dtype=torch.float32, device=x.device)
-    ibuf = torch.empty(2 * n + b, dtype=torch.int32, device=x.device)
-    part_m, part_z, cand_v, cand_s, part_s = fbuf[:5 * n].view(5, n)
-    state = fbuf[5 * n:]  # m [B], Z [B], floor [B]
-    part_mi, cand_i = ibuf[:2 * n].view(2, n)
-    done = ibuf[2 * n:]
+    # Every workspace view starts at a multiple of 16 elements: Triton specializes pointers on
+    # 16-byte alignment, so offsets that move with the batch size would compile new variants.
+    n16, b16 = -(-n // 16) * 16, -(-b // 16) * 16
+    fbuf = torch.empty(5 * n16 + 3 * b16, dtype=torch.float32, device=x.device)
+    ibuf = torch.empty(2 * n16 + b16, dtype=torch.int32, device=x.device)
+    part_m, part_z, cand_v, cand_s, part_s = (fbuf[i * n16:i * n16 + n] for i in range(5))
+    state = fbuf[5 * n16:5 * n16 + 3 * b]  # m [B], Z [B], floor [B]
+    part_mi, cand_i = (ibuf[i * n16:i * n16 + n] for i in range(2))
+    done = ibuf[2 * n16:2 * n16 + b]
     out = torch.empty(b, dtype=torch.int64, device=x.device)
     if poison:
         for buf in (fbuf, ibuf, out):
