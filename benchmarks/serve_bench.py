@@ -174,11 +174,12 @@ def summarize(results: list[dict], wall: float, clients: int) -> dict:
             "itl_under_0.2ms_share": sum(g < 2e-4 for g in itl) / len(itl) if itl else 0.0}
 
 
-def fresh(prompts, vocab: int, max_id: int = 10000):
-    """The same prompt lengths with other token ids (every id + 1, wrapping below the
-    vocabulary and 10,001): a warm-up that leaves nothing in the prefix cache for the run."""
+def fresh(prompts, vocab: int, max_id: int = 10000, shift: int = 1):
+    """The same prompt lengths with other token ids (every id + shift, wrapping below the
+    vocabulary and 10,001): a warm-up that leaves nothing in the prefix cache for the run (and
+    with another shift, a pass that finds nothing of the warm-up's)."""
     top = min(max_id + 1, vocab)
-    return [[(t + 1) % top for t in p] for p in prompts]
+    return [[(t + shift) % top for t in p] for p in prompts]
 
 
 def engine_steps(step_log: str, start: float, end: float) -> dict:
@@ -272,7 +273,7 @@ def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
     try:
         def loop(prompt_list, token_list, profile_dir=None):
             todo = iter(range(len(prompt_list)))
-            open_, first, last, stamps = {}, {}, {}, {}
+            open_, stamps, counts = {}, {}, {}
             def add():
                 i = next(todo, None)
                 if i is not None:
@@ -283,6 +284,13 @@ def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
             for _ in range(args.clients):
                 add()
             prof, n = None, 0
+
+            def write_profile():
+                prof.__exit__(None, None, None)
+                with open(os.path.join(profile_dir, "closed_loop_profile.txt"), "w") as f:
+                    for key in ("cuda_time_total", "cpu_time_total"):
+                        f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+
             while llm.has_unfinished():
                 if profile_dir and n == 100:
                     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
@@ -291,20 +299,20 @@ def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
                 outputs = llm.step().outputs
                 n += 1
                 if prof is not None and n == 300:
-                    prof.__exit__(None, None, None)
-                    with open(os.path.join(profile_dir, "closed_loop_profile.txt"), "w") as f:
-                        for key in ("cuda_time_total", "cpu_time_total"):
-                            f.write(prof.key_averages().table(sort_by=key, row_limit=40) + "\n")
+                    write_profile()
                     prof = None
                 now = time.perf_counter()
                 for o in outputs:
                     i = open_[o.seq.seq_id]
                     if o.new_token_ids:
                         stamps[i].append(now)
+                        counts[i] = counts.get(i, 0) + len(o.new_token_ids)
                     if o.finished:
                         del open_[o.seq.seq_id]
                         add()
-            return stamps
+            if prof is not None:  # a pass shorter than 300 steps
+                write_profile()
+            return stamps, counts
 
         loop(fresh(prompts, args.vocab), [min(n, 32) for n in max_tokens])  # warm-up, as the server's
         torch.cuda.synchronize() if torch.cuda.is_available() else None
@@ -312,18 +320,18 @@ def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
         before = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
         compiled = triton_cache_entries()
         t = time.perf_counter()
-        stamps = loop(prompts, max_tokens)
+        stamps, counts = loop(prompts, max_tokens)
         wall = time.perf_counter() - t
         compiled = triton_cache_entries() - compiled
         after = torch.cuda.memory_stats() if torch.cuda.is_available() else {}
         timed_steps = list(steps)
         if args.profile:  # an untimed pass of its own: the profiler slows what it watches
-            loop(fresh(prompts, args.vocab), [min(n, 200) for n in max_tokens], args.profile)
+            loop(fresh(prompts, args.vocab, shift=2), [min(n, 200) for n in max_tokens], args.profile)
     finally:
         llm.shutdown()
     ttft = [s[1] - s[0] for s in stamps.values() if len(s) > 1]
     itl = [b - a for s in stamps.values() for a, b in zip(s[1:], s[2:])]
-    tokens = sum(max_tokens)
+    tokens = sum(counts.values())
     report = {"seconds": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
               "ttft_ms": percentiles(ttft, 1e3), "itl_ms": percentiles(itl, 1e3),
               "engine_steps": step_stats(timed_steps, -math.inf, math.inf)}

@@ -844,3 +844,19 @@ def test_top_k_past_any_vocabulary_fits_the_tensor_and_keeps_every_token():
     params = [SP(temperature=0.8, top_k=2**70), SP(temperature=0.8, top_k=3)]
     t = SamplingTensors.build(params, [1, 2], [0, 0], torch.device("cpu"))
     assert t.top_ks.tolist() == [2**31, 3]  # no int64 overflow; 2**31 keeps any vocabulary whole
+
+
+def test_top_p_mass_counts_ties_with_the_kth_logit_past_a_partial_top_k():
+    """top_k=3, top_p=0.6 over logits 3, 2, then five ties at 1 (vocabulary 64, so top-k is
+    partial): the top-k set holds all five tied tokens, so the mass before token 1 is below 0.6
+    of the set's and token 1 is kept. The same row beside a top-p-only row (a full sort) must
+    keep the same tokens."""
+    x = torch.full((1, 64), -30.0)
+    x[0, :7] = torch.tensor([3.0, 2.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+    alone = SamplingTensors.build([SP(temperature=1.0, top_k=3, top_p=0.6)], [0], [0], "cpu")
+    kept = torch.isfinite(apply_filters(x, alone)[0]).nonzero().flatten().tolist()
+    # mass of {3, 2, 1 x5}: e^3 + e^2 + 5e = 41.7; token 0 alone is 20.1 < 0.6 x 41.7 = 25.0.
+    assert kept[:2] == [0, 1] and 1 in kept
+    both = SamplingTensors.build([SP(temperature=1.0, top_k=3, top_p=0.6),
+                                  SP(temperature=1.0, top_p=0.5)], [0, 0], [0, 0], "cpu")
+    assert torch.isfinite(apply_filters(x.expand(2, -1).clone(), both)[0]).nonzero().flatten().tolist() == kept

@@ -49,7 +49,8 @@ class DecodeGraphs:
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=inputs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.inputs, self.blas = inputs, blas
-        self.pool = None  # the graphs' memory pool (the prefill graphs capture into it too)
+        self.pool = None  # the graphs' memory pool and capture stream (the prefill graphs use both)
+        self.stream = torch.cuda.Stream()
         with torch.inference_mode(), preferred_blas(blas):
             self._capture(forward, input_tokens)
         logger.info("captured CUDA graphs for decode batch sizes %s (%s)", self.sizes, blas)
@@ -66,7 +67,7 @@ class DecodeGraphs:
             tables.fill_(0)
             forward(input_tokens(ids, src), pos, meta)  # warm-up outside the graph (Triton compiles, cuBLAS plans)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, self.pool):
+            with torch.cuda.graph(graph, self.pool, stream=self.stream):
                 self.hidden[:bs] = forward(input_tokens(ids, src), pos, meta)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[bs] = graph

@@ -81,8 +81,8 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     torch.cuda.reset_peak_memory_stats()
     warmup_forward(model, config.max_num_seqs, 1, device)
     graph_peak = torch.cuda.max_memory_allocated() - base
-    prefill_graph_tokens = 0 if config.enforce_eager else min(config.max_prefill_graph_tokens,
-                                                                 config.max_num_batched_tokens)
+    prefill_graph_tokens = 0 if config.enforce_eager or config.fuse_kv_store else \
+        min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
     if prefill_graph_tokens:  # the pieces share the decode graphs' pool (engine/prefill_graphs.py)
         torch.cuda.reset_peak_memory_stats()
         warmup_forward(model, prefill_graph_tokens, config.max_model_len, device)

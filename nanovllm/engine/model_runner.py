@@ -93,13 +93,15 @@ class ModelRunner:
 
     def _capture_prefill_graphs(self, config: Config) -> PrefillGraphs | None:
         """Piecewise graphs for prefill-shaped steps of up to max_prefill_graph_tokens tokens
-        (engine/prefill_graphs.py), or None: turned off, or the K/V store fused into a kernel
-        inside the pieces (it would replay the capture's slots)."""
+        (engine/prefill_graphs.py), or None: turned off, the K/V store fused into a kernel
+        inside the pieces (it would replay the capture's slots), or attention layers of several
+        shapes (the pieces hand q/k/v over in one set of buffers)."""
         max_tokens = min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
-        if max_tokens < 1 or config.fuse_kv_store:
+        shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in self.attn_layers}
+        if max_tokens < 1 or config.fuse_kv_store or len(shapes) != 1:
             return None
         return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
-                             self.device, pool=self.graphs.pool)
+                             self.device, pool=self.graphs.pool, stream=self.graphs.stream)
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""

@@ -15,13 +15,19 @@ work, and in a server every arriving request brings such a step (a mixed step), 
 running stream for its length. Replayed, a step costs one launch per piece plus the attention
 calls. Numbers: BENCHMARKS.md.
 
-The pieces share the decode graphs' memory pool: every replay reads only buffers outside the
-pool (the inputs, the q/k/v and attention-output buffers below, weights, KV cache) or what an
-earlier piece of the same replay wrote, so graphs may replay in any order.
+The pieces share the decode graphs' memory pool, and are captured on the decode graphs' stream
+(the allocator reuses a freed block only for the stream it was allocated on, so a stream per
+bucket would stack every bucket's memory). Every replay reads only buffers outside the pool (the
+inputs, the q/k/v and attention-output buffers below, weights, KV cache) or what an earlier
+piece of the same replay wrote, so graphs may replay in any order. Padding rows (past the
+step's tokens) are reset to token 0 at position 0 with a zero attention output on every
+replay, so what they compute never depends on earlier steps (a per-tensor FP8 activation scale
+sees them too, as it sees a decode graph's padding rows).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 
@@ -52,11 +58,16 @@ class _Bucket:
 class PrefillGraphs:
     """Piecewise graphs of `model`'s forward for prefill-shaped steps of up to `max_tokens`
     tokens (see the module docstring). `attn_layers` are the model's Attention modules in
-    forward order; `pool`: the memory pool to capture into (the decode graphs')."""
+    forward order, all with the same head counts and size; `pool`, `stream`: the memory pool to
+    capture into and the stream to capture on (the decode graphs')."""
 
     def __init__(self, model, attn_layers, max_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, pool=None):
+                 device: torch.device, pool=None, stream: torch.cuda.Stream | None = None):
+        shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in attn_layers}
+        if len(shapes) != 1:
+            raise ValueError(f"piecewise prefill graphs need every attention layer of one shape, got {sorted(shapes)}")
         self.model, self.attn_layers = model, attn_layers
+        self.stream = stream if stream is not None else torch.cuda.Stream()
         self.sizes = prefill_graph_sizes(max_tokens)
         n = self.sizes[-1]
         first = attn_layers[0]
@@ -88,7 +99,7 @@ class PrefillGraphs:
         meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.ids.device)
         self.model(self.ids[:n], self.positions[:n], meta)
         bucket = _Bucket()
-        stream = torch.cuda.Stream()
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
 
@@ -113,8 +124,15 @@ class PrefillGraphs:
         try:
             with torch.cuda.stream(stream):
                 graph.capture_begin(pool=self.pool)
-                self.hidden[:n].copy_(self.model(self.ids[:n], self.positions[:n], meta))
-                graph.capture_end()
+                try:
+                    self.hidden[:n].copy_(self.model(self.ids[:n], self.positions[:n], meta))
+                    graph.capture_end()
+                except BaseException:
+                    # Never leave the stream capturing: every later CUDA call would fail too.
+                    if torch.cuda.is_current_stream_capturing():
+                        with contextlib.suppress(Exception):
+                            graph.capture_end()
+                    raise
                 bucket.pieces.append(graph)
         finally:
             for layer in self.attn_layers:
@@ -131,9 +149,14 @@ class PrefillGraphs:
         (at most the largest bucket): the same as model(ids, positions, meta). The result is a
         view of a buffer the next step overwrites."""
         t = ids.numel()
-        bucket = self.buckets[self.bucket_for(t)]
+        n = self.bucket_for(t)
+        bucket = self.buckets[n]
         self.ids[:t].copy_(ids)
         self.positions[:t].copy_(positions)
+        if t < n:  # padding rows: the same inputs on every replay (see the module docstring)
+            self.ids[t:n].zero_()
+            self.positions[t:n].zero_()
+            self.attn_out[t:n].zero_()
         q, k, v = self.q[:t], self.k[:t], self.v[:t]
         for piece, layer in zip(bucket.pieces, bucket.layers):
             piece.replay()

@@ -198,10 +198,17 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     if t.need_top_k:
         vals.masked_fill_(vals < thr[:, None], _NEG_INF)
     # Unnormalised probabilities in sorted order; compared against top_p * total below.
-    probs = vals.sub_(vals[:, :1].clone()).exp_()
+    top = vals[:, :1].clone()
+    probs = vals.sub_(top).exp_()
     cum = probs.cumsum_(dim=-1)
+    total = cum[:, -1:]
+    if vals.shape[-1] < vocab:
+        # Tokens tied with the k-th largest beyond the partial top-k belong to the top-k set too:
+        # its mass is summed over the whole row (so a row's tokens do not depend on whether
+        # another row's filters made this a full sort).
+        total = torch.where(x >= thr[:, None], (x - top).exp(), 0.0).sum(dim=-1, keepdim=True)
     # Position j is kept while the mass before it is < top_p; position 0 always is.
-    n_keep = (cum < t.top_ps[:, None] * cum[:, -1:]).sum(dim=-1) + 1
+    n_keep = (cum < t.top_ps[:, None] * total).sum(dim=-1) + 1
     n_keep = n_keep.clamp(max=width)
     last = idx.gather(1, (n_keep - 1)[:, None])
     thr_p = x.gather(1, last).squeeze(1)
