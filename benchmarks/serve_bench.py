@@ -161,17 +161,22 @@ def steady_state(results: list[dict], clients: int) -> dict:
     return {"window_s": end - start, "output_tok_s": tokens / (end - start)}
 
 
-def summarize(results: list[dict], wall: float, clients: int) -> dict:
+def latencies(results: list[dict], wall: float) -> dict:
+    """Throughput, time to first token, inter-token gaps and end-to-end latency of requests
+    {"sent": time, "stamps": [time of each token chunk], "tokens": count}."""
     ttft = [r["stamps"][0] - r["sent"] for r in results]
     itl = [b - a for r in results for a, b in zip(r["stamps"], r["stamps"][1:])]
     e2e = [r["stamps"][-1] - r["sent"] for r in results]
     out = sum(r["tokens"] for r in results)
     return {"wall_s": wall, "output_tokens": out, "output_tok_s": out / wall, "requests_per_s": len(results) / wall,
-            "steady_state": steady_state(results, clients), "ttft_ms": percentiles(ttft, 1e3),
-            "itl_ms": percentiles(itl, 1e3), "e2e_s": percentiles(e2e),
+            "ttft_ms": percentiles(ttft, 1e3), "itl_ms": percentiles(itl, 1e3), "e2e_s": percentiles(e2e),
             # Chunks of one stream that arrived together (the server writes every chunk a stream
             # has pending at once when it falls behind): gaps near zero that pull the ITL down.
             "itl_under_0.2ms_share": sum(g < 2e-4 for g in itl) / len(itl) if itl else 0.0}
+
+
+def summarize(results: list[dict], wall: float, clients: int) -> dict:
+    return {**latencies(results, wall), "steady_state": steady_state(results, clients)}
 
 
 def fresh(prompts, vocab: int, max_id: int = 10000, shift: int = 1):
@@ -232,15 +237,19 @@ def run_server(args, path: str, prompts, max_tokens) -> dict:
     return report
 
 
-def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
-    from nanovllm import LLM, SamplingParams
-
+def server_llm(args, path: str, **overrides):
+    """An LLM with the server's options, parsed by the server's own parser (the same engine),
+    with `overrides` on top."""
+    from nanovllm import LLM
     from nanovllm.serve import build_parser, llm_options
 
-    # The server's LLM options, parsed by the server's own parser: the same engine.
-    options = llm_options(build_parser().parse_args([path, *server_flags(args)]))
-    options["mixed_steps"] = mixed
-    llm = LLM(path, **options)
+    return LLM(path, **{**llm_options(build_parser().parse_args([path, *server_flags(args)])), **overrides})
+
+
+def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
+    from nanovllm import SamplingParams
+
+    llm = server_llm(args, path, mixed_steps=mixed)
     try:
         sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
         warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=min(n, 32)) for n in max_tokens]
@@ -263,11 +272,9 @@ def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
     DIR/closed_loop_profile.txt."""
     import torch
 
-    from nanovllm import LLM, SamplingParams
-    from nanovllm.serve import build_parser, llm_options
+    from nanovllm import SamplingParams
 
-    options = llm_options(build_parser().parse_args([path, *server_flags(args)]))
-    llm = LLM(path, **options)
+    llm = server_llm(args, path)
     steps: list[dict] = []
     llm.step_observers.append(lambda t: steps.append(dataclasses.asdict(t)))
     try:
@@ -329,11 +336,9 @@ def run_closed_loop(args, path: str, prompts, max_tokens) -> dict:
             loop(fresh(prompts, args.vocab, shift=2), [min(n, 200) for n in max_tokens], args.profile)
     finally:
         llm.shutdown()
-    ttft = [s[1] - s[0] for s in stamps.values() if len(s) > 1]
-    itl = [b - a for s in stamps.values() for a, b in zip(s[1:], s[2:])]
-    tokens = sum(counts.values())
-    report = {"seconds": wall, "output_tokens": tokens, "output_tok_s": tokens / wall,
-              "ttft_ms": percentiles(ttft, 1e3), "itl_ms": percentiles(itl, 1e3),
+    # The requests as the HTTP clients report theirs: sent, token chunk times, tokens.
+    results = [{"sent": s[0], "stamps": s[1:], "tokens": counts.get(i, 0)} for i, s in stamps.items()]
+    report = {"seconds": wall, **latencies(results, wall),
               "engine_steps": step_stats(timed_steps, -math.inf, math.inf)}
     # Allocator events in the timed run: a cudaMalloc retry frees the cache and synchronizes.
     report["cuda_allocator"] = {k: after.get(k, 0) - before.get(k, 0)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.engine.prefill_graphs import prefill_graph_tokens
 from nanovllm.utils.context import prefill_metadata
 
 logger = logging.getLogger(__name__)
@@ -81,13 +82,12 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     torch.cuda.reset_peak_memory_stats()
     warmup_forward(model, config.max_num_seqs, 1, device)
     graph_peak = torch.cuda.max_memory_allocated() - base
-    prefill_graph_tokens = 0 if config.enforce_eager or config.fuse_kv_store else \
-        min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
-    if prefill_graph_tokens:  # the pieces share the decode graphs' pool (engine/prefill_graphs.py)
+    graph_tokens = prefill_graph_tokens(config)
+    if graph_tokens:  # the pieces share the decode graphs' pool (engine/prefill_graphs.py)
         torch.cuda.reset_peak_memory_stats()
-        warmup_forward(model, prefill_graph_tokens, config.max_model_len, device)
+        warmup_forward(model, graph_tokens, config.max_model_len, device)
         # Its q/k/v, attention-output and hidden-state buffers: under 8 x hidden_size per token.
-        buffers = prefill_graph_tokens * config.hf_config.hidden_size * 8 * config.dtype.itemsize
+        buffers = graph_tokens * config.hf_config.hidden_size * 8 * config.dtype.itemsize
         graph_peak = max(graph_peak, torch.cuda.max_memory_allocated() - base) + buffers
     # Sampling is not run here (that would compile its kernels inside the cold start): its
     # worst case, a full-vocabulary sort for top-p, holds about fp32 logits + sorted values +

@@ -23,7 +23,7 @@ from nanovllm.config import Config
 from nanovllm.distributed.group import create_tp_group, use_tp_group
 from nanovllm.engine.cuda_graphs import DecodeGraphs
 from nanovllm.engine.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
-from nanovllm.engine.prefill_graphs import PrefillGraphs
+from nanovllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_tokens
 from nanovllm.engine.sampling import PendingTokens, TokenSampler
 from nanovllm.engine.scheduler import ScheduledBatch
 from nanovllm.engine.step_inputs import StepInput, StepInputs
@@ -92,13 +92,10 @@ class ModelRunner:
         logger.info("model runner ready: %s seconds", self.startup_seconds)
 
     def _capture_prefill_graphs(self, config: Config) -> PrefillGraphs | None:
-        """Piecewise graphs for prefill-shaped steps of up to max_prefill_graph_tokens tokens
-        (engine/prefill_graphs.py), or None: turned off, the K/V store fused into a kernel
-        inside the pieces (it would replay the capture's slots), or attention layers of several
-        shapes (the pieces hand q/k/v over in one set of buffers)."""
-        max_tokens = min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
-        shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in self.attn_layers}
-        if max_tokens < 1 or config.fuse_kv_store or len(shapes) != 1:
+        """Piecewise graphs for prefill-shaped steps (engine/prefill_graphs.py), or None: none
+        under this config (prefill_graph_tokens), or attention layers of several shapes."""
+        max_tokens = prefill_graph_tokens(config)
+        if max_tokens < 1 or not PrefillGraphs.supports(self.attn_layers):
             return None
         return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
                              self.device, pool=self.graphs.pool, stream=self.graphs.stream)

@@ -38,6 +38,15 @@ from nanovllm.utils.context import prefill_metadata
 logger = logging.getLogger(__name__)
 
 
+def prefill_graph_tokens(config) -> int:
+    """The largest prefill step the engine replays as graphs under `config` (0: none): the
+    max_prefill_graph_tokens cap within the step budget; none with enforce_eager, or with the
+    K/V store fused into a kernel inside the pieces (it would replay the capture's slots)."""
+    if config.enforce_eager or config.fuse_kv_store:
+        return 0
+    return min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+
+
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
     """Token buckets up to `max_tokens`: powers of two from 16 to 256, then steps of 256 (padding
     wastes at most a quarter below 1,024 tokens and an eighth above 2,048)."""
@@ -61,11 +70,17 @@ class PrefillGraphs:
     forward order, all with the same head counts and size; `pool`, `stream`: the memory pool to
     capture into and the stream to capture on (the decode graphs')."""
 
+    @staticmethod
+    def supports(attn_layers) -> bool:
+        """Whether the layers' attention calls can hand q/k/v over in one set of buffers: every
+        layer has the same head counts and head size."""
+        return len({(a.num_heads, a.num_kv_heads, a.head_dim) for a in attn_layers}) == 1
+
     def __init__(self, model, attn_layers, max_tokens: int, hidden_size: int, dtype: torch.dtype,
                  device: torch.device, pool=None, stream: torch.cuda.Stream | None = None):
-        shapes = {(a.num_heads, a.num_kv_heads, a.head_dim) for a in attn_layers}
-        if len(shapes) != 1:
-            raise ValueError(f"piecewise prefill graphs need every attention layer of one shape, got {sorted(shapes)}")
+        if not self.supports(attn_layers):
+            shapes = sorted({(a.num_heads, a.num_kv_heads, a.head_dim) for a in attn_layers})
+            raise ValueError(f"piecewise prefill graphs need every attention layer of one shape, got {shapes}")
         self.model, self.attn_layers = model, attn_layers
         self.stream = stream if stream is not None else torch.cuda.Stream()
         self.sizes = prefill_graph_sizes(max_tokens)
