@@ -428,3 +428,19 @@ def test_plot_kv_usage_writes_a_png(tmp_path):
 
     with pytest.raises(ValueError, match="kv_usage"):
         plot_kv_usage({"model": "old"}, str(tmp_path / "x.png"))
+
+
+def test_decode_step_bench_runs_on_a_tiny_checkpoint(tmp_path):
+    """benchmarks/bench_decode_step.py: every batch size gets a timed row against its byte floor."""
+    path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_decode_step.py"), "--model", path,
+                           "--sizes", "2,3", "--context", "20", "--steps", "4", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["batch"] for r in rows] == [2, 3]
+    for r in rows:
+        assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and 0 < r["of_floor"] <= 1
+        assert r["tok_s"] == pytest.approx(r["batch"] / r["ms_per_step"] * 1e3, rel=1e-3)  # (ms rounded)
+    assert rows[1]["floor_ms"] > rows[0]["floor_ms"]  # one more row's K/V to read

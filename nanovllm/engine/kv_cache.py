@@ -94,6 +94,8 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     # int64 indices + a cumulative sum per row, ~24 bytes per logit.
     sampler_peak = config.max_num_seqs * config.hf_config.vocab_size * 24 if sampling_rank else 0
     decode_peak = graph_peak + sampler_peak
+    logger.info("KV budget charges %.0f MiB for prefill, %.0f MiB for the CUDA graphs, %.0f MiB for sampling",
+                prefill_peak / 2**20, graph_peak / 2**20, sampler_peak / 2**20)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     held = base + other_bytes

@@ -77,19 +77,23 @@ class ModelRunner:
                                  self.backend.name, spec.num_kv_heads)
         self.sampler = TokenSampler(max_rows, self.device, self.tp)
         self.graphs = self.prefill_graphs = None
+        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
         # The torch backend loops over sequences on the host: nothing a graph could replay.
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
+            reserved = torch.cuda.memory_reserved(self.device)
             self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
                                        min(config.max_num_seqs, 512), hf.hidden_size, config.dtype,
                                        config.decode_blas)
             self.prefill_graphs = self._capture_prefill_graphs(config)
+            self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
         # Where the cold start goes (bench.py reports it).
         self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
-        logger.info("model runner ready: %s seconds", self.startup_seconds)
+        logger.info("model runner ready: %s seconds; graphs reserved %.0f MiB", self.startup_seconds,
+                    self.graph_pool_bytes / 2**20)
 
     def _capture_prefill_graphs(self, config: Config) -> PrefillGraphs | None:
         """Piecewise graphs for prefill-shaped steps (engine/prefill_graphs.py), or None: none
