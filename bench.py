@@ -298,6 +298,14 @@ KERNEL_KINDS = (
 )
 
 
+def profiled_kernels(prof) -> list[tuple[str, float]]:
+    """(kernel name, microseconds) of every GPU kernel a torch.profiler run recorded."""
+    import torch
+
+    return [(e.name, e.time_range.elapsed_us()) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def kernel_breakdown(kernels) -> dict[str, float]:
     """Seconds of device time per kind of kernel (KERNEL_KINDS, else "other"), from
     (kernel name, microseconds) pairs."""
@@ -704,8 +712,7 @@ def main(argv=None):
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
         # GPU idle time = wall - kernel time: what host overhead between kernels costs.
-        kernels = [(e.name, e.time_range.elapsed_us()) for e in prof.events()
-                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = profiled_kernels(prof)
         busy = sum(us for _, us in kernels) / 1e6
         print(f"profiled run: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)")
         breakdown = kernel_breakdown(kernels)
