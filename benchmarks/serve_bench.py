@@ -7,11 +7,13 @@ It starts the server itself (a subprocess on 127.0.0.1, on a free port), sends a
 then the workload: bench.py's requests (random.seed(0); prompts of randint(100, 1024) token ids
 below 10,000; max_tokens randint(100, 1024); ignore_eos), `--requests` of them, taken in order
 by `--clients` concurrent clients (each sends its next request when the last one ends: a closed
-loop), spread over `--client-processes` processes (request i goes to process i mod P), so that
+loop), spread over `--client-processes` processes (taking requests from one shared counter), so that
 the clients' own Python (an SSE line parsed per token) does not become what is measured. Each is a streaming /v1/completions request with token-id prompts and
 `return_token_ids`, so every chunk is one engine step's token of it. It stops the server and
 then, unless `--offline none`, runs the same requests through the offline `LLM.generate` in
-this process (split steps, and with `--offline both` also mixed steps), for the throughput ratio.
+this process (split steps, and with `--offline both` also mixed steps), for the throughput ratio,
+and once more with the server's options and at most `--clients` requests at a time (the closed
+loop's own schedule without HTTP: the ratio against it is what the server itself costs).
 
 Reported (JSON, `--out`, and printed): output tokens per second over the whole run, requests
 per second, time to first token (send -> first token chunk), inter-token latency (gaps between a
@@ -93,19 +95,26 @@ async def one_request(client, url: str, model: str, prompt: list[int], max_token
     return {"sent": sent, "stamps": stamps, "tokens": tokens}
 
 
-async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout: float) -> tuple[list[dict], float]:
-    """Closed loop: `clients` workers take the next request in order until none is left. Each
-    result also says when its worker found the list empty ("worker_done"; the same for all of
+async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout: float,
+                take=None) -> tuple[dict[int, dict], float]:
+    """Closed loop: `clients` workers each take the next request (`take()`: its index, or None
+    when none is left; by default the requests in order) until none is left. Results by request
+    index; each also says when its worker found none left ("worker_done"; the same for all of
     a worker's results)."""
     import httpx
 
-    results: list[dict | None] = [None] * len(prompts)
-    next_index = iter(range(len(prompts)))
+    if take is None:
+        order = iter(range(len(prompts)))
+
+        def take():
+            return next(order, None)
+
+    results: dict[int, dict] = {}
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
         async def worker():
             mine = []
-            for i in next_index:
+            while (i := take()) is not None:
                 results[i] = await one_request(client, url, model, prompts[i], max_tokens[i])
                 mine.append(results[i])
             done = time.perf_counter()
@@ -118,34 +127,57 @@ async def drive(url: str, model: str, prompts, max_tokens, clients: int, timeout
     return results, wall
 
 
+_shared_next = None  # a client process's handle on the run's next-request counter (fork-inherited)
+
+
+def _share_counter(counter) -> None:
+    global _shared_next
+    _shared_next = counter
+
+
+def _take_shared(total: int):
+    """The next request index from the counter every client process shares, or None."""
+    with _shared_next.get_lock():
+        i = _shared_next.value
+        if i >= total:
+            return None
+        _shared_next.value = i + 1
+    return i
+
+
 def _drive_share(url, model, prompts, max_tokens, clients, timeout):
-    """One client process's share of the run: its results and (start, end) perf_counter times
+    """One client process's part of the run: its results and (start, end) perf_counter times
     (CLOCK_MONOTONIC: comparable across processes)."""
     t0 = time.perf_counter()
-    results, wall = asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout))
+    results, wall = asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout,
+                                      take=lambda: _take_shared(len(prompts))))
     return results, t0, t0 + wall
 
 
 def drive_processes(url: str, model: str, prompts, max_tokens, clients: int, processes: int,
                     timeout: float) -> tuple[list[dict], float]:
-    """drive() over `processes` client processes (request i to process i mod P, clients split
-    evenly); the wall time runs from the first start to the last end."""
+    """drive() over `processes` client processes (clients split evenly), all taking the next
+    request from one shared counter: one closed loop, as if every client were in one process
+    (a fixed share per process would leave some processes' clients idle while others still
+    queue: a longer tail than the loop itself has). The wall time runs from the first start to
+    the last end."""
     processes = max(1, min(processes, clients, len(prompts)))
     if processes == 1:
-        return asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout))
+        results, wall = asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout))
+        return [results[i] for i in range(len(prompts))], wall
     import concurrent.futures
     import multiprocessing
 
-    shares = [(url, model, prompts[p::processes], max_tokens[p::processes],
-               clients // processes + (p < clients % processes), timeout) for p in range(processes)]
     # fork: this process has not touched a GPU (the server is a subprocess) and the workers need
-    # nothing but drive().
-    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork")) as pool:
-        parts = list(pool.map(_drive_share, *zip(*shares)))
-    results: list[dict | None] = [None] * len(prompts)
-    for p, (share, _, _) in enumerate(parts):
-        results[p::processes] = share
-    return results, max(end for _, _, end in parts) - min(start for _, start, _ in parts)
+    # nothing but drive() and the counter.
+    ctx = multiprocessing.get_context("fork")
+    counter = ctx.Value("q", 0)
+    shares = [clients // processes + (p < clients % processes) for p in range(processes)]
+    with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx, initializer=_share_counter,
+                                                initargs=(counter,)) as pool:
+        parts = list(pool.map(_drive_share, *zip(*[(url, model, prompts, max_tokens, n, timeout) for n in shares])))
+    merged = {i: r for share, _, _ in parts for i, r in share.items()}
+    return [merged[i] for i in range(len(prompts))], max(end for _, _, end in parts) - min(s for _, s, _ in parts)
 
 
 def steady_state(results: list[dict], clients: int) -> dict:
@@ -246,10 +278,12 @@ def server_llm(args, path: str, **overrides):
     return LLM(path, **{**llm_options(build_parser().parse_args([path, *server_flags(args)])), **overrides})
 
 
-def run_offline(args, path: str, prompts, max_tokens, mixed: bool) -> dict:
+def run_offline(args, path: str, prompts, max_tokens, mixed: bool, **overrides) -> dict:
+    """LLM.generate on the requests (after a warm-up as the server's), with the server's
+    options, `mixed_steps=mixed` and `overrides` on top."""
     from nanovllm import SamplingParams
 
-    llm = server_llm(args, path, mixed_steps=mixed)
+    llm = server_llm(args, path, mixed_steps=mixed, **overrides)
     try:
         sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
         warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=min(n, 32)) for n in max_tokens]
@@ -388,6 +422,14 @@ def main(argv=None) -> int:
     if args.offline != "none":
         report["offline"] = run_offline(args, path, prompts, max_tokens, mixed=False)
         report["server_vs_offline"] = report["server"]["output_tok_s"] / report["offline"]["output_tok_s"]
+        # The same engine (the server's options, mixed steps) holding at most `clients` requests,
+        # admitting the next one as one ends: the closed loop's schedule without HTTP or arrival
+        # latency. The ratio against it is the server's own cost; the one against unbounded
+        # offline also carries what running `clients` rows instead of all at once costs.
+        report["offline_at_clients"] = run_offline(args, path, prompts, max_tokens, mixed=True,
+                                                   max_num_seqs=args.clients)
+        report["server_vs_offline_at_clients"] = (report["server"]["output_tok_s"]
+                                                  / report["offline_at_clients"]["output_tok_s"])
     if args.closed_loop:
         report["closed_loop"] = run_closed_loop(args, path, prompts, max_tokens)
     if args.offline == "both":

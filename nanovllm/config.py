@@ -66,11 +66,10 @@ def decode_blas_library() -> str:
 
 
 def fuse_kv_store_switch() -> bool:
-    """NANOVLLM_FUSE_KV_STORE, checked: "1" stores each layer's K/V inside the q/k-norm + RoPE
-    kernel on CUDA (one launch per layer less), "0" (default) in the store kernel of its own.
-    Off by default: it passes its GPU tests since its FP8 branch compiles, but measured no faster on
-    the H200 (BENCHMARKS.md, "fused K/V store")."""
-    value = os.environ.get("NANOVLLM_FUSE_KV_STORE", "0")
+    """NANOVLLM_FUSE_KV_STORE, checked: "1" (default) stores each layer's K/V inside the q/k-norm
+    + RoPE kernel on CUDA (one launch per layer less), "0" in the store kernel of its own (to
+    compare; BENCHMARKS.md, "fused K/V store")."""
+    value = os.environ.get("NANOVLLM_FUSE_KV_STORE", "1")
     if value not in ("0", "1"):
         raise ValueError(f"NANOVLLM_FUSE_KV_STORE must be 0 or 1, got {value!r}")
     return value == "1"
@@ -149,7 +148,7 @@ class Config:
     decode_blas: str = field(init=False, default="cublaslt")
     # Whether the K/V cache store is fused into the q/k-norm + RoPE kernel, from
     # NANOVLLM_FUSE_KV_STORE when the config is made (TP workers get this copy too).
-    fuse_kv_store: bool = field(init=False, default=False)
+    fuse_kv_store: bool = field(init=False, default=True)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":

@@ -57,12 +57,19 @@ def test_attention_hands_its_call_to_the_cut_hook():
 
 
 # ---------------------------------------------------------------------------- GPU
+FUSE = pytest.mark.parametrize("fuse", ["0", "1"], ids=["store_kernel", "fused_store"])
+
+
 @pytest.mark.gpu
-def test_replayed_pieces_match_the_eager_forward(ckpt):
+@FUSE
+def test_replayed_pieces_match_the_eager_forward(ckpt, monkeypatch, fuse):
     """Fresh random prompts packed varlen (no cached prefix), through the bucket's pieces and
     through the plain forward: the same hidden states up to fp32 summation order (the padded
     GEMMs may pick other kernels; 1e-4 relative is ~1,000 fp32 ulps, far below what a wrong
-    row, piece or buffer would give, which is O(1))."""
+    row, piece or buffer would give, which is O(1)). With the K/V store fused into the pieces
+    too: the same cache rows as the eager forward's store, at the step's slots (not the
+    capture's), none written for padding rows."""
+    monkeypatch.setenv("NANOVLLM_FUSE_KV_STORE", fuse)
     llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=512, max_prefill_graph_tokens=300)
     try:
         runner = llm.model_runner
@@ -79,25 +86,45 @@ def test_replayed_pieces_match_the_eager_forward(ckpt):
                 left -= lens[-1]
             ids = torch.tensor([rng.randrange(vocab) for _ in range(total)], device="cuda")
             pos = torch.cat([torch.arange(n) for n in lens]).cuda()
-            meta = prefill_metadata(lens, lens, torch.full((total,), -1, dtype=torch.int32), None, "cuda")
-            graphs.hidden.fill_(float("nan"))  # poisoned: every row read must be written
-            with torch.inference_mode():
-                got = graphs.run(ids, pos, meta).clone()
-                want = runner.model(ids, pos, meta)
+            # Distinct random slots of the cache (block 0 unused), each step its own.
+            layer = runner.attn_layers[-1]
+            num_slots = layer.k_cache.shape[0] * layer.k_cache.shape[1]
+            slots = (torch.randperm(num_slots - 256)[:total] + 256).to(torch.int32)
+            stored = []
+            for run in ("graphs", "eager"):
+                layer.k_cache.fill_(float("nan"))  # poisoned: exactly the step's slots are written
+                meta = prefill_metadata(lens, lens, slots, None, "cuda")
+                graphs.hidden.fill_(float("nan"))  # poisoned: every row read must be written
+                with torch.inference_mode():
+                    out = graphs.run(ids, pos, meta).clone() if run == "graphs" else runner.model(ids, pos, meta)
+                stored.append(layer.k_cache.flatten(0, 1).clone())
+                if run == "graphs":
+                    got = out
+                else:
+                    want = out
             assert got.shape == want.shape and torch.isfinite(got).all(), (seed, total)
             err = ((got - want).norm() / want.norm()).item()
             assert err < 1e-4, f"seed {seed}, {total} tokens in {lens}: relative error {err:.2e}"
+            written = [~c.isnan().flatten(1).all(1) for c in stored]
+            assert torch.equal(written[0], written[1]), (seed, total)
+            assert sorted(torch.nonzero(written[0]).flatten().tolist()) == sorted(slots.tolist()), (seed, total)
+            k_err = ((stored[0][written[0]] - stored[1][written[1]]).norm() / stored[1][written[1]].norm()).item()
+            assert k_err < 1e-4, f"seed {seed}, {total} tokens: cached K relative error {k_err:.2e}"
     finally:
         llm.shutdown()
 
 
 @pytest.mark.gpu
-def test_engines_with_and_without_prefill_graphs_agree(ckpt):
+@FUSE
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_engines_with_and_without_prefill_graphs_agree(ckpt, monkeypatch, fuse, kv_cache_dtype):
     """Mixed steps (decode rows beside prompt chunks, their inputs taken from the device),
     chunked prompts, prefix hits (cached blocks read back in the eager attention) and prompt
     logprobs, with a bucket cap below the step budget so that some steps run eagerly. fp32.
     Three sequences at a time: later prompts arrive while others decode, in steps of a few
-    tokens (graphs); the first ones fill the 64-token budget (eager)."""
+    tokens (graphs); the first ones fill the 64-token budget (eager). With the K/V store in its
+    own kernel or fused into the pieces, and a bf16 or FP8 cache."""
+    monkeypatch.setenv("NANOVLLM_FUSE_KV_STORE", fuse)
     shared = rand_ids(48, seed=3)
     prompts = [rand_ids(n, seed=20 + n) for n in (5, 70, 33, 140, 9)] + [shared + [1, 2], shared + [3]]
     params = [greedy(12 + 4 * i) for i in range(len(prompts))]
@@ -105,7 +132,7 @@ def test_engines_with_and_without_prefill_graphs_agree(ckpt):
     results, replays = {}, {}
     for cap in (0, 40):
         llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=64, mixed_steps=True,
-                       max_num_seqs=3, max_prefill_graph_tokens=cap)
+                       max_num_seqs=3, max_prefill_graph_tokens=cap, kv_cache_dtype=kv_cache_dtype)
         try:
             graphs = llm.model_runner.prefill_graphs
             assert (graphs is None) == (cap == 0)

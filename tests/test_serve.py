@@ -446,6 +446,9 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     assert s["exit_code"] == 0 and s["ttft_ms"]["n"] == 5 and s["itl_ms"]["n"] == sum(lengths) - 5
     assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"] and 0 < s["itl_ms"]["p50"] <= s["itl_ms"]["p99"]
     assert report["server_vs_offline"] > 0
+    # The engine alone at the clients' concurrency (at most 3 requests at a time): the same tokens.
+    assert report["offline_at_clients"]["output_tokens"] == sum(lengths)
+    assert report["server_vs_offline_at_clients"] > 0
     steps = s["engine_steps"]  # the server's --step-log, over the timed run
     assert steps["decode"]["steps"] + steps["prompt"]["steps"] > 0 and steps["prompt"]["steps"] >= 1
     closed = report["closed_loop"]  # the same engine and requests without HTTP

@@ -19,7 +19,10 @@ The pieces share the decode graphs' memory pool, and are captured on the decode 
 (the allocator reuses a freed block only for the stream it was allocated on, so a stream per
 bucket would stack every bucket's memory). Every replay reads only buffers outside the pool (the
 inputs, the q/k/v and attention-output buffers below, weights, KV cache) or what an earlier
-piece of the same replay wrote, so graphs may replay in any order. Padding rows (past the
+piece of the same replay wrote, so graphs may replay in any order. With the K/V store fused into
+the q/k-norm + RoPE kernel (Config.fuse_kv_store) a piece also writes the KV cache, at the slots
+of a buffer of its own that every replay fills first (-1 for padding rows: nothing stored); the
+eager attention after it then skips its store. Padding rows (past the
 step's tokens) are reset to token 0 at position 0 with a zero attention output on every
 replay, so what they compute never depends on earlier steps (a per-tensor FP8 activation scale
 sees them too, as it sees a decode graph's padding rows).
@@ -40,9 +43,8 @@ logger = logging.getLogger(__name__)
 
 def prefill_graph_tokens(config) -> int:
     """The largest prefill step the engine replays as graphs under `config` (0: none): the
-    max_prefill_graph_tokens cap within the step budget; none with enforce_eager, or with the
-    K/V store fused into a kernel inside the pieces (it would replay the capture's slots)."""
-    if config.enforce_eager or config.fuse_kv_store:
+    max_prefill_graph_tokens cap within the step budget; none with enforce_eager."""
+    if config.enforce_eager:
         return 0
     return min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
 
@@ -58,10 +60,12 @@ def prefill_graph_sizes(max_tokens: int) -> list[int]:
 
 @dataclass
 class _Bucket:
-    """One bucket's pieces and, between them, the attention layers they stop at."""
+    """One bucket's pieces and, between them, the attention layers they stop at (and whether the
+    piece before each stored that layer's K/V: the fused store)."""
 
     pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     layers: list[torch.nn.Module] = field(default_factory=list)
+    kv_stored: list[bool] = field(default_factory=list)
 
 
 class PrefillGraphs:
@@ -88,6 +92,7 @@ class PrefillGraphs:
         first = attn_layers[0]
         self.ids = torch.zeros(n, dtype=torch.long, device=device)
         self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.int32, device=device)  # for a fused K/V store
         self.q = torch.zeros(n, first.num_heads, first.head_dim, dtype=dtype, device=device)
         self.k = torch.zeros(n, first.num_kv_heads, first.head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
@@ -110,8 +115,9 @@ class PrefillGraphs:
 
     def _capture(self, n: int) -> _Bucket:
         # Warm-up outside the graphs (Triton compiles, cuBLAS picks its kernels for M = n): a
-        # plain eager forward of one n-token sequence that stores nothing (slots -1).
-        meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.ids.device)
+        # plain eager forward of one n-token sequence that stores nothing (slots -1). The
+        # capture's slots are the slot buffer's: a fused store replays with the step's.
+        meta = prefill_metadata([n], [n], self.slots[:n], None, self.ids.device)
         self.model(self.ids[:n], self.positions[:n], meta)
         bucket = _Bucket()
         stream = self.stream
@@ -122,14 +128,13 @@ class PrefillGraphs:
             # End the running piece with q/k/v in the buffers the eager attention will read,
             # and start the next one on the buffer that attention will write.
             nonlocal graph
-            if kv_stored:
-                raise RuntimeError("piecewise prefill graphs need the K/V store outside the graphs")
             self.q[:n].copy_(q)
             self.k[:n].copy_(k)
             self.v[:n].copy_(v)
             graph.capture_end()
             bucket.pieces.append(graph)
             bucket.layers.append(layer)
+            bucket.kv_stored.append(kv_stored)
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=self.pool)
             return self.attn_out[:n]
@@ -168,13 +173,18 @@ class PrefillGraphs:
         bucket = self.buckets[n]
         self.ids[:t].copy_(ids)
         self.positions[:t].copy_(positions)
+        self.slots[:t].copy_(meta.slot_mapping)
         if t < n:  # padding rows: the same inputs on every replay (see the module docstring)
             self.ids[t:n].zero_()
             self.positions[t:n].zero_()
+            self.slots[t:n].fill_(-1)
             self.attn_out[t:n].zero_()
         q, k, v = self.q[:t], self.k[:t], self.v[:t]
-        for piece, layer in zip(bucket.pieces, bucket.layers):
+        for piece, layer, stored in zip(bucket.pieces, bucket.layers, bucket.kv_stored):
             piece.replay()
-            self.attn_out[:t].copy_(layer(q, k, v, meta))
+            # A prefill that first calibrates the FP8 K/V scales stores again after calibrating
+            # (the piece stored with the scales of before).
+            stored = stored and not layer.calibrate_next_prefill
+            self.attn_out[:t].copy_(layer(q, k, v, meta, kv_stored=stored))
         bucket.pieces[-1].replay()
         return self.hidden[:t]
