@@ -147,10 +147,16 @@ def _take_shared(total: int):
 
 def _drive_share(url, model, prompts, max_tokens, clients, timeout):
     """One client process's part of the run: its results and (start, end) perf_counter times
-    (CLOCK_MONOTONIC: comparable across processes)."""
+    (CLOCK_MONOTONIC: comparable across processes). A failure empties the shared counter first,
+    so that the other processes stop after their open requests instead of running the rest."""
     t0 = time.perf_counter()
-    results, wall = asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout,
-                                      take=lambda: _take_shared(len(prompts))))
+    try:
+        results, wall = asyncio.run(drive(url, model, prompts, max_tokens, clients, timeout,
+                                          take=lambda: _take_shared(len(prompts))))
+    except BaseException:
+        with _shared_next.get_lock():
+            _shared_next.value = len(prompts)
+        raise
     return results, t0, t0 + wall
 
 
@@ -273,17 +279,23 @@ def server_llm(args, path: str, **overrides):
     """An LLM with the server's options, parsed by the server's own parser (the same engine),
     with `overrides` on top."""
     from nanovllm import LLM
+
+    return LLM(path, **{**server_options(args, path), **overrides})
+
+
+def server_options(args, path: str) -> dict:
+    """The LLM options the server runs with (its flags, parsed by its own parser)."""
     from nanovllm.serve import build_parser, llm_options
 
-    return LLM(path, **{**llm_options(build_parser().parse_args([path, *server_flags(args)])), **overrides})
+    return llm_options(build_parser().parse_args([path, *server_flags(args)]))
 
 
-def run_offline(args, path: str, prompts, max_tokens, mixed: bool, **overrides) -> dict:
+def run_offline(args, path: str, prompts, max_tokens, **overrides) -> dict:
     """LLM.generate on the requests (after a warm-up as the server's), with the server's
-    options, `mixed_steps=mixed` and `overrides` on top."""
+    options and `overrides` on top."""
     from nanovllm import SamplingParams
 
-    llm = server_llm(args, path, mixed_steps=mixed, **overrides)
+    llm = server_llm(args, path, **overrides)
     try:
         sps = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
         warm = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=min(n, 32)) for n in max_tokens]
@@ -402,7 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-output", type=int, default=1024)
     ap.add_argument("--server-args", default="", help="more flags for the server (LLM options), one string")
     ap.add_argument("--offline", choices=["split", "both", "none"], default="split",
-                    help="also run the requests through LLM.generate: split steps, split and mixed, or not")
+                    help="also run the requests through LLM.generate: split steps, split and mixed, or not "
+                         "(unless none, also with the server's options at most --clients at a time)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole timed run")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--out", help="write the JSON report here")
@@ -420,20 +433,21 @@ def main(argv=None) -> int:
               "prompt_tokens": sum(map(len, prompts)), "server_args": args.server_args,
               "server": run_server(args, path, prompts, max_tokens)}
     if args.offline != "none":
-        report["offline"] = run_offline(args, path, prompts, max_tokens, mixed=False)
+        report["offline"] = run_offline(args, path, prompts, max_tokens, mixed_steps=False)
         report["server_vs_offline"] = report["server"]["output_tok_s"] / report["offline"]["output_tok_s"]
-        # The same engine (the server's options, mixed steps) holding at most `clients` requests,
-        # admitting the next one as one ends: the closed loop's schedule without HTTP or arrival
-        # latency. The ratio against it is the server's own cost; the one against unbounded
-        # offline also carries what running `clients` rows instead of all at once costs.
-        report["offline_at_clients"] = run_offline(args, path, prompts, max_tokens, mixed=True,
-                                                   max_num_seqs=args.clients)
+        # The server's own engine and options holding at most `clients` requests (or its own
+        # max_num_seqs, if lower), admitting the next one as one ends: the closed loop's schedule
+        # without HTTP or arrival latency. The ratio against it is the server's own cost; the one
+        # against unbounded offline also carries what running `clients` rows instead of all at
+        # once costs.
+        rows = min(args.clients, server_options(args, path).get("max_num_seqs", args.clients))
+        report["offline_at_clients"] = run_offline(args, path, prompts, max_tokens, max_num_seqs=rows)
         report["server_vs_offline_at_clients"] = (report["server"]["output_tok_s"]
                                                   / report["offline_at_clients"]["output_tok_s"])
     if args.closed_loop:
         report["closed_loop"] = run_closed_loop(args, path, prompts, max_tokens)
     if args.offline == "both":
-        report["offline_mixed"] = run_offline(args, path, prompts, max_tokens, mixed=True)
+        report["offline_mixed"] = run_offline(args, path, prompts, max_tokens, mixed_steps=True)
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -75,41 +75,47 @@ def test_replayed_pieces_match_the_eager_forward(ckpt, monkeypatch, fuse):
         runner = llm.model_runner
         graphs = runner.prefill_graphs
         assert isinstance(graphs, PrefillGraphs) and graphs.sizes[-1] == 300
+        # The pieces store K/V themselves exactly when the store is fused.
+        assert all(all(b.kv_stored) == (fuse == "1") and any(b.kv_stored) == (fuse == "1")
+                   for b in graphs.buckets.values())
         rng = random.Random()
         seed = rng.randrange(1 << 30)
         rng.seed(seed)
+        gen = torch.Generator().manual_seed(seed)
         vocab = llm.config.hf_config.vocab_size
-        for total in (1, 17, 64, 255, 300):
+        cache = runner.kv_cache  # [K/V, layer, block, offset, kv head, dim], fp32 here
+        num_slots = cache.shape[2] * cache.shape[3]
+        # Largest step first: the padding rows of every later step held real slots in an earlier
+        # one, so a padding row replayed with a stale slot would write where it must not.
+        for total in (300, 255, 64, 17, 1):
             lens, left = [], total
             while left:
                 lens.append(min(left, rng.randint(1, 80)))
                 left -= lens[-1]
             ids = torch.tensor([rng.randrange(vocab) for _ in range(total)], device="cuda")
             pos = torch.cat([torch.arange(n) for n in lens]).cuda()
-            # Distinct random slots of the cache (block 0 unused), each step its own.
-            layer = runner.attn_layers[-1]
-            num_slots = layer.k_cache.shape[0] * layer.k_cache.shape[1]
-            slots = (torch.randperm(num_slots - 256)[:total] + 256).to(torch.int32)
-            stored = []
+            slots = torch.randperm(num_slots, generator=gen)[:total].to(torch.int32)  # distinct, each step its own
+            stored, out = [], {}
             for run in ("graphs", "eager"):
-                layer.k_cache.fill_(float("nan"))  # poisoned: exactly the step's slots are written
+                cache.fill_(float("nan"))  # poisoned: exactly the step's slots are written, in every layer
                 meta = prefill_metadata(lens, lens, slots, None, "cuda")
                 graphs.hidden.fill_(float("nan"))  # poisoned: every row read must be written
                 with torch.inference_mode():
-                    out = graphs.run(ids, pos, meta).clone() if run == "graphs" else runner.model(ids, pos, meta)
-                stored.append(layer.k_cache.flatten(0, 1).clone())
-                if run == "graphs":
-                    got = out
-                else:
-                    want = out
+                    out[run] = graphs.run(ids, pos, meta).clone() if run == "graphs" else runner.model(ids, pos, meta)
+                stored.append(cache.flatten(2, 3).clone())  # [K/V, layer, slot, kv head, dim]
+            got, want = out["graphs"], out["eager"]
             assert got.shape == want.shape and torch.isfinite(got).all(), (seed, total)
             err = ((got - want).norm() / want.norm()).item()
             assert err < 1e-4, f"seed {seed}, {total} tokens in {lens}: relative error {err:.2e}"
-            written = [~c.isnan().flatten(1).all(1) for c in stored]
-            assert torch.equal(written[0], written[1]), (seed, total)
-            assert sorted(torch.nonzero(written[0]).flatten().tolist()) == sorted(slots.tolist()), (seed, total)
-            k_err = ((stored[0][written[0]] - stored[1][written[1]]).norm() / stored[1][written[1]].norm()).item()
-            assert k_err < 1e-4, f"seed {seed}, {total} tokens: cached K relative error {k_err:.2e}"
+            want_rows = torch.zeros(num_slots, dtype=torch.bool)
+            want_rows[slots.long()] = True
+            for c in stored:  # every (K/V, layer) wrote exactly the step's slots, whole rows
+                written = ~c.isnan().flatten(3).all(3)
+                assert torch.equal(written.cpu(), want_rows.expand_as(written.cpu())), (seed, total)
+                assert not c[:, :, slots.long()].isnan().any(), (seed, total)
+            a, b = stored[0][:, :, slots.long()], stored[1][:, :, slots.long()]
+            kv_err = ((a - b).norm() / b.norm()).item()
+            assert kv_err < 1e-4, f"seed {seed}, {total} tokens: cached K/V relative error {kv_err:.2e}"
     finally:
         llm.shutdown()
 
@@ -162,3 +168,32 @@ def test_engines_with_and_without_prefill_graphs_agree(ckpt, monkeypatch, fuse, 
     assert lp_eager[0] is None and lp_graph[0] is None and len(lp_eager) == len(lp_graph) == 70
     for a, b in zip(lp_eager[1:], lp_graph[1:]):
         assert a.keys() == b.keys() and all(abs(a[t].logprob - b[t].logprob) <= 1e-4 for t in a)
+
+
+@pytest.mark.gpu
+def test_fp8_scale_calibration_in_a_replayed_prefill(ckpt, monkeypatch):
+    """calculate_kv_scales=True with the K/V store fused into the pieces: the first prefill (it
+    fits a bucket) stores K/V from inside a piece with the scales of before, then its eager
+    attention calibrates and stores again. The scales, greedy tokens and logprobs must be the
+    ones of an engine that runs that prefill eagerly."""
+    monkeypatch.setenv("NANOVLLM_FUSE_KV_STORE", "1")
+    prompts = [rand_ids(30, seed=5), rand_ids(21, seed=6)]
+    params = [greedy(10, logprobs=1), greedy(6, logprobs=1)]
+    seen = {}
+    for cap in (0, 64):
+        llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=64, max_num_seqs=1,
+                       max_prefill_graph_tokens=cap, kv_cache_dtype="fp8", calculate_kv_scales=True)
+        try:
+            assert (llm.model_runner.prefill_graphs is None) == (cap == 0)
+            out = llm.generate(prompts, params, use_tqdm=False)
+            layers = llm.model_runner.attn_layers
+            assert not any(a.calibrate_next_prefill for a in layers)
+            seen[cap] = ([(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in out],
+                         [(a.k_scale.item(), a.v_scale.item()) for a in layers])
+        finally:
+            llm.shutdown()
+    (toks0, scales0), (toks1, scales1) = seen[0], seen[64]
+    assert all(k != 1.0 and v != 1.0 for k, v in scales0)  # calibrated, not the initial scales
+    flat0, flat1 = [x for kv in scales0 for x in kv], [x for kv in scales1 for x in kv]
+    assert flat1 == pytest.approx(flat0, rel=1e-5)  # the same K/V up to fp32 summation order
+    assert [t for t, _ in toks1] == [t for t, _ in toks0]

@@ -117,6 +117,7 @@ class PrefillGraphs:
         # Warm-up outside the graphs (Triton compiles, cuBLAS picks its kernels for M = n): a
         # plain eager forward of one n-token sequence that stores nothing (slots -1). The
         # capture's slots are the slot buffer's: a fused store replays with the step's.
+        self.slots[:n].fill_(-1)
         meta = prefill_metadata([n], [n], self.slots[:n], None, self.ids.device)
         self.model(self.ids[:n], self.positions[:n], meta)
         bucket = _Bucket()
