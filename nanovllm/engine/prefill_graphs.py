@@ -183,9 +183,6 @@ class PrefillGraphs:
         q, k, v = self.q[:t], self.k[:t], self.v[:t]
         for piece, layer, stored in zip(bucket.pieces, bucket.layers, bucket.kv_stored):
             piece.replay()
-            # A prefill that first calibrates the FP8 K/V scales stores again after calibrating
-            # (the piece stored with the scales of before).
-            stored = stored and not layer.calibrate_next_prefill
             self.attn_out[:t].copy_(layer(q, k, v, meta, kv_stored=stored))
         bucket.pieces[-1].replay()
         return self.hidden[:t]

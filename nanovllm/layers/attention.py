@@ -388,6 +388,9 @@ class Attention(nn.Module):
         if self.calibrate_next_prefill and meta.is_prefill and k.numel():
             self.calibrate_kv_scales(k, v)
             self.calibrate_next_prefill = False
+            # Whatever the caller stored went in with the scales of before (a piecewise prefill
+            # graph's fused store): store again with the calibrated ones.
+            kv_stored = False
         scales = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (None, None)
         if self.k_cache.numel() and not kv_stored:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, *scales)
