@@ -170,6 +170,31 @@ class ChatCompletionRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): the token ids of `prompt` (text, or token ids to check), or of
+    `messages` rendered through the chat template as a chat request would be."""
+
+    model: str | None = None
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.messages is not None and not self.messages:
+            raise ValueError("messages must not be empty")
+        if self.chat_template_kwargs is not None and self.messages is None:
+            raise ValueError("chat_template_kwargs goes with messages")
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): the text of `tokens`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 # ---------------------------------------------------------------------------- responses
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:

@@ -4,11 +4,13 @@
     python -m nanovllm.serve /path/to/Qwen3-0.6B --port 8000
     # then any OpenAI client: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
 
-Routes: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (`stream: true` as
-server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a usage chunk last
-when `stream_options.include_usage`), GET /health (the engine's free KV blocks and queues).
-Errors are OpenAI's JSON ({"error": {"message", "type", "param", "code"}}): 400 for a bad
-request, 404 for an unknown model or route, 500 when the engine failed, 503 once it stopped.
+Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
+(`stream: true` as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a
+usage chunk last when `stream_options.include_usage`), vLLM's POST /tokenize and /detokenize,
+GET /health (the engine's free KV blocks and queues). With `--api-key` (or NANOVLLM_API_KEY)
+every route but /health wants `Authorization: Bearer KEY` (401 without it). Errors are OpenAI's
+JSON ({"error": {"message", "type", "param", "code"}}): 400 for a bad request, 401 for a missing
+or wrong key, 404 for an unknown model or route, 500 when the engine failed, 503 once it stopped.
 
 Every `LLM` option is a flag, made from nanovllm/config.py's Config fields (a new option is a
 new flag); the server turns mixed steps on by default (decode rows ride along with prompt
@@ -25,8 +27,10 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -35,7 +39,7 @@ import typing
 import uuid
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -45,8 +49,8 @@ from nanovllm.distributed.data_parallel import wants_data_parallel
 from nanovllm.engine.async_engine import (SINGLE_ENGINE_ONLY, Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest,
                                           EngineStopped, Failed, Finished, call_sinks)
 from nanovllm.engine.engine_process import EngineProcess
-from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, LegacyLogprobs, chat_logprobs,
-                                      error_body, usage)
+from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LegacyLogprobs,
+                                      TokenizeRequest, chat_logprobs, error_body, usage)
 
 logger = logging.getLogger("nanovllm.serve")
 
@@ -224,8 +228,47 @@ class OpenAIServer:
                            param="model", code="model_not_found")
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": self.created,
-                                            "owned_by": "nano-vllm", "max_model_len": self.engine.info.max_model_len}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    def model(self, model_id: str) -> dict:
+        """GET /v1/models/{model_id} (the client's models.retrieve)."""
+        self.check_model(model_id)
+        return self.model_card()
+
+    def model_card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "nano-vllm",
+                "max_model_len": self.engine.info.max_model_len}
+
+    async def tokenize(self, body: TokenizeRequest, http: Request) -> dict:
+        """vLLM's POST /tokenize: {count, max_model_len, tokens}. The engine's own tokenizer (and
+        chat template) does it, in the engine process, between steps; nothing is generated."""
+        self.check_model(body.model)
+        try:
+            body.check()
+        except ValueError as e:
+            raise bad_request(e) from None
+        prompt = body.prompt if body.messages is None else \
+            ChatPrompt([m.as_template_message() for m in body.messages], dict(body.chat_template_kwargs or {}))
+        run = await self._tokenize_only(prompt, http, want_text=False)
+        ids = run.prompt_ids[0]
+        return {"count": len(ids), "max_model_len": self.engine.info.max_model_len, "tokens": ids}
+
+    async def detokenize(self, body: DetokenizeRequest, http: Request) -> dict:
+        """vLLM's POST /detokenize: {prompt}, the text of `tokens` (400 for an id outside the
+        vocabulary)."""
+        self.check_model(body.model)
+        if not body.tokens:
+            return {"prompt": ""}
+        run = await self._tokenize_only(body.tokens, http, want_text=True)
+        return {"prompt": run.prompt_texts[0] or ""}
+
+    async def _tokenize_only(self, prompt, http: Request, want_text: bool) -> Run:
+        run = Run(self.engine, http, lambda sink: [EngineRequest(prompt, None, sink(0), want_prompt_text=want_text,
+                                                                 tokenize_only=True)])
+        await run.start()
+        async for _ in run.batches():  # (none: it ends at the request's Finished)
+            pass
+        return run
 
     def health(self) -> JSONResponse:
         engine = self.engine
@@ -400,10 +443,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def create_app(engine: EngineProcess | EngineLoop, served_model_name: str) -> FastAPI:
+def api_key_check(api_key: str | None):
+    """A FastAPI dependency that refuses (401, OpenAI's error JSON) a request whose
+    `Authorization` header is not `Bearer <api_key>`; None: no check."""
+
+    def check(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        # (compare_digest: the time taken does not tell how much of a guessed key was right)
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the "
+                                "server's --api-key", code="invalid_api_key")
+
+    return check
+
+
+def create_app(engine: EngineProcess | EngineLoop, served_model_name: str, api_key: str | None = None) -> FastAPI:
     """The FastAPI app serving `engine` (an EngineProcess started already, or an EngineLoop);
     its lifespan hands the engine's events to the app's event loop (call_soon_threadsafe: one
-    hop per engine step), starts the engine if it has not started, and stops it."""
+    hop per engine step), starts the engine if it has not started, and stops it. `api_key`:
+    every route but /health wants it as a bearer token."""
+    if api_key is not None and not api_key.strip():
+        raise ValueError("api_key must not be empty (None: no key)")
     server = OpenAIServer(engine, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -444,10 +506,14 @@ def create_app(engine: EngineProcess | EngineLoop, served_model_name: str) -> Fa
         logger.exception("internal error")
         return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
 
+    keyed = [Depends(api_key_check(api_key))]
     app.get("/health")(server.health)
-    app.get("/v1/models")(server.models)
-    app.post("/v1/completions")(server.completions)
-    app.post("/v1/chat/completions")(server.chat)
+    app.get("/v1/models", dependencies=keyed)(server.models)
+    app.get("/v1/models/{model_id:path}", dependencies=keyed)(server.model)
+    app.post("/v1/completions", dependencies=keyed)(server.completions)
+    app.post("/v1/chat/completions", dependencies=keyed)(server.chat)
+    app.post("/tokenize", dependencies=keyed)(server.tokenize)
+    app.post("/detokenize", dependencies=keyed)(server.detokenize)
     return app
 
 
@@ -509,6 +575,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
+                        help="clients must send `Authorization: Bearer KEY` (every route but /health); "
+                             "default: $NANOVLLM_API_KEY, else no key")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--step-log", default=None, metavar="PATH",
                         help="write one JSON line per engine step to PATH (its kind, tokens, rows, when it ended, "
@@ -635,13 +704,15 @@ def main(argv: list[str] | None = None) -> int:
     options = llm_options(args)
     if wants_data_parallel(options):  # before any replica starts, not when the app does
         parser.error(SINGLE_ENGINE_ONLY)
+    if args.api_key is not None and not args.api_key.strip():
+        parser.error("--api-key must not be empty (leave it out for no key)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(args.model, options, log_level=args.log_level.upper(), step_log=args.step_log)
     engine.start()  # the model loads in the engine's process (its error, if it cannot, is raised here)
     try:
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
-        app = create_app(engine, args.served_model_name or args.model)
+        app = create_app(engine, args.served_model_name or args.model, args.api_key)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout)
         server = DrainingServer(config, app.state.server, args.shutdown_timeout)
         # uvicorn takes SIGINT / SIGTERM while it runs and, once it has shut down, raises the

@@ -338,6 +338,86 @@ def test_bad_requests_through_the_client_and_the_server_keeps_serving(client, se
     wait_idle(server)
 
 
+# ---------------------------------------------------------------------------- models, tokenize, api key
+def test_models_retrieve(client, ckpt):
+    """GET /v1/models/{id}: the client path-quotes the id (a checkpoint path has slashes)."""
+    m = client.models.retrieve(ckpt)
+    assert m.id == ckpt and m.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no/such-model")
+
+
+def test_tokenize_and_detokenize_are_the_engines(server, offline, ckpt):
+    """vLLM's /tokenize and /detokenize give what the offline engine's tokenizer and chat
+    template give; bad bodies get 400 and nothing is left in the engine."""
+    post = lambda route, body: httpx.post(server.url + route, json=body, timeout=DEADLINE_S)  # noqa: E731
+    text = "the primes below 30, briefly"
+    r = post("/tokenize", {"model": ckpt, "prompt": text})
+    assert r.status_code == 200, r.text
+    ids = offline.tokenize(text)
+    assert r.json() == {"count": len(ids), "max_model_len": offline.config.max_model_len, "tokens": ids}
+    chat = post("/tokenize", {"messages": MESSAGES}).json()
+    assert chat["tokens"] == offline.chat_prompt_ids(MESSAGES) and chat["count"] == len(chat["tokens"])
+    given = rand_ids(9, seed=21)
+    assert post("/tokenize", {"prompt": given}).json()["tokens"] == given
+    assert post("/detokenize", {"model": ckpt, "tokens": ids}).json() == {"prompt": offline.tokenizer.decode(ids)}
+    assert post("/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    for route, body, needle in [("/tokenize", {"prompt": "x", "messages": MESSAGES}, "exactly one"),
+                                ("/tokenize", {}, "exactly one"),
+                                ("/tokenize", {"prompt": "x", "add_special_tokens": True}, "add_special_tokens"),
+                                ("/detokenize", {"tokens": [10**9]}, "vocabulary"),
+                                ("/detokenize", {"tokens": "abc"}, "tokens")]:
+        r = post(route, body)
+        assert r.status_code == 400 and needle in r.text, (route, body, r.text)
+    assert post("/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
+    wait_idle(server)
+
+
+def test_an_api_key_guards_every_route_but_health(offline, ckpt):
+    """create_app(api_key=...): the official client without the key, or with another, gets
+    401 (openai.AuthenticationError) with OpenAI's error JSON; with it, completions equal
+    generate's. In process (the app over an EngineLoop on the offline LLM), through
+    Starlette's TestClient as the client's HTTP transport."""
+    from fastapi.testclient import TestClient
+
+    from nanovllm.engine.async_engine import EngineLoop
+    from nanovllm.serve import create_app
+
+    with pytest.raises(ValueError, match="api_key"):
+        create_app(EngineLoop(offline), ckpt, api_key=" ")
+    app = create_app(EngineLoop(offline), ckpt, api_key="s3cret")
+    prompt = rand_ids(7, seed=31)
+    want = offline.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids  # (before the loop holds it)
+    tokens_x = offline.tokenize("x")
+    with TestClient(app) as http:
+        def client(key):
+            return openai.OpenAI(base_url="http://testserver/v1", api_key=key, http_client=http, max_retries=0)
+
+        for key in ("none", "s3cret-not"):
+            with pytest.raises(openai.AuthenticationError) as e:
+                client(key).completions.create(model=ckpt, prompt=prompt, max_tokens=2)
+            assert e.value.status_code == 401 and e.value.body["code"] == "invalid_api_key"
+            with pytest.raises(openai.AuthenticationError):
+                client(key).models.list()
+        for route in ("/tokenize", "/detokenize"):
+            assert http.post(route, json={"prompt": "x", "tokens": [1]}).status_code == 401
+        assert http.get("/health").status_code == 200
+        out = client("s3cret").completions.create(model=ckpt, prompt=prompt, max_tokens=6, temperature=0,
+                                                  extra_body=IGNORE_EOS)
+        assert out.choices[0].token_ids == want
+        r = http.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["tokens"] == tokens_x
+    assert not offline._busy.locked()  # the app's lifespan stopped the loop: the LLM is free again
+
+
+def test_an_empty_api_key_is_refused_before_any_work(capsys):
+    from nanovllm.serve import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["/no/such/model", "--api-key", " "])
+    assert exit_info.value.code == 2 and "--api-key" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------- in process
 def test_the_engine_loop_owns_the_llm_and_aborts_free_blocks(offline):
     from nanovllm.engine.async_engine import Accepted, Delta, EngineLoop, EngineRequest, Failed, Finished

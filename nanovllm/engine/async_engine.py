@@ -82,10 +82,12 @@ class Failed:
 class EngineRequest:
     """One request to the loop: `prompt` (text, token ids, a vLLM prompt dict or a ChatPrompt)
     and its SamplingParams. `sink(event)` receives, in order: Accepted or Failed; then Deltas;
-    then Finished, or Failed if the engine failed. Fields other than these belong to the loop."""
+    then Finished, or Failed if the engine failed. `tokenize_only`: the prompt is only turned
+    into token ids (and text, if asked): Accepted, then Finished, nothing generated (`params`
+    may be None). Fields other than these belong to the loop."""
 
-    def __init__(self, prompt, params: SamplingParams, sink: Callable[[object], None],
-                 fill_max_tokens: bool = False, want_prompt_text: bool = False):
+    def __init__(self, prompt, params: SamplingParams | None, sink: Callable[[object], None],
+                 fill_max_tokens: bool = False, want_prompt_text: bool = False, tokenize_only: bool = False):
         self.prompt = prompt
         self.params = params
         self.sink = sink
@@ -94,6 +96,7 @@ class EngineRequest:
         # prompt's text, decoded from token ids if need be (echo).
         self.fill_max_tokens = fill_max_tokens
         self.want_prompt_text = want_prompt_text
+        self.tokenize_only = tokenize_only
         self.request_id: int | None = None  # set by an EngineProcess (its key on both sides)
         self.seq = None        # its Sequence (sample 0) once added
         self.done = False      # no more events will come
@@ -247,14 +250,17 @@ class EngineLoop:
                         ids, text = llm.chat_prompt_ids(r.prompt.messages, **r.prompt.template_kwargs), None
                     else:
                         ids, text = llm._prompt(r.prompt)
+                    if r.want_prompt_text and text is None and llm.tokenizer is not None:
+                        text = llm.tokenizer.decode(ids)
+                    if r.tokenize_only:
+                        prepared.append((r, ids, None, text))
+                        continue
                     params = r.params
                     if r.fill_max_tokens:
                         params = copy.copy(params)  # (the caller's object may serve several prompts)
                         params.max_tokens = max(1, self._room_after(len(ids)))
                     params = llm.prepare_params(params)
                     llm.check_fits(len(ids), params)
-                    if r.want_prompt_text and text is None and llm.tokenizer is not None:
-                        text = llm.tokenizer.decode(ids)
                 except (ValueError, TypeError, NotImplementedError) as e:
                     raise type(e)(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from None
                 except Exception as e:  # noqa: BLE001 (the request's fault, e.g. a chat template's raise_exception)
@@ -270,6 +276,10 @@ class EngineLoop:
         for r, ids, params, text in prepared:
             if r.aborted:
                 r.done = True
+                continue
+            if r.tokenize_only:
+                self._emit(r, Accepted(ids, text if r.want_prompt_text else None))
+                self._emit(r, Finished(0), last=True)
                 continue
             r.seq = llm.add_request(ids, params, track_text=True, prompt=text)
             for sample in r.seq.samples:

@@ -109,7 +109,7 @@ class EngineProcess:
             for r in requests:
                 r.request_id = next(self._ids)
                 self._requests[r.request_id] = r
-                batch.append((r.request_id, r.prompt, r.params, r.fill_max_tokens, r.want_prompt_text))
+                batch.append((r.request_id, r.prompt, r.params, r.fill_max_tokens, r.want_prompt_text, r.tokenize_only))
         try:
             self._send(("add", batch))
         except BaseException:  # (a prompt or params that do not pickle): nothing was queued
@@ -257,8 +257,9 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str, st
                 break  # the server is gone
             if kind == "add":
                 batch = []
-                for request_id, prompt, params, fill, want_text in arg:
-                    r = EngineRequest(prompt, params, None, fill_max_tokens=fill, want_prompt_text=want_text)
+                for request_id, prompt, params, fill, want_text, tokenize_only in arg:
+                    r = EngineRequest(prompt, params, None, fill_max_tokens=fill, want_prompt_text=want_text,
+                                      tokenize_only=tokenize_only)
                     r.request_id = request_id
                     requests[request_id] = r
                     batch.append(r)
