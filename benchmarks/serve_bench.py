@@ -32,6 +32,7 @@ import json
 import math
 import os
 import shlex
+import shutil
 import statistics
 import sys
 import time
@@ -271,6 +272,12 @@ def run_server(args, path: str, prompts, max_tokens) -> dict:
         rc = server.stop(60)
     report = summarize(results, wall, args.clients)
     start = min(r["sent"] for r in results)
+    if args.keep_logs:  # the raw material of the percentiles, for a look at the outliers
+        os.makedirs(args.keep_logs, exist_ok=True)
+        shutil.copy(step_log, os.path.join(args.keep_logs, "server_steps.jsonl"))
+        with open(os.path.join(args.keep_logs, "server_requests.json"), "w") as f:
+            json.dump([{"prompt_tokens": len(p), "max_tokens": n, **r}
+                       for p, n, r in zip(prompts, max_tokens, results)], f)
     report.update(startup_s=startup, exit_code=rc, engine_steps=engine_steps(step_log, start, start + wall))
     return report
 
@@ -419,6 +426,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds for the whole timed run")
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--out", help="write the JSON report here")
+    ap.add_argument("--keep-logs", metavar="DIR",
+                    help="keep the server's step log (server_steps.jsonl) and every request's send and token "
+                         "times (server_requests.json) in DIR")
     ap.add_argument("--closed-loop", action="store_true",
                     help="also drive the server's engine in this process by the same closed loop, without HTTP")
     ap.add_argument("--profile", metavar="DIR", help="with --closed-loop: profile 200 steps of a second, untimed pass into DIR")

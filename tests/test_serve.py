@@ -516,7 +516,8 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     out = tmp_path / "serve.json"
     assert serve_bench.main(["--model", ckpt, "--clients", "3", "--requests", "5", "--min-input", "4",
                              "--max-input", "30", "--min-output", "3", "--max-output", "9", "--out", str(out),
-                             "--closed-loop", "--server-args", f"--device cpu --kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
+                             "--closed-loop", "--keep-logs", str(tmp_path / "logs"),
+                             "--server-args", f"--device cpu --kvcache-block-size {BLOCK} --num-kvcache-blocks 64"]) == 0
     report = json.loads(out.read_text())
     s = report["server"]
     with open(os.path.join(ckpt, "config.json")) as f:
@@ -535,6 +536,10 @@ def test_serve_bench_runs_and_reports(ckpt, tmp_path):
     assert closed["output_tokens"] == sum(lengths) and closed["ttft_ms"]["n"] == 5
     assert closed["itl_ms"]["n"] == sum(lengths) - 5 and closed["output_tok_s"] > 0
     assert closed["engine_steps"]["prompt"]["steps"] >= 1 and closed["triton_compiles"] >= 0
+    kept = json.loads((tmp_path / "logs" / "server_requests.json").read_text())  # --keep-logs
+    assert [r["max_tokens"] for r in kept] == lengths and [len(r["stamps"]) >= 1 for r in kept] == [True] * 5
+    assert sum(r["tokens"] for r in kept) == sum(lengths)
+    assert (tmp_path / "logs" / "server_steps.jsonl").read_text().count("\n") >= steps["decode"]["steps"]
     steady = s["steady_state"]  # (3 clients, 5 requests: the window may be empty)
     assert steady["window_s"] >= 0 and (steady["output_tok_s"] is None or steady["output_tok_s"] > 0)
 
