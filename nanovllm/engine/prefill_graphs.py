@@ -180,9 +180,9 @@ class PrefillGraphs:
             self.positions[t:n].zero_()
             self.slots[t:n].fill_(-1)
             self.attn_out[t:n].zero_()
-        q, k, v, out = self.q[:t], self.k[:t], self.v[:t], self.attn_out[:t]
+        q, k, v = self.q[:t], self.k[:t], self.v[:t]
         for piece, layer, stored in zip(bucket.pieces, bucket.layers, bucket.kv_stored):
             piece.replay()
-            layer(q, k, v, meta, kv_stored=stored, out=out)  # (written in place: the next piece reads it)
+            self.attn_out[:t].copy_(layer(q, k, v, meta, kv_stored=stored))
         bucket.pieces[-1].replay()
         return self.hidden[:t]

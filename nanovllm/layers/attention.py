@@ -20,6 +20,7 @@ bitwise the same K/V as the first computation did. The flash_attn backend takes 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import itertools
 import logging
@@ -142,8 +143,8 @@ class TorchBackend:
         store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                k_scale=None, v_scale=None, out: torch.Tensor | None = None) -> torch.Tensor:
-        out = torch.empty_like(q) if out is None else out
+                k_scale=None, v_scale=None) -> torch.Tensor:
+        out = torch.empty_like(q)
         start = 0
         fp8 = fp8_kv(k_cache, k_scale, v_scale)
         # Without cached tokens a prefill attends only to this step's K/V: no cache read needed.
@@ -194,28 +195,27 @@ class TritonBackend(_TritonKVStore):
         self._reference = TorchBackend()
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                k_scale=None, v_scale=None, out: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale=None, v_scale=None) -> torch.Tensor:
         if not meta.is_prefill:
             return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
-                                num_splits=meta.num_splits, out=out, k_scale=k_scale, v_scale=v_scale)
+                                num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
         if meta.num_decode_rows:
-            return self._mixed(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
+            return self._mixed(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
         if q.dtype == torch.float32:
             # aten's FlashAttention kernel takes only fp16/bf16; fp32 (tests) uses the reference.
-            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale, out)
+            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
         fp8 = fp8_kv(k_cache, k_scale, v_scale)
         if not meta.has_prefix:
             if fp8:
                 k, v = round_trip_kv(k, k_scale, q.dtype), round_trip_kv(v, v_scale, q.dtype)
-            res = self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                              meta.max_seqlen_k, scale)
-            return res if out is None else out.copy_(res)  # (aten's kernel has no out argument)
+            return self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                               meta.max_seqlen_k, scale)
         # Cached prefix + new tokens: aten's kernel has no block table, so read each context back
         # from the paged cache (the new tokens were stored there a moment ago) as contiguous
         # varlen K/V. Prefix hits make contexts much longer than the step's token budget (say
         # 512 requests behind one 4k-token system prompt), so gather a bounded group at a time.
         # An FP8 cache is dequantized group by group (a transient fp32 copy of the group).
-        out = torch.empty_like(q) if out is None else out
+        out = torch.empty_like(q)
         cu_q_host = [0, *itertools.accumulate(meta.query_lens)]
         for a, b in groups_of_at_most(meta.kv_lens, self.GATHER_TOKENS):
             cu_q = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a]
@@ -228,19 +228,23 @@ class TritonBackend(_TritonKVStore):
                                     scale)
         return out
 
-    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale,
-                out: torch.Tensor | None = None):
+    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale):
         """A prefill step whose last rows are one-token decode rows (a mixed step): those attend
         through the paged decode kernel, reading the cache in place as a decode step does; the
-        prefill path would first gather each one's whole context into a contiguous copy. Both
-        calls write into `out` (or a new tensor) where their rows are."""
-        parts = meta.mixed_parts()  # (made once per step, for every layer)
-        t = parts.prefill_tokens
-        out = torch.empty_like(q) if out is None else out
-        self._decode(q[t:], k_cache, v_cache, parts.decode_block_tables, parts.decode_context_lens, scale,
-                     num_splits=meta.num_splits, out=out[t:], k_scale=k_scale, v_scale=v_scale)
-        if parts.prefill is not None:
-            self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, parts.prefill, scale, k_scale, v_scale, out=out[:t])
+        prefill path would first gather each one's whole context into a contiguous copy."""
+        d = meta.num_decode_rows
+        p, t = len(meta.query_lens) - d, q.size(0) - d  # prefill rows, and their packed tokens
+        out = torch.empty_like(q)
+        out[t:] = self._decode(q[t:], k_cache, v_cache, meta.block_tables[p:], meta.context_lens[p:], scale,
+                               num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
+        if p:
+            ql, kl = meta.query_lens[:p], meta.kv_lens[:p]
+            head = dataclasses.replace(
+                meta, slot_mapping=meta.slot_mapping[:t], context_lens=meta.context_lens[:p],
+                block_tables=meta.block_tables[:p], cu_seqlens_q=meta.cu_seqlens_q[:p + 1],
+                cu_seqlens_k=meta.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
+                has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
+            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, head, scale, k_scale, v_scale)
         return out
 
     @staticmethod
@@ -273,20 +277,19 @@ class FlashAttnBackend(_TritonKVStore):
         super().store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
-                k_scale=None, v_scale=None, out: torch.Tensor | None = None) -> torch.Tensor:
+                k_scale=None, v_scale=None) -> torch.Tensor:
         self._refuse_fp8(k_cache)
         if meta.is_prefill:
             if meta.has_prefix:
                 k, v, block_table = k_cache, v_cache, meta.block_tables
             else:
                 block_table = None
-            res = self.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
-                              max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
-                              softmax_scale=scale, causal=True, block_table=block_table)
-        else:
-            res = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                    block_table=meta.block_tables, softmax_scale=scale, causal=True).squeeze(1)
-        return res if out is None else out.copy_(res)
+            return self.varlen(q, k, v, cu_seqlens_q=meta.cu_seqlens_q, cu_seqlens_k=meta.cu_seqlens_k,
+                               max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_k,
+                               softmax_scale=scale, causal=True, block_table=block_table)
+        out = self.with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
+                                block_table=meta.block_tables, softmax_scale=scale, causal=True)
+        return out.squeeze(1)
 
 
 def flash_attn_available() -> bool:
@@ -377,11 +380,9 @@ class Attention(nn.Module):
             s = x.abs().amax().float().reshape(1) / headroom
             buf.copy_(torch.where(torch.isfinite(s) & (s > 0), s, 1.0))
 
-    def forward(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         """Attention output [tokens, num_heads, head_dim]; kv_stored: the caller already wrote
-        k and v into the cache (with fused_store_args); out: a buffer of that shape and q's dtype
-        (stride(-1) == 1) to write it into (and return), instead of a new tensor."""
+        k and v into the cache (with fused_store_args)."""
         if self.graph_break is not None:
             return self.graph_break(self, q, k, v, meta, kv_stored)
         if self.calibrate_next_prefill and meta.is_prefill and k.numel():
@@ -393,4 +394,4 @@ class Attention(nn.Module):
         scales = (self.k_scale, self.v_scale) if self.k_cache.dtype == torch.float8_e4m3fn else (None, None)
         if self.k_cache.numel() and not kv_stored:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping, *scales)
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, *scales, out=out)
+        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale, *scales)

@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
-
-
-class MixedParts(NamedTuple):
-    """A mixed step's metadata split for its two attention calls (AttentionMetadata.mixed_parts):
-    the first `prefill_tokens` packed tokens belong to the `prefill` sequences (None: none), the
-    rest are one-token decode rows over `decode_block_tables` / `decode_context_lens`."""
-
-    prefill_tokens: int
-    prefill: "AttentionMetadata | None"
-    decode_block_tables: torch.Tensor
-    decode_context_lens: torch.Tensor
 
 
 @dataclass
@@ -53,26 +40,6 @@ class AttentionMetadata:
     kv_lens: list[int] | None = None
     num_splits: int = 1
     num_decode_rows: int = 0
-    _mixed_parts: MixedParts | None = field(default=None, repr=False, compare=False)
-
-    def mixed_parts(self) -> MixedParts:
-        """This mixed step's split into prefill and decode rows, made on the first call and kept:
-        every layer's attention asks for it, and slicing the tensors again in each of them was a
-        visible share of a mixed step's host time (a server runs one for every arriving request)."""
-        if self._mixed_parts is None:
-            d = self.num_decode_rows
-            p = len(self.query_lens) - d  # prefill sequences
-            t = sum(self.query_lens[:p])  # their packed tokens
-            head = None
-            if p:
-                ql, kl = self.query_lens[:p], self.kv_lens[:p]
-                head = dataclasses.replace(
-                    self, slot_mapping=self.slot_mapping[:t], context_lens=self.context_lens[:p],
-                    block_tables=self.block_tables[:p], cu_seqlens_q=self.cu_seqlens_q[:p + 1],
-                    cu_seqlens_k=self.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
-                    has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0, _mixed_parts=None)
-            self._mixed_parts = MixedParts(t, head, self.block_tables[p:], self.context_lens[p:])
-        return self._mixed_parts
 
 
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
