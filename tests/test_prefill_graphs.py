@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from helpers import assert_idle, greedy, make_llm, rand_ids  # noqa: E402
+from helpers import BLOCK, assert_idle, greedy, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
@@ -116,6 +116,64 @@ def test_replayed_pieces_match_the_eager_forward(ckpt, monkeypatch, fuse):
             a, b = stored[0][:, :, slots.long()], stored[1][:, :, slots.long()]
             kv_err = ((a - b).norm() / b.norm()).item()
             assert kv_err < 1e-4, f"seed {seed}, {total} tokens: cached K/V relative error {kv_err:.2e}"
+    finally:
+        llm.shutdown()
+
+
+# (cached, new) tokens of each sequence of a mixed step; decode rows (new == 1, cached > 0) last
+MIXED_STEPS = {
+    "prompts+decode": [(0, 40), (0, 17), (30, 1), (200, 1), (77, 1), (1, 1), (129, 1)],
+    "decode_rows_only": [(45, 1), (3, 1), (160, 1), (64, 1), (90, 1), (12, 1)],
+    "largest_bucket": [(0, 250), *[(20 * i + 5, 1) for i in range(8)]],
+    "prefix_hit": [(20, 30), (100, 1), (31, 1), (250, 1)],
+    "too_many_decode_rows": [(0, 5), *[(10 * i + 3, 1) for i in range(10)]],  # 10 > the 8 the pieces attend
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(MIXED_STEPS))
+def test_replayed_pieces_attend_a_mixed_steps_decode_rows(ckpt, case):
+    """A mixed step (prompt tokens, then one-token decode rows over their cached K/V), through
+    the bucket's pieces, which attend up to 8 decode rows themselves (the decode kernel inside
+    each piece; more rows: the eager attention), and through the plain forward, from the same
+    random cache: the same hidden states (1e-4 relative, as above) and the same K/V stored at
+    the step's slots. fp32, fused store (the default)."""
+    llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=512, max_prefill_graph_tokens=300,
+                   max_num_seqs=8, num_kvcache_blocks=512)
+    try:
+        runner = llm.model_runner
+        graphs = runner.prefill_graphs
+        assert {n: b.decode_rows for n, b in graphs.buckets.items()} == {n: min(8, n) for n in graphs.sizes}
+        rows = MIXED_STEPS[case]
+        seed = random.randrange(1 << 30)
+        gen = torch.Generator().manual_seed(seed)
+        vocab = llm.config.hf_config.vocab_size
+        cache = runner.kv_cache
+        blocks_each = -(-max(c + n for c, n in rows) // BLOCK)
+        order = torch.randperm(cache.shape[2], generator=gen)[:blocks_each * len(rows)].view(len(rows), blocks_each)
+        tables = order.to(torch.int32).cuda()
+        q_lens, kv_lens = [n for _, n in rows], [c + n for c, n in rows]
+        slots = torch.tensor([int(order[i, p // BLOCK]) * BLOCK + p % BLOCK
+                              for i, (c, n) in enumerate(rows) for p in range(c, c + n)], dtype=torch.int32)
+        ids = torch.randint(vocab, (sum(q_lens),), generator=gen).cuda()
+        pos = torch.cat([torch.arange(c, c + n) for c, n in rows]).cuda()
+        start = torch.randn(cache.shape, generator=gen).to(cache.device)
+        decode = sum(1 for c, n in rows if n == 1 and c > 0)
+        out, stored = {}, {}
+        for run in ("graphs", "eager"):
+            cache.copy_(start)
+            meta = prefill_metadata(q_lens, kv_lens, slots, tables, "cuda")
+            meta.num_decode_rows = decode
+            meta.num_splits = runner.inputs.num_splits(decode, tables.size(1))
+            with torch.inference_mode():
+                out[run] = graphs.run(ids, pos, meta).clone() if run == "graphs" else runner.model(ids, pos, meta)
+            stored[run] = cache.flatten(2, 3)[:, :, slots.long()].clone()
+        got, want = out["graphs"], out["eager"]
+        assert got.shape == want.shape and torch.isfinite(got).all(), seed
+        err = ((got - want).norm() / want.norm()).item()
+        assert err < 1e-4, f"seed {seed}, {case}: relative error {err:.2e}"
+        kv_err = ((stored["graphs"] - stored["eager"]).norm() / stored["eager"].norm()).item()
+        assert kv_err < 1e-4, f"seed {seed}, {case}: stored K/V relative error {kv_err:.2e}"
     finally:
         llm.shutdown()
 

@@ -101,8 +101,15 @@ class ModelRunner:
         max_tokens = prefill_graph_tokens(config)
         if max_tokens < 1 or not PrefillGraphs.supports(self.attn_layers):
             return None
+        # A mixed step's decode rows attend inside the pieces where the pieces also store their
+        # K/V (the fused store) and the triton backend gives them the paged decode kernel. At
+        # most 256 of them: every replay runs the kernel over all those rows (empty ones exit at
+        # once), and a step with more decode rows is GPU-bound anyway, its host time hidden.
+        decode_rows = min(config.max_num_seqs, max_tokens, 256) if self.backend.name == "triton" and \
+            config.fuse_kv_store else 0
         return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
-                             self.device, pool=self.graphs.pool, stream=self.graphs.stream)
+                             self.device, pool=self.graphs.pool, stream=self.graphs.stream, decode_rows=decode_rows,
+                             max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size), decode_splits=self.inputs.num_splits)
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""

@@ -26,16 +26,31 @@ eager attention after it then skips its store. Padding rows (past the
 step's tokens) are reset to token 0 at position 0 with a zero attention output on every
 replay, so what they compute never depends on earlier steps (a per-tensor FP8 activation scale
 sees them too, as it sees a decode graph's padding rows).
+
+Decode rows inside the pieces (`decode_rows` > 0: the triton backend with the store fused). A
+mixed step's decode rows (one new token each, attending over their cache, the step's last rows)
+need no varlen shapes: each bucket's pieces also run the paged decode kernel over the bucket's
+last `decode_rows` rows, at the end of every piece, on a block table and context lengths of
+their own that every replay fills (length 0 for rows that are not decode rows: a zero output,
+no cache read). A step that fits puts its prefill tokens first and its decode rows last in the
+bucket, padding between them, and runs only the prefill rows' attention eagerly: an eager
+attention call costs ~0.2 ms of host time per layer (two Triton launches and their checks,
+aten's FlashAttention, copies), ~6 ms a mixed step on a 28-layer model while its GPU work takes
+~3, and a server runs such a step for every arriving request. Steps that do not fit (more decode
+rows, an FP8 scale calibration pending) leave the decode kernel's table empty and attend eagerly
+as before. Numbers: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.utils.context import prefill_metadata
 
 logger = logging.getLogger(__name__)
@@ -66,13 +81,17 @@ class _Bucket:
     pieces: list[torch.cuda.CUDAGraph] = field(default_factory=list)
     layers: list[torch.nn.Module] = field(default_factory=list)
     kv_stored: list[bool] = field(default_factory=list)
+    decode_rows: int = 0  # the pieces attend the bucket's last this many rows as decode rows
 
 
 class PrefillGraphs:
     """Piecewise graphs of `model`'s forward for prefill-shaped steps of up to `max_tokens`
     tokens (see the module docstring). `attn_layers` are the model's Attention modules in
     forward order, all with the same head counts and size; `pool`, `stream`: the memory pool to
-    capture into and the stream to capture on (the decode graphs')."""
+    capture into and the stream to capture on (the decode graphs'). `decode_rows` > 0: the
+    pieces also attend up to that many trailing decode rows (the paged decode kernel, over block
+    tables `max_blocks` wide, in `decode_splits(rows)` splits); only where the K/V store is
+    fused into the pieces."""
 
     @staticmethod
     def supports(attn_layers) -> bool:
@@ -81,7 +100,8 @@ class PrefillGraphs:
         return len({(a.num_heads, a.num_kv_heads, a.head_dim) for a in attn_layers}) == 1
 
     def __init__(self, model, attn_layers, max_tokens: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, pool=None, stream: torch.cuda.Stream | None = None):
+                 device: torch.device, pool=None, stream: torch.cuda.Stream | None = None,
+                 decode_rows: int = 0, max_blocks: int = 0, decode_splits=None):
         if not self.supports(attn_layers):
             shapes = sorted({(a.num_heads, a.num_kv_heads, a.head_dim) for a in attn_layers})
             raise ValueError(f"piecewise prefill graphs need every attention layer of one shape, got {shapes}")
@@ -98,6 +118,10 @@ class PrefillGraphs:
         self.v = torch.zeros_like(self.k)
         self.attn_out = torch.zeros_like(self.q)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        self.decode_rows, self.decode_splits = decode_rows, decode_splits
+        rows = min(decode_rows, n)
+        self.dec_tables = torch.zeros(rows, max(max_blocks, 1), dtype=torch.int32, device=device)
+        self.dec_lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.buckets: dict[int, _Bucket] = {}
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
         with torch.inference_mode():
@@ -120,7 +144,11 @@ class PrefillGraphs:
         self.slots[:n].fill_(-1)
         meta = prefill_metadata([n], [n], self.slots[:n], None, self.ids.device)
         self.model(self.ids[:n], self.positions[:n], meta)
-        bucket = _Bucket()
+        d = min(self.decode_rows, n)
+        bucket = _Bucket(decode_rows=d)
+        self.dec_lens.zero_()
+        if d:
+            self._attend_decode_rows(self.attn_layers[0], n, d)  # (compiles the kernels outside the capture)
         stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
@@ -132,6 +160,10 @@ class PrefillGraphs:
             self.q[:n].copy_(q)
             self.k[:n].copy_(k)
             self.v[:n].copy_(v)
+            if bucket.decode_rows and not kv_stored:
+                raise RuntimeError("decode rows inside the pieces need the K/V store fused into them")
+            if bucket.decode_rows:
+                self._attend_decode_rows(layer, n, bucket.decode_rows)
             graph.capture_end()
             bucket.pieces.append(graph)
             bucket.layers.append(layer)
@@ -165,13 +197,28 @@ class PrefillGraphs:
                                f"not once per layer ({len(self.attn_layers)})")
         return bucket
 
+    def _attend_decode_rows(self, layer, n: int, d: int) -> None:
+        """The paged decode kernel over rows [n - d, n) of the q buffer, into the same rows of
+        the attention output, on the decode-row tables (captured into the pieces)."""
+        fp8 = layer.k_cache.dtype == torch.float8_e4m3fn
+        paged_decode_attention(self.q[n - d:n], layer.k_cache, layer.v_cache, self.dec_tables[:d], self.dec_lens[:d],
+                               layer.scale, num_splits=self.decode_splits(min(d, 64), self.dec_tables.size(1)),
+                               out=self.attn_out[n - d:n], k_scale=layer.k_scale if fp8 else None,
+                               v_scale=layer.v_scale if fp8 else None)
+
     def run(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
         """The model's final hidden states [T, hidden] for a prefill step of T = len(ids) tokens
         (at most the largest bucket): the same as model(ids, positions, meta). The result is a
-        view of a buffer the next step overwrites."""
+        view of a buffer the next step overwrites (or, with decode rows in the pieces, a new
+        tensor)."""
         t = ids.numel()
         n = self.bucket_for(t)
         bucket = self.buckets[n]
+        d = meta.num_decode_rows
+        if bucket.decode_rows:
+            if 0 < d <= bucket.decode_rows and not any(layer.calibrate_next_prefill for layer in bucket.layers):
+                return self._run_with_decode_rows(bucket, n, ids, positions, meta)
+            self.dec_lens.zero_()  # (the pieces' decode kernel then writes zeros, which attention below overwrites)
         self.ids[:t].copy_(ids)
         self.positions[:t].copy_(positions)
         self.slots[:t].copy_(meta.slot_mapping)
@@ -186,3 +233,35 @@ class PrefillGraphs:
             self.attn_out[:t].copy_(layer(q, k, v, meta, kv_stored=stored))
         bucket.pieces[-1].replay()
         return self.hidden[:t]
+
+    def _run_with_decode_rows(self, bucket: _Bucket, n: int, ids, positions, meta) -> torch.Tensor:
+        """run() for a step whose last d rows the pieces attend: prefill tokens at [0, p), decode
+        rows at [n - d, n), padding between; eager attention for the prefill tokens only."""
+        d, t = meta.num_decode_rows, ids.numel()
+        p = t - d  # prefill tokens
+        rows = bucket.decode_rows
+        for buf, src, pad in ((self.ids, ids, 0), (self.positions, positions, 0), (self.slots, meta.slot_mapping, -1)):
+            buf[:p].copy_(src[:p])
+            buf[n - d:n].copy_(src[p:])
+            buf[p:n - d].fill_(pad)
+        self.attn_out[p:n - d].zero_()  # padding rows: zero attention output (the decode kernel zeroes its own)
+        seqs = len(meta.query_lens) - d
+        width = meta.block_tables.size(1)
+        self.dec_lens[:rows - d].zero_()
+        self.dec_lens[rows - d:rows].copy_(meta.context_lens[seqs:])
+        self.dec_tables[rows - d:rows, :width].copy_(meta.block_tables[seqs:])
+        head = None
+        if seqs:  # the prefill sequences' own metadata, once for all layers
+            ql, kl = meta.query_lens[:seqs], meta.kv_lens[:seqs]
+            head = dataclasses.replace(
+                meta, slot_mapping=meta.slot_mapping[:p], context_lens=meta.context_lens[:seqs],
+                block_tables=meta.block_tables[:seqs], cu_seqlens_q=meta.cu_seqlens_q[:seqs + 1],
+                cu_seqlens_k=meta.cu_seqlens_k[:seqs + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
+                has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
+        q, k, v, out = self.q[:p], self.k[:p], self.v[:p], self.attn_out[:p]
+        for piece, layer in zip(bucket.pieces, bucket.layers):
+            piece.replay()
+            if head is not None:
+                out.copy_(layer(q, k, v, head, kv_stored=True))
+        bucket.pieces[-1].replay()
+        return torch.cat((self.hidden[:p], self.hidden[n - d:n]))
