@@ -33,12 +33,12 @@ need no varlen shapes: each bucket's pieces also run the paged decode kernel ove
 last `decode_rows` rows, at the end of every piece, on a block table and context lengths of
 their own that every replay fills (length 0 for rows that are not decode rows: a zero output,
 no cache read). A step that fits puts its prefill tokens first and its decode rows last in the
-bucket, padding between them, and runs only the prefill rows' attention eagerly: an eager
-attention call costs ~0.2 ms of host time per layer (two Triton launches and their checks,
-aten's FlashAttention, copies), ~6 ms a mixed step on a 28-layer model while its GPU work takes
-~3, and a server runs such a step for every arriving request. Steps that do not fit (more decode
-rows, an FP8 scale calibration pending) leave the decode kernel's table empty and attend eagerly
-as before. Numbers: BENCHMARKS.md.
+bucket, padding between them, and runs only the prefill rows' attention eagerly. Why: the eager
+decode-row attention (two Triton launches and their checks, copies) cost more host time per layer
+than the layer's GPU work, so a small model's mixed step waited on the host, and a server runs
+such a step for every arriving request. Steps that do not fit (more decode rows, an FP8 scale
+calibration pending) leave the decode kernel's table empty and attend eagerly as before.
+Numbers: BENCHMARKS.md.
 """
 
 from __future__ import annotations
