@@ -430,6 +430,22 @@ def test_plot_kv_usage_writes_a_png(tmp_path):
         plot_kv_usage({"model": "old"}, str(tmp_path / "x.png"))
 
 
+def test_mixed_step_bench_runs_on_a_tiny_checkpoint(tmp_path):
+    """benchmarks/bench_mixed_step.py on the CPU (no graphs: one variant): every timing is there
+    and positive, the launch within the time until the device is done."""
+    path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)
+    out = tmp_path / "mixed.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_mixed_step.py"), "--model", path,
+                           "--rows", "3", "--prompt-tokens", "20", "--context", "12", "--arrivals", "2", "--rounds", "2",
+                           "--server-args", "--device cpu --max-model-len 256", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["as configured"]
+    (v,) = report["variants"].values()
+    assert v["n"] == 4 and 0 < v["launch_ms"] <= v["until_done_ms"] and v["mixed_and_next_ms"] > 0
+
+
 def test_decode_step_bench_runs_on_a_tiny_checkpoint(tmp_path):
     """benchmarks/bench_decode_step.py: every batch size gets a timed row against its byte floor."""
     path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)
