@@ -7,8 +7,9 @@
 Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/chat/completions
 (`stream: true` as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a
 usage chunk last when `stream_options.include_usage`), vLLM's POST /tokenize and /detokenize,
-GET /health (the engine's free KV blocks and queues). With `--api-key` (or NANOVLLM_API_KEY)
-every route but /health wants `Authorization: Bearer KEY` (401 without it). Errors are OpenAI's
+GET /health (the engine's free KV blocks and queues), GET /metrics (Prometheus, vLLM's metric
+names: server_metrics.py). With `--api-key` (or NANOVLLM_API_KEY) every route but /health and
+/metrics wants `Authorization: Bearer KEY` (401 without it). Errors are OpenAI's
 JSON ({"error": {"message", "type", "param", "code"}}): 400 for a bad request, 401 for a missing
 or wrong key, 404 for an unknown model or route, 500 when the engine failed, 503 once it stopped.
 
@@ -41,7 +42,7 @@ import uuid
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
@@ -51,6 +52,8 @@ from nanovllm.engine.async_engine import (SINGLE_ENGINE_ONLY, Accepted, ChatProm
 from nanovllm.engine.engine_process import EngineProcess
 from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LegacyLogprobs,
                                       TokenizeRequest, chat_logprobs, error_body, usage)
+from nanovllm.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from nanovllm.server_metrics import ServerMetrics
 
 logger = logging.getLogger("nanovllm.serve")
 
@@ -83,15 +86,19 @@ class Run:
     """The engine requests of one HTTP request (one per prompt) and their events, read on the
     event loop; leaving `batches()` early (a disconnect, a cancelled task) aborts them.
     `watch_disconnect`: check the connection while waiting for events (a JSON response; a
-    streaming response's task is cancelled by Starlette itself when its client goes)."""
+    streaming response's task is cancelled by Starlette itself when its client goes). `metrics`:
+    where its tokens and latencies are counted (None: nowhere)."""
 
-    def __init__(self, engine: EngineLoop | EngineProcess, http: Request, requests_of, watch_disconnect: bool = True):
-        self.engine, self.http, self.watch = engine, http, watch_disconnect
+    def __init__(self, engine: EngineLoop | EngineProcess, http: Request, requests_of, watch_disconnect: bool = True,
+                 metrics: ServerMetrics | None = None):
+        self.engine, self.http, self.watch, self.metrics = engine, http, watch_disconnect, metrics
         self.queue: asyncio.Queue = asyncio.Queue()
         self.requests: list[EngineRequest] = requests_of(self._sink)
+        self.times = [metrics.request() for _ in self.requests] if metrics is not None else None
         self.prompt_ids: list[list[int]] = []
         self.prompt_texts: list[str | None] = []
         self._open = set(range(len(self.requests)))
+        self._accepted: set[int] = set()  # (an aborted request counts as finished only once accepted)
 
     def _sink(self, index: int):
         return lambda event: self.queue.put_nowait((index, event))
@@ -132,6 +139,9 @@ class Run:
                     raise APIError(503 if isinstance(event.error, EngineStopped) else 500, str(event.error),
                                    "server_error")
                 accepted[index] = event
+                self._accepted.add(index)
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(event.prompt_token_ids))
         except BaseException:
             self.close()
             raise
@@ -156,8 +166,12 @@ class Run:
                 for index, event in items:
                     if isinstance(event, Delta):
                         deltas.append((index, event))
+                        if self.times is not None:
+                            self.times[index].tokens(event.index, len(event.token_ids), event.finish_reason)
                     elif isinstance(event, Finished):
                         self._open.discard(index)
+                        if self.times is not None:
+                            self.times[index].end()
                     elif isinstance(event, Failed):
                         self._open.discard(index)
                         error = error or (APIError(503, str(event.error), "server_error")
@@ -174,6 +188,8 @@ class Run:
     def close(self) -> None:
         for i in sorted(self._open):
             self.engine.abort(self.requests[i])
+            if self.times is not None and i in self._accepted:
+                self.times[i].end("abort")
         self._open.clear()
 
 
@@ -216,6 +232,7 @@ class OpenAIServer:
     def __init__(self, engine: EngineProcess | EngineLoop, served_model_name: str):
         self.engine, self.name = engine, served_model_name
         self.created = int(time.time())
+        self.metrics = ServerMetrics(served_model_name, engine)
 
     @property
     def defaults(self) -> dict:
@@ -270,6 +287,10 @@ class OpenAIServer:
             pass
         return run
 
+    def metrics_text(self) -> Response:
+        """GET /metrics: Prometheus's text format (server_metrics.py)."""
+        return Response(self.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
     def health(self) -> JSONResponse:
         engine = self.engine
         ok = engine.running
@@ -287,7 +308,8 @@ class OpenAIServer:
         except (ValueError, TypeError, NotImplementedError) as e:
             raise bad_request(e) from None
         run = Run(self.engine, http, lambda sink: [EngineRequest(p, params, sink(i), want_prompt_text=bool(body.echo))
-                                                  for i, p in enumerate(prompts)], watch_disconnect=not body.stream)
+                                                  for i, p in enumerate(prompts)], watch_disconnect=not body.stream,
+                  metrics=self.metrics)
         await run.start()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name}
@@ -369,7 +391,7 @@ class OpenAIServer:
             raise bad_request(e) from None
         run = Run(self.engine, http, lambda sink: [EngineRequest(prompt, params, sink(0),
                                                                  fill_max_tokens=body.output_limit is None)],
-                  watch_disconnect=not body.stream)
+                  watch_disconnect=not body.stream, metrics=self.metrics)
         await run.start()
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": self.name}
@@ -463,7 +485,7 @@ def create_app(engine: EngineProcess | EngineLoop, served_model_name: str, api_k
     """The FastAPI app serving `engine` (an EngineProcess started already, or an EngineLoop);
     its lifespan hands the engine's events to the app's event loop (call_soon_threadsafe: one
     hop per engine step), starts the engine if it has not started, and stops it. `api_key`:
-    every route but /health wants it as a bearer token."""
+    every route but /health and /metrics wants it as a bearer token."""
     if api_key is not None and not api_key.strip():
         raise ValueError("api_key must not be empty (None: no key)")
     server = OpenAIServer(engine, served_model_name)
@@ -508,6 +530,7 @@ def create_app(engine: EngineProcess | EngineLoop, served_model_name: str, api_k
 
     keyed = [Depends(api_key_check(api_key))]
     app.get("/health")(server.health)
+    app.get("/metrics")(server.metrics_text)
     app.get("/v1/models", dependencies=keyed)(server.models)
     app.get("/v1/models/{model_id:path}", dependencies=keyed)(server.model)
     app.post("/v1/completions", dependencies=keyed)(server.completions)
@@ -576,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (0: any free one)")
     parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: MODEL)")
     parser.add_argument("--api-key", default=os.environ.get("NANOVLLM_API_KEY") or None,
-                        help="clients must send `Authorization: Bearer KEY` (every route but /health); "
+                        help="clients must send `Authorization: Bearer KEY` (every route but /health and /metrics); "
                              "default: $NANOVLLM_API_KEY, else no key")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     parser.add_argument("--step-log", default=None, metavar="PATH",

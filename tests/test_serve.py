@@ -373,6 +373,65 @@ def test_tokenize_and_detokenize_are_the_engines(server, offline, ckpt):
     wait_idle(server)
 
 
+def scrape(server, model: str) -> dict:
+    """GET /metrics parsed: {(sample name, frozenset of its labels but model_name): value}, and
+    every sample's model_name label checked."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    r = httpx.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if not sample.name.startswith("vllm:"):
+                continue
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == model, sample
+            out[sample.name, frozenset(labels.items())] = sample.value
+    return out
+
+
+def test_metrics_count_what_the_clients_saw(server, client, ckpt):
+    """GET /metrics (Prometheus, vLLM's names): across a completion, a chat, an n=2 completion
+    and a stream the client leaves early, the counters grow by exactly the usage the responses
+    reported and by one finished request each (under its finish reason, "abort" for the one left);
+    the latency histograms count those requests; idle, the gauges read an empty engine."""
+    wait_idle(server)
+    before = scrape(server, ckpt)
+    usages = [client.completions.create(model=ckpt, prompt=rand_ids(9, seed=41), max_tokens=5, temperature=0,
+                                        extra_body=IGNORE_EOS).usage,
+              client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True}).usage,
+              client.completions.create(model=ckpt, prompt=rand_ids(6, seed=42), max_tokens=3, n=2, seed=5,
+                                        extra_body=IGNORE_EOS).usage]
+    body = {"model": ckpt, "prompt": rand_ids(12, seed=43), "max_tokens": 300, "stream": True, "ignore_eos": True}
+    streamed = 0
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
+        for line in r.iter_lines():
+            streamed += line.startswith("data: {")
+            if streamed == 5:
+                break
+    wait_idle(server)
+    after = scrape(server, ckpt)
+
+    def grew(name, **labels):
+        key = (name, frozenset(labels.items()))
+        return after[key] - before.get(key, 0.0)
+
+    assert grew("vllm:prompt_tokens_total") == sum(u.prompt_tokens for u in usages) + 12
+    generated = sum(u.completion_tokens for u in usages)
+    assert generated == 5 + 4 + 6
+    assert generated + 5 <= grew("vllm:generation_tokens_total") < generated + 300  # the stream: left after 5
+    assert grew("vllm:request_success_total", finished_reason="length") == 3
+    assert grew("vllm:request_success_total", finished_reason="abort") == 1
+    assert grew("vllm:time_to_first_token_seconds_count") == 4 and grew("vllm:e2e_request_latency_seconds_count") == 4
+    assert grew("vllm:time_to_first_token_seconds_sum") > 0
+    # one gap per token batch of a sample after its first: at most (5-1)+(4-1)+2*(3-1) for the three
+    assert 11 <= grew("vllm:inter_token_latency_seconds_count") <= 11 + 300
+    for gauge in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert after[gauge, frozenset()] == 0.0, gauge
+
+
 def test_an_api_key_guards_every_route_but_health(offline, ckpt):
     """create_app(api_key=...): the official client without the key, or with another, gets
     401 (openai.AuthenticationError) with OpenAI's error JSON; with it, completions equal
@@ -401,7 +460,7 @@ def test_an_api_key_guards_every_route_but_health(offline, ckpt):
                 client(key).models.list()
         for route in ("/tokenize", "/detokenize"):
             assert http.post(route, json={"prompt": "x", "tokens": [1]}).status_code == 401
-        assert http.get("/health").status_code == 200
+        assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
         out = client("s3cret").completions.create(model=ckpt, prompt=prompt, max_tokens=6, temperature=0,
                                                   extra_body=IGNORE_EOS)
         assert out.choices[0].token_ids == want
