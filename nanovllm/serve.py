@@ -40,7 +40,7 @@ import typing
 import uuid
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -264,6 +264,8 @@ class OpenAIServer:
             body.check()
         except ValueError as e:
             raise bad_request(e) from None
+        if body.prompt in ("", []):  # (as vLLM: nothing to tokenize, not an error)
+            return {"count": 0, "max_model_len": self.engine.info.max_model_len, "tokens": []}
         prompt = body.prompt if body.messages is None else \
             ChatPrompt([m.as_template_message() for m in body.messages], dict(body.chat_template_kwargs or {}))
         run = await self._tokenize_only(prompt, http, want_text=False)
@@ -465,20 +467,29 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "invalid request", param
 
 
-def api_key_check(api_key: str | None):
-    """A FastAPI dependency that refuses (401, OpenAI's error JSON) a request whose
-    `Authorization` header is not `Bearer <api_key>`; None: no check."""
+class APIKeyGuard:
+    """ASGI middleware: an HTTP request to any path but OPEN_PATHS whose `Authorization` header is
+    not `Bearer <api_key>` gets 401 (OpenAI's error JSON) before anything reads its body. Plain
+    ASGI rather than Starlette's BaseHTTPMiddleware, which would wrap every streamed response."""
 
-    def check(request: Request) -> None:
-        if api_key is None:
+    OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+    def __init__(self, app, api_key: str):
+        self.app, self.key = app, api_key.encode("utf-8")
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] not in self.OPEN_PATHS and not self._allowed(scope):
+            await APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the "
+                                "server's --api-key", code="invalid_api_key").response()(scope, receive, send)
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        # (compare_digest: the time taken does not tell how much of a guessed key was right)
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>` with the "
-                                "server's --api-key", code="invalid_api_key")
+        await self.app(scope, receive, send)
 
-    return check
+    def _allowed(self, scope) -> bool:
+        header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+        scheme, _, given = header.partition(b" ")
+        # (the header's raw bytes against the key's UTF-8; compare_digest: the time taken does not
+        # tell how much of a guessed key was right)
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self.key)
 
 
 def create_app(engine: EngineProcess | EngineLoop, served_model_name: str, api_key: str | None = None) -> FastAPI:
@@ -486,8 +497,8 @@ def create_app(engine: EngineProcess | EngineLoop, served_model_name: str, api_k
     its lifespan hands the engine's events to the app's event loop (call_soon_threadsafe: one
     hop per engine step), starts the engine if it has not started, and stops it. `api_key`:
     every route but /health and /metrics wants it as a bearer token."""
-    if api_key is not None and not api_key.strip():
-        raise ValueError("api_key must not be empty (None: no key)")
+    if api_key is not None and (not api_key.strip() or api_key != api_key.strip()):
+        raise ValueError("api_key must not be empty or begin or end with whitespace (None: no key)")
     server = OpenAIServer(engine, served_model_name)
 
     @contextlib.asynccontextmanager
@@ -528,15 +539,16 @@ def create_app(engine: EngineProcess | EngineLoop, served_model_name: str, api_k
         logger.exception("internal error")
         return JSONResponse(error_body(f"internal error: {exc!r}", "server_error"), status_code=500)
 
-    keyed = [Depends(api_key_check(api_key))]
     app.get("/health")(server.health)
     app.get("/metrics")(server.metrics_text)
-    app.get("/v1/models", dependencies=keyed)(server.models)
-    app.get("/v1/models/{model_id:path}", dependencies=keyed)(server.model)
-    app.post("/v1/completions", dependencies=keyed)(server.completions)
-    app.post("/v1/chat/completions", dependencies=keyed)(server.chat)
-    app.post("/tokenize", dependencies=keyed)(server.tokenize)
-    app.post("/detokenize", dependencies=keyed)(server.detokenize)
+    app.get("/v1/models")(server.models)
+    app.get("/v1/models/{model_id:path}")(server.model)
+    app.post("/v1/completions")(server.completions)
+    app.post("/v1/chat/completions")(server.chat)
+    app.post("/tokenize")(server.tokenize)
+    app.post("/detokenize")(server.detokenize)
+    if api_key is not None:  # (FastAPI's /docs and /openapi.json included)
+        app.add_middleware(APIKeyGuard, api_key=api_key)
     return app
 
 
@@ -727,8 +739,10 @@ def main(argv: list[str] | None = None) -> int:
     options = llm_options(args)
     if wants_data_parallel(options):  # before any replica starts, not when the app does
         parser.error(SINGLE_ENGINE_ONLY)
-    if args.api_key is not None and not args.api_key.strip():
-        parser.error("--api-key must not be empty (leave it out for no key)")
+    if args.api_key is not None:
+        args.api_key = args.api_key.strip()  # (a key read from a file often ends in a newline)
+        if not args.api_key:
+            parser.error("--api-key must not be empty (leave it out for no key)")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine = EngineProcess(args.model, options, log_level=args.log_level.upper(), step_log=args.step_log)
     engine.start()  # the model loads in the engine's process (its error, if it cannot, is raised here)

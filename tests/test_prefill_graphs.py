@@ -131,14 +131,19 @@ MIXED_STEPS = {
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 @pytest.mark.parametrize("case", sorted(MIXED_STEPS))
-def test_replayed_pieces_attend_a_mixed_steps_decode_rows(ckpt, case):
+def test_replayed_pieces_attend_a_mixed_steps_decode_rows(ckpt, case, dtype, tol):
     """A mixed step (prompt tokens, then one-token decode rows over their cached K/V), through
     the bucket's pieces, which attend up to 8 decode rows themselves (the decode kernel inside
     each piece; more rows: the eager attention), and through the plain forward, from the same
-    random cache: the same hidden states (1e-4 relative, as above) and the same K/V stored at
-    the step's slots. fp32, fused store (the default)."""
-    llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=512, max_prefill_graph_tokens=300,
+    random cache: the same hidden states and the same K/V stored at the step's slots. Fused
+    store (the default). fp32: 1e-4 relative, as above. bf16 (the prompt tokens through aten's
+    FlashAttention, as served): every activation rounds to 2**-8, and the pieces' decode kernel
+    splits the contexts differently from the eager call and their padded GEMMs may pick other
+    kernels, so a row can differ by a few bf16 ulps; 3e-2 is still far below what a wrong row,
+    slot or table gives (O(1))."""
+    llm = make_llm(ckpt, device="cuda", dtype=dtype, max_num_batched_tokens=512, max_prefill_graph_tokens=300,
                    max_num_seqs=8, num_kvcache_blocks=512)
     try:
         runner = llm.model_runner
@@ -170,10 +175,11 @@ def test_replayed_pieces_attend_a_mixed_steps_decode_rows(ckpt, case):
             stored[run] = cache.flatten(2, 3)[:, :, slots.long()].clone()
         got, want = out["graphs"], out["eager"]
         assert got.shape == want.shape and torch.isfinite(got).all(), seed
-        err = ((got - want).norm() / want.norm()).item()
-        assert err < 1e-4, f"seed {seed}, {case}: relative error {err:.2e}"
-        kv_err = ((stored["graphs"] - stored["eager"]).norm() / stored["eager"].norm()).item()
-        assert kv_err < 1e-4, f"seed {seed}, {case}: stored K/V relative error {kv_err:.2e}"
+        err = ((got.float() - want.float()).norm() / want.float().norm()).item()
+        assert err < tol, f"seed {seed}, {case}: relative error {err:.2e}"
+        a, b = stored["graphs"].float(), stored["eager"].float()
+        kv_err = ((a - b).norm() / b.norm()).item()
+        assert kv_err < tol, f"seed {seed}, {case}: stored K/V relative error {kv_err:.2e}"
     finally:
         llm.shutdown()
 

@@ -362,6 +362,7 @@ def test_tokenize_and_detokenize_are_the_engines(server, offline, ckpt):
     assert post("/tokenize", {"prompt": given}).json()["tokens"] == given
     assert post("/detokenize", {"model": ckpt, "tokens": ids}).json() == {"prompt": offline.tokenizer.decode(ids)}
     assert post("/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    assert post("/tokenize", {"prompt": ""}).json()["count"] == 0  # (as vLLM)
     for route, body, needle in [("/tokenize", {"prompt": "x", "messages": MESSAGES}, "exactly one"),
                                 ("/tokenize", {}, "exactly one"),
                                 ("/tokenize", {"prompt": "x", "add_special_tokens": True}, "add_special_tokens"),
@@ -442,8 +443,9 @@ def test_an_api_key_guards_every_route_but_health(offline, ckpt):
     from nanovllm.engine.async_engine import EngineLoop
     from nanovllm.serve import create_app
 
-    with pytest.raises(ValueError, match="api_key"):
-        create_app(EngineLoop(offline), ckpt, api_key=" ")
+    for bad in (" ", "s3cret\n"):
+        with pytest.raises(ValueError, match="api_key"):
+            create_app(EngineLoop(offline), ckpt, api_key=bad)
     app = create_app(EngineLoop(offline), ckpt, api_key="s3cret")
     prompt = rand_ids(7, seed=31)
     want = offline.generate([prompt], greedy(6), use_tqdm=False)[0].outputs[0].token_ids  # (before the loop holds it)
@@ -460,6 +462,10 @@ def test_an_api_key_guards_every_route_but_health(offline, ckpt):
                 client(key).models.list()
         for route in ("/tokenize", "/detokenize"):
             assert http.post(route, json={"prompt": "x", "tokens": [1]}).status_code == 401
+        # the key is checked before the body is read: no parse error for a client without it
+        r = http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert http.get("/openapi.json").status_code == 401 and http.get("/docs").status_code == 401
         assert http.get("/health").status_code == 200 and http.get("/metrics").status_code == 200
         out = client("s3cret").completions.create(model=ckpt, prompt=prompt, max_tokens=6, temperature=0,
                                                   extra_body=IGNORE_EOS)
@@ -467,6 +473,24 @@ def test_an_api_key_guards_every_route_but_health(offline, ckpt):
         r = http.post("/tokenize", json={"prompt": "x"}, headers={"Authorization": "Bearer s3cret"})
         assert r.status_code == 200 and r.json()["tokens"] == tokens_x
     assert not offline._busy.locked()  # the app's lifespan stopped the loop: the LLM is free again
+
+
+def test_detokenize_without_a_tokenizer_is_a_400(ckpt):
+    """An engine started with skip_tokenizer_init has no text to give: /detokenize says so (400)
+    instead of answering an empty text; /tokenize of token ids still works."""
+    from fastapi.testclient import TestClient
+
+    from nanovllm.engine.async_engine import EngineLoop
+    from nanovllm.serve import create_app
+
+    llm = make_llm(ckpt, device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=16)
+    try:
+        with TestClient(create_app(EngineLoop(llm), ckpt)) as http:
+            r = http.post("/detokenize", json={"tokens": [5, 6]})
+            assert r.status_code == 400 and "tokenizer" in r.json()["error"]["message"]
+            assert http.post("/tokenize", json={"prompt": [5, 6]}).json()["tokens"] == [5, 6]
+    finally:
+        llm.shutdown()
 
 
 def test_an_empty_api_key_is_refused_before_any_work(capsys):

@@ -253,6 +253,9 @@ class EngineLoop:
                     if r.want_prompt_text and text is None and llm.tokenizer is not None:
                         text = llm.tokenizer.decode(ids)
                     if r.tokenize_only:
+                        if r.want_prompt_text and text is None:
+                            raise ValueError("turning token ids into text needs a tokenizer (the engine was started "
+                                             "with skip_tokenizer_init)")
                         prepared.append((r, ids, None, text))
                         continue
                     params = r.params

@@ -118,6 +118,9 @@ class PrefillGraphs:
         self.v = torch.zeros_like(self.k)
         self.attn_out = torch.zeros_like(self.q)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
+        if decode_rows and not all(a.fuse_kv_store and a.k_cache.numel() for a in attn_layers):
+            logger.info("a mixed step's decode rows attend eagerly: the pieces do not store K/V themselves")
+            decode_rows = 0  # (the baked decode kernel would read the cache before the eager store)
         self.decode_rows, self.decode_splits = decode_rows, decode_splits
         rows = min(decode_rows, n)
         self.dec_tables = torch.zeros(rows, max(max_blocks, 1), dtype=torch.int32, device=device)
