@@ -96,7 +96,8 @@ def main(argv=None) -> None:
         ctx = args.context + 2 + 1 + 5 + args.steps / 2
         floor = (weight_bytes + bs * ctx * kv_bytes) / args.bandwidth * 1e3
         row = {"batch": bs, "ms_per_step": round(ms, 3), "p50_ms": round(secs[len(secs) // 2] * 1e3, 3),
-               "floor_ms": round(floor, 3), "of_floor": round(floor / ms, 3), "tok_s": round(bs / ms * 1e3)}
+               # (significant figures, not decimals: a tiny test model's floor is ~1 us, its share ~1e-4)
+               "floor_ms": float(f"{floor:.4g}"), "of_floor": float(f"{floor / ms:.3g}"), "tok_s": round(bs / ms * 1e3)}
         if bs == args.profile_bs:
             row["profile"] = profile_steps(llm, args.steps)
         rows.append(row)
