@@ -57,12 +57,20 @@ class _Sampling(_Body):
     bad_words: list[str] | None = None
     # vLLM's: each choice also carries its token ids (and the prompt's), stream chunks their new ones
     return_token_ids: bool | None = False
+    # vLLM's: the logprob of every prompt token after the first, and this many top ones beside it
+    prompt_logprobs: int | None = None
 
-    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The SamplingParams this request asks for (ValueError / TypeError as SamplingParams
         raises them). `max_tokens` None: a placeholder of 1, replaced once the prompt's length
-        is known (EngineRequest.fill_max_tokens)."""
+        is known (EngineRequest.fill_max_tokens). `prompt_logprobs`: the prompt's, if more than
+        the request's own field asks."""
         kw = dict(defaults)
+        if self.prompt_logprobs is not None or prompt_logprobs is not None:
+            kw["prompt_logprobs"] = max(self.prompt_logprobs or 0, prompt_logprobs or 0)
+        if self.stream and self.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported with stream=true")
         for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
                      "frequency_penalty", "stop", "seed", "logit_bias", "min_tokens", "ignore_eos", "stop_token_ids",
                      "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
@@ -82,7 +90,9 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions. `logprobs` (0..max_logprobs): the legacy format's top tokens."""
+    """POST /v1/completions. `logprobs` (0..max_logprobs): the legacy format's top tokens; with
+    `echo`, the prompt's tokens too (the first one with no logprob), as evaluation harnesses
+    score a text; `max_tokens=0` with `echo`: the prompt only, nothing generated."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
@@ -96,10 +106,22 @@ class CompletionRequest(_Sampling):
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(f"best_of={self.best_of} is not supported (only best_of == n)")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported")
-        if self.max_tokens is None:
-            raise ValueError("max_tokens must be an integer >= 1")
+        if self.echo and self.logprobs is not None and self.stream:
+            raise ValueError("echo together with logprobs is not supported with stream=true")
+        if self.max_tokens is None or (self.max_tokens == 0 and not self.echo):
+            raise ValueError("max_tokens must be an integer >= 1 (0 only with echo: the prompt alone)")
+        if self.max_tokens == 0 and self.stream:
+            raise ValueError("max_tokens=0 is not supported with stream=true")
+
+    @property
+    def generates(self) -> bool:
+        """False for echo with max_tokens=0: the engine makes one token, which is not returned."""
+        return self.max_tokens != 0
+
+    @property
+    def echo_logprobs(self) -> int | None:
+        """The prompt logprobs echo with logprobs needs (the legacy format's top-k), or None."""
+        return self.logprobs if self.echo and self.logprobs is not None else None
 
     def prompts(self) -> list:
         """The prompts: one text or token-id list each."""
@@ -221,10 +243,18 @@ class LegacyLogprobs:
         self.k, self.offset = k, offset
         self.tokens, self.token_logprobs, self.top_logprobs, self.text_offset = [], [], [], []
 
-    def add(self, entries: list[dict[int, Logprob]]) -> dict:
-        """Append these positions; returns the JSON of just them (a stream chunk's)."""
+    def add(self, entries: list[dict[int, Logprob] | None], first_text: str = "") -> dict:
+        """Append these positions; returns the JSON of just them (a stream chunk's). A None entry
+        (a prompt's first token: nothing before it to score) is `first_text` with no logprob."""
         start = len(self.tokens)
         for entry in entries:
+            if entry is None:
+                self.tokens.append(first_text)
+                self.token_logprobs.append(None)
+                self.top_logprobs.append(None)
+                self.text_offset.append(self.offset)
+                self.offset += len(first_text)
+                continue
             chosen = next(iter(entry.values()))
             text = chosen.decoded_token or ""
             self.tokens.append(text)
@@ -238,6 +268,15 @@ class LegacyLogprobs:
     def json(self, start: int = 0) -> dict:
         return {"tokens": self.tokens[start:], "token_logprobs": self.token_logprobs[start:],
                 "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
+
+
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+    """vLLM's `prompt_logprobs` of a response: per prompt position None (the first) or
+    {token id: {logprob, rank, decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
 
 
 def _token_json(lp: Logprob) -> dict:

@@ -51,7 +51,7 @@ from nanovllm.engine.async_engine import (SINGLE_ENGINE_ONLY, Accepted, ChatProm
                                           EngineStopped, Failed, Finished, call_sinks)
 from nanovllm.engine.engine_process import EngineProcess
 from nanovllm.openai_protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, LegacyLogprobs,
-                                      TokenizeRequest, chat_logprobs, error_body, usage)
+                                      TokenizeRequest, chat_logprobs, error_body, prompt_logprobs_json, usage)
 from nanovllm.server_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from nanovllm.server_metrics import ServerMetrics
 
@@ -147,6 +147,7 @@ class Run:
             raise
         self.prompt_ids = [accepted[i].prompt_token_ids for i in range(len(self.requests))]
         self.prompt_texts = [accepted[i].prompt_text for i in range(len(self.requests))]
+        self.first_token_texts = [accepted[i].first_token_text or "" for i in range(len(self.requests))]
 
     async def batches(self):
         """Lists of (prompt index, Delta): each time, every delta that has arrived (one engine
@@ -305,7 +306,7 @@ class OpenAIServer:
         self.check_model(body.model)
         try:
             body.check()
-            params = body.sampling_params(self.defaults, body.max_tokens, body.logprobs)
+            params = body.sampling_params(self.defaults, body.max_tokens or 1, body.logprobs, body.echo_logprobs)
             prompts = body.prompts()
         except (ValueError, TypeError, NotImplementedError) as e:
             raise bad_request(e) from None
@@ -320,32 +321,42 @@ class OpenAIServer:
         return await self._completion_json(run, body, head)
 
     async def _completion_json(self, run: Run, body: CompletionRequest, head: dict) -> dict:
-        n = body.n
-        texts = {}
-        choices = {}
+        n, gen = body.n, body.generates  # (gen False: echo with max_tokens=0, its one token not returned)
+        texts, choices, generated = {}, {}, {}
+        prompt_lps: dict[int, list] = {}  # prompt index -> its prompt logprobs (the first delta's)
         for pi, prompt_text in enumerate(run.prompt_texts):
             for j in range(n):
                 texts[pi * n + j] = [prompt_text] if body.echo else []
-                lp = LegacyLogprobs(body.logprobs, 0) if body.logprobs is not None else None
-                choices[pi * n + j] = {"index": pi * n + j, "text": "", "logprobs": lp, "finish_reason": None,
+                generated[pi * n + j] = []
+                choices[pi * n + j] = {"index": pi * n + j, "text": "", "logprobs": None, "finish_reason": None,
                                        "stop_reason": None}
                 if body.return_token_ids:
                     choices[pi * n + j].update(prompt_token_ids=run.prompt_ids[pi], token_ids=[])
         tokens = 0
         async for pi, d in _flat(run):
+            if d.prompt_logprobs is not None:
+                prompt_lps[pi] = d.prompt_logprobs
             c = choices[pi * n + d.index]
+            if d.finish_reason is not None:
+                c["finish_reason"], c["stop_reason"] = (d.finish_reason, d.stop_reason) if gen else ("length", None)
+            if not gen:
+                continue
             texts[c["index"]].append(d.text)
             tokens += len(d.token_ids)
             if body.return_token_ids:
                 c["token_ids"].extend(d.token_ids)
-            if c["logprobs"] is not None and d.logprobs:
-                c["logprobs"].add(d.logprobs)
-            if d.finish_reason is not None:
-                c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
+            generated[c["index"]].extend(d.logprobs or ())
         for i, c in choices.items():
+            pi = i // n
             c["text"] = "".join(t or "" for t in texts[i])
-            if c["logprobs"] is not None:
-                c["logprobs"] = c["logprobs"].json()
+            if body.logprobs is not None:
+                lp = LegacyLogprobs(body.logprobs, 0)
+                if body.echo:  # the prompt's tokens first, as scored by the model (the first one: no logprob)
+                    lp.add(prompt_lps.get(pi) or [], run.first_token_texts[pi])
+                lp.add(generated[i])
+                c["logprobs"] = lp.json()
+            if body.prompt_logprobs is not None:
+                c["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(pi))
         return {**head, "choices": [choices[i] for i in sorted(choices)],
                 "usage": usage(sum(map(len, run.prompt_ids)), tokens)}
 
@@ -411,8 +422,10 @@ class OpenAIServer:
         if body.return_token_ids:
             for c in choices:
                 c.update(prompt_token_ids=run.prompt_ids[0], token_ids=[])
-        tokens = 0
+        tokens, prompt_lps = 0, None
         async for _, d in _flat(run):
+            if d.prompt_logprobs is not None:
+                prompt_lps = d.prompt_logprobs
             c = choices[d.index]
             texts[d.index].append(d.text)
             tokens += len(d.token_ids)
@@ -424,7 +437,10 @@ class OpenAIServer:
                 c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
         for c, t in zip(choices, texts):
             c["message"]["content"] = "".join(t)
-        return {**head, "choices": choices, "usage": usage(len(run.prompt_ids[0]), tokens)}
+        out = {**head, "choices": choices, "usage": usage(len(run.prompt_ids[0]), tokens)}
+        if body.prompt_logprobs is not None:  # (vLLM's place for them: the response, not a choice)
+            out["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+        return out
 
     async def _chat_stream(self, run: Run, body: ChatCompletionRequest, head: dict):
         k, tokens = body.num_logprobs, 0

@@ -76,6 +76,28 @@ def test_logprobs_and_prompt_logprobs_equal_transformers_log_softmax(llm, ckpt, 
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("chunked", [False, True], ids=["one_step", "chunked"])
+def test_prompt_logprobs_of_a_one_token_request(ckpt, llm, chunked):
+    """max_tokens=1 with prompt_logprobs, how a text is scored (an evaluation harness's
+    loglikelihood): the prompt step makes the request's only token, so the request is retired
+    when that step launches; its prompt logprobs, which arrive with the same step, are still
+    every prompt position's (they used to be dropped as those of a finished request). Chunked:
+    the earlier chunks' logprobs arrive first, the last chunk's with the token."""
+    prompt = rand_ids(3 * BLOCK + 5, 620)
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, prompt_logprobs=2)
+    engine = make_llm(ckpt, device="cpu", max_num_batched_tokens=BLOCK + 3) if chunked else llm
+    try:
+        out = engine.generate([prompt], sp, use_tqdm=False)[0]
+    finally:
+        if chunked:
+            engine.shutdown()
+    pl = out.prompt_logprobs
+    assert len(pl) == len(prompt) and pl[0] is None and len(out.outputs[0].token_ids) == 1
+    ref, worst = ref_logprobs(ckpt, prompt), []
+    for p in range(1, len(prompt)):
+        check_position(pl[p], prompt[p], ref[p - 1], 2, worst)
+
+
 def test_logprobs_are_the_raw_distribution_whatever_the_sampling(llm, ckpt):
     """Temperature, top-k, penalties and logit_bias change what is sampled, not the reported
     logprobs (vLLM V1: raw logits)."""

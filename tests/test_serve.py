@@ -207,6 +207,59 @@ def test_completion_logprobs_equal_generate(client, offline, ckpt):
     assert offsets[0] == 0 and all(b - a == len(t) for a, b, t in zip(offsets, offsets[1:], lp.tokens))
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_generate_does(client, offline, ckpt):
+    """What evaluation harnesses send to score a text (lm-eval's loglikelihood): echo=True,
+    logprobs=k, max_tokens=0. The choice is the prompt alone, its tokens in the legacy logprobs
+    format (the first with no logprob), each equal to offline generate's prompt_logprobs; with
+    max_tokens > 0 the generated tokens follow, as without echo. vLLM's prompt_logprobs field
+    gives the same numbers in its own format, on completions and (response-level) chat."""
+    text = "the primes below thirty are two three five seven"
+    ref = offline.generate(text, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2,
+                                                prompt_logprobs=2), use_tqdm=False)[0]
+    ids = ref.prompt_token_ids
+    out = client.completions.create(model=ckpt, prompt=text, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    c = out.choices[0]
+    assert c.text == text and c.finish_reason == "length" and out.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for i in range(1, len(ids)):
+        entry = ref.prompt_logprobs[i]
+        assert lp.token_logprobs[i] == pytest.approx(entry[ids[i]].logprob, abs=1e-6)
+        assert lp.tokens[i] == entry[ids[i]].decoded_token
+        top = sorted(entry.values(), key=lambda x: x.rank)[:2]
+        assert lp.top_logprobs[i] == {x.decoded_token: pytest.approx(x.logprob, abs=1e-6) for x in top}
+    assert "".join(lp.tokens) == text  # (this tokenizer's tokens decode one by one to the text)
+    assert all(b - a == len(t) for a, b, t in zip(lp.text_offset, lp.text_offset[1:], lp.tokens))
+    # with generated tokens after the prompt's
+    out = client.completions.create(model=ckpt, prompt=text, max_tokens=3, echo=True, logprobs=2, temperature=0,
+                                    extra_body=IGNORE_EOS)
+    c = out.choices[0]
+    gen = ref.outputs[0]
+    assert c.text == text + gen.text and c.token_ids == gen.token_ids and out.usage.completion_tokens == 3
+    tail = c.logprobs.token_logprobs[len(ids):]
+    assert tail == pytest.approx([e[t].logprob for t, e in zip(gen.token_ids, gen.logprobs)], abs=1e-6)
+    # vLLM's prompt_logprobs: {token id: {logprob, rank, decoded_token}} per position, None first
+    out = client.completions.create(model=ckpt, prompt=text, max_tokens=1, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    got = out.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(ids)
+    for i in range(1, len(ids)):
+        assert got[i] == {str(t): {"logprob": pytest.approx(lp_.logprob, abs=1e-6), "rank": lp_.rank,
+                                   "decoded_token": lp_.decoded_token} for t, lp_ in ref.prompt_logprobs[i].items()}
+    chat = client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    want = offline.chat_prompt_ids(MESSAGES)
+    got = chat.model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want) and all(str(t) in e for t, e in zip(want[1:], got[1:]))
+    for body, needle in [({"echo": True, "logprobs": 1, "stream": True}, "stream"),
+                         ({"max_tokens": 0}, "max_tokens"),
+                         ({"echo": True, "max_tokens": 0, "stream": True}, "stream"),
+                         ({"prompt_logprobs": 1, "stream": True}, "stream")]:
+        r = httpx.post(client.base_url.join("completions").__str__(), json={"model": ckpt, "prompt": "x", **body},
+                       timeout=DEADLINE_S)
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], (body, r.text)
+
+
 # ---------------------------------------------------------------------------- chat
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list the primes below 30"}]
 

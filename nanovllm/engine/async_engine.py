@@ -39,10 +39,12 @@ class ChatPrompt:
 # ---------------------------------------------------------------------------- events
 @dataclass
 class Accepted:
-    """The request passed validation and is queued: its prompt tokens (and text, if asked)."""
+    """The request passed validation and is queued: its prompt tokens (and, if asked, its text
+    and its first token's text: the one prompt position without a logprob)."""
 
     prompt_token_ids: list[int]
     prompt_text: str | None = None
+    first_token_text: str | None = None
 
 
 @dataclass
@@ -287,7 +289,8 @@ class EngineLoop:
             r.seq = llm.add_request(ids, params, track_text=True, prompt=text)
             for sample in r.seq.samples:
                 self._active[sample.seq_id] = r
-            self._emit(r, Accepted(ids, text if r.want_prompt_text else None))
+            first = llm._texts(ids[:1])[0] if r.want_prompt_text and ids and llm.tokenizer is not None else None
+            self._emit(r, Accepted(ids, text if r.want_prompt_text else None, first))
 
     def _room_after(self, num_prompt_tokens: int) -> int:
         """The most tokens a request may generate after its prompt: up to max_model_len, and

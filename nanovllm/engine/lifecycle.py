@@ -184,7 +184,10 @@ class RequestLifecycle:
             sample_lps = logprobs.sample
             for row, entries in logprobs.prompt:
                 seq = batch.seqs[row]
-                if seq.prompt_logprobs is not None and not seq.is_finished:
+                # A DRAINING sequence (max_tokens reached at launch: a max_tokens=1 request whose
+                # prompt step makes its only token) still takes its prompt's logprobs; a FINISHED
+                # one (aborted meanwhile) does not.
+                if seq.prompt_logprobs is not None and seq.status != SequenceStatus.FINISHED:
                     seq.prompt_logprobs.extend(entries)
         for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
             if seq.pending_row != i:
