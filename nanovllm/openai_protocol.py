@@ -270,13 +270,20 @@ class LegacyLogprobs:
                 "top_logprobs": self.top_logprobs[start:], "text_offset": self.text_offset[start:]}
 
 
-def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None) -> list | None:
+def prompt_logprobs_json(entries: list[dict[int, Logprob] | None] | None, k: int) -> list | None:
     """vLLM's `prompt_logprobs` of a response: per prompt position None (the first) or
-    {token id: {logprob, rank, decoded_token}}."""
+    {token id: {logprob, rank, decoded_token}} of the prompt's token and the k most likely (the
+    engine may have made more, for echo's legacy logprobs)."""
     if entries is None:
         return None
-    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in e.items()} for e in entries]
+
+    def position(entry):
+        chosen = next(iter(entry.items()))
+        kept = dict([chosen, *((lp_id, lp) for lp_id, lp in entry.items() if lp.rank is not None and lp.rank <= k)])
+        return {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                for t, lp in kept.items()}
+
+    return [None if e is None else position(e) for e in entries]
 
 
 def _token_json(lp: Logprob) -> dict:

@@ -43,6 +43,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanovllm.config import Config
@@ -87,11 +88,13 @@ class Run:
     event loop; leaving `batches()` early (a disconnect, a cancelled task) aborts them.
     `watch_disconnect`: check the connection while waiting for events (a JSON response; a
     streaming response's task is cancelled by Starlette itself when its client goes). `metrics`:
-    where its tokens and latencies are counted (None: nowhere)."""
+    where its tokens and latencies are counted (None: nowhere); `count_generated` False: its
+    generated tokens are not returned (echo with max_tokens=0), so not counted either."""
 
     def __init__(self, engine: EngineLoop | EngineProcess, http: Request, requests_of, watch_disconnect: bool = True,
-                 metrics: ServerMetrics | None = None):
+                 metrics: ServerMetrics | None = None, count_generated: bool = True):
         self.engine, self.http, self.watch, self.metrics = engine, http, watch_disconnect, metrics
+        self.count_generated = count_generated
         self.queue: asyncio.Queue = asyncio.Queue()
         self.requests: list[EngineRequest] = requests_of(self._sink)
         self.times = [metrics.request() for _ in self.requests] if metrics is not None else None
@@ -168,7 +171,8 @@ class Run:
                     if isinstance(event, Delta):
                         deltas.append((index, event))
                         if self.times is not None:
-                            self.times[index].tokens(event.index, len(event.token_ids), event.finish_reason)
+                            count = len(event.token_ids) if self.count_generated else 0
+                            self.times[index].tokens(event.index, count, event.finish_reason)
                     elif isinstance(event, Finished):
                         self._open.discard(index)
                         if self.times is not None:
@@ -312,12 +316,13 @@ class OpenAIServer:
             raise bad_request(e) from None
         run = Run(self.engine, http, lambda sink: [EngineRequest(p, params, sink(i), want_prompt_text=bool(body.echo))
                                                   for i, p in enumerate(prompts)], watch_disconnect=not body.stream,
-                  metrics=self.metrics)
+                  metrics=self.metrics, count_generated=body.generates)
         await run.start()
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": self.name}
         if body.stream:
-            return StreamingResponse(self._completion_stream(run, body, head), media_type="text/event-stream")
+            return StreamingResponse(self._completion_stream(run, body, head), media_type="text/event-stream",
+                                     background=BackgroundTask(run.close))  # (a stream never started)
         return await self._completion_json(run, body, head)
 
     async def _completion_json(self, run: Run, body: CompletionRequest, head: dict) -> dict:
@@ -356,7 +361,7 @@ class OpenAIServer:
                 lp.add(generated[i])
                 c["logprobs"] = lp.json()
             if body.prompt_logprobs is not None:
-                c["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(pi))
+                c["prompt_logprobs"] = prompt_logprobs_json(prompt_lps.get(pi), body.prompt_logprobs)
         return {**head, "choices": [choices[i] for i in sorted(choices)],
                 "usage": usage(sum(map(len, run.prompt_ids)), tokens)}
 
@@ -392,6 +397,8 @@ class OpenAIServer:
                 yield chunks.usage(tokens)
         except APIError as e:
             yield sse(error_body(e.message, e.type, e.param, e.code))
+        finally:
+            run.close()  # (closed at its first chunk, before batches() began: abort here)
         yield sse("[DONE]")
 
     async def chat(self, body: ChatCompletionRequest, http: Request):
@@ -410,7 +417,8 @@ class OpenAIServer:
                 "model": self.name}
         if body.stream:
             head["object"] = "chat.completion.chunk"
-            return StreamingResponse(self._chat_stream(run, body, head), media_type="text/event-stream")
+            return StreamingResponse(self._chat_stream(run, body, head), media_type="text/event-stream",
+                                     background=BackgroundTask(run.close))
         return await self._chat_json(run, body, head)
 
     async def _chat_json(self, run: Run, body: ChatCompletionRequest, head: dict) -> dict:
@@ -439,7 +447,7 @@ class OpenAIServer:
             c["message"]["content"] = "".join(t)
         out = {**head, "choices": choices, "usage": usage(len(run.prompt_ids[0]), tokens)}
         if body.prompt_logprobs is not None:  # (vLLM's place for them: the response, not a choice)
-            out["prompt_logprobs"] = prompt_logprobs_json(prompt_lps)
+            out["prompt_logprobs"] = prompt_logprobs_json(prompt_lps, body.prompt_logprobs)
         return out
 
     async def _chat_stream(self, run: Run, body: ChatCompletionRequest, head: dict):
@@ -470,6 +478,8 @@ class OpenAIServer:
                 yield chunks.usage(tokens)
         except APIError as e:
             yield sse(error_body(e.message, e.type, e.param, e.code))
+        finally:
+            run.close()  # (closed at its first chunk, before batches() began: abort here)
         yield sse("[DONE]")
 
 

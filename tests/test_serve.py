@@ -243,6 +243,10 @@ def test_echo_with_logprobs_scores_the_prompt_as_generate_does(client, offline, 
                                     extra_body={"prompt_logprobs": 2})
     got = out.choices[0].model_extra["prompt_logprobs"]
     assert got[0] is None and len(got) == len(ids)
+    # echo's legacy logprobs ask the engine for more: the field still gets the prompt token + its k
+    both = client.completions.create(model=ckpt, prompt=text, max_tokens=0, echo=True, logprobs=3,
+                                     extra_body={"prompt_logprobs": 0}).choices[0].model_extra["prompt_logprobs"]
+    assert [list(e) for e in both[1:]] == [[str(t)] for t in ids[1:]]
     for i in range(1, len(ids)):
         assert got[i] == {str(t): {"logprob": pytest.approx(lp_.logprob, abs=1e-6), "rank": lp_.rank,
                                    "decoded_token": lp_.decoded_token} for t, lp_ in ref.prompt_logprobs[i].items()}
@@ -457,7 +461,9 @@ def test_metrics_count_what_the_clients_saw(server, client, ckpt):
               client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=4, temperature=0,
                                              extra_body={"ignore_eos": True}).usage,
               client.completions.create(model=ckpt, prompt=rand_ids(6, seed=42), max_tokens=3, n=2, seed=5,
-                                        extra_body=IGNORE_EOS).usage]
+                                        extra_body=IGNORE_EOS).usage,
+              # echo, max_tokens=0: its one hidden token is neither returned nor counted
+              client.completions.create(model=ckpt, prompt=rand_ids(7, seed=44), max_tokens=0, echo=True).usage]
     body = {"model": ckpt, "prompt": rand_ids(12, seed=43), "max_tokens": 300, "stream": True, "ignore_eos": True}
     streamed = 0
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=DEADLINE_S) as r:
@@ -476,9 +482,9 @@ def test_metrics_count_what_the_clients_saw(server, client, ckpt):
     generated = sum(u.completion_tokens for u in usages)
     assert generated == 5 + 4 + 6
     assert generated + 5 <= grew("vllm:generation_tokens_total") < generated + 300  # the stream: left after 5
-    assert grew("vllm:request_success_total", finished_reason="length") == 3
+    assert grew("vllm:request_success_total", finished_reason="length") == 4
     assert grew("vllm:request_success_total", finished_reason="abort") == 1
-    assert grew("vllm:time_to_first_token_seconds_count") == 4 and grew("vllm:e2e_request_latency_seconds_count") == 4
+    assert grew("vllm:time_to_first_token_seconds_count") == 4 and grew("vllm:e2e_request_latency_seconds_count") == 5
     assert grew("vllm:time_to_first_token_seconds_sum") > 0
     # one gap per token batch of a sample after its first: at most (5-1)+(4-1)+2*(3-1) for the three
     assert 11 <= grew("vllm:inter_token_latency_seconds_count") <= 11 + 300
