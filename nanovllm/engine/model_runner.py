@@ -109,7 +109,8 @@ class ModelRunner:
             config.fuse_kv_store else 0
         return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
                              self.device, pool=self.graphs.pool, stream=self.graphs.stream, decode_rows=decode_rows,
-                             max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size), decode_splits=self.inputs.num_splits)
+                             max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size),
+                             decode_splits=self.inputs.num_splits)
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""

@@ -44,7 +44,6 @@ Numbers: BENCHMARKS.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -253,14 +252,7 @@ class PrefillGraphs:
         self.dec_lens[:rows - d].zero_()
         self.dec_lens[rows - d:rows].copy_(meta.context_lens[seqs:])
         self.dec_tables[rows - d:rows, :width].copy_(meta.block_tables[seqs:])
-        head = None
-        if seqs:  # the prefill sequences' own metadata, once for all layers
-            ql, kl = meta.query_lens[:seqs], meta.kv_lens[:seqs]
-            head = dataclasses.replace(
-                meta, slot_mapping=meta.slot_mapping[:p], context_lens=meta.context_lens[:seqs],
-                block_tables=meta.block_tables[:seqs], cu_seqlens_q=meta.cu_seqlens_q[:seqs + 1],
-                cu_seqlens_k=meta.cu_seqlens_k[:seqs + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
-                has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
+        head = meta.prefill_part() if seqs else None  # (once for all layers)
         q, k, v, out = self.q[:p], self.k[:p], self.v[:p], self.attn_out[:p]
         for piece, layer in zip(bucket.pieces, bucket.layers):
             piece.replay()

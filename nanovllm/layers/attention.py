@@ -20,7 +20,6 @@ bitwise the same K/V as the first computation did. The flash_attn backend takes 
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import itertools
 import logging
@@ -238,13 +237,7 @@ class TritonBackend(_TritonKVStore):
         out[t:] = self._decode(q[t:], k_cache, v_cache, meta.block_tables[p:], meta.context_lens[p:], scale,
                                num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
         if p:
-            ql, kl = meta.query_lens[:p], meta.kv_lens[:p]
-            head = dataclasses.replace(
-                meta, slot_mapping=meta.slot_mapping[:t], context_lens=meta.context_lens[:p],
-                block_tables=meta.block_tables[:p], cu_seqlens_q=meta.cu_seqlens_q[:p + 1],
-                cu_seqlens_k=meta.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
-                has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
-            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, head, scale, k_scale, v_scale)
+            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, meta.prefill_part(), scale, k_scale, v_scale)
         return out
 
     @staticmethod
