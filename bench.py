@@ -63,7 +63,7 @@ def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int
 
 def decoder_options(hf_config):
     """The model's DecoderOptions (sizes, biases, MoE layout), as the engine builds it."""
-    from nanovllm.models.registry import model_class
+    from nanovllm.model.registry import model_class
 
     return model_class(hf_config).options_from_config(hf_config)
 
@@ -530,7 +530,7 @@ def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor
 def data_parallel_floor(llm, prompts, max_tokens, args, kv_bytes, linear_bytes) -> float:
     """The roofline floor of the run: with --dp, the slowest replica's floor on its share of the
     requests (the front's sharding, recomputed), the replicas running side by side."""
-    from nanovllm.distributed.data_parallel import shard_by_work
+    from nanovllm.launch.data_parallel import shard_by_work
 
     shards = shard_by_work([len(p) + n for p, n in zip(prompts, max_tokens)], args.dp)
     return max(roofline_floor(llm.config.hf_config, [prompts[i] for i in s], [max_tokens[i] for i in s],

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanovllm.models import registry
-from nanovllm.models.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
+from nanovllm.model import registry
+from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
 
 logger = logging.getLogger(__name__)
@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 # vLLM's names. None / "mp": the engine's own processes (tensor-parallel workers, data-parallel
 # replicas on this node); "ray": data-parallel replicas as Ray actors (nanovllm/distributed/
 # ray_replicas.py); "external_launcher": torchrun started every tensor-parallel rank
-# (nanovllm/distributed/external_launcher.py).
+# (nanovllm/launch/torchrun.py).
 EXECUTOR_BACKENDS = (None, "mp", "ray", "external_launcher")
 TOKENIZER_MODES = ("auto", "slow")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -204,12 +204,12 @@ class Config:
         if self.attention_backend == "flash_attn" and bs % 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, got {bs}")
         if self.attention_backend == "flash_attn":
-            from nanovllm.layers.attention import flash_attn_available
+            from nanovllm.model.attention import flash_attn_available
 
             if not flash_attn_available():
                 raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
-        from nanovllm.layers.attention import kv_cache_torch_dtype
-        from nanovllm.layers.quantization import resolve_quantization
+        from nanovllm.model.attention import kv_cache_torch_dtype
+        from nanovllm.features.quantization import resolve_quantization
 
         kv_cache_torch_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here, before the model loads
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":

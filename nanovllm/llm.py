@@ -7,11 +7,11 @@ import threading
 import time
 from typing import Iterator
 
-from nanovllm.distributed.data_parallel import DataParallelFront, wants_data_parallel
-from nanovllm.engine.detokenizer import decode_tokens
-from nanovllm.engine.interrupts import deferred_interrupts
-from nanovllm.engine.llm_engine import LLMEngine
-from nanovllm.engine.sequence import Sequence, SequenceStatus
+from nanovllm.launch.data_parallel import DataParallelFront, wants_data_parallel
+from nanovllm.core.detokenizer import decode_tokens
+from nanovllm.core.interrupts import deferred_interrupts
+from nanovllm.core.engine import LLMEngine
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -332,7 +332,7 @@ class LLM(LLMEngine):
 class DataParallelLLM(DataParallelFront, LLM):
     """What `LLM(model, data_parallel_size=N, ...)` (or distributed_executor_backend="ray")
     returns: the same validation, chat template and outputs as LLM, with the prompts of every
-    call shared out over N engine replicas (nanovllm/distributed/data_parallel.py)."""
+    call shared out over N engine replicas (nanovllm/launch/data_parallel.py)."""
 
     replica_class = LLM  # what each replica runs (an ordinary engine of tensor_parallel_size GPUs)
 

@@ -19,7 +19,7 @@ import torch
 from helpers import edit_json, rewrite_safetensors
 from safetensors.torch import load_file
 
-from nanovllm.layers.quantization.fp8_ops import quantize_weight_block_fp8
+from nanovllm.features.quantization.fp8_ops import quantize_weight_block_fp8
 
 QWEN_FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                    "weight_block_size": [128, 128]}
@@ -73,7 +73,7 @@ def quantize_checkpoint_fp8(src: str, dst: str, scale_dtype=torch.bfloat16, kv_s
 
 def dequantized_weights(path: str) -> dict[str, torch.Tensor]:
     """The FP8 checkpoint's linear weights as real numbers (fp32), by our own dequantizer."""
-    from nanovllm.layers.quantization.fp8_ops import dequantize_weight_block_fp8
+    from nanovllm.features.quantization.fp8_ops import dequantize_weight_block_fp8
 
     tensors = load_file(os.path.join(path, "model.safetensors"))
     return {name: dequantize_weight_block_fp8(t, tensors[name[:-len("weight")] + "weight_scale_inv"])

@@ -111,7 +111,7 @@ def _store(cache_dtype):
 
 def _qk_norm_rope(cache_dtype, norm):
     from nanovllm.kernels.fused_ops import qk_norm_rope
-    from nanovllm.layers.rotary_embedding import RotaryEmbedding
+    from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
     nh, nkv, hd, tokens = 16, 8, 128, 6
     qkv = torch.randn(tokens, (nh + 2 * nkv) * hd).to(BF16)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from nanovllm.kernels.all_reduce import all_reduce_rms_norm, wait_count
-from nanovllm.layers.layernorm import RMSNorm
+from nanovllm.model.layers.layernorm import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

@@ -54,11 +54,11 @@ def test_import_graph_has_no_cycles():
         if m not in state:
             visit(m)
     assert not cycles, cycles
-    assert edges["nanovllm.engine.model_runner"]  # the graph is real: the runner imports its parts
+    assert edges["nanovllm.core.model_runner"]  # the graph is real: the runner imports its parts
 
 
 def test_model_runner_is_small():
-    with open(os.path.join(ROOT, "engine", "model_runner.py")) as f:
+    with open(os.path.join(ROOT, "core", "model_runner.py")) as f:
         assert len(f.read().splitlines()) <= 250
 
 
@@ -74,6 +74,6 @@ def test_no_function_longer_than_80_lines_but_kernels():
 
 
 def test_engine_step_reads_as_the_step():
-    tree = modules()["nanovllm.engine.llm_engine"]
+    tree = modules()["nanovllm.core.engine"]
     step = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "step")
     assert step.end_lineno - step.lineno + 1 <= 25

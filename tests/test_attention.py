@@ -8,9 +8,9 @@ import types
 import pytest
 import torch
 
-from nanovllm.layers import attention as attn_mod
-from nanovllm.layers.attention import Attention, FlashAttnBackend, TorchBackend, gather_kv, select_backend
-from nanovllm.utils.context import AttentionMetadata, prefill_metadata
+from nanovllm.model import attention as attn_mod
+from nanovllm.model.attention import Attention, FlashAttnBackend, TorchBackend, gather_kv, select_backend
+from nanovllm.model.context import AttentionMetadata, prefill_metadata
 
 
 # ----------------------------------------------------------------------------- scenario helpers
@@ -183,7 +183,7 @@ def test_backend_selection(monkeypatch):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_backend_prefill_matches_torch_on_gpu(case, block_size):
-    from nanovllm.layers.attention import TritonBackend
+    from nanovllm.model.attention import TritonBackend
 
     cached, new = CASES[case]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, block_size, torch.bfloat16, "cuda",
@@ -202,7 +202,7 @@ def test_triton_backend_prefill_matches_torch_on_gpu(case, block_size):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_backend_decode_matches_torch_on_gpu(block_size):
     from nanovllm.kernels.paged_decode import choose_num_splits
-    from nanovllm.layers.attention import TritonBackend
+    from nanovllm.model.attention import TritonBackend
 
     g = torch.Generator().manual_seed(torch.seed() % 10_000)
     ctx = torch.randint(1, 3000, (48,), generator=g).tolist()
@@ -218,7 +218,7 @@ def test_triton_backend_decode_matches_torch_on_gpu(block_size):
 
 
 def test_gather_groups_and_varlen_gather_on_cpu():
-    from nanovllm.layers.attention import gather_kv, gather_kv_varlen, groups_of_at_most
+    from nanovllm.model.attention import gather_kv, gather_kv_varlen, groups_of_at_most
 
     assert list(groups_of_at_most([5, 5, 5], 10)) == [(0, 2), (2, 3)]
     assert list(groups_of_at_most([20, 1, 1], 10)) == [(0, 1), (1, 3)]   # a long one alone
@@ -234,7 +234,7 @@ def test_gather_groups_and_varlen_gather_on_cpu():
 
 @pytest.mark.gpu
 def test_triton_prefix_prefill_in_several_gather_groups(monkeypatch):
-    from nanovllm.layers.attention import TritonBackend
+    from nanovllm.model.attention import TritonBackend
 
     cached, new = CASES["prefix_hit"]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=11)
@@ -489,7 +489,7 @@ def test_triton_backend_fp8_matches_torch_on_gpu(case, block_size):
     triton backend on an FP8 cache vs the torch backend on the same cache, and both vs fp32
     attention over the round-tripped K/V. bf16 throughout: 1e-2 as the bf16 tests above."""
     from nanovllm.kernels.paged_decode import choose_num_splits
-    from nanovllm.layers.attention import TritonBackend
+    from nanovllm.model.attention import TritonBackend
 
     cached, new = CASES[case]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, block_size, torch.bfloat16, "cuda",

@@ -193,7 +193,7 @@ def test_kernel_breakdown_sorts_profiled_kernels_by_kind():
 def test_step_timeline_groups_steps_and_counts_the_waits():
     import time
 
-    from nanovllm.engine.lifecycle import StepTiming
+    from nanovllm.core.lifecycle import StepTiming
 
     class FakeEngine:  # calls its step observers as LLMEngine.step does
         def __init__(self):
@@ -233,7 +233,7 @@ PEAK, BW = 790e12, 4.3e12
 
 
 def _step(is_prefill, num_tokens, num_seqs, context_tokens, attention_pairs):
-    from nanovllm.engine.lifecycle import StepTiming
+    from nanovllm.core.lifecycle import StepTiming
 
     return StepTiming(is_prefill, num_tokens, 0.0, 0.0, num_seqs, context_tokens, attention_pairs)
 
@@ -389,7 +389,7 @@ def test_static_batching_reservation():
 
 
 def test_kv_usage_report_summarises_and_thins_the_samples():
-    from nanovllm.engine.block_manager import KVUsage
+    from nanovllm.core.block_manager import KVUsage
 
     # 2500 steps: live tokens rise 0..2499 with blocks of 16 allocated to cover them (+1 block).
     samples = [(100.0 + i / 1000, KVUsage(16, 1000, i // 16 + 1, i, min(i, 7))) for i in range(2500)]
@@ -414,7 +414,7 @@ def test_kv_usage_report_summarises_and_thins_the_samples():
 
 def test_plot_kv_usage_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from nanovllm.engine.block_manager import KVUsage
+    from nanovllm.core.block_manager import KVUsage
 
     samples = [(i / 10, KVUsage(16, 64, i // 4 + 1, 4 * i, 3)) for i in range(40)]
     res = {"model": "tiny", "kv_usage": bench.kv_usage_report(samples, 0.0, [[0] * 30] * 3, [20] * 3, 3)}

@@ -1,4 +1,4 @@
-"""Unit tests of the paged KV-cache bookkeeping (nanovllm/engine/block_manager.py).
+"""Unit tests of the paged KV-cache bookkeeping (nanovllm/core/block_manager.py).
 
 No model and no GPU: a "computed" token is simulated by advancing `num_cached_tokens` and
 calling `commit`, which is exactly what `Scheduler.postprocess` does after a model step.
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm.engine import block_manager as bm_mod
-from nanovllm.engine.block_manager import BlockManager, chain_hash
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core import block_manager as bm_mod
+from nanovllm.core.block_manager import BlockManager, chain_hash
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 _ids = iter(range(10**9))

@@ -196,7 +196,7 @@ def test_bad_decode_blas_environment_variable_raises_before_any_work(ckpt, monke
 
 
 def test_forced_flash_attn_without_the_package_fails_before_loading(ckpt, monkeypatch):
-    import nanovllm.layers.attention as attention
+    import nanovllm.model.attention as attention
 
     # As on a CUDA machine without flash-attn (the H200 we test on): refused in Config, not
     # later when the backend imports it after the weights are loaded.

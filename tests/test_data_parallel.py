@@ -1,4 +1,4 @@
-"""Data parallelism with local replica processes (nanovllm/distributed/data_parallel.py,
+"""Data parallelism with local replica processes (nanovllm/launch/data_parallel.py,
 local_replicas.py, replica.py), on CPU: the same outputs as one engine, in input order; a
 killed replica raises quickly, naming it; nothing is left running after shutdown.
 
@@ -20,8 +20,8 @@ from helpers import greedy, make_llm
 from scale_out import completions, deadline, gone, mixed_params, no_children, prompts
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.distributed.data_parallel import ReplicaFailed, shard_by_work, wants_data_parallel
-from nanovllm.engine.llm_engine import LLMEngine
+from nanovllm.launch.data_parallel import ReplicaFailed, shard_by_work, wants_data_parallel
+from nanovllm.core.engine import LLMEngine
 
 KW = dict(kvcache_block_size=16, num_kvcache_blocks=64)
 

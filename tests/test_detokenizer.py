@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nanovllm.engine.detokenizer import IncrementalDetokenizer, detokenize, detokenize_continuation
+from nanovllm.core.detokenizer import IncrementalDetokenizer, detokenize, detokenize_continuation
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small vocabulary: common words merge into single tokens while most CJK characters and all

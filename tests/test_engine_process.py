@@ -1,4 +1,4 @@
-"""EngineProcess: the server's engine loop in a child process (nanovllm/engine/engine_process.py).
+"""EngineProcess: the server's engine loop in a child process (nanovllm/serve/engine_process.py).
 
 The tokens it streams are compared with offline generate; its failure modes are: the model
 cannot be built (the LLM's own error, raised in the parent), the child dies (every open request
@@ -16,8 +16,8 @@ import pytest
 from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint
 
 from nanovllm import SamplingParams
-from nanovllm.engine.async_engine import Accepted, Delta, EngineRequest, EngineStopped, Failed, Finished
-from nanovllm.engine.engine_process import EngineProcess
+from nanovllm.serve.async_engine import Accepted, Delta, EngineRequest, EngineStopped, Failed, Finished
+from nanovllm.serve.engine_process import EngineProcess
 
 OPTIONS = dict(device="cpu", kvcache_block_size=BLOCK, num_kvcache_blocks=64, max_num_seqs=8)
 DEADLINE_S = 60.0
@@ -139,7 +139,7 @@ def test_events_of_an_aborted_request_are_dropped_on_both_threads():
     sent before it heard of the abort are dropped by the reader (the request is gone from the
     registry), and those the reader had already handed on are dropped by call_sinks (the
     request is marked aborted)."""
-    from nanovllm.engine.async_engine import call_sinks
+    from nanovllm.serve.async_engine import call_sinks
 
     got = []
     engine = EngineProcess("unused", {}, dispatch=call_sinks)
@@ -172,7 +172,7 @@ def test_ctrl_c_while_the_model_loads_ends_the_child(ckpt):
 def test_a_request_whose_preparation_raises_anything_is_refused_not_the_engine(ckpt):
     """A chat template that raises (jinja2's TemplateError: Qwen's templates call
     raise_exception) refuses its request with a ValueError; the engine serves on."""
-    from nanovllm.engine.async_engine import ChatPrompt
+    from nanovllm.serve.async_engine import ChatPrompt
 
     sinks = Sinks()
     engine = EngineProcess(ckpt, OPTIONS)

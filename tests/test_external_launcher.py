@@ -1,4 +1,4 @@
-"""Tensor parallelism under torchrun (nanovllm/distributed/external_launcher.py), on CPU with
+"""Tensor parallelism under torchrun (nanovllm/launch/torchrun.py), on CPU with
 gloo: two ranks started by `python -m torch.distributed.run` get the same outputs as each other
 and as the engine's own TP=2.
 

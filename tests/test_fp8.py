@@ -33,7 +33,7 @@ from fp8_checkpoints import QWEN_FP8_CONFIG, dequantized_weights, make_peaked, q
 from helpers import assert_idle, edit_json, greedy, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import LLM  # noqa: E402
-from nanovllm.layers.quantization.fp8_ops import dequantize_weight_block_fp8  # noqa: E402
+from nanovllm.features.quantization.fp8_ops import dequantize_weight_block_fp8  # noqa: E402
 
 # Every packed part and TP=2 shard a whole number of 128-blocks (as in real FP8 checkpoints).
 ALIGNED = dict(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512)
@@ -236,7 +236,7 @@ def test_tp2_equals_tp1_with_fp8_weights_and_kv(ckpts):
     ({k: v for k, v in QWEN_FP8_CONFIG.items() if k != "weight_block_size"}, "per-tensor"),
 ])
 def test_unsupported_checkpoint_quantization_is_named(ckpts, tmp_path, monkeypatch, qc, match):
-    from nanovllm.engine import model_runner
+    from nanovllm.core import model_runner
 
     _, fp8 = ckpts["aligned"]
     folder = tmp_path / "bad"

@@ -1,5 +1,5 @@
 """Tests for the FP8 GEMM building blocks: nanovllm/kernels/fp8_gemm.py (Triton) and
-nanovllm/layers/quantization/fp8_ops.py (torch references, checkpoint formats, dispatchers).
+nanovllm/features/quantization/fp8_ops.py (torch references, checkpoint formats, dispatchers).
 
 Without CUDA the kernels run in Triton's interpreter (tests/conftest.py): small shapes, fp32/fp16
 GEMM outputs (the interpreter truncates fp32 -> bf16). Every test draws fresh random inputs (the
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from nanovllm.kernels.fp8_gemm import fp8_block_matmul, quantize_fp8_per_tensor, quantize_fp8_per_token_group
-from nanovllm.layers.quantization import fp8_ops
-from nanovllm.layers.quantization.fp8_ops import (
+from nanovllm.features.quantization import fp8_ops
+from nanovllm.features.quantization.fp8_ops import (
     FP8_MAX,
     FP8_MIN_SCALE,
     dequantize_per_token_group,

@@ -19,8 +19,8 @@ import torch
 
 from nanovllm.kernels.fused_ops import qk_norm_rope
 from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.layers.attention import store_kvcache_torch
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.model.attention import store_kvcache_torch
+from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FP8 = torch.float8_e4m3fn
@@ -158,7 +158,7 @@ def _generate(ckpt, fuse: str, monkeypatch, **llm_kw):
     uses plain torch ops and never fuses."""
     from helpers import greedy, make_llm, rand_ids
 
-    from nanovllm.models.decoder import DecoderAttention
+    from nanovllm.model.decoder import DecoderAttention
 
     monkeypatch.setenv("NANOVLLM_FUSE_KV_STORE", fuse)
     llm = make_llm(ckpt, max_num_batched_tokens=48, **llm_kw)  # chunked prefill: a later chunk reads the cache

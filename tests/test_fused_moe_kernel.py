@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import fused_moe as fm
-from nanovllm.layers.moe import route_topk
+from nanovllm.features.moe import route_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 CPU_DTYPES = [torch.float32, torch.float16]

@@ -1166,7 +1166,7 @@ def test_stop_string_in_text_flushed_at_the_end_makes_finish_reason_stop(llm):
     stop string found only then ends it with "stop", as stream() reports it."""
     pieces = llm.tokenizer.encode("中", add_special_tokens=False)
     assert len(pieces) > 1  # byte-level pieces: the first alone is an incomplete character
-    from nanovllm.engine.lifecycle import decide_finish
+    from nanovllm.core.lifecycle import decide_finish
 
     seq = llm.add_request(llm.tokenize("Hello, world!"), greedy(1, stop=["\ufffd"]))
     detok = llm.requests._detok[seq.seq_id]

@@ -254,7 +254,7 @@ def test_moe_expert_paths_agree_on_cuda_and_in_a_graph(fresh_seed):
     1e-2 relative (Frobenius) is a few roundings' worth."""
     from helpers import reference_moe
 
-    from nanovllm.layers import moe
+    from nanovllm.features import moe
 
     T, H, I, E, k = 200, 256, 128, 16, 4
     x = torch.randn(T, H, device="cuda").bfloat16()

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import assert_idle, greedy, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
 
-from nanovllm.engine.interrupts import deferred_interrupts  # noqa: E402
+from nanovllm.core.interrupts import deferred_interrupts  # noqa: E402
 
 PROMPTS = [rand_ids(n, seed=n) for n in (5, 19, 33, 8)]
 

@@ -1,4 +1,4 @@
-"""Unit tests of weight loading (nanovllm/utils/loader.py) into our Qwen3 model."""
+"""Unit tests of weight loading (nanovllm/model/loader.py) into our Qwen3 model."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from helpers import (  # noqa: E402
     tiny_checkpoint,
 )
 
-import nanovllm.utils.loader as loader_mod  # noqa: E402
-from nanovllm.models.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from nanovllm.utils.loader import init_dummy, load_model  # noqa: E402
+import nanovllm.model.loader as loader_mod  # noqa: E402
+from nanovllm.model.families.qwen3 import Qwen3ForCausalLM  # noqa: E402
+from nanovllm.model.loader import init_dummy, load_model  # noqa: E402
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

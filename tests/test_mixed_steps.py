@@ -173,7 +173,7 @@ def test_triton_backend_runs_decode_rows_of_a_mixed_step_through_the_decode_kern
 
     from test_attention import dense_new_kv, make_cache_scenario, prefill_meta, reference_attention
 
-    from nanovllm.layers.attention import TritonBackend
+    from nanovllm.model.attention import TritonBackend
 
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 4, 2, 16, 16, getattr(torch, dtype), device,
                                                 seed=fresh_seed)
@@ -194,7 +194,7 @@ def test_triton_backend_runs_decode_rows_of_a_mixed_step_through_the_decode_kern
 def test_step_inputs_mark_the_trailing_decode_rows_for_the_triton_backend():
     import torch
 
-    from nanovllm.engine.step_inputs import StepInput, StepInputs
+    from nanovllm.core.step_inputs import StepInput, StepInputs
 
     def meta_of(backend, q_lens, starts):
         inputs = StepInputs(8, 4, 16, torch.device("cpu"), backend, 2)

@@ -7,8 +7,8 @@ import random
 import pytest
 import torch
 
-from nanovllm.engine.sampling import PendingTokens
-from nanovllm.engine.step_inputs import DecodeBuffers, StepInput
+from nanovllm.core.sampling import PendingTokens
+from nanovllm.core.step_inputs import DecodeBuffers, StepInput
 
 
 def _expected_rows(step: StepInput, bs: int, width: int, block_size: int):
@@ -47,8 +47,8 @@ def test_decode_buffers_load_every_field_and_clear_stale_rows():
 
 
 def test_step_input_marks_tokens_still_on_the_device():
-    from nanovllm.engine.scheduler import ScheduledBatch
-    from nanovllm.engine.sequence import PENDING_TOKEN, Sequence
+    from nanovllm.core.scheduler import ScheduledBatch
+    from nanovllm.core.sequence import PENDING_TOKEN, Sequence
     from nanovllm.sampling_params import SamplingParams
 
     a = Sequence(0, [1, 2, 3], SamplingParams(), 0)
@@ -104,7 +104,7 @@ def test_pending_tokens_with_a_check_stop_waiting_once_it_raises():
 
 
 def test_preferred_blas_switches_for_the_block_and_restores_after_an_error(monkeypatch):
-    from nanovllm.engine import cuda_graphs as model_runner
+    from nanovllm.core import cuda_graphs as model_runner
 
     current = ["cublas"]
     calls = []

@@ -173,8 +173,8 @@ def test_tensor_parallel_sizes_are_checked(tmp_path_factory, name, tp, pattern):
 
 
 def test_moe_layer_choice_follows_transformers(tmp_path_factory):
-    from nanovllm.layers.moe import SparseMoeBlock
-    from nanovllm.models.decoder import DenseMLP
+    from nanovllm.features.moe import SparseMoeBlock
+    from nanovllm.model.decoder import DenseMLP
 
     for name, expected in (("moe_norm_topk", [True, False, True]), ("moe_sparse_step", [False, True, False])):
         path = tiny_checkpoint(tmp_path_factory, name)
@@ -196,7 +196,7 @@ def test_llama3_inv_freq_equals_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nanovllm.layers.rotary_embedding import Llama3RopeScaling, rope_inv_freq
+    from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, rope_inv_freq
 
     for head_dim, theta, scaling in ((128, 500000.0, (8.0, 1.0, 4.0, 8192)), (64, 500000.0, (32.0, 1.0, 4.0, 8192)),
                                      (16, 10000.0, (4.0, 1.0, 4.0, 64))):
@@ -217,7 +217,7 @@ def test_llama3_inv_freq_equals_transformers():
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_router_and_experts_match_a_per_token_reference(fresh_seed, renormalize):
-    from nanovllm.layers.moe import moe_torch, route_topk
+    from nanovllm.features.moe import moe_torch, route_topk
 
     T, H, I, E, k = 13, 24, 10, 6, 2
     logits = torch.randn(T, E)
@@ -245,7 +245,7 @@ def test_router_and_experts_match_a_per_token_reference(fresh_seed, renormalize)
 
 
 def test_moe_functions_reject_bad_arguments():
-    from nanovllm.layers.moe import moe_torch, route_topk
+    from nanovllm.features.moe import moe_torch, route_topk
 
     with pytest.raises(ValueError, match="top_k=5"):
         route_topk(torch.randn(3, 4), 5, True)
@@ -262,8 +262,8 @@ def test_moe_functions_reject_bad_arguments():
 def test_expert_weights_split_across_ranks(fresh_seed):
     """Per-expert and fused tensors give each rank its slice of I; both ranks together hold
     the whole tensors; bad shapes and expert ids name the tensor."""
-    from nanovllm.layers.moe import MoeExperts
-    from nanovllm.distributed.group import TPGroup, use_tp_group
+    from nanovllm.features.moe import MoeExperts
+    from nanovllm.parallel.group import TPGroup, use_tp_group
 
     E, H, I = 3, 8, 6
     gate, up, down = torch.randn(E, I, H), torch.randn(E, I, H), torch.randn(E, H, I)
@@ -292,7 +292,7 @@ def test_expert_weights_split_across_ranks(fresh_seed):
         assert torch.equal(s.w13[:, half:], up[:, r * half:(r + 1) * half])
         assert torch.equal(s.w2, down[:, :, r * half:(r + 1) * half])
     # The ranks' partial sums add up to the whole layer's output.
-    from nanovllm.layers.moe import moe_torch, route_topk
+    from nanovllm.features.moe import moe_torch, route_topk
 
     x = torch.randn(5, H)
     w, ids = route_topk(torch.randn(5, E), 2, True)
@@ -301,8 +301,8 @@ def test_expert_weights_split_across_ranks(fresh_seed):
 
 
 def _params(path):
-    from nanovllm.models.registry import model_class
-    from nanovllm.utils.loader import load_model
+    from nanovllm.model.registry import model_class
+    from nanovllm.model.loader import load_model
 
     hf = Config.from_kwargs(path).hf_config
     model = model_class(hf)(hf)
@@ -360,7 +360,7 @@ def test_bad_expert_tensors_are_named(tmp_path_factory, tmp_path, case):
 
 def test_dispatch_uses_torch_without_the_kernel_on_cpu(monkeypatch):
     """fused_experts is the one switch: on CPU always plain torch, whatever is importable."""
-    from nanovllm.layers import moe
+    from nanovllm.features import moe
 
     calls = []
     monkeypatch.setattr(moe, "_fused_moe_kernel", lambda: calls.append(1) or (lambda *a: 1 / 0))

@@ -39,11 +39,11 @@ from fp8_checkpoints import QWEN_FP8_CONFIG, make_peaked, quantize_checkpoint_fp
 from helpers import (assert_idle, copy_checkpoint, edit_json, greedy, make_llm, rand_ids,  # noqa: E402
                      rewrite_safetensors)
 
-from nanovllm.layers.moe import MoeExperts, moe_torch, route_topk  # noqa: E402
-from nanovllm.layers.quantization.fp8_moe import (CheckpointFp8Experts, moe_fp8_down_torch,  # noqa: E402
+from nanovllm.features.moe import MoeExperts, moe_torch, route_topk  # noqa: E402
+from nanovllm.features.quantization.fp8_moe import (CheckpointFp8Experts, moe_fp8_down_torch,  # noqa: E402
                                                   moe_fp8_gate_up_torch, moe_fp8_torch,
                                                   quantize_moe_activations_torch)
-from nanovllm.layers.quantization.fp8_ops import dequantize_weight_block_fp8, quantize_weight_block_fp8  # noqa: E402
+from nanovllm.features.quantization.fp8_ops import dequantize_weight_block_fp8, quantize_weight_block_fp8  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS32 = 2.0**-24
@@ -143,7 +143,7 @@ def test_fp8_experts_shard_with_their_scales_under_tp(fresh_seed):
     and the matching block row / column of the scales; per-expert and fused tensors load alike;
     the ranks' partial outputs sum to the TP=1 output (activation groups of 128 are the same on
     a rank as in the whole: only fp32 summation order differs, bound 1e-5 relative)."""
-    from nanovllm.distributed.group import TPGroup, use_tp_group
+    from nanovllm.parallel.group import TPGroup, use_tp_group
 
     E, H, I = 3, 200, 256  # H = 200: partial last blocks along H
     tensors = expert_tensors(E, H, I)
@@ -214,7 +214,7 @@ def test_dequantized_experts_equal_transformers(ckpts):
 
 
 def test_ignored_modules_match_whole_names():
-    from nanovllm.layers.quantization.fp8 import Fp8Config
+    from nanovllm.features.quantization.fp8 import Fp8Config
 
     ignored = ["model.layers.1.mlp.gate", "lm_head"]
     cfg = Fp8Config.from_checkpoint({**QWEN_FP8_CONFIG, "modules_to_not_convert": ignored})
@@ -534,7 +534,7 @@ def test_tp_shard_that_cuts_an_expert_block_is_an_error(tmp_path_factory, monkey
     """moe_intermediate_size 128 at TP=2: 64 rows per rank cut a 128-row block of the scales.
     Refused when the config is read: before any process starts or weight loads. At TP=1 the
     same model is fine."""
-    from nanovllm.engine import model_runner
+    from nanovllm.core import model_runner
 
     root = tmp_path_factory.mktemp("moe_cut")
     src = tm.make_tiny_qwen3_moe(root / "bf16", **{**MOE, "moe_intermediate_size": 128})
@@ -607,7 +607,7 @@ def test_gpu_fp8_moe_layer_against_the_cpu_arithmetic(fresh_seed, tp):
     each), the down step fed the kernel's intermediate; the layer's output the kernel's slots
     summed, and within 5% normwise of the CPU layer (which differs only where the two
     intermediates' FP8 codes round apart: one e4m3 step, 2**-3 relative, on a few elements)."""
-    from nanovllm.distributed.group import TPGroup, use_tp_group
+    from nanovllm.parallel.group import TPGroup, use_tp_group
     from nanovllm.kernels import fused_moe as fm
 
     H, I, E, k, T = QWEN3_30B["hidden"], QWEN3_30B["inter"] // tp, QWEN3_30B["num_experts"], QWEN3_30B["k"], 5

@@ -151,7 +151,7 @@ def test_tp2_n_samples_logprobs_and_penalties_equal_tp1(model_path):
 def test_new_engine_refused_while_an_abort_is_pending(model_path, monkeypatch):
     """While an earlier engine's NCCL abort still runs (it can outlive the engine on GPUs), a
     new TP engine says so before it starts any process."""
-    from nanovllm.distributed.supervisor import PROCESS
+    from nanovllm.launch.supervisor import PROCESS
 
     release = threading.Event()
     pending = threading.Thread(target=release.wait, daemon=True)
@@ -216,7 +216,7 @@ def test_killed_worker_raises_quickly(model_path):
 def test_worker_dead_before_the_watchdog_notices(model_path, monkeypatch):
     """Sending the next step to a dead worker fails (broken pipe) before the watchdog may have
     reported it: the caller must still get the worker's death, not an OSError."""
-    import nanovllm.distributed.supervisor as supervisor
+    import nanovllm.launch.supervisor as supervisor
 
     llm = LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16)
     try:
@@ -262,7 +262,7 @@ def test_worker_dead_at_start_raises_instead_of_waiting_in_the_rendezvous(model_
 _RENDEZVOUS_SCRIPT = """
 import multiprocessing as mp, os, sys, time
 from nanovllm import LLM
-from nanovllm.distributed import worker
+from nanovllm.launch import worker
 
 
 def joins_then_dies(config, rank, init_file, conn):
@@ -636,9 +636,9 @@ import torch, torch.distributed as dist, torch.multiprocessing as mp
 
 def worker(rank, init, seed):
     from nanovllm.kernels.fused_ops import rms_norm
-    from nanovllm.distributed.copy_engine import CopyEngineAllReduce
-    from nanovllm.distributed.fused_all_reduce import FusedAllReduceNorm
-    from nanovllm.distributed.group import TPGroup
+    from nanovllm.parallel.copy_engine import CopyEngineAllReduce
+    from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
+    from nanovllm.parallel.group import TPGroup
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)

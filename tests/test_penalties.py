@@ -194,8 +194,8 @@ def test_bad_values_are_value_errors_naming_the_field(bad):
 def test_requests_that_use_none_of_it_take_the_plain_path(llm, monkeypatch):
     """No row asks for logits processing or logprobs: no processing tensors are built and none
     of their device work runs (the sampler gets the raw logits), also next to n > 1 requests."""
-    from nanovllm.engine import sampling
-    from nanovllm.layers import logits_processors
+    from nanovllm.core import sampling
+    from nanovllm.features import logits_processors
 
     def forbidden(*a, **k):
         raise AssertionError("logits processing ran for requests that use none of it")

@@ -21,9 +21,9 @@ from helpers import BLOCK, assert_idle, greedy, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
 from nanovllm.config import Config  # noqa: E402
-from nanovllm.engine.prefill_graphs import PrefillGraphs, prefill_graph_sizes  # noqa: E402
-from nanovllm.layers.attention import Attention  # noqa: E402
-from nanovllm.utils.context import prefill_metadata  # noqa: E402
+from nanovllm.features.prefill_graphs import PrefillGraphs, prefill_graph_sizes  # noqa: E402
+from nanovllm.model.attention import Attention  # noqa: E402
+from nanovllm.model.context import prefill_metadata  # noqa: E402
 
 
 @pytest.mark.parametrize("max_tokens", [1, 16, 100, 256, 1000, 2048, 5000])

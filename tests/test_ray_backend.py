@@ -1,4 +1,4 @@
-"""Data parallelism on Ray (nanovllm/distributed/ray_replicas.py), on a local Ray cluster
+"""Data parallelism on Ray (nanovllm/launch/ray_replicas.py), on a local Ray cluster
 started by the test (CPU resources only): the same outputs as one engine, a killed actor raises
 naming it, no actor is left after shutdown. Skipped where Ray is not installed."""
 
@@ -15,7 +15,7 @@ from helpers import greedy, make_llm
 from scale_out import ROOT, completions, deadline, gone, mixed_params, prompts
 
 from nanovllm import LLM
-from nanovllm.distributed.data_parallel import ReplicaFailed
+from nanovllm.launch.data_parallel import ReplicaFailed
 
 ray = pytest.importorskip("ray")
 

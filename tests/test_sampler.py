@@ -10,8 +10,8 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from nanovllm.layers import sampler as sampler_mod
-from nanovllm.layers.sampler import (Sampler, SamplingTensors, _mix32_, apply_filters,
+from nanovllm.core import sampler as sampler_mod
+from nanovllm.core.sampler import (Sampler, SamplingTensors, _mix32_, apply_filters,
                                      gumbel_argmax_triton, hash_uniform)
 from nanovllm.sampling_params import SamplingParams as SP
 

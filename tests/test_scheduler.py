@@ -14,11 +14,11 @@ import time
 
 import pytest
 
-from nanovllm.engine import block_manager as bm_mod
-from nanovllm.engine.block_manager import BlockManager
-from nanovllm.engine.lifecycle import RequestLifecycle, is_stop_token
-from nanovllm.engine.scheduler import Scheduler
-from nanovllm.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanovllm.core import block_manager as bm_mod
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.lifecycle import RequestLifecycle, is_stop_token
+from nanovllm.core.scheduler import Scheduler
+from nanovllm.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.serve import ServerProcess  # noqa: E402
+from nanovllm.serve.server import ServerProcess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKS = 128
@@ -499,8 +499,8 @@ def test_an_api_key_guards_every_route_but_health(offline, ckpt):
     Starlette's TestClient as the client's HTTP transport."""
     from fastapi.testclient import TestClient
 
-    from nanovllm.engine.async_engine import EngineLoop
-    from nanovllm.serve import create_app
+    from nanovllm.serve.async_engine import EngineLoop
+    from nanovllm.serve.server import create_app
 
     for bad in (" ", "s3cret\n"):
         with pytest.raises(ValueError, match="api_key"):
@@ -539,8 +539,8 @@ def test_detokenize_without_a_tokenizer_is_a_400(ckpt):
     instead of answering an empty text; /tokenize of token ids still works."""
     from fastapi.testclient import TestClient
 
-    from nanovllm.engine.async_engine import EngineLoop
-    from nanovllm.serve import create_app
+    from nanovllm.serve.async_engine import EngineLoop
+    from nanovllm.serve.server import create_app
 
     llm = make_llm(ckpt, device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=16)
     try:
@@ -553,7 +553,7 @@ def test_detokenize_without_a_tokenizer_is_a_400(ckpt):
 
 
 def test_an_empty_api_key_is_refused_before_any_work(capsys):
-    from nanovllm.serve import main
+    from nanovllm.serve.server import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["/no/such/model", "--api-key", " "])
@@ -562,7 +562,7 @@ def test_an_empty_api_key_is_refused_before_any_work(capsys):
 
 # ---------------------------------------------------------------------------- in process
 def test_the_engine_loop_owns_the_llm_and_aborts_free_blocks(offline):
-    from nanovllm.engine.async_engine import Accepted, Delta, EngineLoop, EngineRequest, Failed, Finished
+    from nanovllm.serve.async_engine import Accepted, Delta, EngineLoop, EngineRequest, Failed, Finished
 
     events, arrived = [], threading.Event()
 
@@ -603,8 +603,8 @@ def test_the_engine_loop_owns_the_llm_and_aborts_free_blocks(offline):
 def test_stream_chunks_are_the_json_of_the_whole_chunk(include_usage):
     """Chunks encodes the head once and splices each choice in: the same JSON as encoding the
     whole chunk object."""
-    from nanovllm.openai_protocol import CompletionRequest
-    from nanovllm.serve import Chunks
+    from nanovllm.serve.protocol import CompletionRequest
+    from nanovllm.serve.server import Chunks
 
     body = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": include_usage})
     head = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m \"q\""}
@@ -616,7 +616,7 @@ def test_stream_chunks_are_the_json_of_the_whole_chunk(include_usage):
 
 
 def test_every_config_field_is_a_flag():
-    from nanovllm.serve import build_parser, config_fields, llm_options
+    from nanovllm.serve.server import build_parser, config_fields, llm_options
 
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
@@ -633,7 +633,7 @@ def test_every_config_field_is_a_flag():
 def test_a_data_parallel_server_is_refused_before_any_work(flags, capsys):
     """The engine loop drives one in-process engine: the server says so at once, before it
     loads anything (the model path does not exist) or starts a replica."""
-    from nanovllm.serve import main
+    from nanovllm.serve.server import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["/no/such/model", *flags])
@@ -642,7 +642,7 @@ def test_a_data_parallel_server_is_refused_before_any_work(flags, capsys):
 
 
 def test_the_engine_loop_refuses_a_data_parallel_llm():
-    from nanovllm.engine.async_engine import EngineLoop
+    from nanovllm.serve.async_engine import EngineLoop
     from nanovllm.llm import DataParallelLLM
 
     with pytest.raises(ValueError, match="drives one engine in this process"):

@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint
-from nanovllm.engine.block_manager import BlockManager, KVUsage
-from nanovllm.engine.lifecycle import StepShape
-from nanovllm.engine.scheduler import ScheduledBatch
-from nanovllm.engine.sequence import Sequence
+from nanovllm.core.block_manager import BlockManager, KVUsage
+from nanovllm.core.lifecycle import StepShape
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
 

@@ -23,7 +23,7 @@ from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 
 def _worker(rank: int, world: int, init_file: str, args) -> None:
     from nanovllm.kernels.fused_ops import rms_norm
-    from nanovllm.distributed.fused_all_reduce import FusedAllReduceNorm
+    from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,

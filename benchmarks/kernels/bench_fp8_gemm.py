@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 
 from nanovllm.kernels.fp8_gemm import BLOCK_MATMUL_CONFIGS, fp8_block_matmul, quantize_fp8_per_token_group
-from nanovllm.layers.quantization.fp8_ops import (
+from nanovllm.features.quantization.fp8_ops import (
     FP8_DTYPE,
     dequantize_per_token_group,
     dequantize_weight_block_fp8,

@@ -19,7 +19,7 @@ from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 
 from nanovllm.kernels.fused_ops import qk_norm_rope
 from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.layers.rotary_embedding import RotaryEmbedding
+from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
 LAYERS, NH, NKV, HD, BLOCK = 28, 16, 8, 128, 256
 BATCHES = (1, 8, 32, 64, 128, 256)

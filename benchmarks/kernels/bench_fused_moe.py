@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from nanovllm.kernels import fused_moe as fm  # noqa: E402
-from nanovllm.layers.moe import route_topk  # noqa: E402
-from nanovllm.layers.quantization.fp8_ops import quantize_weight_block_fp8  # noqa: E402
+from nanovllm.features.moe import route_topk  # noqa: E402
+from nanovllm.features.quantization.fp8_ops import quantize_weight_block_fp8  # noqa: E402
 from timing import cuda_graph_us  # noqa: E402  (benchmarks/kernels/timing.py, beside this script)
 
 H, I, E, K = 2048, 768, 128, 8

@@ -5,7 +5,7 @@ symmetric-memory kernel instead of NCCL + norm, and the copy-engine variant: eac
 are copied into the peer's receive buffer by cudaMemcpyAsync on a side stream (a copy engine,
 no SMs, so it can run beside cuBLAS), followed by a flag word written with cuStreamWriteValue32;
 the norm waits for the peer's last flag and adds the received rows (CopyEngineAllReduce in
-nanovllm/distributed/copy_engine.py, what the engine uses for 8k-16k rows at TP=2).
+nanovllm/parallel/copy_engine.py, what the engine uses for 8k-16k rows at TP=2).
 
 Measured on 2xH200 (BENCHMARKS.md): the chunks do not overlap on the default stream, nor with
 torch._C._set_sm_carveout_experimental (which cuBLAS's nvjet kernels ignore); the
@@ -47,8 +47,8 @@ def _ms(fn, reps: int = 10) -> float:
 
 def _worker(rank: int, world: int, init_file: str) -> None:
     from nanovllm.kernels.fused_ops import rms_norm
-    from nanovllm.distributed.copy_engine import CopyEngineAllReduce
-    from nanovllm.distributed.fused_all_reduce import FusedAllReduceNorm
+    from nanovllm.parallel.copy_engine import CopyEngineAllReduce
+    from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"file://{init_file}", rank=rank, world_size=world,

@@ -44,7 +44,7 @@ def make_logits(kind: str, b: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def sampling_tensors(case: str, b: int):
-    from nanovllm.layers.sampler import SamplingTensors
+    from nanovllm.core.sampler import SamplingTensors
     from nanovllm.sampling_params import SamplingParams
 
     kw = CASES[case]
@@ -78,7 +78,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_sampler: needs a CUDA GPU; nothing to do here")
         return
-    from nanovllm.layers.sampler import Sampler
+    from nanovllm.core.sampler import Sampler
 
     new, old = Sampler(fused_filters=True), Sampler(fused_filters=False)
     gen = torch.Generator(device="cuda").manual_seed(0)

@@ -7,7 +7,7 @@
   (token, 128 of K) and one weight scale per 128x128 block, fp32 accumulation.
 
 The quantizers compute exactly the arithmetic of the torch references in
-nanovllm/layers/quantization/fp8_ops.py, so their codes and scales match bit for bit:
+nanovllm/features/quantization/fp8_ops.py, so their codes and scales match bit for bit:
 scale = max(amax / 448, FP8_MIN_SCALE), q = fp8_rne(clamp(x * (1 / scale), -448, 448)). Both
 divisions are `tl.div_rn` (IEEE round to nearest, like torch): a plain fp32 `/` lowers to an
 approximate division on NVIDIA. Each element then costs one fp32 product with the group's

@@ -1,0 +1,369 @@
+"""The engine loop: validate requests, then schedule -> launch the model -> account, step by step,
+with the accounting of step n done while the device runs step n+1 (see LLMEngine.step)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import time
+from typing import Callable
+
+from nanovllm.config import Config, read_json
+from nanovllm.core.block_manager import BlockManager, KVUsage
+from nanovllm.core.interrupts import deferred_interrupts
+from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.sequence import Sequence
+from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LLMEngine", "StepOutput", "StepResult", "StepTiming"]
+
+
+def _as_id_list(value) -> list[int]:
+    if value is None:
+        return []
+    return [value] if isinstance(value, int) else list(value)
+
+
+class LLMEngine:
+    """Validates requests and drives the loop: schedule -> run the model -> account for the step.
+
+    `LLM` (nanovllm/llm.py) is the user-facing subclass; this class holds the engine state: the
+    scheduler and block manager, the model runner (one per tensor-parallel rank), the tokenizer
+    and the request lifecycle (engine/lifecycle.py). One thread drives an engine.
+
+    `step_observers`: callables that get a `StepTiming` at the end of every step (bench.py's
+    timeline reads them).
+    """
+
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config.from_kwargs(model, **kwargs)
+        if config.tensor_parallel_size > 1 and config.distributed_executor_backend != "external_launcher":
+            from nanovllm.launch.worker import refuse_unguarded_main
+
+            refuse_unguarded_main()
+        hf = config.hf_config
+        self.tokenizer = None
+        if not config.skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
+                                            config.trust_remote_code, config.revision)
+        self.eos_token_ids = frozenset(find_eos_token_ids(config.model, hf, self.tokenizer))
+        gc = config.generation_config
+        self.generation_defaults = {} if gc == "vllm" else read_generation_defaults(config.model if gc == "auto" else gc)
+        self.vocab_size = hf.vocab_size
+        self.model_runner = self._start_model_runner(config)
+        self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.mixed_steps)
+        self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len,
+                                         release=self.model_runner.release)
+        self.step_observers: list[Callable[[StepTiming], None]] = []
+        self._rng = random.Random(config.seed)
+        self._seq_ids = itertools.count()
+        self._request_ids = itertools.count()
+        self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
+        self._closed = False
+
+    def _start_model_runner(self, config: Config):
+        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
+            raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
+                             "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
+        if config.distributed_executor_backend == "external_launcher":
+            from nanovllm.launch.torchrun import ExternalLauncherRunner
+
+            return ExternalLauncherRunner(config)
+        if config.tensor_parallel_size > 1:
+            from nanovllm.launch.tensor_parallel import TensorParallelRunner
+
+            return TensorParallelRunner(config)
+        from nanovllm.core.model_runner import ModelRunner
+
+        return ModelRunner(config)
+
+    # ------------------------------------------------------------------ requests
+    def tokenize(self, prompt) -> list[int]:
+        """A prompt (text or token ids) as a validated list of token ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
+            if not prompt:
+                raise ValueError("empty prompt")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and (ids := as_token_ids(prompt)) is not None:
+            pass
+        else:
+            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError("empty prompt")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops; the list below only on error)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        return ids
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """A new SamplingParams with the model's generation_config.json defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty where the file sets them; see the
+        generation_config option), as in vLLM: what a request without SamplingParams uses."""
+        return SamplingParams(**self.generation_defaults)
+
+    def get_tokenizer(self):
+        """The tokenizer (None with skip_tokenizer_init=True)."""
+        return self.tokenizer
+
+    def kv_usage(self) -> KVUsage:
+        """The KV cache's use now: blocks held, the running requests' live tokens, how many run
+        (BlockManager.usage). Cheap enough to sample after every step (bench.py does)."""
+        return self.block_manager.usage(self.scheduler.running)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix; False (and nothing forgotten) while requests run."""
+        return self.block_manager.reset_prefix_cache()
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after
+        the checks that need the model: token ids inside the vocabulary, logprobs within
+        max_logprobs, a tokenizer for stop strings and bad words (tokenized here), n within
+        max_num_seqs. ValueError naming the field otherwise."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        p = params.snapshot()
+        vocab = self.vocab_size
+
+        def outside(ids):
+            return sorted(t for t in ids if t >= vocab)
+
+        for name, ids in (("stop_token_ids", p.stop_ids), ("logit_bias", p.bias or ()),
+                          ("allowed_token_ids", p.allowed_ids or ())):
+            if outside(ids):
+                raise ValueError(f"{name}: token ids {outside(ids)} are outside the vocabulary [0, {vocab})")
+        cap = self.config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(p, name)
+            if k is not None and cap != -1 and (k == -1 or k > cap):
+                raise ValueError(f"SamplingParams.{name}={k}: more than max_logprobs={cap} "
+                                 f"(an LLM option; -1 allows the whole vocabulary)")
+        if p.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
+        if p.n > self.config.max_num_seqs:
+            raise ValueError(f"SamplingParams.n={p.n}: more than max_num_seqs={self.config.max_num_seqs} "
+                             "samples can never run together")
+        if p.bad_word_strings:
+            if self.tokenizer is None:
+                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")
+            p._set_bad_word_ids(self._bad_word_ids(p.bad_word_strings))
+        return p
+
+    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, alone and after a space (vLLM's rule: the spaced form
+        counts when it is as many tokens and starts with another token)."""
+        out = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError(f"SamplingParams.bad_words: {word!r} gives no tokens")
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            out.append(tuple(plain))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(tuple(spaced))
+        bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(f"SamplingParams.bad_words: token ids {bad} are outside the vocabulary")
+        return tuple(out)
+
+    def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
+        """Reject a request that could never be served, before any work starts (`params` as
+        prepare_params returns them: their own checks are done)."""
+        cfg = self.config
+        if num_prompt_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt of {num_prompt_tokens} tokens is longer than max_model_len={cfg.max_model_len}")
+        total = num_prompt_tokens + params.max_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
+                             f"exceeds max_model_len={cfg.max_model_len}")
+        # The last generated token's K/V is never written, hence total - 1.
+        bm = self.block_manager
+        blocks = bm.blocks_for(total - 1)
+        if blocks > bm.num_blocks:
+            raise ValueError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks, but the whole cache "
+                             f"has {bm.num_blocks}")
+        # n > 1: the prompt's blocks plus a copy of its partly filled last block per extra sample.
+        first = bm.blocks_for(num_prompt_tokens) + (params.n - 1) * (num_prompt_tokens % bm.block_size != 0)
+        if first > bm.num_blocks:
+            raise ValueError(f"n={params.n} samples of a {num_prompt_tokens}-token prompt need {first} KV blocks "
+                             f"to start, but the whole cache has {bm.num_blocks}")
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
+                    prompt: str | None = None) -> Sequence:
+        """Queue a validated request (see `tokenize` / `check_fits`); its Sequence, which for
+        n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any."""
+        params = params if getattr(params, "_frozen", False) else self.prepare_params(params)
+        request_id = str(next(self._request_ids))
+        samples = []
+        for i in range(params.n):
+            if params.seed is not None:
+                seed = derive_sample_seed(params.seed, i)
+            else:
+                seed = self._rng.getrandbits(63)
+            samples.append(Sequence(next(self._seq_ids), prompt_ids, params, seed, sample_index=i))
+        seq = samples[0]
+        for s in samples:
+            s.request_id, s.prompt_text = request_id, prompt
+        if len(samples) > 1:
+            seq.samples, seq.pending_forks = samples, samples[1:]
+            for child in samples[1:]:
+                child.samples = samples
+                child.prompt_logprobs = None  # the request's prompt logprobs are sample 0's
+        self.requests.add(seq, track_text)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request wherever it is, freeing its blocks."""
+        self.requests.abort(seq)
+
+    def forget_text(self, seq: Sequence) -> None:
+        """Drop a request's detokenizer state (its text will not be read)."""
+        self.requests.forget_text(seq)
+
+    def final_text(self, seq: Sequence) -> str:
+        """The finished request's output text, as it continues the prompt."""
+        return self.requests.final_text(seq)
+
+    def cancel_in_flight(self) -> None:
+        """Forget the launched step without waiting for it, ending its unfinished requests. The
+        device may still be running it; later steps queue behind it, so the KV blocks it writes
+        are never read before it is done."""
+        step, self._in_flight = self._in_flight, None
+        if step is not None:
+            step.abort(self.requests)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or self._in_flight is not None
+
+    # ------------------------------------------------------------------ the loop
+    def step(self) -> StepResult:
+        """One engine step, overlapped with the device: schedule and launch step n+1, then wait
+        for step n's tokens and account for them while the device runs n+1.
+
+        Returns step n's outputs. If launching n+1 or waiting for n raises (a dead tensor-parallel
+        worker, ...), the requests of both steps end with finish_reason "abort" and the exception
+        propagates; other requests are untouched. A Ctrl-C is raised once the step is complete.
+        """
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        with deferred_interrupts():
+            batch = self.scheduler.schedule()
+            done, self._in_flight = self._in_flight, None
+            if batch is None and done is None:
+                raise RuntimeError("scheduler produced no work although requests are pending")
+            launched = self._launch(batch, done) if batch is not None else None
+            outputs, waited = self._resolve(done, launched) if done is not None else ([], 0.0)
+            if launched is not None:
+                # After resolving step n: a request that step n stopped is skipped in n+1 (its
+                # row was computed for nothing, one row once per request).
+                self.requests.launched(batch)
+                self._in_flight = launched
+            return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
+
+    def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
+        try:
+            shape = StepShape.of(batch) if self.step_observers else None  # before the launch advances it
+            return InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids), shape)
+        except BaseException:
+            # Part of step n+1 may be queued already, overwriting step n's tokens on the device
+            # that a later step would read: neither can be trusted.
+            self._abandon(done, InFlightStep(batch, None))
+            raise
+
+    def _resolve(self, done: InFlightStep, launched: InFlightStep | None) -> tuple[list[StepOutput], float]:
+        try:
+            return done.resolve(self.requests)
+        except BaseException:
+            # Waiting for step n failed with n+1 already launched on n's tokens: neither step
+            # can be accounted for any more, so their requests end.
+            self._abandon(done, launched)
+            raise
+
+    def _abandon(self, *steps: InFlightStep | None) -> None:
+        for step in steps:
+            if step is not None:
+                step.abort(self.requests)
+
+    def _step_result(self, step: InFlightStep, resolved: bool, outputs: list[StepOutput],
+                     waited: float) -> StepResult:
+        """`step`: the step resolved, or (resolved False) the first one, which only launched."""
+        batch = step.batch
+        num_tokens = batch.num_tokens if resolved else 0
+        if self.step_observers:
+            # A step launched before the first observer came has no shape: zeros, as unresolved.
+            shape = step.shape if resolved and step.shape is not None else (0, 0, 0)
+            timing = StepTiming(batch.is_prefill, num_tokens, waited, time.perf_counter(), *shape)
+            for observer in self.step_observers:
+                observer(timing)
+        return StepResult(outputs, num_tokens, batch.is_prefill)
+
+    # ------------------------------------------------------------------ lifecycle
+    def shutdown(self) -> None:
+        """Free the GPU memory and stop tensor-parallel workers; the engine refuses work afterwards."""
+        self._closed = True
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            runner.shutdown()
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(path: str, mode: str = "auto", trust_remote_code: bool = False, revision: str | None = None):
+    """The tokenizer in `path` (LLM's `tokenizer` option, else the checkpoint folder), or a
+    ValueError that says how to run without one. mode "slow" asks transformers for the Python
+    tokenizer (use_fast=False), as vLLM's tokenizer_mode does."""
+    from transformers import AutoTokenizer
+
+    # transformers 5 returns an empty tokenizer for a folder without tokenizer files instead of
+    # failing, which would later surface as confusing "empty prompt" errors.
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ValueError(f"no tokenizer files in {path!r} (expected one of {', '.join(TOKENIZER_FILES)}); "
+                         f"pass skip_tokenizer_init=True to run on token ids only")
+    try:
+        return AutoTokenizer.from_pretrained(path, use_fast=mode != "slow", trust_remote_code=trust_remote_code,
+                                             revision=revision)
+    except Exception as e:
+        raise ValueError(f"could not load a tokenizer from {path!r} ({type(e).__name__}: {e}); "
+                         f"pass skip_tokenizer_init=True to run on token ids only") from None
+
+
+# generation_config.json keys that become the default SamplingParams, as vLLM reads them.
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def read_generation_defaults(path: str) -> dict:
+    """The sampling defaults that the checkpoint's generation_config.json sets (vLLM's
+    generation_config="auto"), checked: a bad value is a ValueError naming the file."""
+    gen_file = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen_file):
+        return {}
+    data = read_json(gen_file)
+    defaults = {k: data[k] for k in GENERATION_DEFAULT_FIELDS if data.get(k) is not None}
+    try:
+        SamplingParams(**defaults)
+    except ValueError as e:
+        raise ValueError(f"{gen_file}: {e}") from None
+    return defaults
+
+
+def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
+    """EOS ids from the tokenizer, config.json and generation_config.json (Qwen3 lists several)."""
+    ids = set(_as_id_list(getattr(hf_config, "eos_token_id", None)))
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    gen_file = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen_file):
+        ids.update(_as_id_list(read_json(gen_file).get("eos_token_id")))
+    # An id the model can never produce cannot end a request, and must not reach the sampler's
+    # min_tokens mask (an out-of-range index is a device-side assert on CUDA).
+    return {i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size}

@@ -1,0 +1,255 @@
+"""The request lifecycle, in one place: a request's text state, the step in flight, and the one
+rule that decides when and why a request ends.
+
+Overlap scheduling makes the lifecycle subtle: step n+1 is launched before step n's tokens reach
+the host, so a request's last token is a placeholder for one step (Sequence.add_pending_token),
+a request that reached its length is retired at launch but only finishes when that token
+arrives, and a step whose tokens will never be read must end its requests (abort).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from nanovllm.core.detokenizer import IncrementalDetokenizer, detokenize_continuation
+from nanovllm.core.scheduler import ScheduledBatch, Scheduler
+from nanovllm.core.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class StepOutput:
+    """What one step did for one request: the tokens and text it added, and whether it ended.
+
+    `text` is the newly stable text (only for requests that track text: streaming or stop
+    strings); `finish_reason` is "stop" or "length" once `finished`. `logprobs`: the new
+    tokens' raw logprob entries (Sequence.logprobs) when the request asked for them.
+    """
+
+    seq: Sequence
+    new_token_ids: list[int]
+    text: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[tuple] | None = None
+
+
+class StepResult(NamedTuple):
+    """What `LLMEngine.step()` returns: the outputs of the step it resolved, how many tokens that
+    step computed, and whether it was a prefill step."""
+
+    outputs: list[StepOutput]
+    num_tokens: int
+    is_prefill: bool
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """One engine step as the host saw it, for `LLMEngine.step_observers` (bench.py's timeline).
+
+    num_tokens / is_prefill describe the step resolved (0 tokens: the first step only launched);
+    wait_s is how long the host waited for that step's tokens; ended_at is time.perf_counter()
+    when the step returned. The step's shape, as it was launched (StepShape; zeros for the
+    launch-only first step): num_seqs sequences computed tokens, attending over
+    context_tokens K/V entries in all (cached + new, summed over them), in attention_pairs
+    (query, key) pairs under the causal mask (= context_tokens for a decode step)."""
+
+    is_prefill: bool
+    num_tokens: int
+    wait_s: float
+    ended_at: float
+    num_seqs: int = 0
+    context_tokens: int = 0
+    attention_pairs: int = 0
+
+
+class StepShape(NamedTuple):
+    """What a step computes, for roofline estimates (StepTiming's fields of the same names)."""
+
+    num_seqs: int
+    context_tokens: int
+    attention_pairs: int
+
+    @classmethod
+    def of(cls, batch: ScheduledBatch) -> "StepShape":
+        """The shape of a batch about to launch (each sequence's num_cached_tokens not yet
+        advanced). One pass over the batch: ~5 us for 256 decode rows, so the engine computes
+        it only while someone observes its steps."""
+        seqs = batch.seqs
+        if not batch.is_prefill:  # one new token each, attending over its cached tokens and itself
+            context = sum(s.num_cached_tokens for s in seqs) + len(seqs)
+            return cls(len(seqs), context, context)
+        context = pairs = 0
+        for s, n in zip(seqs, batch.num_new_tokens):
+            c = s.num_cached_tokens
+            context += c + n
+            pairs += n * c + n * (n + 1) // 2  # new token j sees the c cached ones and j + 1 new ones
+        return cls(len(seqs), context, pairs)
+
+
+def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
+    """Whether `token_id`, just appended to `seq`, ends it (stop ids / EOS after min_tokens)."""
+    p = seq.params
+    if seq.num_completion_tokens < p.min_tokens:
+        return False
+    return token_id in p.stop_ids or (not p.ignore_eos and token_id in eos_token_ids)
+
+
+def decide_finish(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
+                  detok: IncrementalDetokenizer | None = None) -> tuple[str, int | str | None] | None:
+    """Whether the token just filled in ends `seq`, and why: (finish_reason, stop_reason) or None.
+
+    The only place a finish is decided (besides an abort). In order: a stop token (a stop id, or
+    EOS unless ignore_eos; both only once min_tokens exist) -> "stop", with the stop id as
+    stop_reason (None for EOS); a stop string in the text -> "stop", with the string; max_tokens or
+    max_model_len reached -> "length". A request that ends flushes the text held back for an
+    incomplete character first: a stop string found there makes the reason "stop".
+    """
+    stopped_by_text = detok is not None and detok.add([token_id])  # the text grows in any case
+    if is_stop_token(seq, token_id, eos_token_ids):
+        finish = ("stop", token_id if token_id in seq.params.stop_ids else None)
+    elif stopped_by_text:
+        return "stop", detok.stop_string
+    elif seq.reached_length(max_model_len):
+        finish = ("length", None)
+    else:
+        return None
+    if detok is not None and detok.finish():  # a stop string in the text held back until now
+        return "stop", detok.stop_string
+    return finish
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled tokens have not reached the host yet."""
+
+    batch: ScheduledBatch
+    tokens: object  # PendingTokens (engine/sampling.py)
+    shape: StepShape | None = None  # computed at launch while the engine's steps are observed
+
+    def resolve(self, requests: "RequestLifecycle") -> tuple[list[StepOutput], float]:
+        """Wait for the tokens and account for them; (outputs, seconds waited)."""
+        t = time.perf_counter()
+        token_ids = self.tokens.result()
+        waited = time.perf_counter() - t
+        return requests.accept(self.batch, token_ids, self.tokens.logprobs()), waited
+
+    def abort(self, requests: "RequestLifecycle") -> None:
+        """Its tokens will never be read: end its unfinished requests."""
+        requests.abandon(self.batch)
+
+
+class RequestLifecycle:
+    """Owns what happens to requests between the scheduler and the caller: their text state
+    (detokenizer, stop strings), accounting for a launched step and for its tokens, the finish
+    decision, aborts and the final text."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
+                 release=None):
+        self.scheduler = scheduler
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        # release(seq): the request ended; drop its per-request sampler state (penalty counts).
+        self.release = release
+        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._streamed: set[int] = set()  # requests whose text increments someone reads
+
+    def add(self, seq: Sequence, track_text: bool = False) -> None:
+        """Queue a validated request (with n > 1: its sample 0, whose `samples` are all of them);
+        `track_text`: its text increments will be read (stream)."""
+        self.scheduler.add(seq)
+        p = seq.params
+        if (track_text or p.stop_strings) and self.tokenizer is not None and p.detokenize:
+            for sample in seq.samples:
+                self._detok[sample.seq_id] = IncrementalDetokenizer(
+                    self.tokenizer, sample.prompt_token_ids, p.stop_strings, p.skip_special_tokens,
+                    include_stop=p.include_stop_str_in_output,
+                    spaces_between_special_tokens=p.spaces_between_special_tokens)
+                if track_text:
+                    self._streamed.add(sample.seq_id)
+
+    def launched(self, batch: ScheduledBatch) -> None:
+        """A step was launched: hold its tokens' places, retire requests that reached their length."""
+        self.scheduler.advance(batch, self.max_model_len)
+
+    def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
+        """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
+        in, decide finishes, build the outputs. `logprobs` (StepLogprobs, engine/sampling.py):
+        the step's logprob entries for the rows and prompts that asked for them."""
+        outputs = []
+        sample_lps = None
+        if logprobs is not None:
+            sample_lps = logprobs.sample
+            for row, entries in logprobs.prompt:
+                seq = batch.seqs[row]
+                # A DRAINING sequence (max_tokens reached at launch: a max_tokens=1 request whose
+                # prompt step makes its only token) still takes its prompt's logprobs; a FINISHED
+                # one (aborted meanwhile) does not.
+                if seq.prompt_logprobs is not None and seq.status != SequenceStatus.FINISHED:
+                    seq.prompt_logprobs.extend(entries)
+        for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
+            if seq.pending_row != i:
+                continue  # partial prompt chunk, or aborted
+            seq.fill_pending_token(token_id)
+            entry = None
+            if seq.logprobs is not None:
+                if sample_lps is None or i not in sample_lps:
+                    raise RuntimeError(f"internal error: no logprobs for row {i} ({seq})")
+                entry = sample_lps[i]
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[0]
+            detok = self._detok.get(seq.seq_id)
+            finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
+            if finish is not None:
+                self.end(seq, *finish)
+            text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
+            outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason,
+                                      None if entry is None else [entry]))
+        return outputs
+
+    def end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        self.scheduler.retire(seq)
+        seq.finish(reason, stop_reason)
+        if self.release is not None and seq.params.processes_logits:
+            self.release(seq)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop an unfinished request wherever it is, freeing its blocks. One that has ended, or
+        ended at launch (max_tokens) and whose last token is on its way, is left alone."""
+        if not seq.is_finished:
+            self._end_now(seq, "abort")
+
+    def abandon(self, batch: ScheduledBatch) -> None:
+        """End the requests of a launched step whose tokens will never be read (also those that
+        ended at launch: their last token never comes)."""
+        for seq in batch.rows:
+            if seq.status != SequenceStatus.FINISHED:
+                self._end_now(seq, "abort")
+
+    def _end_now(self, seq: Sequence, reason: str) -> None:
+        seq.drop_pending_token()
+        self.end(seq, reason)
+        self.forget_text(seq)
+        for child in seq.pending_forks:  # samples that were never forked end with it
+            if child.status != SequenceStatus.FINISHED:
+                self._end_now(child, reason)
+
+    def forget_text(self, seq: Sequence) -> None:
+        """Drop a request's detokenizer state (its text will not be read)."""
+        self._detok.pop(seq.seq_id, None)
+        self._streamed.discard(seq.seq_id)
+
+    def final_text(self, seq: Sequence) -> str:
+        """The finished request's output text, as it continues the prompt (and forget its
+        detokenizer). The same text the concatenated stream() increments give."""
+        detok = self._detok.get(seq.seq_id)
+        self.forget_text(seq)
+        if detok is not None:
+            return detok.text
+        if self.tokenizer is None or not seq.params.detokenize:
+            return ""
+        p = seq.params
+        return detokenize_continuation(self.tokenizer, seq.prompt_token_ids, seq.completion_token_ids,
+                                       p.skip_special_tokens, p.spaces_between_special_tokens)

@@ -1,0 +1,242 @@
+"""Runs the model for one scheduled batch on one tensor-parallel rank, and samples.
+
+The runner is the composition of small parts: the model and its weights, the paged KV cache
+(kv_cache.py), the packing of a batch into input tensors (step_inputs.py), the captured decode
+graphs (cuda_graphs.py) and the sampler that keeps each step's tokens on the device and sends
+them to the host in the background (sampling.py). It is device-agnostic: the same code runs on
+CPU (torch attention backend) and CUDA (triton / flash_attn backends).
+
+Overlap scheduling: `launch` returns as soon as the step is queued on the device; the next step
+takes the input tokens that the host has not seen yet straight from the device (StepInput.src_rows).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from nanovllm.config import Config
+from nanovllm.parallel.group import create_tp_group, use_tp_group
+from nanovllm.core.cuda_graphs import DecodeGraphs
+from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
+from nanovllm.features.prefill_graphs import PrefillGraphs, prefill_graph_tokens
+from nanovllm.core.sampling import PendingTokens, TokenSampler
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.step_inputs import StepInput, StepInputs
+from nanovllm.model.attention import Attention, select_backend
+from nanovllm.features.quantization.fp8 import finish_fp8_linears, init_dummy_fp8_linears, prepare_fp8_linears
+from nanovllm.model.registry import model_class
+from nanovllm.sampling_params import is_integer
+from nanovllm.model.context import host_to_device, prefill_metadata
+from nanovllm.model.loader import init_dummy, load_model
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    """The model, its KV cache, its CUDA graphs and its sampler on one tensor-parallel rank.
+
+    `launch(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
+    `execute(step)`, then either every rank samples its vocabulary shard (StepInput.sampling)
+    or rank 0 samples the gathered logits (see distributed/tensor_parallel.py).
+    """
+
+    def __init__(self, config: Config):
+        self.config = config
+        hf = config.hf_config
+        t0 = time.perf_counter()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
+            else torch.device("cpu")
+        self.world_size = config.tensor_parallel_size
+        self.rank = dist.get_rank() if self.world_size > 1 else 0
+        self.tp = create_tp_group(self.world_size, self.device, config.dtype, hf.hidden_size,
+                                  config.max_num_batched_tokens, config.custom_all_reduce)
+        self.model = self._build_model()
+        t_weights = time.perf_counter()
+
+        self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
+                                      config.kv_cache_dtype)
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attn_layers:
+            layer.backend = self.backend
+        spec = KVCacheSpec(len(self.attn_layers), config.kvcache_block_size, self.attn_layers[0].num_kv_heads,
+                           self.attn_layers[0].head_dim, config.kv_dtype)
+        max_blocks_per_seq = math.ceil(config.max_model_len / config.kvcache_block_size)
+        num_blocks = blocks_that_fit(config, spec, self.model, self.device, max_blocks_per_seq,
+                                     sampling_rank=self.rank == 0, other_bytes=self.tp.symmetric_memory_bytes())
+        self.num_blocks = self.tp.agree_on_min(num_blocks, self.device)  # every rank holds the same blocks
+        self.kv_cache = allocate_kv_cache(spec, self.num_blocks, self.attn_layers, self.device)
+        t_kv = time.perf_counter()
+
+        max_rows = max(config.max_num_seqs, 1)
+        self.inputs = StepInputs(max_rows, max_blocks_per_seq, config.kvcache_block_size, self.device,
+                                 self.backend.name, spec.num_kv_heads)
+        self.sampler = TokenSampler(max_rows, self.device, self.tp)
+        self.graphs = self.prefill_graphs = None
+        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
+        # The torch backend loops over sequences on the host: nothing a graph could replay.
+        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
+            reserved = torch.cuda.memory_reserved(self.device)
+            self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
+                                       min(config.max_num_seqs, 512), hf.hidden_size, config.dtype,
+                                       config.decode_blas)
+            self.prefill_graphs = self._capture_prefill_graphs(config)
+            self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
+            for layer in self.attn_layers:
+                layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
+        # Where the cold start goes (bench.py reports it).
+        self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
+                                "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
+        logger.info("model runner ready: %s seconds; graphs reserved %.0f MiB", self.startup_seconds,
+                    self.graph_pool_bytes / 2**20)
+
+    def _capture_prefill_graphs(self, config: Config) -> PrefillGraphs | None:
+        """Piecewise graphs for prefill-shaped steps (engine/prefill_graphs.py), or None: none
+        under this config (prefill_graph_tokens), or attention layers of several shapes."""
+        max_tokens = prefill_graph_tokens(config)
+        if max_tokens < 1 or not PrefillGraphs.supports(self.attn_layers):
+            return None
+        # A mixed step's decode rows attend inside the pieces where the pieces also store their
+        # K/V (the fused store) and the triton backend gives them the paged decode kernel. At
+        # most 256 of them: every replay runs the kernel over all those rows (empty ones exit at
+        # once), and a step with more decode rows is GPU-bound anyway, its host time hidden.
+        decode_rows = min(config.max_num_seqs, max_tokens, 256) if self.backend.name == "triton" and \
+            config.fuse_kv_store else 0
+        return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
+                             self.device, pool=self.graphs.pool, stream=self.graphs.stream, decode_rows=decode_rows,
+                             max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size),
+                             decode_splits=self.inputs.num_splits)
+
+    def _build_model(self):
+        """The model with this rank's shard of the weights (from the checkpoint, or random)."""
+        config = self.config
+        # Build the parameters directly in the target dtype on the device (no fp32 copy first).
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with torch.device(self.device), use_tp_group(self.tp):
+                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        if config.quant is not None:
+            prepare_fp8_linears(model, config.quant)
+        for layer in model.modules():
+            if isinstance(layer, Attention):
+                layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
+                layer.fuse_kv_store = config.fuse_kv_store
+        if config.load_format == "dummy":
+            init_dummy(model, config.seed)
+            if config.quant is not None:
+                init_dummy_fp8_linears(model, config.seed)
+        else:
+            load_model(model, config.model)
+        if config.quant is not None:
+            finish_fp8_linears(model)
+        return model
+
+    # ------------------------------------------------------------------ a step
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> PendingTokens:
+        """Queue one step and its sampling on the device; the tokens arrive via the result."""
+        step = StepInput.from_batch(batch)
+        logits = self.execute(step)
+        return self.sampler.sample(logits, batch.rows, eos_token_ids, step=step)
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> torch.Tensor | None:
+        """The model part of a step, which every tensor-parallel rank runs: logits of each
+        sampling row (each sequence's last new token, then the samples forked in this step) and
+        of the prompt-logprob positions (rank 0), or None (other ranks); with `step.sampling`,
+        the sampled tokens instead (every rank, also left in the sampler's device buffer)."""
+        if step.src_rows is not None and self.world_size > 1 and step.sync_prev:
+            self.sampler.share_previous()
+        every = None  # prefill: the hidden state of every packed token
+        if step.is_prefill:
+            ids, pos, meta, last = self.inputs.prefill(step, self.sampler.input_tokens)
+            graphs = self.prefill_graphs
+            if graphs is not None and graphs.bucket_for(ids.numel()) is not None:
+                every = graphs.run(ids, pos, meta)
+            else:
+                every = self.model(ids, pos, meta)
+            hidden = every[last]
+            if not step.prompt_rows:
+                every = None  # (free it before the LM head, as before prompt logprobs existed)
+        else:
+            n = len(step.token_ids)
+            graph_bs = self.graphs.batch_size_for(n) if self.graphs is not None else None
+            if graph_bs is None:
+                hidden = self.model(*self.inputs.decode(step, n, self.sampler.input_tokens))
+            else:
+                hidden = self.graphs.replay(step, graph_bs)
+        if step.fork_rows or step.prompt_rows:
+            hidden = self._extra_rows(hidden, step, every)
+        if step.block_copies:
+            self._copy_blocks(step.block_copies)  # after the forward wrote the source blocks
+        if step.sampling is not None:
+            return self.sampler.sample_shards(self.model, hidden, step.sampling)
+        return self.model.compute_logits(hidden)
+
+    def _extra_rows(self, hidden: torch.Tensor, step: StepInput, every: torch.Tensor | None) -> torch.Tensor:
+        """hidden + the rows forked samples sample from + the prompt-logprob positions (of all
+        the step's tokens, `every`), in that order: one LM-head call (one gather) for all."""
+        parts = [hidden]
+        if step.fork_rows:
+            parts.append(hidden.index_select(0, self._index(step.fork_rows)))
+        if step.prompt_rows:
+            parts.append(every.index_select(0, self._index(step.prompt_rows)))
+        return torch.cat(parts)
+
+    def _index(self, rows: list[int]) -> torch.Tensor:
+        return host_to_device(rows, torch.long, self.device, self.device.type == "cuda")
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """KV blocks src -> dst in every layer (copy on write of a prompt's last block for the
+        samples forked from it)."""
+        src = self._index([a for a, _ in copies])
+        dst = self._index([b for _, b in copies])
+        self.kv_cache[:, :, dst] = self.kv_cache.index_select(2, src)
+
+    def release(self, seq) -> None:
+        """A request ended: drop its sampling state (penalty counts) on this rank."""
+        self.sampler.release(seq)
+
+    # ------------------------------------------------------------------ scoring (tests)
+    def check_score_input(self, token_ids: list[int]) -> None:
+        """score()'s input checks, on the caller's rank before any rank starts (a worker that
+        raised would take the whole tensor-parallel group down)."""
+        n = len(token_ids)
+        if not 0 < n <= self.config.max_model_len:
+            raise ValueError(f"score() needs 1 to max_model_len={self.config.max_model_len} tokens, got {n}")
+        vocab = self.config.hf_config.vocab_size
+        if not all(is_integer(t) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"score() needs token ids in [0, {vocab})")
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
+        sequence, without touching the KV cache. Used to check the model against a reference."""
+        self.check_score_input(token_ids)
+        n = len(token_ids)
+        meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
+        logits = self.model.compute_logits(hidden)
+        return None if logits is None else logits.float()
+
+    def shutdown(self, synchronize: bool = True) -> None:
+        """Release the KV cache, graphs and weights (GPU memory goes back to the allocator).
+        synchronize=False when a kernel may never finish (a TP peer died and NCCL's abort hung):
+        then the memory stays cached rather than wait for the device."""
+        self.graphs = self.prefill_graphs = None
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        self.kv_cache = None
+        self.model = None
+        if self.device.type == "cuda" and synchronize:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()

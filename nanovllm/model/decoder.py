@@ -1,0 +1,340 @@
+"""The decoder every supported family shares: pre-norm attention + MLP (or MoE) blocks.
+
+A family (models/qwen3.py, qwen2.py, llama.py, qwen3_moe.py) only says how its Hugging Face
+config maps onto `DecoderOptions`: q/k norm or not, which projections carry a bias, RoPE and
+its scaling, and which layers are mixture-of-experts. Everything else is this one module:
+
+    embed -> [ input_norm -> attention -> post_attention_norm -> MLP | MoE ] x L -> norm -> lm_head
+
+Under tensor parallelism q/k/v and gate/up are column-parallel (no communication) and o_proj,
+down_proj and the experts return this rank's partial sum; the RMSNorm after each of them sums
+it over the ranks together with the residual add (one fused all-reduce + norm per sub-block).
+A row-parallel bias (o_proj / down_proj of Llama with attention_bias / mlp_bias) is added by
+rank 0 only, so that sum counts it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nanovllm.model.layers.activation import SiluAndMul
+from nanovllm.model.attention import Attention
+from nanovllm.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
+from nanovllm.model.layers.layernorm import RMSNorm
+from nanovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from nanovllm.features.moe import SparseMoeBlock
+from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding
+from nanovllm.model.context import AttentionMetadata
+from nanovllm.parallel.group import current_tp_group
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """Routed experts of the MoE layers: `num_experts` SwiGLU experts of `intermediate_size`
+    (moe_intermediate_size), `top_k` of them per token (num_experts_per_tok), their softmax
+    weights renormalised to sum to 1 when `norm_topk_prob`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+@dataclass(frozen=True)
+class DecoderOptions:
+    """Everything that differs between the supported families, read from config.json once.
+
+    `intermediate_size` is the dense MLP's; `moe_layers` lists the layers whose MLP is the MoE
+    block instead (then `moe` is set). Biases: `qkv_bias` on q/k/v, `o_bias` on o_proj,
+    `mlp_bias` on gate/up/down. `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: Llama3RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    qk_norm: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    moe: MoeOptions | None = None
+    moe_layers: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                     "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"config.json: num_attention_heads={self.num_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim={self.head_dim} must be even (rotary embedding)")
+        if bool(self.moe_layers) and self.moe is None:
+            raise ValueError("moe_layers given without MoE options")
+        if any(not 0 <= i < self.num_layers for i in self.moe_layers):
+            raise ValueError(f"moe_layers {self.moe_layers} outside 0..{self.num_layers - 1}")
+        if len(self.moe_layers) < self.num_layers and self.intermediate_size < 1:
+            raise ValueError(f"config.json: intermediate_size must be >= 1 for the dense MLP layers, "
+                             f"got {self.intermediate_size}")
+
+    def is_moe(self, layer: int) -> bool:
+        return layer in self.moe_layers
+
+    def tensor_parallel_sizes(self) -> dict[str, int]:
+        """The sizes tensor parallelism splits (each must be a multiple of the TP size), named."""
+        sizes = {"attention heads": self.num_heads, "key/value heads": self.num_kv_heads}
+        if len(self.moe_layers) < self.num_layers:
+            sizes["intermediate_size"] = self.intermediate_size
+        if self.moe_layers:
+            sizes["moe_intermediate_size"] = self.moe.intermediate_size
+        return sizes
+
+
+def head_dim_of(config) -> int:
+    """head_dim when config.json names it (Qwen3: not always hidden_size / num_heads), else that quotient."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_TYPES = ("default", "llama3")
+
+
+def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
+    """(rope_theta, scaling) from a transformers config, 5.x (`rope_parameters`, theta inside) or
+    4.x (`rope_theta` + `rope_scaling`, key `rope_type` or the older `type`). Rope types other
+    than plain RoPE and Llama 3's, and partial rotary embeddings, are a ValueError."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    params = dict(params)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r} in config.json; supported: {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor={partial} is not supported (only full rotary embeddings)")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    if theta is None:
+        raise ValueError("config.json has no rope_theta")
+    scaling = None
+    if rope_type == "llama3":
+        missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
+        if missing:
+            raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling")
+        scaling = Llama3RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
+                                    float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    return float(theta), scaling
+
+
+def common_options(config, **choices) -> DecoderOptions:
+    """The fields every family reads the same way, plus the family's `choices` (DecoderOptions
+    fields). Activations other than SiLU are a ValueError."""
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (SwiGLU with silu only)")
+    theta, scaling = rope_of(config)
+    fields = dict(
+        vocab_size=config.vocab_size, hidden_size=config.hidden_size, num_layers=config.num_hidden_layers,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim_of(config), intermediate_size=getattr(config, "intermediate_size", 0) or 0,
+        rms_norm_eps=float(config.rms_norm_eps), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)))
+    fields.update(choices)
+    return DecoderOptions(**fields)
+
+
+def reject_sliding_window(config) -> None:
+    """Sliding-window attention is not implemented: refuse configs that switch it on."""
+    layer_types = getattr(config, "layer_types", None) or ()
+    if getattr(config, "use_sliding_window", False) or "sliding_attention" in layer_types:
+        raise ValueError(f"sliding-window attention is not supported (use_sliding_window=true, "
+                         f"sliding_window={getattr(config, 'sliding_window', None)}, "
+                         f"max_window_layers={getattr(config, 'max_window_layers', None)})")
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class DecoderAttention(nn.Module):
+    """Packed qkv projection (+ bias), optional per-head q/k RMSNorm, RoPE, paged attention,
+    output projection (+ bias) left as this rank's partial sum."""
+
+    def __init__(self, opts: DecoderOptions, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        tp = current_tp_group().size
+        self.head_dim = opts.head_dim
+        self.num_heads = opts.num_heads // tp
+        self.num_kv_heads = opts.num_kv_heads // tp
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(opts.hidden_size, self.head_dim, opts.num_heads, opts.num_kv_heads,
+                                          bias=opts.qkv_bias)
+        # Its partial sums are all-reduced by the post-attention norm (fused there).
+        self.o_proj = RowParallelLinear(opts.num_heads * self.head_dim, opts.hidden_size, bias=opts.o_bias,
+                                        reduce_results=False)
+        self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
+        if opts.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        # The fused kernel handles power-of-two head sizes (all the supported checkpoints').
+        self.fused_rope = self.head_dim & (self.head_dim - 1) == 0
+        # Whether it runs: None = on CUDA tensors (tests set True to run it through Triton's
+        # interpreter on a CPU).
+        self.use_kernels: bool | None = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)
+        store = {}
+        if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
+            from nanovllm.kernels.fused_ops import qk_norm_rope
+
+            # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
+            # writes k and v into the paged cache when the attention layer lets it (one launch
+            # per layer less, and k is not read back from memory for the store).
+            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
+                else (None, None, 0.0)
+            store = self.attn.fused_store_args(meta)
+            q, k, v = qk_norm_rope(qkv, norms[0], norms[1], self.rotary_emb.cos_sin, positions,
+                                   self.num_heads, self.num_kv_heads, self.head_dim, norms[2], **store)
+        else:
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.reshape(-1, self.num_heads, self.head_dim)
+            k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+            v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta, kv_stored=bool(store)).reshape(-1, self.q_size))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up packed in one GEMM; down's output is this
+    rank's partial sum (the next norm all-reduces it)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair).
+
+    Under tensor parallelism `hidden` leaves the block as this rank's partial sum of the MLP
+    (or MoE), and each norm that takes a residual first sums its input over the ranks
+    (all_reduce=True): two all-reduces per layer, each fused with the norm after it.
+    """
+
+    def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = DecoderAttention(opts, rotary_emb)
+        if opts.is_moe(layer):
+            m = opts.moe
+            self.mlp = SparseMoeBlock(opts.hidden_size, m.num_experts, m.top_k, m.intermediate_size,
+                                      m.norm_topk_prob)
+        else:
+            self.mlp = DenseMLP(opts.hidden_size, opts.intermediate_size, bias=opts.mlp_bias)
+        self.input_layernorm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
+
+    def forward(self, positions, hidden, residual, meta):
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual, all_reduce=True)
+        hidden = self.self_attn(positions, hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual, all_reduce=True)
+        return self.mlp(hidden), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and the final norm: token ids -> hidden states."""
+
+    def __init__(self, opts: DecoderOptions, max_positions: int | None = None):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(opts.vocab_size, opts.hidden_size)
+        rotary = RotaryEmbedding(opts.head_dim, max_positions or opts.max_position_embeddings, opts.rope_theta,
+                                 opts.rope_scaling)
+        self.layers = nn.ModuleList(DecoderLayer(opts, i, rotary) for i in range(opts.num_layers))
+        self.norm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
+
+    def forward(self, input_ids, positions, meta):
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden, residual = layer(positions, hidden, residual, meta)
+        hidden, _ = self.norm(hidden, residual, all_reduce=True)
+        return hidden
+
+
+class DecoderForCausalLM(nn.Module):
+    """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing.
+
+    Subclasses (one per family) implement `options_from_config(config) -> DecoderOptions`,
+    which also validates the config (a ValueError for anything unsupported).
+    """
+
+    # Checkpoint tensor name part -> (packed parameter name part, shard id); see utils/loader.py.
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # MoE experts, "<...>.experts.<e>.<part>.weight" -> ("<...>.experts.<param>", (e, shard)),
+    # and transformers' fused "<...>.experts.<fused part>" -> the whole parameter; see loader.py.
+    expert_params_mapping: dict = {}
+    fused_expert_params_mapping: dict = {}
+
+    @classmethod
+    def options_from_config(cls, config) -> DecoderOptions:
+        raise NotImplementedError
+
+    def __init__(self, config, max_positions: int | None = None):
+        """`max_positions` bounds the RoPE table (the engine passes max_model_len)."""
+        super().__init__()
+        self.options = self.options_from_config(config)
+        self.model = DecoderModel(self.options, max_positions)
+        self.lm_head = ParallelLMHead(self.options.vocab_size, self.options.hidden_size)
+        self.tie_word_embeddings = self.options.tie_word_embeddings
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Final hidden states [tokens, hidden] for packed `input_ids` at `positions`."""
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks) for the given
+        rows only. Left unconverted: the sampler reads them once and computes in fp32."""
+        return self.lm_head(hidden)
+
+    def compute_logit_shard(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """This rank's slice of the logits and its first token id (see ParallelLMHead)."""
+        return self.lm_head.shard_logits(hidden)

@@ -1,0 +1,49 @@
+"""RMSNorm, optionally fused with the residual add that precedes it."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanovllm.parallel.group import current_tp_group
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in fp32 (Qwen3 / transformers rounding)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.tp = current_tp_group()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return x.to(dtype) * self.weight
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, all_reduce: bool = False):
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
+
+        The sum is rounded to the activation dtype before the norm, as transformers does, so
+        both compute the same residual stream. On CUDA one fused Triton kernel does it all (the
+        plain version is ~6 kernels per call: casts, square, mean, rsqrt, two multiplies).
+        `all_reduce=True` (with a residual): `x` is this rank's partial sum of a row-parallel
+        layer and is summed over the tensor-parallel ranks first: fused into the same kernel
+        where the group has the symmetric-memory path, or finishing the copy-engine exchange
+        that the layer started (TPGroup.all_reduce_rms_norm), else NCCL.
+        """
+        if all_reduce and self.tp.size > 1:
+            fused = self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
+            if fused is not None:
+                return fused
+            x = self.tp.all_reduce(x)
+        if x.is_cuda:
+            from nanovllm.kernels.fused_ops import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
