@@ -82,8 +82,7 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
             reserved = torch.cuda.memory_reserved(self.device)
             self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
-                                       min(config.max_num_seqs, 512), hf.hidden_size, config.dtype,
-                                       config.decode_blas)
+                                       min(config.max_num_seqs, 512), hf.hidden_size, config.dtype)
             self.prefill_graphs = self._capture_prefill_graphs(config)
             self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
         if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
