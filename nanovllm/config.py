@@ -284,6 +284,13 @@ class Config:
         return resolved
 
 
+def wants_data_parallel(kwargs: dict) -> bool:
+    """Whether LLM(**kwargs) needs the data-parallel front: more than one replica, or the Ray
+    backend (whose single replica may run on another node). Invalid values are left to Config."""
+    dp = kwargs.get("data_parallel_size", 1)
+    return kwargs.get("distributed_executor_backend") == "ray" or (is_integer(dp) and dp > 1)
+
+
 def read_json(path: str) -> dict:
     """One of a checkpoint's JSON files (an object); a broken one is a ValueError naming the file."""
     try:
