@@ -92,7 +92,8 @@ class ReplicaSet:
     def __init__(self, replica_class, kwargs: dict):
         self.replica_class = replica_class  # what each replica runs (an ordinary LLM of T GPUs)
         self.backend = kwargs.get("distributed_executor_backend") or "mp"
-        self.launcher = self._ray_cluster = None
+        self.launcher: ReplicaLauncher | None = None
+        self._ray_cluster: RayCluster | None = None
         self._closed = False
         self.num_replicas, self.num_blocks, self.info = 0, 0, []
         self.startup_seconds: dict[str, float] = {}  # (each replica's: `info`)
@@ -105,10 +106,10 @@ class ReplicaSet:
         if self.backend == "ray":
             try:
                 self._ray_cluster = RayCluster()
+                replica_device = self._ray_cluster.replica_device(replica_device)
             except BaseException:
                 self.close(abandon=True)
                 raise
-            replica_device = self._ray_cluster.replica_device(replica_device)
             kwargs = {**kwargs, "device": front_device(replica_device)}
         self.front_kwargs = kwargs  # the front's own Config: input checks only, no model
         # Each replica is an ordinary single-node engine of T GPUs.
