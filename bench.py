@@ -578,8 +578,6 @@ def main(argv=None):
                     help="TP: every all-reduce through NCCL (LLM custom_all_reduce=False)")
     ap.add_argument("--gather-logits", action="store_true",
                     help="TP: rank 0 gathers the logits and samples alone (default: every rank samples its vocabulary shard)")
-    ap.add_argument("--decode-blas", choices=["cublas", "cublaslt"],
-                    help="BLAS library of the decode graphs' GEMMs (sets NANOVLLM_DECODE_BLAS; default cublaslt)")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
@@ -611,8 +609,6 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.dp > 1 and (args.latency or args.profile or args.profile_startup or args.gather_logits):
         ap.error("--dp > 1 measures throughput only (no --latency, --profile, --profile-startup, --gather-logits)")
-    if args.decode_blas:
-        os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # read when the LLM makes its Config
     round2_env(args)
 
     import torch
@@ -680,7 +676,7 @@ def main(argv=None):
            "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
            "quantization": None if llm.config.quant is None else f"fp8-{llm.config.quant.scheme}",
            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
-           "copy_engine_all_reduce": rank0.tp.copy_engine is not None, "decode_blas": llm.config.decode_blas,
+           "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
            "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
            "logprobs": args.logprobs, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
            "startup_s": llm.model_runner.startup_seconds}

@@ -34,7 +34,7 @@ from nanovllm import SamplingParams  # noqa: E402
 def eager_decode_rows(llm, enabled: bool):
     """While enabled: the prefill graphs' buckets hold no decode rows, so a mixed step's decode
     rows attend eagerly between the pieces (its decode-row tables stay empty)."""
-    graphs = llm.model_runner.prefill_graphs
+    graphs = getattr(llm.model_runner.forward_strategy, "graphs", None)
     if not enabled or graphs is None:
         yield
         return
@@ -87,7 +87,7 @@ def main(argv=None) -> int:
         llm.add_request(prompt(args.context), SamplingParams(max_tokens=10**6, ignore_eos=True, temperature=0.6))
     for _ in range(20):
         llm.step()
-    graphs = llm.model_runner.prefill_graphs
+    graphs = getattr(llm.model_runner.forward_strategy, "graphs", None)
     variants = ["decode rows in pieces", "eager decode rows"] if graphs is not None and any(
         b.decode_rows for b in graphs.buckets.values()) else ["as configured"]
     results = {}

@@ -50,21 +50,6 @@ def resolve_model_path(model: str, revision: str | None = None, what: str = "mod
     raise FileNotFoundError(f"{what} folder {model!r} does not exist")
 
 
-# The BLAS library the decode graphs' GEMMs are captured with. cuBLASLt's heuristics pick faster
-# kernels than cuBLAS's for most decode GEMM shapes (benchmarks/kernels/bench_gemm.py --blas;
-# figures in BENCHMARKS.md). A graph keeps the kernels it was captured with, so the process-wide
-# setting is switched for the capture only. Override with NANOVLLM_DECODE_BLAS=cublas to compare.
-DECODE_BLAS_LIBRARIES = ("cublas", "cublaslt")
-
-
-def decode_blas_library() -> str:
-    """NANOVLLM_DECODE_BLAS (default cublaslt), checked."""
-    name = os.environ.get("NANOVLLM_DECODE_BLAS", "cublaslt")
-    if name not in DECODE_BLAS_LIBRARIES:
-        raise ValueError(f"NANOVLLM_DECODE_BLAS must be one of {DECODE_BLAS_LIBRARIES}, got {name!r}")
-    return name
-
-
 def fuse_kv_store_switch() -> bool:
     """NANOVLLM_FUSE_KV_STORE, checked: "1" (default) stores each layer's K/V inside the q/k-norm
     + RoPE kernel on CUDA (one launch per layer less), "0" in the store kernel of its own (to
@@ -143,9 +128,6 @@ class Config:
     # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
-    # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
-    # workers get this copy, whatever their environment).
-    decode_blas: str = field(init=False, default="cublaslt")
     # Whether the K/V cache store is fused into the q/k-norm + RoPE kernel, from
     # NANOVLLM_FUSE_KV_STORE when the config is made (TP workers get this copy too).
     fuse_kv_store: bool = field(init=False, default=True)
@@ -197,7 +179,6 @@ class Config:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
-        self.decode_blas = decode_blas_library()  # a bad NANOVLLM_DECODE_BLAS fails here, before any work
         self.fuse_kv_store = fuse_kv_store_switch()
         if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
             raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
@@ -301,6 +282,13 @@ class Config:
         if resolved not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={dtype!r}: must be None, 'auto', float32, bfloat16 or float16")
         return resolved
+
+
+def wants_data_parallel(kwargs: dict) -> bool:
+    """Whether LLM(**kwargs) needs the data-parallel front: more than one replica, or the Ray
+    backend (whose single replica may run on another node). Invalid values are left to Config."""
+    dp = kwargs.get("data_parallel_size", 1)
+    return kwargs.get("distributed_executor_backend") == "ray" or (is_integer(dp) and dp > 1)
 
 
 def read_json(path: str) -> dict:

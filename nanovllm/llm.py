@@ -7,11 +7,13 @@ import threading
 import time
 from typing import Iterator
 
-from nanovllm.launch.data_parallel import DataParallelFront, wants_data_parallel
+from nanovllm.config import wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
-from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.engine import LLMEngine
+from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.data_parallel_front import DataParallelFront
+from nanovllm.features import start_executor
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -22,7 +24,17 @@ _UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs",
                                       "cache_salt", "token_type_ids", "prompt_embeds"})
 
 
-class LLM(LLMEngine):
+class _FrontForOptions(type):
+    """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM, any
+    other `LLM(...)` an LLM: the one choice of front, made on the options before either is built."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is LLM and wants_data_parallel(kwargs):
+            cls = DataParallelLLM
+        return type.__call__(cls, *args, **kwargs)
+
+
+class LLM(LLMEngine, metaclass=_FrontForOptions):
     """An offline engine for one model. See README for every keyword argument.
 
     >>> llm = LLM("/path/to/Qwen3-0.6B")
@@ -31,19 +43,16 @@ class LLM(LLMEngine):
     True
     """
 
-    def __new__(cls, model: str = None, **kwargs):
-        # The one choice of front: a single engine in this process, or (data_parallel_size > 1,
-        # or the Ray backend) replicas of it elsewhere behind the same methods.
-        if cls is LLM and wants_data_parallel(kwargs):
-            cls = DataParallelLLM
-        return super().__new__(cls)
-
     def __init__(self, model: str, **kwargs):
         # Taken by generate / stream / chat, so that a second caller (another thread, or an open
         # stream() iterator) gets a clear error instead of sharing the engine's steps.
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
-        super().__init__(model, **kwargs)
+        super().__init__(model, start_executor=self._start_executor, **kwargs)
+
+    def _start_executor(self, config):
+        """What runs the model: this process, or tensor-parallel workers / torchrun (features/)."""
+        return start_executor(config)
 
     def __enter__(self):
         return self
@@ -331,8 +340,8 @@ class LLM(LLMEngine):
 
 class DataParallelLLM(DataParallelFront, LLM):
     """What `LLM(model, data_parallel_size=N, ...)` (or distributed_executor_backend="ray")
-    returns: the same validation, chat template and outputs as LLM, with the prompts of every
-    call shared out over N engine replicas (nanovllm/launch/data_parallel.py)."""
+    makes: LLM's checks, chat template and outputs here, each call's requests run by N engine
+    replicas (nanovllm/data_parallel_front.py)."""
 
     replica_class = LLM  # what each replica runs (an ordinary engine of tensor_parallel_size GPUs)
 

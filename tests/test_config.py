@@ -172,29 +172,6 @@ def test_hf_config_is_loaded(ckpt):
     assert hf.max_position_embeddings == 512
 
 
-@pytest.mark.parametrize("value", ["cublas", "cublaslt"])
-def test_decode_blas_environment_variable_is_kept(ckpt, monkeypatch, value):
-    from nanovllm.config import decode_blas_library
-
-    monkeypatch.setenv("NANOVLLM_DECODE_BLAS", value)
-    assert Config.from_kwargs(ckpt).decode_blas == value
-    assert decode_blas_library() == value
-
-
-def test_decode_blas_defaults_to_cublaslt(monkeypatch):
-    from nanovllm.config import decode_blas_library
-
-    monkeypatch.delenv("NANOVLLM_DECODE_BLAS", raising=False)
-    assert decode_blas_library() == "cublaslt"
-
-
-@pytest.mark.parametrize("value", ["cuBLASLt", "hipblas", ""])
-def test_bad_decode_blas_environment_variable_raises_before_any_work(ckpt, monkeypatch, value):
-    monkeypatch.setenv("NANOVLLM_DECODE_BLAS", value)
-    with pytest.raises(ValueError, match="NANOVLLM_DECODE_BLAS"):
-        Config.from_kwargs(ckpt)
-
-
 def test_forced_flash_attn_without_the_package_fails_before_loading(ckpt, monkeypatch):
     import nanovllm.model.attention as attention
 

@@ -20,8 +20,9 @@ from helpers import greedy, make_llm
 from scale_out import completions, deadline, gone, mixed_params, no_children, prompts
 
 from nanovllm import LLM, SamplingParams
-from nanovllm.launch.data_parallel import ReplicaFailed, shard_by_work, wants_data_parallel
+from nanovllm.config import wants_data_parallel
 from nanovllm.core.engine import LLMEngine
+from nanovllm.launch.data_parallel import ReplicaFailed, shard_by_work
 
 KW = dict(kvcache_block_size=16, num_kvcache_blocks=64)
 

@@ -265,7 +265,7 @@ from nanovllm import LLM
 from nanovllm.launch import worker
 
 
-def joins_then_dies(config, rank, init_file, conn):
+def joins_then_dies(config, rank, init_file, forward_strategy, conn):
     conn.send(("joining", None))  # says it joins the rendezvous, then dies before it does
     os._exit(1)
 

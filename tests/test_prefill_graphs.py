@@ -1,4 +1,4 @@
-"""Piecewise CUDA graphs for prefill-shaped steps (engine/prefill_graphs.py).
+"""Piecewise CUDA graphs for prefill-shaped steps (features/prefill_graphs.py).
 
 On CPU: the token buckets, the option's checks and the attention layer's cut hook. On the GPU
 (marked gpu): the replayed pieces against the eager forward on fresh random batches, and whole
@@ -73,7 +73,7 @@ def test_replayed_pieces_match_the_eager_forward(ckpt, monkeypatch, fuse):
     llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=512, max_prefill_graph_tokens=300)
     try:
         runner = llm.model_runner
-        graphs = runner.prefill_graphs
+        graphs = runner.forward_strategy.graphs
         assert isinstance(graphs, PrefillGraphs) and graphs.sizes[-1] == 300
         # The pieces store K/V themselves exactly when the store is fused.
         assert all(all(b.kv_stored) == (fuse == "1") and any(b.kv_stored) == (fuse == "1")
@@ -147,7 +147,7 @@ def test_replayed_pieces_attend_a_mixed_steps_decode_rows(ckpt, case, dtype, tol
                    max_num_seqs=8, num_kvcache_blocks=512)
     try:
         runner = llm.model_runner
-        graphs = runner.prefill_graphs
+        graphs = runner.forward_strategy.graphs
         assert {n: b.decode_rows for n, b in graphs.buckets.items()} == {n: min(8, n) for n in graphs.sizes}
         rows = MIXED_STEPS[case]
         seed = random.randrange(1 << 30)
@@ -204,7 +204,8 @@ def test_engines_with_and_without_prefill_graphs_agree(ckpt, monkeypatch, fuse, 
         llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=64, mixed_steps=True,
                        max_num_seqs=3, max_prefill_graph_tokens=cap, kv_cache_dtype=kv_cache_dtype)
         try:
-            graphs = llm.model_runner.prefill_graphs
+            strategy = llm.model_runner.forward_strategy
+            graphs = strategy and strategy.graphs
             assert (graphs is None) == (cap == 0)
             count = {"graph": 0, "eager": 0}
             if graphs is not None:
@@ -248,7 +249,7 @@ def test_fp8_scale_calibration_in_a_replayed_prefill(ckpt, monkeypatch):
         llm = make_llm(ckpt, device="cuda", dtype="float32", max_num_batched_tokens=64, max_num_seqs=1,
                        max_prefill_graph_tokens=cap, kv_cache_dtype="fp8", calculate_kv_scales=True)
         try:
-            assert (llm.model_runner.prefill_graphs is None) == (cap == 0)
+            assert (llm.model_runner.forward_strategy is None) == (cap == 0)
             out = llm.generate(prompts, params, use_tqdm=False)
             layers = llm.model_runner.attn_layers
             assert not any(a.calibrate_next_prefill for a in layers)

@@ -10,7 +10,7 @@ larger of weight bytes / 4.3 TB/s and FLOPs / 989 TFLOP/s.
 --blas instead times F.linear through cuBLAS and through cuBLASLt (torch's preferred BLAS
 library) with a cold L2 (a 256 MiB read before each call, its own time subtracted), as the
 engine's decode graphs see the weights; the engine captures them with the faster overall
-(NANOVLLM_DECODE_BLAS). Prints both and the totals per TP degree.
+(cuBLASLt, core/cuda_graphs.py). Prints both and the totals per TP degree.
 """
 
 from __future__ import annotations

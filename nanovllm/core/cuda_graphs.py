@@ -38,22 +38,21 @@ class DecodeGraphs:
 
     `forward(ids, positions, meta)` is the model's decode forward; `inputs` (StepInputs) holds the
     buffers every graph reads, `input_tokens` picks each row's input token on the device
-    (TokenSampler.input_tokens). The graphs' GEMMs are captured with the BLAS library
-    `blas` (a graph keeps the kernels it was captured with, so the process-wide choice is
-    switched for the capture only: cuBLASLt's picks beat cuBLAS's on most decode shapes).
+    (TokenSampler.input_tokens). The graphs' GEMMs are captured with cuBLASLt (a graph keeps
+    the kernels it was captured with, so the process-wide choice is switched for the capture
+    only: cuBLASLt's picks beat cuBLAS's on most decode shapes).
     """
 
-    def __init__(self, forward, inputs, input_tokens, max_bs: int, hidden_size: int, dtype: torch.dtype,
-                 blas: str):
+    def __init__(self, forward, inputs, input_tokens, max_bs: int, hidden_size: int, dtype: torch.dtype):
         self.sizes = graph_batch_sizes(max_bs)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=inputs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.inputs, self.blas = inputs, blas
+        self.inputs = inputs
         self.pool = None  # the graphs' memory pool and capture stream (the prefill graphs use both)
         self.stream = torch.cuda.Stream()
-        with torch.inference_mode(), preferred_blas(blas):
+        with torch.inference_mode(), preferred_blas("cublaslt"):
             self._capture(forward, input_tokens)
-        logger.info("captured CUDA graphs for decode batch sizes %s (%s)", self.sizes, blas)
+        logger.info("captured CUDA graphs for decode batch sizes %s", self.sizes)
 
     def _capture(self, forward, input_tokens) -> None:
         """One graph per size, largest first, so the smaller ones reuse its memory pool."""

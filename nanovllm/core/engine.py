@@ -12,6 +12,7 @@ from typing import Callable
 
 from nanovllm.config import Config, read_json
 from nanovllm.core.block_manager import BlockManager, KVUsage
+from nanovllm.core.executor import Executor, ExecutorFactory, start_in_process
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
@@ -33,19 +34,18 @@ class LLMEngine:
     """Validates requests and drives the loop: schedule -> run the model -> account for the step.
 
     `LLM` (nanovllm/llm.py) is the user-facing subclass; this class holds the engine state: the
-    scheduler and block manager, the model runner (one per tensor-parallel rank), the tokenizer
-    and the request lifecycle (engine/lifecycle.py). One thread drives an engine.
+    scheduler and block manager, the executor that runs the model (`model_runner`, which the
+    front picks: core/executor.py), the tokenizer and the request lifecycle (core/lifecycle.py).
+    One thread drives an engine.
 
     `step_observers`: callables that get a `StepTiming` at the end of every step (bench.py's
     timeline reads them).
     """
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None, **kwargs):
+        """`start_executor(config)` makes the executor (LLM passes its pick); by default the model
+        runs in this process (`start_in_process`)."""
         self.config = config = Config.from_kwargs(model, **kwargs)
-        if config.tensor_parallel_size > 1 and config.distributed_executor_backend != "external_launcher":
-            from nanovllm.launch.worker import refuse_unguarded_main
-
-            refuse_unguarded_main()
         hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -55,7 +55,7 @@ class LLMEngine:
         gc = config.generation_config
         self.generation_defaults = {} if gc == "vllm" else read_generation_defaults(config.model if gc == "auto" else gc)
         self.vocab_size = hf.vocab_size
-        self.model_runner = self._start_model_runner(config)
+        self.model_runner: Executor = (start_executor or start_in_process)(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -68,22 +68,6 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
-
-    def _start_model_runner(self, config: Config):
-        if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
-            raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
-                             "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
-        if config.distributed_executor_backend == "external_launcher":
-            from nanovllm.launch.torchrun import ExternalLauncherRunner
-
-            return ExternalLauncherRunner(config)
-        if config.tensor_parallel_size > 1:
-            from nanovllm.launch.tensor_parallel import TensorParallelRunner
-
-            return TensorParallelRunner(config)
-        from nanovllm.core.model_runner import ModelRunner
-
-        return ModelRunner(config)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt) -> list[int]:

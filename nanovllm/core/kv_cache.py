@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.features.prefill_graphs import prefill_graph_tokens
 from nanovllm.model.context import prefill_metadata
 
 logger = logging.getLogger(__name__)
@@ -51,18 +50,19 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, attn_layers, device: t
 
 
 def blocks_that_fit(config, spec: KVCacheSpec, model, device: torch.device, max_blocks_per_seq: int,
-                    sampling_rank: bool, other_bytes: int = 0) -> int:
+                    sampling_rank: bool, other_bytes: int = 0, graph_tokens: int = 0) -> int:
     """KV blocks for this rank: `config.num_kvcache_blocks` when given, a fixed budget on CPU,
-    else what the GPU budget leaves (blocks_from_gpu_budget)."""
+    else what the GPU budget leaves (blocks_from_gpu_budget; `graph_tokens`: the largest
+    prefill step the forward strategy replays as graphs, 0 for none)."""
     if config.num_kvcache_blocks > 0:
         return config.num_kvcache_blocks
     if device.type == "cpu":
         return max(CPU_KV_CACHE_BYTES // spec.bytes_per_block, max_blocks_per_seq)
-    return blocks_from_gpu_budget(config, spec, model, device, sampling_rank, other_bytes)
+    return blocks_from_gpu_budget(config, spec, model, device, sampling_rank, other_bytes, graph_tokens)
 
 
 def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.device, sampling_rank: bool,
-                           other_bytes: int = 0) -> int:
+                           other_bytes: int = 0, graph_tokens: int = 0) -> int:
     """KV blocks that fit in gpu_memory_utilization of the GPU, counting only our own use.
 
     Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
@@ -82,8 +82,7 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     torch.cuda.reset_peak_memory_stats()
     warmup_forward(model, config.max_num_seqs, 1, device)
     graph_peak = torch.cuda.max_memory_allocated() - base
-    graph_tokens = prefill_graph_tokens(config)
-    if graph_tokens:  # the pieces share the decode graphs' pool (engine/prefill_graphs.py)
+    if graph_tokens:  # the pieces share the decode graphs' pool (features/prefill_graphs.py)
         torch.cuda.reset_peak_memory_stats()
         warmup_forward(model, graph_tokens, config.max_model_len, device)
         # Its q/k/v, attention-output and hidden-state buffers: under 8 x hidden_size per token.

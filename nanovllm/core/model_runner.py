@@ -2,8 +2,10 @@
 
 The runner is the composition of small parts: the model and its weights, the paged KV cache
 (kv_cache.py), the packing of a batch into input tensors (step_inputs.py), the captured decode
-graphs (cuda_graphs.py) and the sampler that keeps each step's tokens on the device and sends
-them to the host in the background (sampling.py). It is device-agnostic: the same code runs on
+graphs (cuda_graphs.py), an optional forward strategy for prefill steps (hooks.py) and the
+sampler that keeps each step's tokens on the device and sends them to the host in the
+background (sampling.py). In one process it is the engine's Executor (executor.py); the
+executors of launch/ drive one per rank. It is device-agnostic: the same code runs on
 CPU (torch attention backend) and CUDA (triton / flash_attn backends).
 
 Overlap scheduling: `launch` returns as soon as the step is queued on the device; the next step
@@ -17,22 +19,20 @@ import math
 import time
 
 import torch
-import torch.distributed as dist
 
 from nanovllm.config import Config
-from nanovllm.parallel.group import create_tp_group, use_tp_group
 from nanovllm.core.cuda_graphs import DecodeGraphs
+from nanovllm.core.hooks import ForwardStrategy
 from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
-from nanovllm.features.prefill_graphs import PrefillGraphs, prefill_graph_tokens
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.model.attention import Attention, select_backend
-from nanovllm.features.quantization.fp8 import finish_fp8_linears, init_dummy_fp8_linears, prepare_fp8_linears
-from nanovllm.model.registry import model_class
-from nanovllm.sampling_params import is_integer
 from nanovllm.model.context import host_to_device, prefill_metadata
 from nanovllm.model.loader import init_dummy, load_model
+from nanovllm.model.registry import model_class
+from nanovllm.parallel.group import TPGroup, use_tp_group
+from nanovllm.sampling_params import is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -42,19 +42,19 @@ class ModelRunner:
 
     `launch(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
     `execute(step)`, then either every rank samples its vocabulary shard (StepInput.sampling)
-    or rank 0 samples the gathered logits (see distributed/tensor_parallel.py).
+    or rank 0 samples the gathered logits (see launch/tensor_parallel.py).
     """
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, forward_strategy: ForwardStrategy | None = None, tp: TPGroup | None = None):
+        """`forward_strategy`: how prefill steps may run other than eagerly (None: eagerly);
+        `tp`: this rank's tensor-parallel group (the launcher's; None: a single rank)."""
         self.config = config
         hf = config.hf_config
         t0 = time.perf_counter()
         self.device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")
-        self.world_size = config.tensor_parallel_size
-        self.rank = dist.get_rank() if self.world_size > 1 else 0
-        self.tp = create_tp_group(self.world_size, self.device, config.dtype, hf.hidden_size,
-                                  config.max_num_batched_tokens, config.custom_all_reduce)
+        self.tp = tp if tp is not None else TPGroup()
+        self.world_size, self.rank = self.tp.size, self.tp.rank
         self.model = self._build_model()
         t_weights = time.perf_counter()
 
@@ -66,8 +66,10 @@ class ModelRunner:
         spec = KVCacheSpec(len(self.attn_layers), config.kvcache_block_size, self.attn_layers[0].num_kv_heads,
                            self.attn_layers[0].head_dim, config.kv_dtype)
         max_blocks_per_seq = math.ceil(config.max_model_len / config.kvcache_block_size)
+        graph_tokens = forward_strategy.max_prefill_tokens if forward_strategy is not None else 0
         num_blocks = blocks_that_fit(config, spec, self.model, self.device, max_blocks_per_seq,
-                                     sampling_rank=self.rank == 0, other_bytes=self.tp.symmetric_memory_bytes())
+                                     sampling_rank=self.rank == 0, other_bytes=self.tp.symmetric_memory_bytes(),
+                                     graph_tokens=graph_tokens)
         self.num_blocks = self.tp.agree_on_min(num_blocks, self.device)  # every rank holds the same blocks
         self.kv_cache = allocate_kv_cache(spec, self.num_blocks, self.attn_layers, self.device)
         t_kv = time.perf_counter()
@@ -76,16 +78,7 @@ class ModelRunner:
         self.inputs = StepInputs(max_rows, max_blocks_per_seq, config.kvcache_block_size, self.device,
                                  self.backend.name, spec.num_kv_heads)
         self.sampler = TokenSampler(max_rows, self.device, self.tp)
-        self.graphs = self.prefill_graphs = None
-        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
-        # The torch backend loops over sequences on the host: nothing a graph could replay.
-        if self.device.type == "cuda" and not config.enforce_eager and self.backend.name != "torch":
-            reserved = torch.cuda.memory_reserved(self.device)
-            self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
-                                       min(config.max_num_seqs, 512), hf.hidden_size, config.dtype,
-                                       config.decode_blas)
-            self.prefill_graphs = self._capture_prefill_graphs(config)
-            self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
+        self._capture_graphs(forward_strategy)
         if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
@@ -95,22 +88,20 @@ class ModelRunner:
         logger.info("model runner ready: %s seconds; graphs reserved %.0f MiB", self.startup_seconds,
                     self.graph_pool_bytes / 2**20)
 
-    def _capture_prefill_graphs(self, config: Config) -> PrefillGraphs | None:
-        """Piecewise graphs for prefill-shaped steps (engine/prefill_graphs.py), or None: none
-        under this config (prefill_graph_tokens), or attention layers of several shapes."""
-        max_tokens = prefill_graph_tokens(config)
-        if max_tokens < 1 or not PrefillGraphs.supports(self.attn_layers):
-            return None
-        # A mixed step's decode rows attend inside the pieces where the pieces also store their
-        # K/V (the fused store) and the triton backend gives them the paged decode kernel. At
-        # most 256 of them: every replay runs the kernel over all those rows (empty ones exit at
-        # once), and a step with more decode rows is GPU-bound anyway, its host time hidden.
-        decode_rows = min(config.max_num_seqs, max_tokens, 256) if self.backend.name == "triton" and \
-            config.fuse_kv_store else 0
-        return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
-                             self.device, pool=self.graphs.pool, stream=self.graphs.stream, decode_rows=decode_rows,
-                             max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size),
-                             decode_splits=self.inputs.num_splits)
+    def _capture_graphs(self, forward_strategy: ForwardStrategy | None) -> None:
+        """The decode graphs, then the forward strategy's own (prefill graphs), on CUDA without
+        enforce_eager; the torch backend loops over sequences on the host: nothing to replay."""
+        config = self.config
+        self.graphs = self.forward_strategy = None
+        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
+        if self.device.type != "cuda" or config.enforce_eager or self.backend.name == "torch":
+            return
+        reserved = torch.cuda.memory_reserved(self.device)
+        self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens, min(config.max_num_seqs, 512),
+                                   config.hf_config.hidden_size, config.dtype)
+        if forward_strategy is not None and forward_strategy.prepare(self):
+            self.forward_strategy = forward_strategy
+        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""
@@ -123,20 +114,21 @@ class ModelRunner:
                 model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len)
         finally:
             torch.set_default_dtype(default_dtype)
-        if config.quant is not None:
-            prepare_fp8_linears(model, config.quant)
+        quant = config.quant  # the weights' quantization scheme, if any: it prepares, fills and finishes them
+        if quant is not None:
+            quant.prepare(model)
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
                 layer.fuse_kv_store = config.fuse_kv_store
         if config.load_format == "dummy":
             init_dummy(model, config.seed)
-            if config.quant is not None:
-                init_dummy_fp8_linears(model, config.seed)
+            if quant is not None:
+                quant.init_dummy(model, config.seed)
         else:
             load_model(model, config.model)
-        if config.quant is not None:
-            finish_fp8_linears(model)
+        if quant is not None:
+            quant.finish(model)
         return model
 
     # ------------------------------------------------------------------ a step
@@ -158,9 +150,9 @@ class ModelRunner:
         every = None  # prefill: the hidden state of every packed token
         if step.is_prefill:
             ids, pos, meta, last = self.inputs.prefill(step, self.sampler.input_tokens)
-            graphs = self.prefill_graphs
-            if graphs is not None and graphs.bucket_for(ids.numel()) is not None:
-                every = graphs.run(ids, pos, meta)
+            strategy = self.forward_strategy
+            if strategy is not None and strategy.runs_prefill(ids.numel()):
+                every = strategy.run_prefill(ids, pos, meta)
             else:
                 every = self.model(ids, pos, meta)
             hidden = every[last]
@@ -232,7 +224,7 @@ class ModelRunner:
         """Release the KV cache, graphs and weights (GPU memory goes back to the allocator).
         synchronize=False when a kernel may never finish (a TP peer died and NCCL's abort hung):
         then the memory stays cached rather than wait for the device."""
-        self.graphs = self.prefill_graphs = None
+        self.graphs = self.forward_strategy = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
         self.kv_cache = None

@@ -5,3 +5,38 @@ backend protocols in `model/`).
 This file is the one place that wires them: the fronts call the functions below, which import a
 feature only when a config option or a request turns it on, so a plain generate loads none.
 """
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- executors, forward strategy, replicas
+
+
+def forward_strategy(config):
+    """The piecewise prefill graphs (core/hooks.py's ForwardStrategy) when `config` allows them:
+    CUDA, no enforce_eager, max_prefill_graph_tokens > 0; else None (prefill steps run eagerly)."""
+    if config.device != "cuda" or config.enforce_eager or config.max_prefill_graph_tokens < 1:
+        return None
+    from nanovllm.features.prefill_graphs import PrefillGraphStrategy, prefill_graph_tokens
+
+    return PrefillGraphStrategy(prefill_graph_tokens(config))
+
+
+def start_executor(config):
+    """What runs the model of LLM's engine (core/executor.py's Executor), with the forward
+    strategy `config` allows: a ModelRunner in this process, or (tensor_parallel_size > 1, or
+    torchrun) rank 0 of worker processes / this torchrun rank (launch/executors.py)."""
+    strategy = forward_strategy(config)
+    if config.tensor_parallel_size == 1 and config.distributed_executor_backend != "external_launcher":
+        from nanovllm.core.executor import start_in_process
+
+        return start_in_process(config, strategy)
+    from nanovllm.launch.executors import start_launched_executor
+
+    return start_launched_executor(config, strategy)
+
+
+def replica_set(replica_class, kwargs: dict):
+    """The replicas of a data-parallel LLM (launch/data_parallel.py's ReplicaSet), not started yet."""
+    from nanovllm.launch.data_parallel import ReplicaSet
+
+    return ReplicaSet(replica_class, kwargs)

@@ -1,4 +1,5 @@
-"""Prefill-shaped steps (prompt chunks, mixed steps) as piecewise CUDA graphs.
+"""Prefill-shaped steps (prompt chunks, mixed steps) as piecewise CUDA graphs: the forward
+strategy (core/hooks.py) `PrefillGraphStrategy`, which features.forward_strategy wires in.
 
 A prefill step's attention depends on how its tokens split into sequences (varlen lengths,
 cached prefixes, decode rows), so it has no fixed shape to capture; the rest of each layer
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -61,6 +63,39 @@ def prefill_graph_tokens(config) -> int:
     if config.enforce_eager:
         return 0
     return min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+
+
+class PrefillGraphStrategy:
+    """The forward strategy (core/hooks.py) that replays prefill steps of up to
+    `max_prefill_tokens` tokens as piecewise graphs (`graphs`, made by `prepare`)."""
+
+    def __init__(self, max_prefill_tokens: int):
+        self.max_prefill_tokens = max_prefill_tokens
+        self.graphs: PrefillGraphs | None = None
+
+    def prepare(self, runner) -> bool:
+        """Capture the pieces on the runner's model, in its decode graphs' pool and stream; False
+        when its attention layers are of several shapes."""
+        if not PrefillGraphs.supports(runner.attn_layers):
+            return False
+        config, tokens = runner.config, self.max_prefill_tokens
+        # A mixed step's decode rows attend inside the pieces where the pieces also store their
+        # K/V (the fused store) and the triton backend gives them the paged decode kernel. At
+        # most 256 of them: every replay runs the kernel over all those rows (empty ones exit at
+        # once), and a step with more decode rows is GPU-bound anyway, its host time hidden.
+        fused = runner.backend.name == "triton" and config.fuse_kv_store
+        decode_rows = min(config.max_num_seqs, tokens, 256) if fused else 0
+        self.graphs = PrefillGraphs(runner.model, runner.attn_layers, tokens, config.hf_config.hidden_size,
+                                    config.dtype, runner.device, pool=runner.graphs.pool, stream=runner.graphs.stream,
+                                    decode_rows=decode_rows, decode_splits=runner.inputs.num_splits,
+                                    max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size))
+        return True
+
+    def runs_prefill(self, num_tokens: int) -> bool:
+        return self.graphs.bucket_for(num_tokens) is not None
+
+    def run_prefill(self, ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        return self.graphs.run(ids, positions, meta)
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:

@@ -1,10 +1,11 @@
 """Data parallelism: N independent engine replicas behind one `LLM`.
 
-`LLM(model, data_parallel_size=N, tensor_parallel_size=T)` returns a `DataParallelLLM`
-(nanovllm/llm.py), which is this module's `DataParallelFront` mixed into `LLM`: the prompts and
-parameters are validated here, in the caller's process, by LLM's own code (so bad input fails
-before any work, with the same errors), then every call's requests are shared out over the
-replicas by expected work (`shard_by_work`), run there, and gathered back in input order.
+`LLM(model, data_parallel_size=N, tensor_parallel_size=T)` builds a `DataParallelLLM`
+(nanovllm/llm.py): LLM's own checks, chat template and outputs in the caller's process (so bad
+input fails before any work, with the same errors), over this module's `ReplicaSet`, its
+executor, which holds the replicas: every call's requests are shared out over them by expected
+work (`shard_by_work`), run there, and gathered back in input order. The front's engine holds
+no model; its checks read the KV capacity of the smallest replica.
 
 Where the replicas run is a `ReplicaLauncher`'s business (one interface, two implementations):
   local_replicas.py  one process per replica on this node, T GPUs each (CUDA_VISIBLE_DEVICES)
@@ -23,23 +24,19 @@ import heapq
 import itertools
 import logging
 import random
-import threading
 from dataclasses import dataclass, field
 
+from nanovllm.config import Config
+from nanovllm.launch.local_replicas import LocalReplicaLauncher
+from nanovllm.launch.ray_replicas import RayCluster, RayReplicaLauncher, front_device
 from nanovllm.launch.replica import ReplicaEvent, ReplicaFailed, ReplicaLauncher
-from nanovllm.sampling_params import is_integer
+from nanovllm.launch.supervisor import PROCESS
+from nanovllm.launch.worker import refuse_unguarded_main
 
 logger = logging.getLogger(__name__)
 
 # How often the front looks at the replicas' events while it waits (seconds).
 POLL_S = 0.2
-
-
-def wants_data_parallel(kwargs: dict) -> bool:
-    """Whether LLM(**kwargs) needs the data-parallel front: more than one replica, or the Ray
-    backend (whose single replica may run on another node). Invalid values are left to Config."""
-    dp = kwargs.get("data_parallel_size", 1)
-    return kwargs.get("distributed_executor_backend") == "ray" or (is_integer(dp) and dp > 1)
 
 
 def shard_by_work(work: list[int], num_replicas: int) -> list[list[int]]:
@@ -56,18 +53,6 @@ def shard_by_work(work: list[int], num_replicas: int) -> list[list[int]]:
         shards[r].append(i)
         heapq.heappush(heap, (load + work[i], r))
     return [sorted(s) for s in shards]
-
-
-@dataclass
-class KVCapacity:
-    """The KV cache every replica has at least, as LLMEngine.check_fits reads a BlockManager."""
-
-    num_blocks: int
-    block_size: int
-
-    def blocks_for(self, num_tokens: int) -> int:
-        """KV blocks that hold `num_tokens` tokens."""
-        return -(-num_tokens // self.block_size)
 
 
 @dataclass
@@ -95,69 +80,49 @@ class _Call:
     pending: set = field(default_factory=set)
 
 
-class DataParallelFront:
-    """The data-parallel half of `DataParallelLLM` (see the module docstring). Mixed in before
-    `LLM`, whose input checks, chat template and output types it reuses; it holds no model and
-    no KV cache, only what those checks read (config, tokenizer, vocabulary, KV capacity)."""
+class ReplicaSet:
+    """The replicas of a data-parallel LLM, and the calls that share work over them.
 
-    def __init__(self, model: str, **kwargs):
-        from nanovllm.config import Config
-        from nanovllm.launch.supervisor import PROCESS
-        from nanovllm.core.engine import find_eos_token_ids, load_tokenizer, read_generation_defaults
+    Made before the front's Config (with Ray it connects to the cluster first, which decides the
+    device), then `start(config)` starts the replicas: it is the front engine's executor factory
+    (core/executor.py), and the set its executor, one whose KV capacity (`num_blocks`, the
+    smallest replica's) the front's checks read and that runs no steps itself.
+    """
 
-        self._busy = threading.Lock()
-        self._token_texts: dict[int, str] = {}
+    def __init__(self, replica_class, kwargs: dict):
+        self.replica_class = replica_class  # what each replica runs (an ordinary LLM of T GPUs)
+        self.backend = kwargs.get("distributed_executor_backend") or "mp"
+        self.launcher: ReplicaLauncher | None = None
+        self._ray_cluster: RayCluster | None = None
         self._closed = False
-        self.launcher = self._ray_cluster = None
-        backend = kwargs.get("distributed_executor_backend") or "mp"
-        if backend != "ray":
-            from nanovllm.launch.worker import refuse_unguarded_main
-
+        self.num_replicas, self.num_blocks, self.info = 0, 0, []
+        self.startup_seconds: dict[str, float] = {}  # (each replica's: `info`)
+        self.stats: list[ReplicaStats] = []  # of the last generate / chat
+        self._jobs, self._request_ids = itertools.count(), itertools.count()
+        if self.backend != "ray":
             refuse_unguarded_main()  # the replicas are spawned processes that import the main script
         PROCESS.open_engines.add(self)  # shut down at interpreter exit, before multiprocessing's joins
-        try:
-            replica_device = kwargs.get("device")
-            if backend == "ray":
-                from nanovllm.launch.ray_replicas import RayCluster, front_device
-
+        replica_device = kwargs.get("device")
+        if self.backend == "ray":
+            try:
                 self._ray_cluster = RayCluster()
                 replica_device = self._ray_cluster.replica_device(replica_device)
-                kwargs = {**kwargs, "device": front_device(replica_device)}
-            self.config = config = Config.from_kwargs(model, **kwargs)
-            self.tokenizer = None
-            if not config.skip_tokenizer_init:
-                self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
-                                                config.trust_remote_code, config.revision)
-            self.eos_token_ids = frozenset(find_eos_token_ids(config.model, config.hf_config, self.tokenizer))
-            gc = config.generation_config
-            self.generation_defaults = {} if gc == "vllm" else \
-                read_generation_defaults(config.model if gc == "auto" else gc)
-            self.vocab_size = config.hf_config.vocab_size
-            self.num_replicas = config.data_parallel_size
-            self._rng = random.Random(config.seed)  # seeds of the requests that bring none
-            self._jobs = itertools.count()
-            self._request_ids = itertools.count()
-            self.replica_stats: list[ReplicaStats] = []  # of the last generate / chat
-            # Each replica is an ordinary single-node engine of T GPUs.
-            engine_kwargs = {**kwargs, "data_parallel_size": 1, "distributed_executor_backend": None,
-                             "device": replica_device}
-            self.launcher = self._make_launcher(backend, config, engine_kwargs)
-            self.replica_info = self._wait_ready()
-        except BaseException:
-            self._close(abandon=True)
-            raise
-        self.block_manager = KVCapacity(min(i["num_blocks"] for i in self.replica_info), config.kvcache_block_size)
+            except BaseException:
+                self.close(abandon=True)
+                raise
+            kwargs = {**kwargs, "device": front_device(replica_device)}
+        self.front_kwargs = kwargs  # the front's own Config: input checks only, no model
+        # Each replica is an ordinary single-node engine of T GPUs.
+        self.engine_kwargs = {**kwargs, "data_parallel_size": 1, "distributed_executor_backend": None,
+                              "device": replica_device}
 
-    def _make_launcher(self, backend: str, config, engine_kwargs: dict) -> ReplicaLauncher:
-        if backend == "ray":
-            from nanovllm.launch.ray_replicas import RayReplicaLauncher
-
-            return RayReplicaLauncher(self._ray_cluster, self.replica_class, config, engine_kwargs)
-        from nanovllm.launch.local_replicas import LocalReplicaLauncher
-
-        return LocalReplicaLauncher(self.replica_class, config, engine_kwargs)
-
-    def _wait_ready(self) -> list[dict]:
+    def start(self, config: Config) -> "ReplicaSet":
+        """Start every replica and wait until each is ready (ReplicaFailed if one is not)."""
+        self.num_replicas = config.data_parallel_size
+        if self.backend == "ray":
+            self.launcher = RayReplicaLauncher(self._ray_cluster, self.replica_class, config, self.engine_kwargs)
+        else:
+            self.launcher = LocalReplicaLauncher(self.replica_class, config, self.engine_kwargs)
         info: dict[int, dict] = {}
         while len(info) < self.num_replicas:
             ev = self.launcher.next_event(POLL_S)
@@ -168,34 +133,32 @@ class DataParallelFront:
             elif ev.kind in ("died", "error"):
                 raise ReplicaFailed(f"data-parallel replica {ev.replica} ({self.launcher.describe(ev.replica)}) "
                                     f"failed to start: {ev.payload}", ev.replica)
-        return [info[r] for r in range(self.num_replicas)]
+        self.info = [info[r] for r in range(self.num_replicas)]
+        self.num_blocks = min(i["num_blocks"] for i in self.info)
+        return self
 
-    # ------------------------------------------------------------------ generation
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list:
-        """LLM.generate over the replicas: one RequestOutput per prompt, in input order. The
-        prompts are shared out by expected work (prompt tokens + n x max_tokens); one progress
-        bar counts the completions of every replica. A replica's failure raises ReplicaFailed
-        (see the module docstring)."""
-        requests = self._seeded(self._normalize(prompts, sampling_params))
-        with self._exclusive():
-            return self._run(requests, use_tqdm)
+    # ------------------------------------------------------------------ the executor's side
+    def launch(self, batch, eos_token_ids=frozenset()):
+        raise NotImplementedError("a data-parallel LLM runs no steps in this process (its requests run in "
+                                  "the replicas)")
 
-    def _seeded(self, requests: list) -> list:
-        """Every request without a seed gets one from the front's generator (seeded by `seed`):
-        the replicas' own generators all start from the same seed, so they would hand their
-        i-th requests the same random stream; this way outputs do not depend on the sharding."""
-        out = []
-        for ids, p, text in requests:
-            if p.seed is None:
-                p = p.reseeded(self._rng.getrandbits(63))
-            out.append((ids, p, text))
-        return out
+    score = launch
 
-    def _run(self, requests: list, use_tqdm) -> list:
+    def release(self, seq) -> None:
+        pass  # (no request of the front's own engine ever runs)
+
+    # ------------------------------------------------------------------ calls
+    def generate(self, requests: list, rng: random.Random, progress_bar) -> list:
+        """The outputs of validated (ids, params, text) requests, in input order. Requests
+        without a seed get one from `rng` first: the replicas' own generators all start from
+        the same seed, so they would hand their i-th requests the same random stream; this way
+        outputs do not depend on the sharding. progress_bar(total) makes the bar (or None)."""
         self._check_open()
+        requests = [(ids, p if p.seed is not None else p.reseeded(rng.getrandbits(63)), text)
+                    for ids, p, text in requests]
         work = [len(ids) + p.n * p.max_tokens for ids, p, _ in requests]
         call = _Call(next(self._jobs), shard_by_work(work, self.num_replicas), [None] * len(requests))
-        bar = self._progress_bar(use_tqdm, sum(p.n for _, p, _ in requests))  # (LLM's)
+        bar = progress_bar(sum(p.n for _, p, _ in requests))
         stats = [ReplicaStats(r) for r in range(self.num_replicas)]
         try:
             for r, shard in enumerate(call.shards):
@@ -207,7 +170,7 @@ class DataParallelFront:
                 self._handle(self.launcher.next_event(POLL_S), call, bar, stats)
         except BaseException as e:
             unfinished = [i for i, o in enumerate(call.outputs) if o is None]
-            self._close(abandon=True)  # the survivors are mid-call: nothing would line up again
+            self.close(abandon=True)  # the survivors are mid-call: nothing would line up again
             if isinstance(e, ReplicaFailed):
                 e.unfinished, e.outputs = unfinished, call.outputs
                 raise e from None
@@ -217,7 +180,7 @@ class DataParallelFront:
                 bar.close()
         for out in call.outputs:  # unique within this LLM, as a single engine's
             out.request_id = str(next(self._request_ids))
-        self.replica_stats = stats
+        self.stats = stats
         return call.outputs
 
     def _handle(self, ev: ReplicaEvent | None, call: _Call, bar, stats: list[ReplicaStats]) -> None:
@@ -244,7 +207,7 @@ class DataParallelFront:
             s.output_tokens, s.seconds = value["output_tokens"], value["seconds"]
             call.pending.discard(ev.replica)
 
-    def _call_all(self, method: str, *args) -> list:
+    def call_all(self, method: str, *args) -> list:
         """`method(*args)` on every replica's Replica; their results in replica order."""
         self._check_open()
         job = next(self._jobs)
@@ -262,25 +225,9 @@ class DataParallelFront:
                 if ev.kind == "result" and ev.job == job:
                     results[ev.replica] = ev.payload
         except BaseException:
-            self._close(abandon=True)
+            self.close(abandon=True)
             raise
         return [results[r] for r in range(self.num_replicas)]
-
-    def reset_prefix_cache(self) -> bool:
-        """Every replica forgets its cached prompt prefixes; False if any had requests running."""
-        with self._exclusive():
-            return all(self._call_all("reset_prefix_cache"))
-
-    def stream(self, prompts, sampling_params=None):
-        raise NotImplementedError("stream() is not available with data parallelism: the increments of several "
-                                  "replicas would have to be interleaved; use generate() (or an LLM without "
-                                  "data_parallel_size / the Ray backend for streaming)")
-
-    def _engine_only(self, *args, **kwargs):
-        raise NotImplementedError("a data-parallel LLM has no engine of its own in this process (its requests run "
-                                  "in the replicas): use generate() or chat()")
-
-    add_request = step = abort = has_unfinished = cancel_in_flight = _engine_only
 
     def _check_open(self) -> None:
         if self._closed:
@@ -290,11 +237,10 @@ class DataParallelFront:
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
         """Stop every replica (processes / actors) and release what they hold; idempotent."""
-        self._close(abandon=False)
+        self.close(abandon=False)
 
-    def _close(self, abandon: bool) -> None:
-        from nanovllm.launch.supervisor import PROCESS
-
+    def close(self, abandon: bool) -> None:
+        """shutdown(); abandon=True: replicas may be mid-call (a failure, Ctrl-C): a moment only."""
         self._closed = True
         PROCESS.open_engines.discard(self)
         if self.launcher is not None:

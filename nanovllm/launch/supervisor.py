@@ -7,8 +7,8 @@ abort), and the caller gets a `WorkerDied` naming the worker and its error.
 
 `PROCESS` holds what a process must remember across engines, because torch keeps the matching
 state per process: the process group (an NCCL abort can outlive its engine, and while it runs
-no new group can be made), the symmetric-memory group names already rendezvoused, the abort
-words of live device-side waits, and the engines still open at interpreter exit.
+no new group can be made) and the engines still open at interpreter exit. (The device-side
+waits of the all-reduces, which a death must release, are parallel/device_waits.py's.)
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from nanovllm.parallel.device_waits import abort_device_waits
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +53,6 @@ class _ProcessState:
         self._lock = threading.Lock()  # the watchdog and the caller's thread both add threads
         self._lingering: list[threading.Thread] = []
         self.open_engines: weakref.WeakSet = weakref.WeakSet()
-        self.symmetric_memory_groups: set[str] = set()
-        self._device_waiters: weakref.WeakSet = weakref.WeakSet()
         # Engines still open at exit are shut down (workers told to exit, rendezvous file
         # removed) before multiprocessing's own exit handler kills the workers mid-way.
         atexit.register(self._shutdown_open_engines)
@@ -67,20 +67,6 @@ class _ProcessState:
         """While an earlier engine's thread holds the process group, no new TP engine can start."""
         with self._lock:
             return any(t.is_alive() for t in self._lingering)
-
-    def new_abort_word(self, owner) -> torch.Tensor:
-        """A zeroed int32 in pinned host memory that `owner`'s device-side waits poll (read in
-        place through unified addressing); `abort_device_waits` sets it."""
-        word = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-        self._device_waiters.add(owner)
-        return word
-
-    def abort_device_waits(self) -> None:
-        """Make every device-side wait for a peer in this process give up, for good (a peer
-        died): the fused kernel and the copy-engine wait then finish with meaningless sums, and
-        the engine must be closed."""
-        for waiter in list(self._device_waiters):
-            waiter.abort_word[0] = 1
 
     def _shutdown_open_engines(self) -> None:
         for engine in list(self.open_engines):
@@ -192,7 +178,7 @@ class WorkerSupervisor:
         symmetric-memory all-reduces (also while the model runner is built) and NCCL collectives.
         The NCCL abort starts once, in its own thread (again if the first one came before the
         process group existed); True if it finished within `wait_s`."""
-        PROCESS.abort_device_waits()
+        abort_device_waits()
         with self._abort_lock:
             earlier = self._abort_thread
             if earlier is None or (not earlier.is_alive() and not self.group_aborted and dist.is_initialized()):
@@ -222,7 +208,7 @@ class WorkerSupervisor:
         for conn in self.conns:
             conn.close()
         # The workers are gone (joined or killed): nothing may wait for them on the device.
-        PROCESS.abort_device_waits()
+        abort_device_waits()
 
 
 def device_drained(timeout_s: float) -> bool:

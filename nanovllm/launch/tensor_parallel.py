@@ -17,6 +17,10 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.core.hooks import ForwardStrategy
+from nanovllm.core.model_runner import ModelRunner
+from nanovllm.core.sampling import RowSampling
+from nanovllm.core.step_inputs import StepInput
 from nanovllm.launch import worker
 from nanovllm.launch.supervisor import PROCESS, WorkerDied, WorkerSupervisor, device_drained
 
@@ -31,11 +35,10 @@ NCCL_ABORT_WAIT_S = 10.0
 
 
 class TensorParallelRunner:
-    """Rank 0's ModelRunner plus the workers of ranks 1..N-1; same interface as ModelRunner."""
+    """Rank 0's ModelRunner plus the workers of ranks 1..N-1: an Executor (core/executor.py)."""
 
-    def __init__(self, config: Config):
-        from nanovllm.core.model_runner import ModelRunner
-
+    def __init__(self, config: Config, forward_strategy: ForwardStrategy | None = None):
+        worker.refuse_unguarded_main()  # spawned workers import the main script
         if PROCESS.group_still_held():
             raise RuntimeError("an earlier tensor-parallel engine of this process lost a worker and its "
                                "process group has not been released yet; restart the process to use "
@@ -55,14 +58,14 @@ class TensorParallelRunner:
         self._tokens_on_every_rank = False  # the last step's sampled tokens are on every rank
         self.runner = None
         self.workers = WorkerSupervisor(config.tensor_parallel_size - 1, worker.worker_main,
-                                        lambda rank: (config, rank, self.init_file))
+                                        lambda rank: (config, rank, self.init_file, forward_strategy))
         PROCESS.open_engines.add(self)
         try:
             # A worker that dies before it joins would leave rank 0 waiting in the rendezvous (not
             # abortable) until its timeout: wait for every worker's word first, watchdog in view.
             self.workers.expect("joining")
             self._join_rendezvous()
-            self.runner = ModelRunner(config)
+            self.runner = ModelRunner(config, forward_strategy, worker.tp_group(config))
             self.workers.expect("ready")
         except BaseException as e:
             self.shutdown()
@@ -116,12 +119,9 @@ class TensorParallelRunner:
 
     def launch(self, batch, eos_token_ids=frozenset()):
         """ModelRunner.launch across all ranks. Who samples is decided by
-        RowSampling.for_every_rank (engine/sampling.py, the one place): rows with plain
+        RowSampling.for_every_rank (core/sampling.py, the one place): rows with plain
         temperature (or greedy) sampling are sampled on every rank from per-shard candidates;
         else rank 0 gathers the logits and samples alone."""
-        from nanovllm.core.sampling import RowSampling
-        from nanovllm.core.step_inputs import StepInput
-
         step = StepInput.from_batch(batch)
         step.sync_prev = not self._tokens_on_every_rank
         rows = batch.rows

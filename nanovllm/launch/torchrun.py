@@ -10,7 +10,7 @@ only the model step is split, each rank running its shard of the weights in torc
 process group (env:// rendezvous; NCCL on GPUs, gloo on CPU).
 
 Sampled tokens agree on every rank: rows with plain temperature (or greedy) sampling are sampled
-on every rank from the shards' candidates (engine/sampling.py, RowSampling), which gives every
+on every rank from the shards' candidates (core/sampling.py, RowSampling), which gives every
 rank the same tokens; otherwise rank 0 samples from the gathered logits and broadcasts the tokens
 on the device (and, when a row asks for logprobs, the logprob entries on the host).
 """
@@ -24,6 +24,11 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.core.hooks import ForwardStrategy
+from nanovllm.core.model_runner import ModelRunner
+from nanovllm.core.sampling import RowSampling
+from nanovllm.core.step_inputs import StepInput
+from nanovllm.launch.worker import tp_group
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -61,12 +66,10 @@ class _SharedLogprobs:
 
 
 class ExternalLauncherRunner:
-    """One torchrun rank's ModelRunner, with ModelRunner's interface (launch, release, score,
-    shutdown, num_blocks, startup_seconds), for an engine that runs on every rank."""
+    """One torchrun rank's ModelRunner as the Executor (core/executor.py) of an engine that runs
+    on every rank."""
 
-    def __init__(self, config: Config):
-        from nanovllm.core.model_runner import ModelRunner
-
+    def __init__(self, config: Config, forward_strategy: ForwardStrategy | None = None):
         env = torchrun_environment()
         self.rank, world = env["RANK"], env["WORLD_SIZE"]
         if world != config.tensor_parallel_size:
@@ -88,7 +91,7 @@ class ExternalLauncherRunner:
             raise RuntimeError(f"torch.distributed is initialised with {dist.get_world_size()} ranks, torchrun "
                                f"reports WORLD_SIZE={world}")
         try:
-            self.runner = ModelRunner(config)
+            self.runner = ModelRunner(config, forward_strategy, tp_group(config))
         except BaseException:
             self._destroy_group()
             raise
@@ -98,9 +101,6 @@ class ExternalLauncherRunner:
 
     def launch(self, batch, eos_token_ids=frozenset()):
         """ModelRunner.launch with every rank taking part; every rank gets the same tokens."""
-        from nanovllm.core.sampling import RowSampling
-        from nanovllm.core.step_inputs import StepInput
-
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
         step = StepInput.from_batch(batch)

@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 
 from nanovllm.config import Config
+from nanovllm.core.hooks import ForwardStrategy
+from nanovllm.core.model_runner import ModelRunner
 from nanovllm.launch.supervisor import UNGUARDED_MAIN_EXIT_CODE
+from nanovllm.parallel.create_group import create_tp_group
+from nanovllm.parallel.group import TPGroup
 
 
 def rendezvous(config: Config, rank: int, init_file: str) -> None:
@@ -26,6 +30,14 @@ def rendezvous(config: Config, rank: int, init_file: str) -> None:
     The caller has made GPU `rank` its current device (CUDA keeps that per thread)."""
     dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"file://{init_file}",
                             world_size=config.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
+
+
+def tp_group(config: Config) -> TPGroup:
+    """This rank's tensor-parallel group, on its current device, once the process group is up.
+    Collective: every rank calls it before building its ModelRunner."""
+    device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
+    return create_tp_group(config.tensor_parallel_size, device, config.dtype, config.hf_config.hidden_size,
+                           config.max_num_batched_tokens, config.custom_all_reduce)
 
 
 def refuse_unguarded_main() -> None:
@@ -58,17 +70,15 @@ def remove_quietly(path: str) -> None:
         pass
 
 
-def worker_main(config: Config, rank: int, init_file: str, conn) -> None:
-    """Entry point of a spawned worker process."""
-    from nanovllm.core.model_runner import ModelRunner
-
+def worker_main(config: Config, rank: int, init_file: str, forward_strategy: ForwardStrategy | None, conn) -> None:
+    """Entry point of a spawned worker process (`forward_strategy`: rank 0's, not prepared yet)."""
     threading.Thread(target=_exit_with_parent, args=(init_file,), daemon=True, name="nanovllm-tp-parent-watch").start()
     try:
         conn.send(("joining", None))  # rank 0 joins the rendezvous only once every worker is alive
         if config.device == "cuda":
             torch.cuda.set_device(rank)
         rendezvous(config, rank, init_file)
-        runner = ModelRunner(config)
+        runner = ModelRunner(config, forward_strategy, tp_group(config))
         conn.send(("ready", runner.num_blocks))
         while True:
             method, args = conn.recv()

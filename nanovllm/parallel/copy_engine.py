@@ -7,8 +7,10 @@ import logging
 import torch
 import torch.distributed as dist
 
+from nanovllm.kernels.all_reduce import wait_count
+from nanovllm.kernels.fused_ops import rms_norm
+from nanovllm.parallel import device_waits
 from nanovllm.parallel.fused_all_reduce import create_on_every_rank
-from nanovllm.launch.supervisor import PROCESS
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +47,7 @@ class CopyEngineAllReduce:
         if dist.get_world_size(group) != 2:
             raise ValueError("the copy-engine all-reduce is for two ranks")
         self.dtype, self.hidden, self.max_rows = dtype, hidden, max_rows
-        self.abort_word = PROCESS.new_abort_word(self)
+        self.abort_word = device_waits.new_abort_word(self)
         self.abort_address = torch.tensor([self.abort_word.data_ptr()], dtype=torch.int64, device=device)
         self._write_value = _SymmetricMemory.stream_write_value32
         peer = 1 - dist.get_rank(group)
@@ -69,7 +71,7 @@ class CopyEngineAllReduce:
         """The copy-engine path if it works on every rank of `group` (checked against chunked
         GEMMs + NCCL + RMSNorm), else None. Two ranks, after FusedAllReduceNorm.create succeeded
         in this engine (it owns the symmetric-memory rendezvous of the group). Collective."""
-        if dist.get_world_size(group) != 2 or group.group_name not in PROCESS.symmetric_memory_groups:
+        if dist.get_world_size(group) != 2 or group.group_name not in device_waits.symmetric_memory_groups:
             return None  # not two ranks, or no fused path in this engine (see above)
         if max_rows < cls.MIN_ROWS:
             logger.info("copy-engine all-reduce off: prefill steps of at most %d tokens are below its %d rows",
@@ -135,9 +137,6 @@ class CopyEngineAllReduce:
     def finish(self, y: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
         """(norm(s + residual) * weight, s + residual), s = y + the peer's partial sums; y must
         be the tensor the last `linear` returned."""
-        from nanovllm.kernels.all_reduce import wait_count
-        from nanovllm.kernels.fused_ops import rms_norm
-
         self._usable()
         if not self.is_pending(y):
             raise RuntimeError("copy-engine all-reduce: finish() needs the partial sums of the last linear()")
@@ -154,8 +153,6 @@ class CopyEngineAllReduce:
     def _self_check(self, group) -> bool:
         """Both halves and a partial last chunk, bitwise against the same GEMM chunks summed by
         NCCL and normalised by the RMSNorm kernel (two ranks: one add, rounded alike)."""
-        from nanovllm.kernels.fused_ops import rms_norm
-
         device = self.recv.device
         gen = torch.Generator(device=device).manual_seed(4321 + dist.get_rank(group))
         ok = True

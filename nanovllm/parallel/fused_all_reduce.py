@@ -8,7 +8,9 @@ import logging
 import torch
 import torch.distributed as dist
 
-from nanovllm.launch.supervisor import PROCESS
+from nanovllm.kernels.all_reduce import all_reduce_rms_norm
+from nanovllm.kernels.fused_ops import rms_norm
+from nanovllm.parallel import device_waits
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +45,6 @@ def create_on_every_rank(make, group, device: torch.device, what: str):
     return None
 
 
-
-
 class FusedAllReduceNorm:
     """All-reduce + residual add + RMSNorm of small activations (up to 8 MiB: decode steps, short
     prefill chunks) in one kernel per rank, through symmetric memory over NVLink (the kernel and
@@ -64,7 +64,7 @@ class FusedAllReduceNorm:
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.dtype, self.hidden = dtype, hidden
         self.max_rows = max(1, max_bytes // (hidden * dtype.itemsize))
-        self.abort_word = PROCESS.new_abort_word(self)
+        self.abort_word = device_waits.new_abort_word(self)
         self.buffer = symm_mem.empty(2 * self.max_rows * hidden, dtype=dtype, device=device)
         self.flags = symm_mem.empty(programs * self.world_size, dtype=torch.int32, device=device)
         self.flags.zero_()
@@ -90,12 +90,12 @@ class FusedAllReduceNorm:
         # rendezvous there would wait on the old one forever. So only the first engine of a
         # process uses this path; the ranks agree on it before anyone rendezvouses (the workers
         # are fresh processes and would otherwise try).
-        fresh = torch.tensor([int(group.group_name not in PROCESS.symmetric_memory_groups)], device=device)
+        fresh = torch.tensor([int(group.group_name not in device_waits.symmetric_memory_groups)], device=device)
         dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
         if not fresh.item():
             logger.info("fused all-reduce already used by an earlier engine in this process: NCCL only")
             return None
-        PROCESS.symmetric_memory_groups.add(group.group_name)
+        device_waits.symmetric_memory_groups.add(group.group_name)
         # Every rank must launch the same grid, and all of its programs must be resident at once
         # (a program spinning at the barrier must never wait for one that cannot be scheduled):
         # at most one program per SM of the smallest GPU.
@@ -110,8 +110,6 @@ class FusedAllReduceNorm:
 
     def _self_check(self, group) -> bool:
         """Both buffer halves, against NCCL's all-reduce followed by the plain fused RMSNorm."""
-        from nanovllm.kernels.fused_ops import rms_norm
-
         device = self.buffer.device
         gen = torch.Generator(device=device).manual_seed(1234 + self.rank)
         ok = True
@@ -139,7 +137,5 @@ class FusedAllReduceNorm:
                 and x.dtype == self.dtype and x.stride(-1) == 1 and residual.stride(-1) == 1)
 
     def __call__(self, x, residual, weight, eps):
-        from nanovllm.kernels.all_reduce import all_reduce_rms_norm
-
         return all_reduce_rms_norm(x, residual, weight, eps, addresses=self.addresses, phase=self.phase,
                                    max_rows=self.max_rows, rank=self.rank, world_size=self.world_size)

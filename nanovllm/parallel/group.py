@@ -1,21 +1,19 @@
-"""The tensor-parallel group a model is built for, and how an engine creates it.
+"""The tensor-parallel group a model is built for.
 
 Layers read their rank and group size once, at construction, from the group that the
-ModelRunner sets with `use_tp_group(...)`, and keep it. So an engine with TP=1 stays
-single-rank even in a process where another engine has initialised torch.distributed.
+ModelRunner sets with `use_tp_group(...)`, and keep it. So an engine with TP=1 stays single-rank
+even in a process where another engine has initialised torch.distributed. A tensor-parallel
+launcher creates the group (create_group.py); a single-rank engine uses `TPGroup()`.
 """
 
 from __future__ import annotations
 
 import contextvars
-import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -85,28 +83,6 @@ class TPGroup:
         t = torch.tensor([value], dtype=torch.int64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
         return int(t.item())
-
-
-def create_tp_group(world_size: int, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                    max_num_batched_tokens: int, custom_all_reduce: bool) -> TPGroup:
-    """This rank's TPGroup over the initialised default process group (or a single rank), with
-    the symmetric-memory all-reduce paths where they work (NVLink GPUs, `custom_all_reduce`).
-    Collective when world_size > 1: every rank must call it."""
-    if world_size == 1:
-        return TPGroup()
-    group = dist.group.WORLD
-    rank = dist.get_rank()
-    fused_norm = copy_engine = None
-    if device.type == "cuda" and custom_all_reduce:
-        from nanovllm.parallel.copy_engine import CopyEngineAllReduce
-        from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
-
-        fused_norm = FusedAllReduceNorm.create(group, device, dtype, hidden_size)
-        if fused_norm is not None:  # it owns the group's symmetric-memory rendezvous
-            # Up to 128 MiB per buffer half (16k rows of Qwen3-8B); longer prefill steps use NCCL.
-            max_rows = min(max_num_batched_tokens, (128 << 20) // (hidden_size * dtype.itemsize))
-            copy_engine = CopyEngineAllReduce.create(group, device, dtype, hidden_size, max_rows)
-    return TPGroup(rank, world_size, group, fused_norm, copy_engine)
 
 
 _CURRENT: contextvars.ContextVar[TPGroup] = contextvars.ContextVar("nanovllm_tp_group", default=TPGroup())

@@ -152,9 +152,9 @@ class EngineLoop:
 
     def __init__(self, llm: "LLM", dispatch: Callable[[list], None] = call_sinks,
                  on_stats: Callable[[EngineStats], None] | None = None):
-        from nanovllm.launch.data_parallel import DataParallelFront
+        from nanovllm.llm import DataParallelLLM
 
-        if isinstance(llm, DataParallelFront):
+        if isinstance(llm, DataParallelLLM):
             raise ValueError(SINGLE_ENGINE_ONLY)
         self.llm = llm
         self.dispatch = dispatch

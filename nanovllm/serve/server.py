@@ -46,8 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanovllm.config import Config
-from nanovllm.launch.data_parallel import wants_data_parallel
+from nanovllm.config import Config, wants_data_parallel
 from nanovllm.serve.async_engine import (SINGLE_ENGINE_ONLY, Accepted, ChatPrompt, Delta, EngineLoop, EngineRequest,
                                           EngineStopped, Failed, Finished, call_sinks)
 from nanovllm.serve.engine_process import EngineProcess

@@ -96,6 +96,16 @@ class Fp8Config:
     def method(self):
         return BlockFp8Linear() if self.scheme == "block" else TensorFp8Linear()
 
+    # The weights' lifecycle, as the model runner calls it on its config's scheme.
+    def prepare(self, model: nn.Module) -> None:
+        prepare_fp8_linears(model, self)
+
+    def init_dummy(self, model: nn.Module, seed: int) -> None:
+        init_dummy_fp8_linears(model, seed)
+
+    def finish(self, model: nn.Module) -> None:
+        finish_fp8_linears(model)
+
     def experts_method(self):
         """How MoE experts are stored: both schemes use 128x128 blocks (fp8_moe.py)."""
         return CheckpointFp8Experts() if self.scheme == "block" else OnlineFp8Experts()
