@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import logging
 import os
+import typing
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -218,14 +219,15 @@ class Config:
     @classmethod
     def option_names(cls) -> dict[str, tuple[object, object]]:
         """LLM's keywords but `model`: name -> (type, default), the features' options included."""
-        hints = {}
+        options = {}
+        hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.init and f.name != "model" and f.name not in SUB_CONFIGS:
-                hints[f.name] = (f.type, f.default)
+                options[f.name] = (hints[f.name], f.default)
         for key, (sub, name) in FEATURE_OPTIONS.items():
             f = next(x for x in dataclasses.fields(SUB_CONFIGS[sub]) if x.name == name)
-            hints[key] = (f.type, f.default)
-        return hints
+            options[key] = (typing.get_type_hints(SUB_CONFIGS[sub])[name], f.default)
+        return options
 
     def __post_init__(self):
         for name, kind, what, ok in (
