@@ -1,16 +1,25 @@
-"""Engine configuration: every `LLM(...)` keyword, validated before any work starts."""
+"""Engine configuration: every `LLM(...)` keyword in two steps.
+
+`Config.from_kwargs(model, **kwargs)` checks each value and does no I/O: core fields flat, and one
+sub-config per feature (`parallel`, `quantization`, `scheduling`, `prefill_graphs`), each checking
+its own fields. `config.resolve(...)` then reads the checkpoint's config.json, picks the device and
+dtypes, probes the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import json
+import importlib.util
 import logging
 import os
+import typing
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from nanovllm.model import registry
+from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
 
@@ -18,75 +27,143 @@ logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 # vLLM's names. None / "mp": the engine's own processes (tensor-parallel workers, data-parallel
-# replicas on this node); "ray": data-parallel replicas as Ray actors (nanovllm/distributed/
-# ray_replicas.py); "external_launcher": torchrun started every tensor-parallel rank
-# (nanovllm/launch/torchrun.py).
+# replicas on this node); "ray": data-parallel replicas as Ray actors (launch/ray_replicas.py);
+# "external_launcher": torchrun started every tensor-parallel rank (launch/torchrun.py).
 EXECUTOR_BACKENDS = (None, "mp", "ray", "external_launcher")
 TOKENIZER_MODES = ("auto", "slow")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
+# LLM(kv_cache_dtype=...) (vLLM's names) -> the cache's element type; None: the model's dtype.
+KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
 
 
-def resolve_model_path(model: str, revision: str | None = None, what: str = "model") -> str:
-    """A local checkpoint folder, or a Hugging Face Hub id downloaded (at `revision`, a branch,
-    tag or commit) when the machine is online."""
-    if not isinstance(model, (str, os.PathLike)):
-        raise TypeError(f"{what} must be a path or a Hub id, got {type(model).__name__}")
-    model = os.path.expanduser(os.fspath(model))
-    if os.path.isdir(model):
-        return model
-    looks_like_hub_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-    if looks_like_hub_id:
-        try:
-            from huggingface_hub import snapshot_download
-
-            return snapshot_download(model, revision=revision,
-                                     allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-        except Exception as e:  # offline, unknown repo, no huggingface_hub...
-            raise FileNotFoundError(
-                f"{what} folder {model!r} does not exist and could not be fetched from the Hugging Face Hub "
-                f"({type(e).__name__}: {e}). Pass the path of a local folder.") from None
-    raise FileNotFoundError(f"{what} folder {model!r} does not exist")
-
-
-def fuse_kv_store_switch() -> bool:
-    """NANOVLLM_FUSE_KV_STORE, checked: "1" (default) stores each layer's K/V inside the q/k-norm
-    + RoPE kernel on CUDA (one launch per layer less), "0" in the store kernel of its own (to
-    compare; BENCHMARKS.md, "fused K/V store")."""
-    value = os.environ.get("NANOVLLM_FUSE_KV_STORE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"NANOVLLM_FUSE_KV_STORE must be 0 or 1, got {value!r}")
-    return value == "1"
-
-
-def _field_is(name: str, value, kind, what: str):
-    """`value` checked to be a `kind` (numpy's numbers count), as Python's own type."""
+def checked(name: str, value, kind, what: str, ok: Callable = lambda v: True):
+    """`value` as Python's own `kind` (numpy's numbers count), or a ValueError naming the field
+    when it is not a `kind` or fails `ok`."""
     if kind is int:
-        ok = is_integer(value)
+        good = is_integer(value)
     elif kind is float:
-        ok = is_real(value)
+        good = is_real(value)
     else:
-        ok = isinstance(value, kind)
-    if not ok:
+        good = isinstance(value, kind)
+    if good and kind in (int, float):
+        value = kind(value)
+    if not good or not ok(value):
         raise ValueError(f"{name}={value!r}: must be {what}")
-    return kind(value) if kind in (int, float) else value
+    return value
+
+
+def flash_attn_available() -> bool:
+    """Whether the optional flash_attn package is installed (the flash_attn backend needs it)."""
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _at_least(n):
+    return lambda v: v >= n
+
+
+# ---------------------------------------------------------------- one sub-config per feature
+
+
+@dataclass
+class ParallelConfig:
+    """Tensor and data parallelism (parallel/, launch/). `custom_all_reduce`: on CUDA, fuse
+    all-reduces up to 8 MiB with the RMSNorm after them (parallel/fused_all_reduce.py); False
+    keeps every all-reduce on NCCL."""
+
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    custom_all_reduce: bool = True
+
+    def __post_init__(self):
+        self.tensor_parallel_size = checked("tensor_parallel_size", self.tensor_parallel_size, int,
+                                            "an integer >= 1", _at_least(1))
+        self.data_parallel_size = checked("data_parallel_size", self.data_parallel_size, int, "an integer >= 1",
+                                          _at_least(1))
+        checked("custom_all_reduce", self.custom_all_reduce, bool, "True or False")
+        backend = self.distributed_executor_backend
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend={backend!r}: must be one of {EXECUTOR_BACKENDS}")
+        if backend == "external_launcher" and self.data_parallel_size != 1:
+            raise ValueError("distributed_executor_backend='external_launcher' runs one tensor-parallel engine "
+                             "over torchrun's ranks; data_parallel_size must be 1 (launch one torchrun job per "
+                             "replica, or use the 'mp' / 'ray' backends for data parallelism)")
+
+
+@dataclass
+class QuantizationConfig:
+    """Quantized weights and KV cache (features/quantization/). `method`: LLM(quantization=...),
+    None to follow the checkpoint's quantization_config."""
+
+    method: str | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
+        checked("calculate_kv_scales", self.calculate_kv_scales, bool, "True or False")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
+                             "kv_cache_dtype='fp8'")
+        if self.method is not None and not isinstance(self.method, str):
+            raise ValueError(f"quantization={self.method!r}: must be None or a method's name")
+
+
+@dataclass
+class SchedulingConfig:
+    """The scheduling policy (features/mixed_steps.py): with `mixed_steps`, decode rows ride
+    along with prompt chunks in one step, so running requests keep getting tokens while a long
+    prompt prefills (the server's policy, for latency)."""
+
+    mixed_steps: bool = False
+
+    def __post_init__(self):
+        checked("mixed_steps", self.mixed_steps, bool, "True or False")
+
+
+@dataclass
+class PrefillGraphConfig:
+    """Piecewise prefill CUDA graphs (features/prefill_graphs.py): prefill-shaped steps of up to
+    `max_tokens` tokens replay them, attention eager between the pieces; 0 runs all eagerly."""
+
+    max_tokens: int = 2048
+
+    def __post_init__(self):
+        self.max_tokens = checked("max_prefill_graph_tokens", self.max_tokens, int,
+                                  "an integer >= 0 (0: no prefill graphs)", _at_least(0))
+
+
+# LLM keyword -> (sub-config, field) of the features' options; every other keyword is a core field.
+FEATURE_OPTIONS = {
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "data_parallel_size": ("parallel", "data_parallel_size"),
+    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
+    "custom_all_reduce": ("parallel", "custom_all_reduce"),
+    "quantization": ("quantization", "method"),
+    "kv_cache_dtype": ("quantization", "kv_cache_dtype"),
+    "calculate_kv_scales": ("quantization", "calculate_kv_scales"),
+    "mixed_steps": ("scheduling", "mixed_steps"),
+    "max_prefill_graph_tokens": ("prefill_graphs", "max_tokens"),
+}
+SUB_CONFIGS = {"parallel": ParallelConfig, "quantization": QuantizationConfig, "scheduling": SchedulingConfig,
+               "prefill_graphs": PrefillGraphConfig}
+
+
+# ---------------------------------------------------------------- the engine's config
 
 
 @dataclass
 class Config:
-    """Everything `LLM(model, **kwargs)` accepts. See README for the meaning of each field.
-
-    `attention_backend` (None = automatic) forces one of `ATTENTION_BACKENDS`, for tests.
-    `custom_all_reduce` (tensor parallelism on CUDA) fuses all-reduces up to 8 MiB with the
-    RMSNorm after them in one symmetric-memory kernel (distributed/fused_all_reduce.py);
-    False keeps every all-reduce on NCCL.
-    """
+    """Everything `LLM(model, **kwargs)` accepts (docs/api.md says what each does). Core fields
+    here, the features' options in their sub-configs (FEATURE_OPTIONS maps the keywords).
+    `attention_backend` (None = automatic) forces one of ATTENTION_BACKENDS, for tests."""
 
     model: str
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
     max_num_seqs: int = 512
     max_num_batched_tokens: int = 16384
     max_model_len: int = 4096
@@ -101,150 +178,83 @@ class Config:
     seed: int = 0
     skip_tokenizer_init: bool = False
     attention_backend: str | None = None
-    custom_all_reduce: bool = True
     # vLLM's options of the same names: another tokenizer folder (or Hub id); "auto" | "slow";
-    # passed to transformers when loading the tokenizer; the Hub revision of model and tokenizer;
-    # the most logprobs a request may ask for (-1: the whole vocabulary); where the default
-    # SamplingParams come from ("auto": the model's generation_config.json, "vllm": none, or
-    # a folder holding a generation_config.json).
+    # passed to transformers; the Hub revision of model and tokenizer; the most logprobs a request
+    # may ask for (-1: the whole vocabulary); where the default SamplingParams come from ("auto":
+    # the model's generation_config.json, "vllm": none, or a folder holding one).
     tokenizer: str | None = None
     tokenizer_mode: str = "auto"
     trust_remote_code: bool = False
     revision: str | None = None
     max_logprobs: int = 20
     generation_config: str = "auto"
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
-    quantization: str | None = None
-    # Decode rows ride along with prompt chunks in one prefill-shaped step (Scheduler), so running
-    # requests keep getting tokens while a long prompt prefills: the server's policy, for latency.
-    mixed_steps: bool = False
-    # Prefill-shaped steps (prompt chunks, mixed steps) of up to this many tokens replay
-    # piecewise CUDA graphs, attention eager between the pieces (engine/prefill_graphs.py);
-    # larger ones run eagerly. 0: all eagerly. On CUDA without enforce_eager only.
-    max_prefill_graph_tokens: int = 2048
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
+    prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
+    # Filled by resolve(): the checkpoint's transformers config, the weights' quantization method
+    # (a linear method object, or None) and the KV cache's element type.
     hf_config: object = field(init=False, repr=False, default=None)
-    # The linear layers' weight scheme (layers/quantization: an Fp8Config or None), from
-    # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
-    # Whether the K/V cache store is fused into the q/k-norm + RoPE kernel, from
-    # NANOVLLM_FUSE_KV_STORE when the config is made (TP workers get this copy too).
-    fuse_kv_store: bool = field(init=False, default=True)
+    fuse_kv_store: bool = field(init=False, default=True)  # (goes with the model layout's merge)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
-        """Like `Config(model, **kwargs)` but names every unknown keyword in one TypeError."""
-        known = {f.name for f in dataclasses.fields(cls) if f.init}
-        unknown = sorted(set(kwargs) - known)
+        """Config from LLM's flat keywords (each feature's go to its sub-config); every unknown
+        keyword is named in one TypeError."""
+        known = cls.option_names()
+        unknown = sorted(set(kwargs) - set(known))
         if unknown:
             raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}. "
-                            f"Known: {', '.join(sorted(known - {'model'}))}")
-        return cls(model, **kwargs)
+                            f"Known: {', '.join(sorted(known))}")
+        core = {k: v for k, v in kwargs.items() if k not in FEATURE_OPTIONS}
+        subs: dict[str, dict] = {name: {} for name in SUB_CONFIGS}
+        for key, value in kwargs.items():
+            if key in FEATURE_OPTIONS:
+                sub, name = FEATURE_OPTIONS[key]
+                subs[sub][name] = value
+        return cls(model, **core, **{name: SUB_CONFIGS[name](**v) for name, v in subs.items()})
+
+    @classmethod
+    def option_names(cls) -> dict[str, tuple[object, object]]:
+        """LLM's keywords but `model`: name -> (type, default), the features' options included."""
+        options = {}
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.init and f.name != "model" and f.name not in SUB_CONFIGS:
+                options[f.name] = (hints[f.name], f.default)
+        for key, (sub, name) in FEATURE_OPTIONS.items():
+            f = next(x for x in dataclasses.fields(SUB_CONFIGS[sub]) if x.name == name)
+            options[key] = (typing.get_type_hints(SUB_CONFIGS[sub])[name], f.default)
+        return options
 
     def __post_init__(self):
-        for name, kind, what in (
-                ("tensor_parallel_size", int, "an integer >= 1"), ("data_parallel_size", int, "an integer >= 1"),
-                ("max_num_seqs", int, "an integer >= 1"),
-                ("max_num_batched_tokens", int, "an integer >= 1"), ("max_model_len", int, "an integer >= 1"),
-                ("kvcache_block_size", int, "a power of two >= 16"),
-                ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1"),
-                ("gpu_memory_utilization", float, "a number in (0, 1]"), ("seed", int, "an integer"),
-                ("max_prefill_graph_tokens", int, "an integer >= 0")):
-            setattr(self, name, _field_is(name, getattr(self, name), kind, what))
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "custom_all_reduce",
-                     "trust_remote_code", "calculate_kv_scales", "mixed_steps"):
-            _field_is(name, getattr(self, name), bool, "True or False")
-        self._check_tokenizer_options()
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: must be >= 1")
-        self._check_executor_options()
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs}: must be >= 1")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: must be >= 1")
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len={self.max_model_len}: must be >= 1")
-        if self.max_prefill_graph_tokens < 0:
-            raise ValueError(f"max_prefill_graph_tokens={self.max_prefill_graph_tokens}: must be >= 0 (0: no prefill graphs)")
-        bs = self.kvcache_block_size
-        if bs < 16 or bs & (bs - 1):
-            raise ValueError(f"kvcache_block_size={bs}: must be a power of two >= 16")
-        if self.num_kvcache_blocks == 0 or self.num_kvcache_blocks < -1:
-            raise ValueError(f"num_kvcache_blocks={self.num_kvcache_blocks}: must be -1 (automatic) or >= 1")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format={self.load_format!r}: must be 'auto', 'safetensors' or 'dummy'")
+        for name, kind, what, ok in (
+                ("max_num_seqs", int, "an integer >= 1", _at_least(1)),
+                ("max_num_batched_tokens", int, "an integer >= 1", _at_least(1)),
+                ("max_model_len", int, "an integer >= 1", _at_least(1)),
+                ("kvcache_block_size", int, "a power of two >= 16", lambda b: b >= 16 and not b & (b - 1)),
+                ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1", lambda n: n == -1 or n >= 1),
+                ("gpu_memory_utilization", float, "a number in (0, 1]", lambda u: 0.0 < u <= 1.0),
+                ("seed", int, "an integer", lambda s: True),
+                ("max_logprobs", int, "-1 (no limit) or an integer >= 0", _at_least(-1))):
+            setattr(self, name, checked(name, getattr(self, name), kind, what, ok))
+        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "trust_remote_code"):
+            checked(name, getattr(self, name), bool, "True or False")
+        for name, cls in SUB_CONFIGS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise TypeError(f"Config.{name} must be a {cls.__name__}")
+        self._check_names()
+
+    def _check_names(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format={self.load_format!r}: must be one of {LOAD_FORMATS}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
-        self.device = self._resolve_device(self.device)
-        self.fuse_kv_store = fuse_kv_store_switch()
-        if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
-            raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
-        if self.attention_backend == "flash_attn" and bs % 256:
-            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, got {bs}")
-        if self.attention_backend == "flash_attn":
-            from nanovllm.model.attention import flash_attn_available
-
-            if not flash_attn_available():
-                raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
-        from nanovllm.model.attention import kv_cache_torch_dtype
-        from nanovllm.features.quantization import resolve_quantization
-
-        kv_cache_torch_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here, before the model loads
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
-                             "kv_cache_dtype='fp8'")
-        self.model = resolve_model_path(self.model, self.revision)
-        if self.tokenizer is not None and not self.skip_tokenizer_init:
-            self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
-        self.hf_config = load_hf_config(self.model)
-        self.dtype = self._resolve_dtype(self.dtype)
-        self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
-        if self.quant is not None:
-            self.quant.check_model(self.hf_config, self.tensor_parallel_size)
-        self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
-        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
-            major, minor = torch.cuda.get_device_capability()
-            if (major, minor) < (8, 9):
-                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
-                                 f"(Ada, Hopper); this one is {major}.{minor}")
-        # A context longer than the model's positions would silently extrapolate RoPE.
-        if self.max_model_len > self.hf_config.max_position_embeddings:
-            logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
-                           self.max_model_len, self.hf_config.max_position_embeddings)
-            self.max_model_len = self.hf_config.max_position_embeddings
-        tp = self.tensor_parallel_size
-        sizes = registry.tensor_parallel_sizes(self.hf_config)
-        if any(n % tp for n in sizes.values()):
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
-                             + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
-        self._check_gpu_count()
-
-    def _check_gpu_count(self) -> None:
-        """The engine's own processes must fit on this node's GPUs; Ray places replicas on the
-        cluster's GPUs, and torchrun's ranks may span nodes (external_launcher.py checks those)."""
-        tp, dp = self.tensor_parallel_size, self.data_parallel_size
-        if self.device != "cuda" or self.distributed_executor_backend not in (None, "mp"):
-            return
-        if tp * dp > torch.cuda.device_count():
-            what = f"tensor_parallel_size={tp}" if dp == 1 else \
-                f"data_parallel_size={dp} x tensor_parallel_size={tp} = {tp * dp} GPUs"
-            raise ValueError(f"{what} but only {torch.cuda.device_count()} GPU(s) are visible")
-
-    def _check_executor_options(self) -> None:
-        backend = self.distributed_executor_backend
-        if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={backend!r}: must be one of {EXECUTOR_BACKENDS}")
-        if self.data_parallel_size < 1:
-            raise ValueError(f"data_parallel_size={self.data_parallel_size}: must be >= 1")
-        if backend == "external_launcher" and self.data_parallel_size != 1:
-            raise ValueError("distributed_executor_backend='external_launcher' runs one tensor-parallel engine "
-                             "over torchrun's ranks; data_parallel_size must be 1 (launch one torchrun job per "
-                             "replica, or use the 'mp' / 'ray' backends for data parallelism)")
-
-    def _check_tokenizer_options(self) -> None:
+        if self.attention_backend == "flash_attn" and self.kvcache_block_size % 256:
+            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
+                             f"got {self.kvcache_block_size}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: must be one of {TOKENIZER_MODES}")
         for name in ("tokenizer", "revision"):
@@ -255,30 +265,93 @@ class Config:
         if not isinstance(gc, (str, os.PathLike)) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
             raise ValueError(f"generation_config={gc!r}: must be 'auto' (the model's), 'vllm' (none) "
                              "or a folder holding a generation_config.json")
-        self.max_logprobs = _field_is("max_logprobs", self.max_logprobs, int, "-1 or an integer >= 0")
-        if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs={self.max_logprobs}: must be -1 (no limit) or >= 0")
+        if self.device is not None and str(self.device) not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r}: must be None, 'cpu' or 'cuda'")
+
+    # ------------------------------------------------------------------ resolve (I/O)
+    def resolve(self, resolve_quantization: Callable | None = None) -> "Config":
+        """Read the checkpoint and the machine, once: the device, the model and tokenizer folders
+        (a Hub download when online), config.json (checked by its model family), the dtypes, the
+        quantization method (`resolve_quantization(checkpoint_quantization_config, requested)`,
+        which the front supplies) and the fit of the parallel sizes. Returns self."""
+        if self.hf_config is not None:
+            return self
+        self.device = self._resolve_device(self.device)
+        self._check_backend_on_device()
+        self.model = resolve_model_path(self.model, self.revision)
+        if self.tokenizer is not None and not self.skip_tokenizer_init:
+            self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
+        hf = load_hf_config(self.model)
+        self.dtype = self._resolve_dtype(self.dtype, hf)
+        self.quant = self._resolve_quant(hf, resolve_quantization)
+        self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype
+        self._check_fp8_device()
+        if self.max_model_len > hf.max_position_embeddings:  # RoPE would silently extrapolate
+            logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
+                           self.max_model_len, hf.max_position_embeddings)
+            self.max_model_len = hf.max_position_embeddings
+        tp = self.parallel.tensor_parallel_size
+        sizes = registry.tensor_parallel_sizes(hf)
+        if any(n % tp for n in sizes.values()):
+            raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
+                             + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
+        self._check_gpu_count()
+        self.hf_config = hf
+        return self
+
+    def _resolve_quant(self, hf, resolve_quantization: Callable | None):
+        checkpoint = getattr(hf, "quantization_config", None)
+        if resolve_quantization is None:
+            if checkpoint or self.quantization.method is not None:
+                raise ValueError("quantized weights need the quantization methods that LLM wires in: "
+                                 "create LLM(model, ...), not a bare LLMEngine")
+            return None
+        quant = resolve_quantization(checkpoint, self.quantization.method)
+        if quant is not None:
+            quant.check_model(hf, self.parallel.tensor_parallel_size)
+        return quant
+
+    def _check_backend_on_device(self) -> None:
+        backend = self.attention_backend
+        if backend in ("triton", "flash_attn") and self.device != "cuda":
+            raise ValueError(f"attention_backend={backend!r} needs CUDA; this engine runs on {self.device}")
+        if backend == "flash_attn" and not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
+
+    def _check_fp8_device(self) -> None:
+        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
+                                 f"(Ada, Hopper); this one is {major}.{minor}")
+
+    def _check_gpu_count(self) -> None:
+        """The engine's own processes must fit on this node's GPUs; Ray places replicas on the
+        cluster's GPUs, and torchrun's ranks may span nodes (launch/torchrun.py checks those)."""
+        p = self.parallel
+        tp, dp = p.tensor_parallel_size, p.data_parallel_size
+        if self.device != "cuda" or p.distributed_executor_backend not in (None, "mp"):
+            return
+        if tp * dp > torch.cuda.device_count():
+            what = f"tensor_parallel_size={tp}" if dp == 1 else \
+                f"data_parallel_size={dp} x tensor_parallel_size={tp} = {tp * dp} GPUs"
+            raise ValueError(f"{what} but only {torch.cuda.device_count()} GPU(s) are visible")
 
     @staticmethod
     def _resolve_device(device) -> str:
         if device is None:
             return "cuda" if torch.cuda.is_available() else "cpu"
         device = str(device)
-        if device not in ("cpu", "cuda"):
-            raise ValueError(f"device={device!r}: must be None, 'cpu' or 'cuda'")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available")
         return device
 
-    def _resolve_dtype(self, dtype) -> torch.dtype:
+    def _resolve_dtype(self, dtype, hf) -> torch.dtype:
         if dtype is None or dtype == "auto":
             if self.device == "cpu":
                 return torch.float32
-            dtype = getattr(self.hf_config, "dtype", None) or getattr(self.hf_config, "torch_dtype", None) or "bfloat16"
-        if isinstance(dtype, torch.dtype):
-            resolved = dtype
-        else:
-            resolved = _DTYPES.get(str(dtype).removeprefix("torch."))
+            dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
+        resolved = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype).removeprefix("torch."))
         if resolved not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={dtype!r}: must be None, 'auto', float32, bfloat16 or float16")
         return resolved
@@ -289,25 +362,3 @@ def wants_data_parallel(kwargs: dict) -> bool:
     backend (whose single replica may run on another node). Invalid values are left to Config."""
     dp = kwargs.get("data_parallel_size", 1)
     return kwargs.get("distributed_executor_backend") == "ray" or (is_integer(dp) and dp > 1)
-
-
-def read_json(path: str) -> dict:
-    """One of a checkpoint's JSON files (an object); a broken one is a ValueError naming the file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def load_hf_config(path: str):
-    """The checkpoint's `config.json` as a transformers config, checked by its model family."""
-    cfg_file = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg_file):
-        raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
-    # The registry picks the family (architectures), its transformers config class reads the
-    # file, and the family refuses what it does not implement.
-    return registry.load_hf_config(path, read_json(cfg_file))

@@ -13,7 +13,7 @@ from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.data_parallel_front import DataParallelFront
-from nanovllm.features import start_executor
+from nanovllm.features import resolve_quantization, start_executor
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -48,7 +48,8 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         # stream() iterator) gets a clear error instead of sharing the engine's steps.
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
-        super().__init__(model, start_executor=self._start_executor, **kwargs)
+        super().__init__(model, start_executor=self._start_executor, resolve_quantization=resolve_quantization,
+                         **kwargs)
 
     def _start_executor(self, config):
         """What runs the model: this process, or tensor-parallel workers / torchrun (features/)."""

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 
@@ -13,7 +12,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import copy_checkpoint, edit_json, tiny_checkpoint  # noqa: E402
 
-from nanovllm.config import Config  # noqa: E402
+from nanovllm.config import FEATURE_OPTIONS, Config  # noqa: E402
+from nanovllm.features import resolve_quantization  # noqa: E402
+
+
+def make(model, **kwargs) -> Config:
+    """Config as LLM makes it: the keywords checked, then resolved against the checkpoint."""
+    return Config.from_kwargs(model, **kwargs).resolve(resolve_quantization)
+
+
+def option(cfg: Config, name: str):
+    """An LLM keyword's value in `cfg` (a feature's in its sub-config)."""
+    if name in FEATURE_OPTIONS:
+        sub, field = FEATURE_OPTIONS[name]
+        return getattr(getattr(cfg, sub), field)
+    return getattr(cfg, name)
 
 # The public keywords of SPEC.md's `LLM(...)` and their defaults.
 SPEC_DEFAULTS = dict(tensor_parallel_size=1, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096,
@@ -30,11 +43,11 @@ def ckpt(tmp_path_factory):
 
 
 def test_keywords_and_defaults_are_the_spec(ckpt):
-    fields = {f.name: f.default for f in dataclasses.fields(Config) if f.init and f.name != "model"}
+    fields = {name: default for name, (_, default) in Config.option_names().items()}
     for name, default in SPEC_DEFAULTS.items():
         assert name in fields, f"LLM keyword {name} missing"
         assert fields[name] == default, f"{name} defaults to {fields[name]!r}, SPEC says {default!r}"
-    cfg = Config.from_kwargs(ckpt)
+    cfg = make(ckpt)
     assert cfg.max_num_seqs == 512 and cfg.kvcache_block_size == 256 and cfg.num_kvcache_blocks == -1
     assert cfg.model == ckpt
 
@@ -55,8 +68,8 @@ def test_keywords_and_defaults_are_the_spec(ckpt):
     ("device", "cpu"), ("dtype", "float32"), ("dtype", torch.float32),
 ])
 def test_valid_values_are_kept(ckpt, name, value):
-    cfg = Config.from_kwargs(ckpt, **{name: value})
-    got = getattr(cfg, name)
+    cfg = make(ckpt, **{name: value})
+    got = option(cfg, name)
     assert got == value or (name == "dtype" and got == torch.float32)
 
 
@@ -81,70 +94,70 @@ def test_valid_values_are_kept(ckpt, name, value):
 ])
 def test_invalid_values_raise_naming_the_field(ckpt, name, value):
     with pytest.raises((ValueError, TypeError), match=name):
-        Config.from_kwargs(ckpt, **{name: value})
+        make(ckpt, **{name: value})
 
 
 @pytest.mark.parametrize("tp", [3, 8])
 def test_tensor_parallel_size_must_divide_the_heads(ckpt, tp):
     # 4 attention heads and 2 key/value heads: 3 divides neither; 8 is more than the heads.
     with pytest.raises(ValueError, match="tensor_parallel_size"):
-        Config.from_kwargs(ckpt, tensor_parallel_size=tp)
+        make(ckpt, tensor_parallel_size=tp)
 
 
 def test_unknown_keywords_are_a_type_error_naming_all_of_them(ckpt):
     with pytest.raises(TypeError) as info:
-        Config.from_kwargs(ckpt, max_num_seq=4, gpu_mem=0.5, max_model_len=64)
+        make(ckpt, max_num_seq=4, gpu_mem=0.5, max_model_len=64)
     msg = str(info.value)
     assert "max_num_seq" in msg and "gpu_mem" in msg
     # trust_remote_code is an option now (the outputs issue); a vLLM option nano-vllm lacks is not.
     with pytest.raises(TypeError, match="swap_space"):
-        Config.from_kwargs(ckpt, swap_space=4)
+        make(ckpt, swap_space=4)
 
 
 def test_max_model_len_is_clamped_to_the_model_positions(ckpt, tmp_path):
-    assert Config.from_kwargs(ckpt).max_model_len == 512
-    assert Config.from_kwargs(ckpt, max_model_len=100000).max_model_len == 512
-    assert Config.from_kwargs(ckpt, max_model_len=100).max_model_len == 100
+    assert make(ckpt).max_model_len == 512
+    assert make(ckpt, max_model_len=100000).max_model_len == 512
+    assert make(ckpt, max_model_len=100).max_model_len == 100
     folder = copy_checkpoint(ckpt, tmp_path / "short")
     edit_json(os.path.join(folder, "config.json"), lambda c: c.update(max_position_embeddings=40))
-    assert Config.from_kwargs(folder).max_model_len == 40
+    assert make(folder).max_model_len == 40
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CPU fallback")
 def test_device_resolution_without_cuda(ckpt):
-    assert Config.from_kwargs(ckpt).device == "cpu"
-    assert Config.from_kwargs(ckpt, device=None).device == "cpu"
-    assert Config.from_kwargs(ckpt, device="cpu").device == "cpu"
-    assert Config.from_kwargs(ckpt, device=torch.device("cpu")).device == "cpu"
+    assert make(ckpt).device == "cpu"
+    assert make(ckpt, device=None).device == "cpu"
+    assert make(ckpt, device="cpu").device == "cpu"
+    assert make(ckpt, device=torch.device("cpu")).device == "cpu"
     with pytest.raises(ValueError, match="(?i)cuda"):
-        Config.from_kwargs(ckpt, device="cuda")
+        make(ckpt, device="cuda")
 
 
 @pytest.mark.skipif(not NO_CUDA, reason="checks the CPU defaults")
 def test_dtype_resolution_on_cpu(ckpt, tmp_path_factory):
-    assert Config.from_kwargs(ckpt).dtype == torch.float32
-    assert Config.from_kwargs(ckpt, dtype="auto").dtype == torch.float32
+    assert make(ckpt).dtype == torch.float32
+    assert make(ckpt, dtype="auto").dtype == torch.float32
     # None means float32 on CPU even for a bfloat16 checkpoint.
     bf16 = tiny_checkpoint(tmp_path_factory, "gqa", dtype=torch.bfloat16, with_tokenizer=False)
-    assert Config.from_kwargs(bf16).dtype == torch.float32
-    assert Config.from_kwargs(bf16, dtype="bfloat16").dtype == torch.bfloat16
+    assert make(bf16).dtype == torch.float32
+    assert make(bf16, dtype="bfloat16").dtype == torch.bfloat16
     for name, dtype in [("bfloat16", torch.bfloat16), ("float16", torch.float16), ("float32", torch.float32),
                         (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16)]:
-        assert Config.from_kwargs(ckpt, dtype=name).dtype == dtype, name
+        assert make(ckpt, dtype=name).dtype == dtype, name
 
 
 def test_model_path_checks(ckpt, tmp_path):
     import pathlib
 
-    assert Config.from_kwargs(pathlib.Path(ckpt)).model == ckpt
+    assert make(pathlib.Path(ckpt)).model == ckpt
     with pytest.raises(FileNotFoundError, match="does-not-exist"):
-        Config.from_kwargs(str(tmp_path / "does-not-exist"))
+        make(str(tmp_path / "does-not-exist"))
     with pytest.raises(TypeError, match="model"):
-        Config.from_kwargs(123)
+        make(123)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
-        Config.from_kwargs(str(empty))
+        make(str(empty))
 
 
 SUPPORTED = "Qwen3ForCausalLM, Qwen2ForCausalLM, LlamaForCausalLM, Qwen3MoeForCausalLM"
@@ -161,11 +174,11 @@ def test_unknown_architectures(ckpt, tmp_path, changes, pattern):
     folder = copy_checkpoint(ckpt, tmp_path / "arch")
     edit_json(os.path.join(folder, "config.json"), lambda c: c.update(changes))
     with pytest.raises(ValueError, match=pattern):
-        Config.from_kwargs(folder)
+        make(folder)
 
 
 def test_hf_config_is_loaded(ckpt):
-    cfg = Config.from_kwargs(ckpt)
+    cfg = make(ckpt)
     hf = cfg.hf_config
     assert hf.model_type == "qwen3"
     assert (hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_hidden_layers) == (4, 2, 16, 2)
@@ -173,23 +186,23 @@ def test_hf_config_is_loaded(ckpt):
 
 
 def test_forced_flash_attn_without_the_package_fails_before_loading(ckpt, monkeypatch):
-    import nanovllm.model.attention as attention
+    import nanovllm.config as config
 
     # As on a CUDA machine without flash-attn (the H200 we test on): refused in Config, not
     # later when the backend imports it after the weights are loaded.
     monkeypatch.setattr(Config, "_resolve_device", staticmethod(lambda device: "cuda"))
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(config, "flash_attn_available", lambda: False)
     with pytest.raises(ValueError, match="flash_attn package"):
-        Config.from_kwargs(ckpt, attention_backend="flash_attn")
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+        make(ckpt, attention_backend="flash_attn")
+    monkeypatch.setattr(config, "flash_attn_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert Config.from_kwargs(ckpt, attention_backend="flash_attn", dtype="float32").attention_backend == "flash_attn"
+    assert make(ckpt, attention_backend="flash_attn", dtype="float32").attention_backend == "flash_attn"
 
 
 def test_numpy_numbers_are_accepted_and_stored_as_python_numbers(ckpt):
     np = pytest.importorskip("numpy")
-    cfg = Config.from_kwargs(ckpt, max_num_seqs=np.int64(8), gpu_memory_utilization=np.float32(0.5), seed=np.int32(3))
+    cfg = make(ckpt, max_num_seqs=np.int64(8), gpu_memory_utilization=np.float32(0.5), seed=np.int32(3))
     assert (cfg.max_num_seqs, cfg.seed) == (8, 3) and type(cfg.max_num_seqs) is int and type(cfg.seed) is int
     assert type(cfg.gpu_memory_utilization) is float
     with pytest.raises(ValueError, match="max_num_seqs"):
-        Config.from_kwargs(ckpt, max_num_seqs=np.bool_(True))
+        make(ckpt, max_num_seqs=np.bool_(True))

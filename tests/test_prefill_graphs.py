@@ -40,10 +40,10 @@ def test_buckets_cover_every_size_with_bounded_padding(max_tokens):
 
 def test_option_is_checked(ckpt):
     with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
-        Config(ckpt, max_prefill_graph_tokens=-1)
+        Config.from_kwargs(ckpt, max_prefill_graph_tokens=-1)
     with pytest.raises(ValueError, match="max_prefill_graph_tokens"):
-        Config(ckpt, max_prefill_graph_tokens=2.5)
-    assert Config(ckpt).max_prefill_graph_tokens == 2048
+        Config.from_kwargs(ckpt, max_prefill_graph_tokens=2.5)
+    assert Config(ckpt).prefill_graphs.max_tokens == 2048
 
 
 def test_attention_hands_its_call_to_the_cut_hook():

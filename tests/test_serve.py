@@ -620,8 +620,9 @@ def test_every_config_field_is_a_flag():
 
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
-    for f in config_fields():
-        assert f.name in flags and flags[f.name].help, f"LLM option {f.name} has no flag"
+    assert "tensor_parallel_size" in config_fields() and "max_num_seqs" in config_fields()
+    for name in config_fields():
+        assert name in flags and flags[name].help, f"LLM option {name} has no flag"
     args = parser.parse_args(["/m", "--max-num-seqs", "7", "--no-enable-prefix-caching", "--dtype", "float16",
                               "--gpu-memory-utilization", "0.5"])
     assert llm_options(args) == {"max_num_seqs": 7, "enable_prefix_caching": False, "dtype": "float16",

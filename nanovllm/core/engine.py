@@ -42,10 +42,12 @@ class LLMEngine:
     timeline reads them).
     """
 
-    def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None, **kwargs):
+    def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None,
+                 resolve_quantization: Callable | None = None, **kwargs):
         """`start_executor(config)` makes the executor (LLM passes its pick); by default the model
-        runs in this process (`start_in_process`)."""
-        self.config = config = Config.from_kwargs(model, **kwargs)
+        runs in this process (`start_in_process`). `resolve_quantization` (see Config.resolve):
+        the quantization methods the front wires in; without them only unquantized weights load."""
+        self.config = config = Config.from_kwargs(model, **kwargs).resolve(resolve_quantization)
         hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -59,7 +61,7 @@ class LLMEngine:
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.mixed_steps)
+                                   config.scheduling.mixed_steps)
         self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len,
                                          release=self.model_runner.release)
         self.step_observers: list[Callable[[StepTiming], None]] = []

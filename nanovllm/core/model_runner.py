@@ -59,7 +59,7 @@ class ModelRunner:
         t_weights = time.perf_counter()
 
         self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
-                                      config.kv_cache_dtype)
+                                      config.quantization.kv_cache_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
@@ -79,7 +79,7 @@ class ModelRunner:
                                  self.backend.name, spec.num_kv_heads)
         self.sampler = TokenSampler(max_rows, self.device, self.tp)
         self._capture_graphs(forward_strategy)
-        if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
+        if config.quantization.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
         # Where the cold start goes (bench.py reports it).

@@ -14,7 +14,7 @@ from __future__ import annotations
 def forward_strategy(config):
     """The piecewise prefill graphs (core/hooks.py's ForwardStrategy) when `config` allows them:
     CUDA, no enforce_eager, max_prefill_graph_tokens > 0; else None (prefill steps run eagerly)."""
-    if config.device != "cuda" or config.enforce_eager or config.max_prefill_graph_tokens < 1:
+    if config.device != "cuda" or config.enforce_eager or config.prefill_graphs.max_tokens < 1:
         return None
     from nanovllm.features.prefill_graphs import PrefillGraphStrategy, prefill_graph_tokens
 
@@ -26,7 +26,7 @@ def start_executor(config):
     strategy `config` allows: a ModelRunner in this process, or (tensor_parallel_size > 1, or
     torchrun) rank 0 of worker processes / this torchrun rank (launch/executors.py)."""
     strategy = forward_strategy(config)
-    if config.tensor_parallel_size == 1 and config.distributed_executor_backend != "external_launcher":
+    if config.parallel.tensor_parallel_size == 1 and config.parallel.distributed_executor_backend != "external_launcher":
         from nanovllm.core.executor import start_in_process
 
         return start_in_process(config, strategy)
@@ -40,3 +40,16 @@ def replica_set(replica_class, kwargs: dict):
     from nanovllm.launch.data_parallel import ReplicaSet
 
     return ReplicaSet(replica_class, kwargs)
+
+
+# ---------------------------------------------------------------- quantization
+
+
+def resolve_quantization(checkpoint_config, requested: str | None):
+    """Config.resolve's quantization methods (features/quantization/): the linear method of
+    quantized weights, or None; the feature loads only for a quantized checkpoint or request."""
+    if not checkpoint_config and requested is None:
+        return None
+    from nanovllm.features.quantization import resolve_quantization as resolve
+
+    return resolve(checkpoint_config, requested)

@@ -62,7 +62,7 @@ def prefill_graph_tokens(config) -> int:
     max_prefill_graph_tokens cap within the step budget; none with enforce_eager."""
     if config.enforce_eager:
         return 0
-    return min(config.max_prefill_graph_tokens, config.max_num_batched_tokens)
+    return min(config.prefill_graphs.max_tokens, config.max_num_batched_tokens)
 
 
 class PrefillGraphStrategy:

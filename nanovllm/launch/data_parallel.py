@@ -118,7 +118,7 @@ class ReplicaSet:
 
     def start(self, config: Config) -> "ReplicaSet":
         """Start every replica and wait until each is ready (ReplicaFailed if one is not)."""
-        self.num_replicas = config.data_parallel_size
+        self.num_replicas = config.parallel.data_parallel_size
         if self.backend == "ray":
             self.launcher = RayReplicaLauncher(self._ray_cluster, self.replica_class, config, self.engine_kwargs)
         else:

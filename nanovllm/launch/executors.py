@@ -13,6 +13,6 @@ from nanovllm.launch.torchrun import ExternalLauncherRunner
 def start_launched_executor(config: Config, forward_strategy: ForwardStrategy | None) -> Executor:
     """The executor of an engine whose model is split over several processes; every rank runs
     `forward_strategy` (a fresh copy in each worker)."""
-    if config.distributed_executor_backend == "external_launcher":
+    if config.parallel.distributed_executor_backend == "external_launcher":
         return ExternalLauncherRunner(config, forward_strategy)
     return TensorParallelRunner(config, forward_strategy)

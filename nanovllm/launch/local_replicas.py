@@ -83,7 +83,7 @@ class LocalReplicaLauncher(ReplicaLauncher):
     """Replicas as spawned processes of this node (see the module docstring)."""
 
     def __init__(self, engine_class, config, engine_kwargs: dict):
-        n, tp = config.data_parallel_size, config.tensor_parallel_size
+        n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
         self.num_replicas = n
         self.devices = replica_devices(n, tp) if config.device == "cuda" else None
         env = {}

@@ -125,7 +125,7 @@ class RayReplicaLauncher(ReplicaLauncher):
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray = self.ray = cluster.ray
-        n, tp = config.data_parallel_size, config.tensor_parallel_size
+        n, tp = config.parallel.data_parallel_size, config.parallel.tensor_parallel_size
         self.num_replicas = n
         self.bundle = replica_bundle(engine_kwargs["device"], tp)
         self.actors, self.groups, self.info = [], [], {}

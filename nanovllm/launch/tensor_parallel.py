@@ -57,7 +57,7 @@ class TensorParallelRunner:
         self.sample_on_every_rank = True
         self._tokens_on_every_rank = False  # the last step's sampled tokens are on every rank
         self.runner = None
-        self.workers = WorkerSupervisor(config.tensor_parallel_size - 1, worker.worker_main,
+        self.workers = WorkerSupervisor(config.parallel.tensor_parallel_size - 1, worker.worker_main,
                                         lambda rank: (config, rank, self.init_file, forward_strategy))
         PROCESS.open_engines.add(self)
         try:

@@ -72,9 +72,9 @@ class ExternalLauncherRunner:
     def __init__(self, config: Config, forward_strategy: ForwardStrategy | None = None):
         env = torchrun_environment()
         self.rank, world = env["RANK"], env["WORLD_SIZE"]
-        if world != config.tensor_parallel_size:
+        if world != config.parallel.tensor_parallel_size:
             raise ValueError(f"torchrun started {world} processes (WORLD_SIZE) but tensor_parallel_size="
-                             f"{config.tensor_parallel_size}; they must be equal")
+                             f"{config.parallel.tensor_parallel_size}; they must be equal")
         if config.device == "cuda":
             if env["LOCAL_RANK"] >= torch.cuda.device_count():
                 raise ValueError(f"LOCAL_RANK={env['LOCAL_RANK']} but this node has {torch.cuda.device_count()} "
@@ -82,7 +82,7 @@ class ExternalLauncherRunner:
             torch.cuda.set_device(env["LOCAL_RANK"])
         if env["LOCAL_WORLD_SIZE"] != world:
             # The symmetric-memory all-reduces read the peers' memory: one node only.
-            config.custom_all_reduce = False
+            config.parallel.custom_all_reduce = False
         self._owns_group = not dist.is_initialized()
         if self._owns_group:
             dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method="env://",

@@ -26,18 +26,18 @@ from nanovllm.parallel.group import TPGroup
 
 
 def rendezvous(config: Config, rank: int, init_file: str) -> None:
-    """Join the process group of `config.tensor_parallel_size` ranks (NCCL on GPUs, gloo on CPU).
+    """Join the process group of `config.parallel.tensor_parallel_size` ranks (NCCL on GPUs, gloo on CPU).
     The caller has made GPU `rank` its current device (CUDA keeps that per thread)."""
     dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"file://{init_file}",
-                            world_size=config.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
+                            world_size=config.parallel.tensor_parallel_size, rank=rank, timeout=timedelta(minutes=10))
 
 
 def tp_group(config: Config) -> TPGroup:
     """This rank's tensor-parallel group, on its current device, once the process group is up.
     Collective: every rank calls it before building its ModelRunner."""
     device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" else torch.device("cpu")
-    return create_tp_group(config.tensor_parallel_size, device, config.dtype, config.hf_config.hidden_size,
-                           config.max_num_batched_tokens, config.custom_all_reduce)
+    return create_tp_group(config.parallel.tensor_parallel_size, device, config.dtype, config.hf_config.hidden_size,
+                           config.max_num_batched_tokens, config.parallel.custom_all_reduce)
 
 
 def refuse_unguarded_main() -> None:

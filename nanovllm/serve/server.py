@@ -623,9 +623,9 @@ def _flag_type(hint):
     return json.loads  # anything else (a list, a dict) as JSON
 
 
-def config_fields() -> list[dataclasses.Field]:
-    """The LLM options: Config's init fields but `model`."""
-    return [f for f in dataclasses.fields(Config) if f.init and f.name != "model"]
+def config_fields() -> dict[str, tuple[object, object]]:
+    """The LLM options but `model`: name -> (type, default) (Config.option_names)."""
+    return Config.option_names()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -645,23 +645,22 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shutdown-timeout", type=float, default=5.0,
                         help="seconds open responses may run on after SIGTERM before they are cancelled")
     llm = parser.add_argument_group("LLM options (nanovllm.LLM's keyword arguments)")
-    hints = typing.get_type_hints(Config)
-    for f in config_fields():
-        default = SERVER_DEFAULTS.get(f.name, f.default)
-        text = OPTION_HELP.get(f.name, f"LLM option {f.name} (see README)") + f" [default: {default!r}]"
-        flag = "--" + f.name.replace("_", "-")
-        if hints[f.name] is bool:
-            llm.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+    for name, (hint, default) in config_fields().items():
+        default = SERVER_DEFAULTS.get(name, default)
+        text = OPTION_HELP.get(name, f"LLM option {name} (see docs/api.md)") + f" [default: {default!r}]"
+        flag = "--" + name.replace("_", "-")
+        if hint is bool:
+            llm.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                              help=text)
         else:
-            llm.add_argument(flag, dest=f.name, type=_flag_type(hints[f.name]), default=argparse.SUPPRESS,
+            llm.add_argument(flag, dest=name, type=_flag_type(hint), default=argparse.SUPPRESS,
                              help=text)
     return parser
 
 
 def llm_options(args: argparse.Namespace) -> dict:
     """The LLM keyword arguments the flags give (the server's defaults for those not given)."""
-    names = {f.name for f in config_fields()}
+    names = set(config_fields())
     options = {k: v for k, v in vars(args).items() if k in names}
     return {**SERVER_DEFAULTS, **options}
 
