@@ -455,5 +455,9 @@ def test_decode_step_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert [r["batch"] for r in rows] == [2, 3]
     for r in rows:
         assert r["ms_per_step"] > 0 and r["floor_ms"] > 0 and 0 < r["of_floor"] <= 1
-        assert r["tok_s"] == pytest.approx(r["batch"] / r["ms_per_step"] * 1e3, rel=1e-3)  # (ms rounded)
+        # tok_s is rounded to an integer and ms_per_step to 3 decimals: the bound is what those two
+        # roundings allow at this speed (a slow machine gives few tokens a second), not a fixed ratio.
+        assert r["ms_per_step"] > 0
+        exact = r["batch"] / r["ms_per_step"] * 1e3
+        assert abs(r["tok_s"] - exact) <= 0.5 + 1.01 * exact * 0.0005 / r["ms_per_step"] + 1e-9
     assert rows[1]["floor_ms"] >= rows[0]["floor_ms"]  # one more row's K/V to read (tiny: equal at 1 us)
