@@ -197,7 +197,7 @@ class Config:
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
-    fuse_kv_store: bool = field(init=False, default=True)  # (goes with the model layout's merge)
+    fuse_kv_store: bool = field(init=False, default=True)  # K/V store inside the q/k-norm + RoPE kernel on CUDA
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
