@@ -10,7 +10,7 @@ only the model step is split, each rank running its shard of the weights in torc
 process group (env:// rendezvous; NCCL on GPUs, gloo on CPU).
 
 Sampled tokens agree on every rank: rows with plain temperature (or greedy) sampling are sampled
-on every rank from the shards' candidates (engine/sampling.py, RowSampling), which gives every
+on every rank from the shards' candidates (launch/shard_sampling.py, RowSampling), which gives every
 rank the same tokens; otherwise rank 0 samples from the gathered logits and broadcasts the tokens
 on the device (and, when a row asks for logprobs, the logprob entries on the host).
 """
@@ -98,7 +98,7 @@ class ExternalLauncherRunner:
 
     def launch(self, batch, eos_token_ids=frozenset()):
         """ModelRunner.launch with every rank taking part; every rank gets the same tokens."""
-        from nanovllm.core.sampling import RowSampling
+        from nanovllm.launch.shard_sampling import RowSampling
         from nanovllm.core.step_inputs import StepInput
 
         if self._closed:
@@ -118,6 +118,11 @@ class ExternalLauncherRunner:
         if step.prompt_rows or any(s.params.logprobs is not None for s in rows):
             return _SharedLogprobs(tokens, self.rank)
         return tokens
+
+    @property
+    def sampler(self):
+        """This process's TokenSampler, where the fronts register logits extensions."""
+        return self.runner.sampler
 
     def release(self, seq) -> None:
         self.runner.release(seq)
