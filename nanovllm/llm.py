@@ -13,7 +13,7 @@ from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.data_parallel_front import DataParallelFront
-from nanovllm.features import resolve_quantization, start_executor
+from nanovllm.features import enable_logits_extensions, resolve_quantization, start_executor
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -98,6 +98,15 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                 raise type(e)(f"prompt {i}: {e}") from None
             requests.append((ids, snap, text))
         return requests
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """LLMEngine.prepare_params, and the logits extensions the request asks for wired into
+        the sampler (a data-parallel front has none here: its replicas wire their own)."""
+        p = super().prepare_params(params)
+        runner = getattr(self, "model_runner", None)
+        if runner is not None:
+            enable_logits_extensions(runner.sampler, p)
+        return p
 
     def _prompt(self, prompt) -> tuple[list[int], str | None]:
         """(token ids, text or None) of one prompt: text, token ids, or vLLM's prompt dicts

@@ -15,6 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_model as tm  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.features.logits.penalties import Penalties  # noqa: E402
+from nanovllm.launch import shard_sampling  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 
@@ -80,7 +82,7 @@ def test_tp2_equals_tp1_for_the_other_families(tmp_path, name):
     assert no_children()
 
 
-def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
+def test_sampling_on_every_rank_gives_rank0s_tokens(model_path, monkeypatch):
     """Seeded temperature sampling from per-shard candidates (every rank) gives exactly the
     tokens of rank 0 sampling the gathered logits; batches that mix in top-k / min_tokens rows
     switch to rank 0 and back (so the device-side tokens of the previous step must be
@@ -95,8 +97,8 @@ def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
     with LLM(model_path, tensor_parallel_size=2, kvcache_block_size=16) as llm:
         runner = llm.model_runner
         calls = []
-        every_rank = runner.runner.sampler.sample_shards
-        runner.runner.sampler.sample_shards = lambda *a: calls.append(1) or every_rank(*a)
+        every_rank = shard_sampling.sample_shards
+        monkeypatch.setattr(shard_sampling, "sample_shards", lambda *a: calls.append(1) or every_rank(*a))
         for on in (True, False):
             runner.sample_on_every_rank = on
             calls.clear()
@@ -108,11 +110,11 @@ def test_sampling_on_every_rank_gives_rank0s_tokens(model_path):
     assert no_children()
 
 
-def test_tp2_n_samples_logprobs_and_penalties_equal_tp1(model_path):
+def test_tp2_n_samples_logprobs_and_penalties_equal_tp1(model_path, monkeypatch):
     """n > 1 (forks on every rank: hidden rows duplicated, the partial block copied in each
     rank's KV shard), logprobs, prompt logprobs and penalties with TP=2 give TP=1's tokens and
     logprobs, under preemption and prefix hits. Plain rows still sample on every rank; the others
-    make rank 0 gather (engine/sampling.py: samples_on_every_rank)."""
+    make rank 0 gather (launch/shard_sampling.py: samples_on_every_rank)."""
     kw = dict(kvcache_block_size=16, num_kvcache_blocks=10, max_num_batched_tokens=24)
     batch = prompts()[:4]
     params = [SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=16, ignore_eos=True),
@@ -132,13 +134,14 @@ def test_tp2_n_samples_logprobs_and_penalties_equal_tp1(model_path):
         ref, ref_tokens = run(llm)
     with LLM(model_path, tensor_parallel_size=2, **kw) as llm:
         calls = []
-        every_rank = llm.model_runner.runner.sampler.sample_shards
-        llm.model_runner.runner.sampler.sample_shards = lambda *a: calls.append(1) or every_rank(*a)
+        every_rank = shard_sampling.sample_shards
+        monkeypatch.setattr(shard_sampling, "sample_shards", lambda *a: calls.append(1) or every_rank(*a))
         out, tokens = run(llm)
         assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_prefix_hit_tokens > 0
         assert len(calls) > 10, "too few steps sampled on every rank"
         bm = llm.block_manager
-        assert bm.num_free_blocks == bm.num_blocks and not llm.model_runner.runner.sampler.counts.slots
+        penalties = next(e for e in llm.model_runner.sampler.extensions if isinstance(e, Penalties))
+        assert bm.num_free_blocks == bm.num_blocks and not penalties.counts.slots
     assert tokens == ref_tokens
     for a, b in zip(out, ref):
         for x, y in zip([e for c in a.outputs for e in c.logprobs or []] + (a.prompt_logprobs or [None])[1:],

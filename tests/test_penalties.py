@@ -33,6 +33,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 PROMPTS = [rand_ids(7, 700), rand_ids(23, 701), [5, 5, 5, 5]]
 
 
+def penalties(sampler):
+    """The sampler's registered penalties extension (its device token counts)."""
+    from nanovllm.features.logits.penalties import Penalties
+
+    return next(e for e in sampler.extensions if isinstance(e, Penalties))
+
+
 def reference(path, prompt, n, *, repetition=1.0, frequency=0.0, presence=0.0, bias=None, allowed=None,
               bad=()):
     """Greedy decoding on transformers' logits with the rules applied in vLLM's order."""
@@ -175,7 +182,7 @@ def test_penalised_rows_in_a_mixed_batch_with_n_and_preemption(ckpt, llm):
         assert [[c.token_ids for c in o.outputs] for o in outs] == [[c.token_ids for c in o.outputs] for o in alone]
     assert_idle(tight)
     assert_idle(llm)
-    assert not tight.model_runner.sampler.counts.slots, "penalty state left behind"
+    assert not penalties(tight.model_runner.sampler).counts.slots, "penalty state left behind"
 
 
 @pytest.mark.parametrize("bad", [
@@ -194,17 +201,21 @@ def test_bad_values_are_value_errors_naming_the_field(bad):
 def test_requests_that_use_none_of_it_take_the_plain_path(llm, monkeypatch):
     """No row asks for logits processing or logprobs: no processing tensors are built and none
     of their device work runs (the sampler gets the raw logits), also next to n > 1 requests."""
-    from nanovllm.core import sampling
-    from nanovllm.features import logits_processors
+    from nanovllm.features.logits import logprobs
 
     def forbidden(*a, **k):
         raise AssertionError("logits processing ran for requests that use none of it")
 
     sampler = llm.model_runner.sampler
-    monkeypatch.setattr(sampler, "_build_processing", forbidden)
-    monkeypatch.setattr(sampler, "_process", forbidden)
-    monkeypatch.setattr(logits_processors, "gather_logprobs", forbidden)
-    monkeypatch.setattr(sampling.lp, "gather_logprobs", forbidden)
+    # Every extension an earlier request of this module registered, and any registered now.
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=1, repetition_penalty=1.2,
+                                             logit_bias={3: 1.0}), use_tqdm=False)
+    for ext in sampler.extensions:
+        monkeypatch.setattr(ext, "build", forbidden)
+        monkeypatch.setattr(ext, "transform", forbidden)
+    monkeypatch.setattr(sampler.logprobs, "build", forbidden)
+    monkeypatch.setattr(sampler.logprobs, "gather", forbidden)
+    monkeypatch.setattr(logprobs, "gather_logprobs", forbidden)
     plain = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8), greedy(8),
              SamplingParams(temperature=0.7, n=3, seed=2, max_tokens=6, min_tokens=2, stop=["x"])]
     outs = llm.generate(PROMPTS, plain, use_tqdm=False)
@@ -212,3 +223,33 @@ def test_requests_that_use_none_of_it_take_the_plain_path(llm, monkeypatch):
     assert sampler._cache[2] is None
     monkeypatch.undo()
     assert_idle(llm)
+
+
+PLAIN_GENERATE = """
+import sys
+sys.path.insert(0, {tests!r})
+from nanovllm import LLM, SamplingParams
+llm = LLM({ckpt!r}, kvcache_block_size=16, num_kvcache_blocks=32)
+llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+loaded = sorted(m for m in sys.modules if m.startswith("nanovllm.features.logits"))
+assert not loaded, loaded
+assert not llm.model_runner.sampler.extensions and llm.model_runner.sampler.logprobs is None
+llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, presence_penalty=0.5, logprobs=1),
+             use_tqdm=False)
+loaded = sorted(m for m in sys.modules if m.startswith("nanovllm.features.logits"))
+assert loaded == ["nanovllm.features.logits", "nanovllm.features.logits.logprobs",
+                  "nanovllm.features.logits.penalties"], loaded
+print("ok")
+"""
+
+
+def test_plain_greedy_generate_loads_no_logits_extension(ckpt):
+    """The logits extensions are features: a plain greedy generate imports none of their
+    modules; a request that asks for penalties and logprobs registers exactly those."""
+    import subprocess
+
+    code = PLAIN_GENERATE.format(tests=os.path.dirname(__file__), ckpt=str(ckpt))
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]

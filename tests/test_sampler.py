@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from nanovllm.core import sampler as sampler_mod
 from nanovllm.core.sampler import (Sampler, SamplingTensors, _mix32_, apply_filters,
                                      gumbel_argmax_triton, hash_uniform)
+from nanovllm.launch import shard_sampling
 from nanovllm.sampling_params import SamplingParams as SP
 
 # Upper 0.1% points of the chi-square distribution, by degrees of freedom.
@@ -495,14 +496,13 @@ def test_sampler_scales_in_kernel_only_when_eligible(monkeypatch):
          (torch.tensor([0], device=DEVICE), torch.tensor([3], device=DEVICE))),
     ]
     wide_top_k = (tensors(base + [SP(top_k=200, top_p=0.9)], device=DEVICE), None)  # 200 * 8 > 1000: a sort
-    for fused_filters in (True, False):
-        sampler = Sampler(fused_filters=fused_filters)
-        for i, (t, suppress) in enumerate(ineligible + [wide_top_k]):
-            calls.clear()
-            sampler(logits, t, suppress)
-            # The filter kernel reads the raw logits unless tokens are suppressed or top-k is wide.
-            copies = suppress is not None or t is wide_top_k[0] or not fused_filters
-            assert calls == [1] * copies, (fused_filters, i)
+    sampler = Sampler()
+    for i, (t, suppress) in enumerate(ineligible + [wide_top_k]):
+        calls.clear()
+        sampler(logits, t, suppress)
+        # The filter kernel reads the raw logits unless tokens are suppressed or top-k is wide.
+        copies = suppress is not None or t is wide_top_k[0]
+        assert calls == [1] * copies, i
     eligible = tensors(base + [SP()], device=DEVICE)
     assert sampler_mod._fuse_scaling(logits, eligible, None)
     # The kernel reads each row as one unit-stride run.
@@ -787,8 +787,8 @@ def test_filter_kernel_matches_filters_and_noise_on_cuda():
 
 def shard_pick(sampler, logits, t, bounds):
     """Token per row from each vocabulary shard [bounds[i], bounds[i+1])'s candidates."""
-    cands = [sampler.candidates(logits[:, lo:hi], t, lo) for lo, hi in zip(bounds, bounds[1:])]
-    return sampler_mod.pick_candidates(torch.stack([c[0] for c in cands]), torch.stack([c[1] for c in cands]))
+    cands = [shard_sampling.candidates(sampler, logits[:, lo:hi], t, lo) for lo, hi in zip(bounds, bounds[1:])]
+    return shard_sampling.pick_candidates(torch.stack([c[0] for c in cands]), torch.stack([c[1] for c in cands]))
 
 
 @pytest.mark.parametrize("route", ["torch", "triton"])
@@ -797,6 +797,7 @@ def test_shard_candidates_give_the_whole_vocabulary_token(route, monkeypatch):
         if sampler_mod.triton is None:
             pytest.skip("needs Triton")
         monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)  # CPU: the interpreter
+        monkeypatch.setattr(shard_sampling, "_use_triton", lambda x: True)
     gen = torch.Generator()
     seed = gen.seed()
     sampler = Sampler()
@@ -808,7 +809,7 @@ def test_shard_candidates_give_the_whole_vocabulary_token(route, monkeypatch):
         seeds, offsets = t_sampled.seeds.tolist(), t_sampled.offsets.tolist()
         greedy = [0.0 if i % 3 == 0 else x for i, x in enumerate(temps)]
         for row_temps in (temps, greedy, [0.0] * len(temps)):  # sampled, mixed, all greedy
-            t = SamplingTensors.temperature_only(row_temps, seeds, offsets, logits.device)
+            t = shard_sampling.temperature_only(row_temps, seeds, offsets, logits.device)
             want = sampler(logits, t).cpu()
             # Shard boundaries inside and on chunk edges, a one-token and an empty last shard.
             for bounds in ([0, vocab], [0, 500, vocab], [0, 256, 613, 999, vocab], [0, 700, vocab, vocab]):
@@ -820,7 +821,7 @@ def test_shard_candidates_break_ties_like_argmax():
     # The largest logit appears in two shards: the lowest token id wins, as in argmax.
     logits = torch.zeros(2, 12)
     logits[:, [9, 4]] = 5.0
-    t = SamplingTensors.temperature_only([0.0, 0.0], [1, 2], [0, 0], "cpu")
+    t = shard_sampling.temperature_only([0.0, 0.0], [1, 2], [0, 0], "cpu")
     got = shard_pick(Sampler(), logits, t, [0, 3, 6, 12])
     assert got.tolist() == [4, 4]
     # A shard offers its own first maximum, too.
@@ -831,11 +832,11 @@ def test_shard_candidates_break_ties_like_argmax():
 def test_candidates_refuse_filters_and_filters_off_matches_build():
     t = tensors([SP(temperature=0.7, top_k=5)])
     with pytest.raises(ValueError, match="top-k"):
-        Sampler().candidates(torch.zeros(1, 8), t)
+        shard_sampling.candidates(Sampler(), torch.zeros(1, 8), t)
     plain = [SP(), SP(temperature=0.0, top_k=3, top_p=0.5, min_p=0.2), SP(temperature=1.3)]
     filtered = [SP(top_k=3), SP(top_p=0.9), SP(min_p=0.1)]
-    assert all(sampler_mod.filters_off(p) for p in plain)
-    assert not any(sampler_mod.filters_off(p) for p in filtered)
+    assert all(shard_sampling.filters_off(p) for p in plain)
+    assert not any(shard_sampling.filters_off(p) for p in filtered)
     flags = tensors(plain)
     assert not (flags.need_top_k or flags.need_top_p or flags.need_min_p)
 

@@ -14,6 +14,7 @@ from typing import Callable, Protocol
 from nanovllm.config import Config
 from nanovllm.core.hooks import ForwardStrategy
 from nanovllm.core.model_runner import ModelRunner
+from nanovllm.core.sampling import TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 
@@ -33,6 +34,7 @@ class Executor(Protocol):
 
     num_blocks: int  # KV cache blocks (the same on every rank)
     startup_seconds: dict[str, float]  # where the cold start went (bench.py reports it)
+    sampler: TokenSampler  # rank 0's sampler: the front registers logits extensions on it
 
     def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> StepTokens:
         """Queue one step on the device; its tokens arrive through the result."""

@@ -7,9 +7,83 @@ the core alone. One section per hook; each feature module says which hook it plu
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable  # noqa: F401
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, runtime_checkable  # noqa: F401
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanovllm.core.sequence import Sequence
+    from nanovllm.sampling_params import SamplingParams
 
 # ---------------------------------------------------------------- logits (sampling extensions)
+# TokenSampler (core/sampling.py) calls these on rank 0 for the rows whose SamplingParams they
+# apply to; a batch in which no row asks for any runs the basic sampler alone.
+
+
+class LogitsExtension(Protocol):
+    """A per-request change of the logits before the draw (penalties, logit_bias, banned or
+    allowed tokens). Extensions transform in increasing `order` (vLLM's: allowed ids, bad words,
+    bias, then penalties), on an fp32 copy of the logits [rows, V]."""
+
+    order: int
+
+    def applies(self, params: SamplingParams) -> bool:
+        """Whether a row with these parameters needs this extension."""
+
+    def build(self, rows: list[Sequence], where: list[int], vocab_size: int) -> object:
+        """The batch's device state for rows[i], i in `where` (the rows it applies to); called
+        when the batch's rows change, and kept while they do not."""
+
+    def transform(self, logits: torch.Tensor, state: object) -> None:
+        """Change `logits` (fp32 [rows, V]) in place, every step."""
+
+    def observe(self, state: object, tokens: torch.Tensor) -> None:
+        """The step's sampled tokens int64 [rows], on the device."""
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended: drop what the extension keeps for it."""
+
+
+@dataclass
+class StepLogprobs:
+    """A step's logprob entries on the host, as the lifecycle stores them: `sample[row]` for the
+    sampling rows that asked, `prompt` as (batch row, entries of its next prompt positions).
+    An entry is (logprob, rank, top ids, top logprobs) of one token (Sequence.logprobs)."""
+
+    sample: dict[int, tuple]
+    prompt: list[tuple[int, list[tuple]]]
+
+
+class PendingLogprobs(Protocol):
+    def result(self) -> StepLogprobs:
+        """The entries, once the step's tokens have reached the host."""
+
+
+class LogprobsExtension(Protocol):
+    """The output side: logprobs of the sampled tokens (rows that ask) and of the step's prompt
+    positions (StepInput.prompt_rows, whose logits rows follow the sampling rows), read from
+    the raw logits and copied to the host with the tokens."""
+
+    def applies(self, params: SamplingParams) -> bool:
+        """Whether a row with these parameters wants its sampled tokens' logprobs."""
+
+    def build(self, rows: list[Sequence], where: list[int], vocab_size: int) -> object:
+        """As LogitsExtension.build."""
+
+    def gather(self, state: object | None, logits: torch.Tensor, tokens: torch.Tensor,
+               prompt_logits: torch.Tensor | None, step) -> PendingLogprobs:
+        """Queue the step's logprobs (state None: no sampling row asks; prompt_logits None: no
+        prompt positions) for the host, without waiting."""
+
+
+class ShardSampling(Protocol):
+    """Sampling on every tensor-parallel rank from its vocabulary shard (StepInput.sampling, set
+    by the launchers for steps that need no gathered logits)."""
+
+    def sample(self, sampler, model, hidden: torch.Tensor) -> torch.Tensor:
+        """The rows' tokens from `hidden` through the model's LM-head shard, the same on every
+        rank, also left in `sampler`'s (TokenSampler's) device buffer."""
 
 # ---------------------------------------------------------------- scheduling
 

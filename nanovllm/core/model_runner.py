@@ -170,7 +170,7 @@ class ModelRunner:
         if step.block_copies:
             self._copy_blocks(step.block_copies)  # after the forward wrote the source blocks
         if step.sampling is not None:
-            return self.sampler.sample_shards(self.model, hidden, step.sampling)
+            return step.sampling.sample(self.sampler, self.model, hidden)
         return self.model.compute_logits(hidden)
 
     def _extra_rows(self, hidden: torch.Tensor, step: StepInput, every: torch.Tensor | None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Batched token sampler: temperature, top-k, top-p, min-p and seeded sampling, all on device.
+"""Batched token sampler: greedy, temperature, top-k, top-p, min-p and seeded sampling, on device.
 
 Every row of a batch carries its own parameters. Sampling uses the Gumbel-max trick with noise
 from a counter-based integer hash of (seed, offset, token id), so a row's token depends only
@@ -16,9 +16,9 @@ import torch
 try:
     import triton
 
-    from nanovllm.kernels.sampling import gumbel_argmax_triton, gumbel_partials_triton
+    from nanovllm.kernels.sampling import gumbel_argmax_triton
     from nanovllm.kernels.top_p import filtered_sample_triton
-except ImportError:  # Triton only ships for Linux; the torch path covers the rest
+except ImportError:  # Triton only ships for Linux; the torch route covers the rest
     triton = None
 
 from nanovllm.sampling_params import SamplingParams
@@ -31,6 +31,8 @@ _MUL1 = 0x7FEB352D
 _MUL2 = 0x846CA68B - (1 << 32)
 _KEY_START = 0x9E3779B9  # arbitrary non-zero start so (seed 0, offset 0) is not special
 _NEG_INF = float("-inf")
+# top_k at or past this is the same as no top_k for any vocabulary (and fits int64).
+_TOP_K_CAP = 1 << 31
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
@@ -79,14 +81,11 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
     return h.bitwise_right_shift_(9).to(torch.float32).mul_(2.0**-23).add_(2.0**-24)
 
 
-# top_k at or past this is the same as no top_k for any vocabulary (and fits int64).
-_TOP_K_CAP = 1 << 31
-
 @dataclass
 class SamplingTensors:
     """Per-row sampling parameters on the logits' device, plus host-side flags.
 
-    temperatures: float32 [B], 0 = greedy. top_ks: int32/int64 [B], <= 0 = off. top_ps: float32 [B],
+    temperatures: float32 [B], 0 = greedy. top_ks: int64 [B], <= 0 = off. top_ps: float32 [B],
     1 = off. min_ps: float32 [B], 0 = off. seeds: int64 [B]. offsets: int64 [B], a per-row
     counter (the engine passes the sequence's current length) that advances the random stream.
     The flags are decided on the host and pick which device work runs; a CUDA graph captured
@@ -145,34 +144,17 @@ class SamplingTensors:
             return host.to(device, non_blocking=pin_memory)
 
         n_greedy = sum(1 for x in temps if x == 0.0)
-        return cls(
-            temperatures=to_dev(temps, torch.float32),
-            top_ks=to_dev(ks, torch.int64),
-            top_ps=to_dev(ps, torch.float32),
-            min_ps=to_dev(mps, torch.float32),
-            seeds=to_dev(wrapped, torch.int64),
-            offsets=to_dev(list(offsets), torch.int64),
-            all_greedy=n_greedy == len(temps),
-            any_greedy=n_greedy > 0,
-            need_top_k=any(k > 0 for k in ks),
-            need_top_p=any(x < 1.0 for x in ps),
-            need_min_p=any(x > 0.0 for x in mps),
-            sort_k=sort_k,
-            max_top_k=max(ks, default=0),
-        )
+        return cls(temperatures=to_dev(temps, torch.float32), top_ks=to_dev(ks, torch.int64),
+                   top_ps=to_dev(ps, torch.float32), min_ps=to_dev(mps, torch.float32),
+                   seeds=to_dev(wrapped, torch.int64), offsets=to_dev(list(offsets), torch.int64),
+                   all_greedy=n_greedy == len(temps), any_greedy=n_greedy > 0,
+                   need_top_k=any(k > 0 for k in ks), need_top_p=any(x < 1.0 for x in ps),
+                   need_min_p=any(x > 0.0 for x in mps), sort_k=sort_k, max_top_k=max(ks, default=0))
 
-    @classmethod
-    def temperature_only(cls, temps: list[float], seeds: list[int], offsets: list[int], device,
-                         pin_memory: bool = False) -> SamplingTensors:
-        """Rows that sample from the plain temperature-scaled distribution (or greedily)."""
-        n = len(temps)
-        return cls.from_lists(temps, [0] * n, [1.0] * n, [0.0] * n, seeds, offsets, device, pin_memory)
-
-
-def filters_off(p: SamplingParams) -> bool:
-    """Whether `p` draws from the plain temperature-scaled distribution (greedy rows always do):
-    then a row's token is the best of per-vocabulary-shard candidates (see Sampler.candidates)."""
-    return p.temperature == 0.0 or (p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0)
+    @property
+    def filters(self) -> bool:
+        """Whether some row has top-k, top-p or min-p."""
+        return self.need_top_k or self.need_top_p or self.need_min_p
 
 
 def _kth_threshold(vals: torch.Tensor, t: SamplingTensors, width: int) -> torch.Tensor:
@@ -264,58 +246,47 @@ def apply_filters(logits: torch.Tensor, t: SamplingTensors,
     return x
 
 
-def pick_candidates(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The token of each row from candidates [R, B] (float scores, integer token ids) of R
-    vocabulary shards in vocabulary order: the best score, ties to the lowest id, as an
-    argmax over the whole vocabulary would pick. Token ids int64 [B]."""
-    best = scores.argmax(dim=0, keepdim=True)  # the first maximum: the lowest shard
-    return ids.gather(0, best).squeeze(0)
-
-
 def _use_triton(x: torch.Tensor) -> bool:
-    """Whether Sampler draws x's tokens with the fused Triton kernel rather than torch ops."""
+    """Whether Sampler draws x's tokens with the fused Triton kernels rather than torch ops."""
     return x.is_cuda and triton is not None
 
 
-def _fuse_scaling(logits: torch.Tensor, t: SamplingTensors, suppress) -> bool:
-    """Whether Sampler can hand the raw logits to the kernel, which then divides by temperature.
+def _wide_top_k(logits: torch.Tensor, t: SamplingTensors) -> bool:
+    """Whether some row's top_k spans so much of the vocabulary that a full sort beats a
+    partial torch.topk for its threshold."""
+    vocab = logits.shape[-1]
+    return t.need_top_k and max(1, min(t.max_top_k, vocab)) * 8 > vocab
 
-    Only when nothing but the kernel reads the scaled logits: every row samples (no greedy
-    argmax), no filter needs a threshold and no token is suppressed. This skips _scaled's fp32
-    [B, V] copy, which at large batches costs more than the kernel.
-    """
+
+def _fuse_scaling(logits: torch.Tensor, t: SamplingTensors, suppress) -> bool:
+    """Whether the Triton kernels read the raw logits and divide them by the temperature
+    themselves, which skips _scaled's fp32 [B, V] copy: unless tokens are suppressed, a row is
+    not one unit-stride run, or a wide top-k needs the sorting thresholds."""
     return (_use_triton(logits) and logits.stride(-1) == 1 and suppress is None
-            and not (t.any_greedy or t.need_top_k or t.need_top_p or t.need_min_p))
+            and not _wide_top_k(logits, t))
 
 
 class Sampler(torch.nn.Module):
     """Picks one token per row from logits [B, V] (fp32, bf16 or fp16); see SamplingTensors.
 
-    On CUDA (with Triton) noise, masking and argmax are fused kernels: gumbel_argmax_triton when
-    every row samples from its plain temperature distribution, else filtered_sample_triton,
-    which finds top-p's token without sorting (kernels/top_p.py); both scale the raw logits
-    themselves unless tokens are suppressed. Elsewhere they are torch ops over [B, V]
-    temporaries. Both compute the same integer hash, so they agree except where float rounding
-    of log() flips a near-tie, or of the probability mass sums moves a token across top-p's cut.
-    fused_filters=False keeps the older CUDA route for filters (scaled fp32 copy, top-k or a
-    full sort, then gumbel_argmax_triton with a threshold), for A/B measurements.
+    All-greedy batches take the argmax. Otherwise, on CUDA (with Triton), noise, masking and
+    argmax are fused kernels (_sample_triton); elsewhere they are torch ops over [B, V]
+    temporaries (_sample_torch). Both compute the same integer hash, so they agree except where
+    float rounding of log() flips a near-tie, or of the probability mass sums moves a token
+    across top-p's cut.
     """
 
-    def __init__(self, fused_filters: bool = True):
+    def __init__(self):
         super().__init__()
-        self.fused_filters = fused_filters
         self._token_hashes: dict[tuple[int, torch.device, int], torch.Tensor] = {}
 
-    def _hashes(self, vocab_size: int, device: torch.device, start: int = 0) -> torch.Tensor:
-        key = (vocab_size, device, start)
+    def add_gumbel_(self, x: torch.Tensor, t: SamplingTensors, first_id: int = 0) -> torch.Tensor:
+        """x += the rows' Gumbel noise of token ids first_id, first_id + 1, ... (in place; x)."""
+        key = (x.shape[-1], x.device, first_id)
         h = self._token_hashes.get(key)
         if h is None:
-            h = self._token_hashes[key] = _token_hashes(vocab_size, device, start)
-        return h
-
-    def _add_gumbel_(self, x: torch.Tensor, t: SamplingTensors, first_id: int = 0) -> torch.Tensor:
-        """x += the rows' Gumbel noise of token ids first_id, first_id + 1, ... (in place; x)."""
-        u = hash_uniform(t.seeds, t.offsets, x.shape[-1], self._hashes(x.shape[-1], x.device, first_id))
+            h = self._token_hashes[key] = _token_hashes(*key)
+        u = hash_uniform(t.seeds, t.offsets, x.shape[-1], h)
         # Gumbel-max: log p + Gumbel noise, with Gumbel = -log(E), E = -log(u) ~ Exp(1).
         return x.sub_(u.log_().neg_().log_())
 
@@ -327,82 +298,42 @@ class Sampler(torch.nn.Module):
         logits[rows[i], cols[i]] is treated as -inf (repeats are fine). Greedy rows take the
         first argmax; others draw argmax(filtered_logits - log(-log u)) with u = hash_uniform.
         """
-        if t.all_greedy and suppress is None:
-            return logits.argmax(dim=-1)
-        if _fuse_scaling(logits, t, suppress):
-            return gumbel_argmax_triton(logits, None, t.seeds, t.offsets, t.temperatures)
-        if self.fused_filters and not t.all_greedy and _use_triton(logits):
-            tokens = self._fused_filtered(logits, t, suppress)
-            if tokens is not None:
-                return tokens
-        x = _scaled(logits, t, suppress)
         if t.all_greedy:
-            return x.argmax(dim=-1)
+            return (logits if suppress is None else _scaled(logits, t, suppress)).argmax(dim=-1)
+        if _use_triton(logits):
+            return self._sample_triton(logits, t, suppress)
+        return self._sample_torch(logits, t, suppress)
+
+    def _sample_torch(self, logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor:
+        x = _scaled(logits, t, suppress)
         thr, argmax = _thresholds(x, t)
-        if _use_triton(x):
+        if thr is not None:
+            x.masked_fill_(x < thr[:, None], _NEG_INF)
+        sampled = self.add_gumbel_(x, t).argmax(dim=-1)
+        return torch.where(t.temperatures == 0, argmax, sampled) if t.any_greedy else sampled
+
+    def _sample_triton(self, logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor:
+        """Raw logits, no filters and no greedy row: gumbel_argmax_triton. Else filtered_sample_triton,
+        which finds top-p's token without sorting (kernels/top_p.py), with top-k's threshold
+        from a partial torch.topk on the raw logits; a top-k over most of the vocabulary takes
+        every threshold from one sort (_thresholds) and masks in gumbel_argmax_triton."""
+        x, scale = logits, _fuse_scaling(logits, t, suppress)
+        if not scale:
+            x = _scaled(logits, t, suppress)
+        if scale and not (t.any_greedy or t.filters):
+            return gumbel_argmax_triton(x, None, t.seeds, t.offsets, t.temperatures)
+        if _wide_top_k(logits, t):
+            thr, argmax = _thresholds(x, t)
             sampled = gumbel_argmax_triton(x, thr, t.seeds, t.offsets)
-        else:
-            if thr is not None:
-                x.masked_fill_(x < thr[:, None], _NEG_INF)
-            sampled = self._add_gumbel_(x, t).argmax(dim=-1)
-        if t.any_greedy:
-            sampled = torch.where(t.temperatures == 0, argmax, sampled)
-        return sampled
-
-    def _fused_filtered(self, logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor | None:
-        """forward's tokens through filtered_sample_triton, or None when some row's top_k is too
-        large for a partial top-k (the sorting route then).
-
-        Used for min-p, top-k and greedy rows too, not only top-p: reading the raw logits once
-        beats writing and rereading their fp32 copy (and a separate argmax pass for greedy rows).
-        """
-        vocab = logits.shape[-1]
-        width = max(1, min(t.max_top_k, vocab))
-        if t.need_top_k and width * 8 > vocab:
-            return None
-        x, scale = logits, True
-        if suppress is not None or logits.stride(-1) != 1:
-            x, scale = _scaled(logits, t, suppress), False
+            return torch.where(t.temperatures == 0, argmax, sampled) if t.any_greedy else sampled
         thr = None
         if t.need_top_k:
             # On the raw logits: x -> x / T (correctly rounded, T > 0) never reverses an order, so
             # the k-th largest of the scores is the k-th largest logit divided by T, which is
             # what the kernel compares the scores with. Holds for fp32 too, where division may
             # merge neighbours: the tokens tied with the threshold after division are kept.
+            width = max(1, min(t.max_top_k, x.shape[-1]))
             thr = _kth_threshold(torch.topk(x, width, dim=-1).values, t, width)
         return filtered_sample_triton(x, t.temperatures, thr, t.top_ps if t.need_top_p else None,
                                       torch.log(t.min_ps) if t.need_min_p else None, t.seeds, t.offsets,
                                       scale=scale)
-
-    def candidates(self, logits: torch.Tensor, t: SamplingTensors, first_id: int = 0):
-        """One vocabulary shard's candidate per row: (score fp32 [B], token id int64 [B]).
-
-        logits [B, V_shard] hold tokens first_id, first_id + 1, ...; the rows must have their
-        filters off (see filters_off) and nothing suppressed. Greedy rows offer their largest
-        logit, the others their best logit / temperature + Gumbel noise (the same noise of the
-        same token ids as forward), so pick_candidates over every shard's candidates is
-        forward's token over the whole vocabulary. With tensor parallelism each rank sends
-        these two numbers per row instead of its [B, V_shard] logits.
-        """
-        if t.need_top_k or t.need_top_p or t.need_min_p:
-            raise ValueError("Sampler.candidates: top-k, top-p and min-p need the whole vocabulary")
-        if logits.shape[-1] == 0:  # a last shard that holds only padding (tiny vocabularies)
-            n = logits.shape[0]
-            return (torch.full((n,), _NEG_INF, device=logits.device),
-                    torch.full((n,), first_id, dtype=torch.int64, device=logits.device))
-        greedy = logits.max(dim=-1) if t.any_greedy else None
-        if t.all_greedy:
-            return greedy.values.float(), greedy.indices + first_id
-        temps = torch.where(t.temperatures > 0, t.temperatures, 1.0)
-        if _use_triton(logits) and logits.stride(-1) == 1:
-            vals, idx = gumbel_partials_triton(logits, None, t.seeds, t.offsets, temps, first_id=first_id)
-            best = vals.argmax(dim=-1, keepdim=True)
-            scores, ids = vals.gather(1, best).squeeze(1), idx.gather(1, best).squeeze(1).long()
-        else:
-            scores, ids = self._add_gumbel_(torch.div(logits, temps[:, None]), t, first_id).max(dim=-1)
-            ids = ids + first_id
-        if greedy is not None:
-            is_greedy = t.temperatures == 0
-            scores = torch.where(is_greedy, greedy.values.float(), scores)
-            ids = torch.where(is_greedy, greedy.indices + first_id, ids)
-        return scores, ids

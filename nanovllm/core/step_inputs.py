@@ -39,7 +39,7 @@ class StepInput:
     start_pos: list[int]
     block_tables: list[list[int]]
     src_rows: list[int] | None = None
-    sampling: "RowSampling | None" = None  # sample on every rank (tensor parallelism)
+    sampling: "ShardSampling | None" = None  # sample on every rank (core/hooks.py)
     sync_prev: bool = True  # src_rows' tokens are on rank 0 only: broadcast them first
     fork_rows: list[int] | None = None
     block_copies: list[tuple[int, int]] | None = None

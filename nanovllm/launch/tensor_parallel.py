@@ -19,9 +19,9 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.core.hooks import ForwardStrategy
 from nanovllm.core.model_runner import ModelRunner
-from nanovllm.core.sampling import RowSampling
 from nanovllm.core.step_inputs import StepInput
 from nanovllm.launch import worker
+from nanovllm.launch.shard_sampling import RowSampling
 from nanovllm.launch.supervisor import PROCESS, WorkerDied, WorkerSupervisor, device_drained
 
 logger = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class TensorParallelRunner:
 
     def launch(self, batch, eos_token_ids=frozenset()):
         """ModelRunner.launch across all ranks. Who samples is decided by
-        RowSampling.for_every_rank (core/sampling.py, the one place): rows with plain
+        RowSampling.for_every_rank (launch/shard_sampling.py, the one place): rows with plain
         temperature (or greedy) sampling are sampled on every rank from per-shard candidates;
         else rank 0 gathers the logits and samples alone."""
         step = StepInput.from_batch(batch)
@@ -132,6 +132,11 @@ class TensorParallelRunner:
         if step.sampling is not None:
             return self.runner.sampler.publish(len(rows), self._raise_if_failed)
         return self.runner.sampler.sample(out, rows, eos_token_ids, self._raise_if_failed, step=step)
+
+    @property
+    def sampler(self):
+        """This process's TokenSampler, where the fronts register logits extensions."""
+        return self.runner.sampler
 
     def release(self, seq) -> None:
         """A request ended: drop its sampling state (only rank 0 samples with any)."""

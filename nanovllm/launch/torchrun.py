@@ -10,7 +10,7 @@ only the model step is split, each rank running its shard of the weights in torc
 process group (env:// rendezvous; NCCL on GPUs, gloo on CPU).
 
 Sampled tokens agree on every rank: rows with plain temperature (or greedy) sampling are sampled
-on every rank from the shards' candidates (core/sampling.py, RowSampling), which gives every
+on every rank from the shards' candidates (launch/shard_sampling.py, RowSampling), which gives every
 rank the same tokens; otherwise rank 0 samples from the gathered logits and broadcasts the tokens
 on the device (and, when a row asks for logprobs, the logprob entries on the host).
 """
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from nanovllm.config import Config
 from nanovllm.core.hooks import ForwardStrategy
 from nanovllm.core.model_runner import ModelRunner
-from nanovllm.core.sampling import RowSampling
 from nanovllm.core.step_inputs import StepInput
+from nanovllm.launch.shard_sampling import RowSampling
 from nanovllm.launch.worker import tp_group
 
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -118,6 +118,11 @@ class ExternalLauncherRunner:
         if step.prompt_rows or any(s.params.logprobs is not None for s in rows):
             return _SharedLogprobs(tokens, self.rank)
         return tokens
+
+    @property
+    def sampler(self):
+        """This process's TokenSampler, where the fronts register logits extensions."""
+        return self.runner.sampler
 
     def release(self, seq) -> None:
         self.runner.release(seq)

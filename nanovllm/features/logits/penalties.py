@@ -1,10 +1,4 @@
-"""Per-request changes to the logits before sampling, and log-probabilities, on the device.
-
-vLLM's order (V1 sampler): allowed_token_ids, bad words, logit_bias, then the repetition,
-frequency and presence penalties, all on the raw fp32 logits; temperature, top-k/top-p/min-p
-and the draw follow in layers/sampler.py. Every function works on the rows that ask (row index
-tensors), so a batch mixing requests that use none of it pays nothing for them; the engine skips
-all of it when no row of a step asks (engine/sampling.py).
+"""Repetition, frequency and presence penalties. Plugs into core/hooks.py's LogitsExtension.
 
 Penalties need each request's token counts: `TokenCounts` keeps them on the device (one row per
 request, updated from the sampled tokens on the device), so no step sends token histories to it.
@@ -12,46 +6,13 @@ request, updated from the sampled tokens on the device), so no step sends token 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-_NEG_INF = float("-inf")
-
-
-def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """log_softmax of logits [R, V] (any float dtype, computed in fp32) at `targets` [R] int64,
-    with ranks, and the top `k` (0 <= k <= V) of each row.
-
-    Returns (values fp32 [R, 1 + k], ids int64 [R, 1 + k]): column 0 holds the target's logprob
-    and its rank (1 + the number of other tokens at least as likely: vLLM's count of logprobs
-    >= the target's, so tied tokens share the larger rank); columns 1.. the top-k logprobs in
-    descending order and their token ids.
-    """
-    lp = torch.log_softmax(logits.float(), dim=-1)
-    target = lp.gather(1, targets[:, None])
-    rank = (lp >= target).sum(dim=-1, keepdim=True)
-    if k == 0:
-        return target, rank
-    top, ids = lp.topk(k, dim=-1)
-    return torch.cat([target, top], dim=1), torch.cat([rank, ids], dim=1)
-
-
-def mask_to_allowed(x: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
-    """In place: x[rows[i], j] = -inf wherever allowed [len(rows), V] bool is False."""
-    x[rows] = x[rows].masked_fill_(~allowed, _NEG_INF)
-
-
-def ban(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, active: torch.Tensor | None = None) -> None:
-    """In place: x[rows[i], cols[i]] = -inf (only where active[i], a bool tensor, if given).
-    Repeated (row, col) pairs are fine: -inf is added, and -inf + anything finite is -inf."""
-    add = x.new_full(rows.shape, _NEG_INF)
-    if active is not None:
-        add = torch.where(active, add, 0.0)
-    x.index_put_((rows, cols), add, accumulate=True)
-
-
-def add_bias(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, bias: torch.Tensor) -> None:
-    """In place: x[rows[i], cols[i]] += bias[i] (logit_bias)."""
-    x.index_put_((rows, cols), bias, accumulate=True)
+from nanovllm.core.sequence import Sequence
+from nanovllm.model.context import host_to_device
+from nanovllm.sampling_params import SamplingParams
 
 
 def apply_penalties(x: torch.Tensor, rows: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor | None,
@@ -131,3 +92,64 @@ class TokenCounts:
         in_prompt[:old] = self.in_prompt
         self.counts, self.in_prompt = counts, in_prompt
         self._free.extend(range(new - 1, old - 1, -1))
+
+
+@dataclass
+class PenaltyRows:
+    """A batch's penalised rows: their batch rows and count slots, and each penalty per row
+    (None when every row has it at its neutral value)."""
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    repetition: torch.Tensor | None
+    frequency: torch.Tensor | None
+    presence: torch.Tensor | None
+
+
+class Penalties:
+    """LogitsExtension: the penalties, after logit_bias (vLLM's order)."""
+
+    order = 20
+
+    def __init__(self, device: torch.device, pin: bool):
+        self.device, self.pin = device, pin
+        self.counts: TokenCounts | None = None  # made at the first penalised batch (its vocabulary)
+
+    def applies(self, params: SamplingParams) -> bool:
+        return params.uses_penalties
+
+    def build(self, rows: list[Sequence], where: list[int], vocab_size: int) -> PenaltyRows:
+        if self.counts is None:
+            self.counts = TokenCounts(vocab_size, self.device)
+        slots = []
+        for i in where:
+            s = rows[i]
+            slot = self.counts.slot(s.seq_id)
+            if slot is None:  # first sampled here: every token of it is known to the host
+                slot = self.counts.assign(s.seq_id, s.prompt_token_ids, s.completion_token_ids)
+            slots.append(slot)
+        ps = [rows[i].params for i in where]
+
+        def per_row(name: str, neutral: float) -> torch.Tensor | None:
+            values = [getattr(p, name) for p in ps]
+            if all(v == neutral for v in values):
+                return None
+            return host_to_device(values, torch.float32, self.device, self.pin)
+
+        return PenaltyRows(host_to_device(where, torch.long, self.device, self.pin),
+                           host_to_device(slots, torch.long, self.device, self.pin),
+                           per_row("repetition_penalty", 1.0), per_row("frequency_penalty", 0.0),
+                           per_row("presence_penalty", 0.0))
+
+    def transform(self, logits: torch.Tensor, state: PenaltyRows) -> None:
+        c = self.counts
+        in_prompt = c.in_prompt.index_select(0, state.slots) if state.repetition is not None else None
+        apply_penalties(logits, state.rows, c.counts.index_select(0, state.slots), in_prompt,
+                        state.repetition, state.frequency, state.presence)
+
+    def observe(self, state: PenaltyRows, tokens: torch.Tensor) -> None:
+        self.counts.add(state.slots, tokens.index_select(0, state.rows))
+
+    def release(self, seq: Sequence) -> None:
+        if self.counts is not None:
+            self.counts.release(seq.seq_id)
