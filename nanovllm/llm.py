@@ -11,6 +11,7 @@ from nanovllm.launch.data_parallel import DataParallelFront, wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.engine import LLMEngine
+from nanovllm.features import wire_scheduling
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -44,6 +45,7 @@ class LLM(LLMEngine):
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         super().__init__(model, **kwargs)
+        wire_scheduling(self)  # mixed steps, when asked
 
     def __enter__(self):
         return self
@@ -130,6 +132,11 @@ class LLM(LLMEngine):
                 self._release(seqs)
                 raise
         return [self._request_output(seq) for seq in seqs]
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
+                    prompt: str | None = None) -> Sequence:
+        wire_scheduling(self, params)  # n > 1, prompt logprobs: their hooks, on first use
+        return super().add_request(prompt_ids, params, track_text, prompt)
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
