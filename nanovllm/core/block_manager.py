@@ -158,7 +158,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, reserve: int = 0) -> None:
         """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks, and
-        `reserve` more free blocks held for it (seq.reserved_blocks, see fork)."""
+        `reserve` more free blocks held for its later use (seq.reserved_blocks)."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already has blocks")
         hits = self._cached_prefix(seq)
@@ -180,27 +180,15 @@ class BlockManager:
         self.num_prefix_hit_tokens += seq.num_cached_tokens
         self.num_prefix_query_tokens += len(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Give `child` the blocks of `parent`'s tokens, which a scheduled step finishes
-        computing: full blocks are shared (ref count + 1); a partly filled last block would be
-        written by both, so the child gets one of parent's reserved blocks and the caller copies
-        (src, dst) once the step has run (copy on write). Returns that pair, or None."""
-        full = len(parent) // self.block_size
-        shared = parent.block_table[:full]
-        for block_id in shared:
+    def share(self, block_ids: list[int]) -> None:
+        """One more holder for blocks already held (ref count + 1): a sequence that reads the
+        same computed K/V, e.g. a sample forked from another's prompt."""
+        for block_id in block_ids:
             self.blocks[block_id].ref_count += 1
-        self.num_shared_refs += len(shared)  # held by parent already
-        child.block_table = list(shared)
-        if len(parent.block_table) == full:
-            return None
-        if not parent.reserved_blocks:
-            raise RuntimeError(f"internal error: no block reserved for a fork of {parent}")
-        dst = parent.reserved_blocks.pop()
-        child.block_table.append(dst)
-        return parent.block_table[full], dst
+        self.num_shared_refs += len(block_ids)
 
     def release_reserved(self, seq: Sequence) -> None:
-        """Give back the blocks reserved for `seq` that it did not use."""
+        """Give back the blocks reserved for `seq` that it did not take."""
         while seq.reserved_blocks:
             block = self.blocks[seq.reserved_blocks.pop()]
             block.ref_count = 0

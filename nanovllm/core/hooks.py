@@ -40,7 +40,7 @@ class SchedulingHook(Protocol):
     def reserve(self, seq: Sequence, block_size: int) -> tuple[int, int]:
         """(sampling rows, free KV blocks) to hold for `seq` from its admission on, beyond its
         own: the rows count against max_num_seqs until the hook pops Scheduler.held_rows[seq];
-        the blocks are seq.reserved_blocks (BlockManager.allocate, fork)."""
+        the blocks are seq.reserved_blocks (BlockManager.allocate)."""
         return 0, 0
 
     def scheduled(self, scheduler: Scheduler, batch: ScheduledBatch) -> None:

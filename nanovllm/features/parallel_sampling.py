@@ -13,6 +13,7 @@ sequence of its own: it decodes, is preempted and recomputed, and finishes on it
 
 from __future__ import annotations
 
+from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.hooks import SchedulingHook
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
@@ -52,14 +53,26 @@ class ParallelSampling(SchedulingHook):
         for child in children:
             if child.is_finished:  # aborted with its request before the fork
                 continue
-            copy = scheduler.block_manager.fork(parent, child)
-            if copy is not None:
-                batch.block_copies.append(copy)
+            self._share_prompt(scheduler.block_manager, batch, parent, child)
             child.status = SequenceStatus.RUNNING
             scheduler.running.append(child)
             batch.forks.append(child)
             batch.fork_rows.append(row)
         scheduler.block_manager.release_reserved(parent)
+
+    @staticmethod
+    def _share_prompt(bm: BlockManager, batch: ScheduledBatch, parent: Sequence, child: Sequence) -> None:
+        """The full blocks of the prompt are shared; a partly filled last block would be written
+        by both, so the child gets one of the blocks reserved for it and the step copies the
+        parent's into it once the forward has filled it (copy on write)."""
+        full = len(parent) // bm.block_size
+        child.block_table = parent.block_table[:full]
+        bm.share(child.block_table)
+        if len(parent.block_table) > full:
+            if not parent.reserved_blocks:
+                raise RuntimeError(f"internal error: no block reserved for a fork of {parent}")
+            child.block_table.append(parent.reserved_blocks.pop())
+            batch.block_copies.append((parent.block_table[full], child.block_table[-1]))
 
     def launched(self, scheduler: Scheduler, batch: ScheduledBatch, max_model_len: int) -> None:
         """The samples forked in this step hold the prompt, computed, and a pending first token
