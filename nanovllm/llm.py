@@ -13,7 +13,7 @@ from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.data_parallel_front import DataParallelFront
-from nanovllm.features import enable_logits_extensions, resolve_quantization, start_executor
+from nanovllm.features import enable_logits_extensions, resolve_quantization, start_executor, wire_scheduling
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -50,6 +50,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         super().__init__(model, start_executor=self._start_executor, resolve_quantization=resolve_quantization,
                          **kwargs)
+        wire_scheduling(self)  # mixed steps, when asked
 
     def _start_executor(self, config):
         """What runs the model: this process, or tensor-parallel workers / torchrun (features/)."""
@@ -149,6 +150,11 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                 self._release(seqs)
                 raise
         return [self._request_output(seq) for seq in seqs]
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
+                    prompt: str | None = None) -> Sequence:
+        wire_scheduling(self, params)  # n > 1, prompt logprobs: their hooks, on first use
+        return super().add_request(prompt_ids, params, track_text, prompt)
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last

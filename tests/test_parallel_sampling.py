@@ -195,3 +195,47 @@ def test_n_larger_than_max_num_seqs_or_the_cache_raises_before_any_work(ckpt):
     out = llm.generate([rand_ids(2 * BLOCK + 1, 571)], sampled(n=2, max_tokens=2), use_tqdm=False)[0]
     assert len(out.outputs) == 2
     assert_idle(llm)
+
+
+_FEATURE_LOADS = """
+import json, sys
+from nanovllm import LLM, SamplingParams
+
+MODULES = {"n": "nanovllm.features.parallel_sampling", "prompt_logprobs": "nanovllm.features.prompt_logprobs",
+           "mixed": "nanovllm.features.mixed_steps"}
+seen = {}
+def snapshot(name, llm):
+    seen[name] = {"loaded": sorted(k for k, m in MODULES.items() if m in sys.modules),
+                  "hooks": [type(h).__name__ for h in llm.scheduler.hooks],
+                  "policy": type(llm.scheduler.policy).__name__}
+llm = LLM(sys.argv[1], kvcache_block_size=16, num_kvcache_blocks=64)
+llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+snapshot("greedy", llm)
+for _ in range(2):  # registered once
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, n=2), use_tqdm=False)
+snapshot("n", llm)
+llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1), use_tqdm=False)
+snapshot("prompt_logprobs", llm)
+snapshot("mixed", LLM(sys.argv[1], kvcache_block_size=16, num_kvcache_blocks=64, mixed_steps=True))
+print(json.dumps(seen))
+"""
+
+
+def test_scheduling_features_load_only_when_asked_for(ckpt):
+    """A plain greedy generate loads none of the scheduling features; n > 1 and prompt logprobs
+    register their hooks on the first request that asks (once), mixed steps with the option."""
+    import json
+    import subprocess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run([sys.executable, "-c", _FEATURE_LOADS, ckpt], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=root)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["greedy"] == {"loaded": [], "hooks": [], "policy": "NoneType"}
+    assert seen["n"] == {"loaded": ["n"], "hooks": ["ParallelSampling"], "policy": "NoneType"}
+    assert seen["prompt_logprobs"]["loaded"] == ["n", "prompt_logprobs"]
+    assert seen["prompt_logprobs"]["hooks"] == ["ParallelSampling", "PromptLogprobs"]
+    assert seen["mixed"]["loaded"] == ["mixed", "n", "prompt_logprobs"] and seen["mixed"]["policy"] == "MixedSteps"
+    assert seen["mixed"]["hooks"] == []

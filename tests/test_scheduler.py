@@ -19,6 +19,8 @@ from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.lifecycle import RequestLifecycle, is_stop_token
 from nanovllm.core.scheduler import Scheduler
 from nanovllm.core.sequence import PENDING_TOKEN, Sequence, SequenceStatus
+from nanovllm.features.mixed_steps import MixedSteps
+from nanovllm.features.parallel_sampling import ParallelSampling
 from nanovllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -200,7 +202,7 @@ def test_new_prompts_are_prefilled_before_running_sequences_decode():
 
 def test_mixed_steps_decode_rows_ride_along_with_prompt_chunks():
     sched = make_sched(budget=8)
-    sched.mixed_steps = True
+    sched.policy = MixedSteps()
     a = add(sched, [1, 2, 3], max_tokens=8)
     step(sched)                                   # a's prompt
     b = add(sched, range(10, 40), max_tokens=2)   # 30 prompt tokens: chunks of 7 beside a's row
@@ -220,7 +222,7 @@ def test_mixed_steps_decode_rows_ride_along_with_prompt_chunks():
 
 def test_mixed_steps_without_prompt_work_are_plain_decode_steps():
     sched = make_sched(budget=2)
-    sched.mixed_steps = True
+    sched.policy = MixedSteps()
     seqs = [add(sched, [i, i + 1], max_tokens=3) for i in range(3)]
     batch, _ = step(sched)                        # a budget of 2: one prompt, one more chunk
     assert batch.is_prefill and batch.num_tokens == 2
@@ -417,7 +419,7 @@ class ShadowRun:
     def __init__(self, rng: random.Random, overlap: bool = False, forks: bool = False, mixed: bool = False):
         self.rng = rng
         self.overlap = overlap      # schedule step n+1 before resolving step n's tokens
-        self.mixed = mixed          # decode rows ride along with prompt work (Scheduler mixed_steps)
+        self.mixed = mixed          # decode rows ride along with prompt work (the MixedSteps policy)
         self.forks = forks          # some requests have n > 1 samples sharing the prompt's blocks
         self.last_tokens: list[int] = []  # what the previous fake step sampled ("on the device")
         self.bs = bs = rng.choice([1, 2, 3, 4, 5, 8, 16])
@@ -431,7 +433,11 @@ class ShadowRun:
         vocab = rng.randint(2, 6)                  # tiny vocabulary: lots of equal blocks
         self.vocab = vocab
         self.bm = BlockManager(self.num_blocks, bs, self.prefix)
-        self.sched = Scheduler(self.bm, self.max_num_seqs, self.budget, mixed_steps=mixed)
+        self.sched = Scheduler(self.bm, self.max_num_seqs, self.budget)
+        if mixed:
+            self.sched.policy = MixedSteps()
+        if forks:
+            self.sched.hooks.append(ParallelSampling())
         self.kv = [[None] * bs for _ in range(self.num_blocks)]
         self.trie: dict[tuple[int, int], int] = {}
         self.node_token = [None]
@@ -480,13 +486,11 @@ class ShadowRun:
                 min_tokens=rng.choice([0, 0, rng.randint(0, max_tokens)]),
                 ignore_eos=rng.random() < 0.1,
                 stop_token_ids=[self.vocab] if rng.random() < 0.2 else None)
-            samples = [Sequence(next(_ids), prompt, params, seed=0, sample_index=i) for i in range(n)]
-            seq = samples[0]
-            if n > 1:  # as LLMEngine.add_request links them
-                seq.pending_forks = samples[1:]
-                for sample in samples:
-                    sample.samples = samples
-            for sample in samples:
+            seq = Sequence(next(_ids), prompt, params, seed=0)
+            # as LLMEngine.add_request makes the samples of n > 1 requests (this hook's `added`)
+            ParallelSampling().added(seq, lambda i: Sequence(next(_ids), prompt, params, seed=0, sample_index=i))
+            assert len(seq.samples) == n and seq.pending_forks == seq.samples[1:]
+            for sample in seq.samples:
                 self.expected[sample.seq_id] = list(prompt)
                 self.nodes[sample.seq_id] = []
             return seq
@@ -535,7 +539,7 @@ class ShadowRun:
                 refs[b] += 1
                 holders.setdefault(b, []).append((s, i))
             # blocks held for the forks' copies of a partly filled last prompt block
-            assert len(s.reserved_blocks) == bm.fork_reserve(s)
+            assert len(s.reserved_blocks) == sum(h.reserve(s, bm.block_size)[1] for h in self.sched.hooks)
             for b in s.reserved_blocks:
                 refs[b] += 1
         for s in sched.waiting:

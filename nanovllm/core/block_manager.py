@@ -22,40 +22,34 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
 
 
 class Block:
-    """One KV block: its ref count and, once full and computed, the content that identifies it."""
+    """One KV block: its ref count and, once full and computed, the content that identifies it.
+
+    prefix_id / parent_prefix_id identify the exact token prefix this block's K/V were computed
+    with (its own tokens and every token before them) and its parent's: equal ids mean equal
+    prefixes, whatever the hashes do (see BlockManager.commit)."""
 
     __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "prefix_id", "parent_prefix_id", "token_ids")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash = -1          # -1: holds no reusable content
+        self.forget()
+
+    def forget(self):
+        self.hash = -1  # -1: holds no reusable content
         self.parent_hash = -1
-        # Identity of the exact token prefix this block's K/V were computed with (its own tokens
-        # and every token before them), and of its parent's prefix. Equal ids mean equal
-        # prefixes, whatever the hashes do (see BlockManager.commit).
         self.prefix_id = -1
         self.parent_prefix_id = -1
         self.token_ids: tuple[int, ...] = ()
 
-    def forget(self):
-        self.hash = -1
-        self.parent_hash = -1
-        self.prefix_id = -1
-        self.parent_prefix_id = -1
-        self.token_ids = ()
-
 
 @dataclass(frozen=True)
 class KVUsage:
-    """The KV cache at one moment (BlockManager.usage, LLMEngine.kv_usage), in tokens.
-
-    used_blocks: blocks held (ref count > 0): by the running sequences, and free blocks held
-    for the forks of n > 1 requests. live_tokens: K/V entries the running sequences hold that
-    launched steps have computed or are computing, a block shared by several of them (prefix
-    hits, forks) counted once. The rest of the allocated slots (fragmentation_tokens) are the
-    unfilled tails of each sequence's last block, the prompt blocks allocated ahead of a
-    chunked prefill, and the fork reserve."""
+    """The KV cache at one moment (BlockManager.usage), in tokens. used_blocks: blocks held
+    (ref count > 0), reserved ones included; live_tokens: K/V entries the running sequences
+    hold that launched steps compute, a shared block counted once; the rest of the allocated
+    slots (fragmentation_tokens) are unfilled block tails, blocks allocated ahead of a chunked
+    prefill, and reserved blocks."""
 
     block_size: int
     num_blocks: int
@@ -80,11 +74,9 @@ class BlockManager:
     stored token ids and the identity of the parent prefix (not just its hash), so a hash
     collision can never serve wrong K/V. Freed blocks keep their content and stay findable
     until the free list hands them out again, so finished requests still serve prefix hits.
-    The free list is an OrderedDict in LRU order: allocation, freeing and revival of a cached
-    block are all O(1).
-
-    A block is registered in the hash table only once its K/V have been computed (`commit`),
-    never at allocation: with chunked prefill a block can be allocated steps before it is filled.
+    The free list is an OrderedDict in LRU order: allocating, freeing and reviving are O(1).
+    A block is registered only once its K/V are computed (`commit`), never at allocation: with
+    chunked prefill a block can be allocated steps before it is filled.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -99,9 +91,7 @@ class BlockManager:
         self._next_prefix_id = _ROOT_PREFIX + 1
         self.num_prefix_hit_tokens = 0   # statistics
         self.num_prefix_query_tokens = 0
-        # References to blocks beyond the first holder's: sum of max(ref_count - 1, 0), kept
-        # as ref counts change (usage() counts a shared block's tokens once from it).
-        self.num_shared_refs = 0
+        self.num_shared_refs = 0  # sum of max(ref_count - 1, 0): usage() counts shared blocks once
 
     # ---- queries -------------------------------------------------------------------------
     @property
@@ -112,10 +102,8 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def usage(self, running) -> KVUsage:
-        """The cache's use now, given the running sequences (Scheduler.running): block counts
-        in O(1), one pass over `running` for their computed tokens. Every shared block is a
-        full, computed block of each holder (a prefix hit or a fork's prompt), so its extra
-        references take block_size tokens each off the sum."""
+        """The cache's use now, given the running sequences. Every shared block is a full,
+        computed block of each holder, so each extra reference takes block_size tokens off."""
         computed = sum(s.num_cached_tokens for s in running)
         return KVUsage(self.block_size, self.num_blocks, self.num_blocks - len(self.free_blocks),
                        computed - self.num_shared_refs * self.block_size, len(running))
@@ -129,46 +117,34 @@ class BlockManager:
         return seq.block_hashes[i]
 
     def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of `seq`, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
-            return []  # (prompt logprobs need the logits of every prompt position: recomputed)
+        """Block ids holding the longest cached prefix of `seq`, leaving >= 1 token to compute
+        (the last prompt token must be computed for its logits)."""
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
+            return []
         bs = self.block_size
-        # The last prompt token must be computed to get logits, so a prompt made entirely of
-        # cached blocks gives up its last hit.
-        max_hits = (len(seq) - 1) // bs
         hits = []
         parent_prefix = _ROOT_PREFIX
-        for i in range(max_hits):
-            h = self._hash_of(seq, i)
-            block_id = self.hash_to_block.get(h)
+        for i in range((len(seq) - 1) // bs):
+            block_id = self.hash_to_block.get(self._hash_of(seq, i))
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            # Comparing the parent *hash* is not enough: under a collision one level up, a block
-            # whose own tokens and recorded parent hash match may have been computed after a
-            # different prefix (or be the previous hit itself). The parent prefix id is exact.
+            # The parent *hash* is not enough: under a collision one level up, a block whose own
+            # tokens and parent hash match may have been computed after a different prefix (or
+            # be the previous hit itself). The parent prefix id is exact.
             if block.parent_prefix_id != parent_prefix or list(block.token_ids) != seq.block_tokens(i, bs):
                 break  # hash collision: never serve another prefix's K/V
             hits.append(block_id)
             parent_prefix = block.prefix_id
         return hits
 
-    def _blocks_needed(self, seq: Sequence, hits: list[int]) -> int:
-        """Free blocks that allocating `seq` with these prefix hits takes (revived hits count,
-        and so do the blocks held for its forks, see fork_reserve)."""
+    def _blocks_needed(self, seq: Sequence, hits: list[int], reserve: int) -> int:
+        """Free blocks that allocating `seq` with these prefix hits takes (revived hits count)."""
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
-        return self.blocks_for(len(seq)) - len(hits) + revived + self.fork_reserve(seq)
+        return self.blocks_for(len(seq)) - len(hits) + revived + reserve
 
-    def fork_reserve(self, seq: Sequence) -> int:
-        """Blocks held for the forks of `seq` (n > 1): each fork shares the full prompt blocks
-        and gets its own copy of a partly filled last block, taken at allocation so that the
-        fork can never wait for a free block."""
-        if not seq.pending_forks or len(seq) % self.block_size == 0:
-            return 0
-        return sum(1 for s in seq.pending_forks if not s.is_finished)
-
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self._blocks_needed(seq, self._cached_prefix(seq)) <= self.num_free_blocks
+    def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
+        return self._blocks_needed(seq, self._cached_prefix(seq), reserve) <= self.num_free_blocks
 
     # ---- mutations -----------------------------------------------------------------------
     def _take_free(self) -> int:
@@ -180,12 +156,13 @@ class BlockManager:
         block.ref_count = 1
         return block_id
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks."""
+    def allocate(self, seq: Sequence, reserve: int = 0) -> None:
+        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks, and
+        `reserve` more free blocks held for its later use (seq.reserved_blocks)."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already has blocks")
         hits = self._cached_prefix(seq)
-        if self._blocks_needed(seq, hits) > self.num_free_blocks:
+        if self._blocks_needed(seq, hits, reserve) > self.num_free_blocks:
             raise RuntimeError(f"not enough free KV blocks for {seq}")
         for block_id in hits:
             block = self.blocks[block_id]
@@ -195,7 +172,7 @@ class BlockManager:
                 self.num_shared_refs += 1
             block.ref_count += 1
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
-        seq.reserved_blocks = [self._take_free() for _ in range(self.fork_reserve(seq))]
+        seq.reserved_blocks = [self._take_free() for _ in range(reserve)]
         seq.num_cached_tokens = len(hits) * self.block_size
         seq.num_committed_blocks = len(hits)
         if seq.num_cached_prompt_tokens is None:
@@ -203,28 +180,15 @@ class BlockManager:
         self.num_prefix_hit_tokens += seq.num_cached_tokens
         self.num_prefix_query_tokens += len(seq)
 
-    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
-        """Give `child` the KV blocks of `parent`'s prompt (n > 1), which `parent` has scheduled
-        to finish prefilling in this step: the full blocks are shared (ref count + 1); a partly
-        filled last block would be written by both, so the child gets one of the blocks held
-        for it and the caller must copy (src, dst) once the step has computed the block (copy
-        on write). Returns that pair, or None when the prompt fills its last block."""
-        full = len(parent) // self.block_size
-        shared = parent.block_table[:full]
-        for block_id in shared:
+    def share(self, block_ids: list[int]) -> None:
+        """One more holder for blocks already held (ref count + 1): a sequence that reads the
+        same computed K/V, e.g. a sample forked from another's prompt."""
+        for block_id in block_ids:
             self.blocks[block_id].ref_count += 1
-        self.num_shared_refs += len(shared)  # held by parent already
-        child.block_table = list(shared)
-        if len(parent.block_table) == full:
-            return None
-        if not parent.reserved_blocks:
-            raise RuntimeError(f"internal error: no block held for a fork of {parent}")
-        dst = parent.reserved_blocks.pop()
-        child.block_table.append(dst)
-        return parent.block_table[full], dst
+        self.num_shared_refs += len(block_ids)
 
     def release_reserved(self, seq: Sequence) -> None:
-        """Give back the blocks held for forks that will not happen (aborted samples)."""
+        """Give back the blocks reserved for `seq` that it did not take."""
         while seq.reserved_blocks:
             block = self.blocks[seq.reserved_blocks.pop()]
             block.ref_count = 0
@@ -232,8 +196,7 @@ class BlockManager:
             self.free_blocks[block.block_id] = None
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (vLLM's reset_prefix_cache); False, changing nothing, while
-        a request holds blocks."""
+        """Forget every cached prefix; False, changing nothing, while a request holds blocks."""
         if self.num_free_blocks != self.num_blocks:
             return False
         self.hash_to_block.clear()
@@ -242,9 +205,8 @@ class BlockManager:
         return True
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references. Blocks keep their content for later prefix hits."""
-        # Tail blocks are the least likely to be shared, so they go back to the free list first
-        # and are the first to be overwritten.
+        """Drop the sequence's references. Blocks keep their content for later prefix hits; tail
+        blocks, the least likely to be shared, go back to the free list first."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -296,12 +258,10 @@ class BlockManager:
             block.parent_prefix_id = parent
             block.token_ids = tokens
             block.parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
-            # If an identical block is already registered, keep that one as the canonical copy...
-            if same is None:
-                self.hash_to_block[h] = block.block_id
-            elif not self._reachable(self.blocks[same]) and self._reachable(block):
-                # ...unless nothing can hit it any more: its parent copy was evicted and the
-                # prefix recomputed under a new id. Then register this reachable copy instead.
+            # An identical block already registered stays the canonical copy, unless nothing can
+            # hit it any more (its parent copy was evicted and the prefix recomputed under a new
+            # id): then this reachable copy replaces it.
+            if same is None or (not self._reachable(self.blocks[same]) and self._reachable(block)):
                 self.hash_to_block[h] = block.block_id
 
     def _reachable(self, block: Block) -> bool:

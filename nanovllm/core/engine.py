@@ -60,8 +60,7 @@ class LLMEngine:
         self.model_runner: Executor = (start_executor or start_in_process)(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.scheduling.mixed_steps)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests = RequestLifecycle(self.scheduler, self.tokenizer, self.eos_token_ids, config.max_model_len,
                                          release=self.model_runner.release)
         self.step_observers: list[Callable[[StepTiming], None]] = []
@@ -189,23 +188,18 @@ class LLMEngine:
         n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any."""
         params = params if getattr(params, "_frozen", False) else self.prepare_params(params)
         request_id = str(next(self._request_ids))
-        samples = []
-        for i in range(params.n):
-            if params.seed is not None:
-                seed = derive_sample_seed(params.seed, i)
-            else:
-                seed = self._rng.getrandbits(63)
-            samples.append(Sequence(next(self._seq_ids), prompt_ids, params, seed, sample_index=i))
-        seq = samples[0]
-        for s in samples:
-            s.request_id, s.prompt_text = request_id, prompt
-        if len(samples) > 1:
-            seq.samples, seq.pending_forks = samples, samples[1:]
-            for child in samples[1:]:
-                child.samples = samples
-                child.prompt_logprobs = None  # the request's prompt logprobs are sample 0's
+        seq = self._new_sample(prompt_ids, params, 0)
+        seq.request_id, seq.prompt_text = request_id, prompt
+        for hook in self.scheduler.hooks:  # (n > 1: the request's other samples)
+            hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i))
+        if len(seq.samples) != params.n:
+            raise ValueError(f"SamplingParams.n={params.n} needs the parallel-sampling hook (LLM wires it in)")
         self.requests.add(seq, track_text)
         return seq
+
+    def _new_sample(self, prompt_ids: list[int], params: SamplingParams, i: int) -> Sequence:
+        seed = derive_sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63)
+        return Sequence(next(self._seq_ids), prompt_ids, params, seed, sample_index=i)
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request wherever it is, freeing its blocks."""

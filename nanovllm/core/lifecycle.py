@@ -1,10 +1,10 @@
-"""The request lifecycle, in one place: a request's text state, the step in flight, and the one
+"""The request lifecycle in one place: a request's text state, the step in flight, and the one
 rule that decides when and why a request ends.
 
-Overlap scheduling makes the lifecycle subtle: step n+1 is launched before step n's tokens reach
-the host, so a request's last token is a placeholder for one step (Sequence.add_pending_token),
-a request that reached its length is retired at launch but only finishes when that token
-arrives, and a step whose tokens will never be read must end its requests (abort).
+Overlap scheduling makes it subtle: step n+1 is launched before step n's tokens reach the host,
+so a request's last token is a placeholder for one step (Sequence.add_pending_token), a request
+that reached its length is retired at launch but finishes when that token arrives, and a step
+whose tokens will never be read must end its requests (abort).
 """
 
 from __future__ import annotations
@@ -21,11 +21,8 @@ from nanovllm.core.sequence import Sequence, SequenceStatus
 @dataclass
 class StepOutput:
     """What one step did for one request: the tokens and text it added, and whether it ended.
-
-    `text` is the newly stable text (only for requests that track text: streaming or stop
-    strings); `finish_reason` is "stop" or "length" once `finished`. `logprobs`: the new
-    tokens' raw logprob entries (Sequence.logprobs) when the request asked for them.
-    """
+    `text`: the newly stable text (requests that track text: streaming or stop strings);
+    `logprobs`: the new tokens' raw entries (Sequence.logprobs) when the request asks for them."""
 
     seq: Sequence
     new_token_ids: list[int]
@@ -36,8 +33,7 @@ class StepOutput:
 
 
 class StepResult(NamedTuple):
-    """What `LLMEngine.step()` returns: the outputs of the step it resolved, how many tokens that
-    step computed, and whether it was a prefill step."""
+    """What `LLMEngine.step()` returns: the resolved step's outputs, tokens computed, and kind."""
 
     outputs: list[StepOutput]
     num_tokens: int
@@ -49,10 +45,9 @@ class StepTiming:
     """One engine step as the host saw it, for `LLMEngine.step_observers` (bench.py's timeline).
 
     num_tokens / is_prefill describe the step resolved (0 tokens: the first step only launched);
-    wait_s is how long the host waited for that step's tokens; ended_at is time.perf_counter()
-    when the step returned. The step's shape, as it was launched (StepShape; zeros for the
-    launch-only first step): num_seqs sequences computed tokens, attending over
-    context_tokens K/V entries in all (cached + new, summed over them), in attention_pairs
+    wait_s: how long the host waited for its tokens; ended_at: time.perf_counter() at return.
+    Its shape as launched (StepShape; zeros for the launch-only first step): num_seqs sequences
+    attending over context_tokens K/V entries (cached + new, summed), in attention_pairs
     (query, key) pairs under the causal mask (= context_tokens for a decode step)."""
 
     is_prefill: bool
@@ -73,9 +68,8 @@ class StepShape(NamedTuple):
 
     @classmethod
     def of(cls, batch: ScheduledBatch) -> "StepShape":
-        """The shape of a batch about to launch (each sequence's num_cached_tokens not yet
-        advanced). One pass over the batch: ~5 us for 256 decode rows, so the engine computes
-        it only while someone observes its steps."""
+        """The shape of a batch about to launch (num_cached_tokens not yet advanced); one pass
+        over the batch, so the engine computes it only while someone observes its steps."""
         seqs = batch.seqs
         if not batch.is_prefill:  # one new token each, attending over its cached tokens and itself
             context = sum(s.num_cached_tokens for s in seqs) + len(seqs)
@@ -101,10 +95,10 @@ def decide_finish(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], m
     """Whether the token just filled in ends `seq`, and why: (finish_reason, stop_reason) or None.
 
     The only place a finish is decided (besides an abort). In order: a stop token (a stop id, or
-    EOS unless ignore_eos; both only once min_tokens exist) -> "stop", with the stop id as
-    stop_reason (None for EOS); a stop string in the text -> "stop", with the string; max_tokens or
-    max_model_len reached -> "length". A request that ends flushes the text held back for an
-    incomplete character first: a stop string found there makes the reason "stop".
+    EOS unless ignore_eos; both only once min_tokens exist) -> "stop" with the stop id (None for
+    EOS); a stop string in the text -> "stop" with the string; max_tokens or max_model_len ->
+    "length". An ending request flushes the text held back for an incomplete character first:
+    a stop string found there makes the reason "stop".
     """
     stopped_by_text = detok is not None and detok.add([token_id])  # the text grows in any case
     if is_stop_token(seq, token_id, eos_token_ids):
@@ -141,9 +135,9 @@ class InFlightStep:
 
 
 class RequestLifecycle:
-    """Owns what happens to requests between the scheduler and the caller: their text state
-    (detokenizer, stop strings), accounting for a launched step and for its tokens, the finish
-    decision, aborts and the final text."""
+    """What happens to requests between the scheduler and the caller: their text state
+    (detokenizer, stop strings), accounting for launched steps and their tokens, finishes,
+    aborts and the final text."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
                  release=None):
@@ -157,7 +151,7 @@ class RequestLifecycle:
         self._streamed: set[int] = set()  # requests whose text increments someone reads
 
     def add(self, seq: Sequence, track_text: bool = False) -> None:
-        """Queue a validated request (with n > 1: its sample 0, whose `samples` are all of them);
+        """Queue a validated request (its sample 0, whose `samples` are all of them);
         `track_text`: its text increments will be read (stream)."""
         self.scheduler.add(seq)
         p = seq.params
@@ -176,17 +170,16 @@ class RequestLifecycle:
 
     def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
         """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
-        in, decide finishes, build the outputs. `logprobs` (StepLogprobs, engine/sampling.py):
-        the step's logprob entries for the rows and prompts that asked for them."""
+        in, decide finishes, build the outputs. `logprobs` (StepLogprobs, core/sampling.py): the
+        step's logprob entries for the rows and prompts that ask for them."""
         outputs = []
         sample_lps = None
         if logprobs is not None:
             sample_lps = logprobs.sample
             for row, entries in logprobs.prompt:
                 seq = batch.seqs[row]
-                # A DRAINING sequence (max_tokens reached at launch: a max_tokens=1 request whose
-                # prompt step makes its only token) still takes its prompt's logprobs; a FINISHED
-                # one (aborted meanwhile) does not.
+                # A DRAINING one (max_tokens=1: its prompt step makes its only token) still takes
+                # its prompt's logprobs; a FINISHED one (aborted meanwhile) does not.
                 if seq.prompt_logprobs is not None and seq.status != SequenceStatus.FINISHED:
                     seq.prompt_logprobs.extend(entries)
         for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
@@ -216,13 +209,13 @@ class RequestLifecycle:
             self.release(seq)
 
     def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request wherever it is, freeing its blocks. One that has ended, or
-        ended at launch (max_tokens) and whose last token is on its way, is left alone."""
+        """Drop an unfinished request wherever it is, freeing its blocks (one that ended, also
+        at launch with its last token on its way, is left alone)."""
         if not seq.is_finished:
             self._end_now(seq, "abort")
 
     def abandon(self, batch: ScheduledBatch) -> None:
-        """End the requests of a launched step whose tokens will never be read (also those that
+        """End the requests of a launched step whose tokens will never be read (also those
         ended at launch: their last token never comes)."""
         for seq in batch.rows:
             if seq.status != SequenceStatus.FINISHED:
@@ -242,8 +235,8 @@ class RequestLifecycle:
         self._streamed.discard(seq.seq_id)
 
     def final_text(self, seq: Sequence) -> str:
-        """The finished request's output text, as it continues the prompt (and forget its
-        detokenizer). The same text the concatenated stream() increments give."""
+        """The finished request's output text as it continues the prompt (what the stream()
+        increments add up to); forgets its detokenizer."""
         detok = self._detok.get(seq.seq_id)
         self.forget_text(seq)
         if detok is not None:

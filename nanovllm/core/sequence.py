@@ -6,30 +6,29 @@ from enum import Enum, auto
 
 from nanovllm.sampling_params import SamplingParams
 
-
-# Stands in for a sampled token that is still on the device (overlap scheduling: the next step
-# is scheduled and launched before the previous one's tokens reach the host).
+# Stands in for a sampled token still on the device (overlap scheduling: the next step is
+# scheduled and launched before the previous one's tokens reach the host).
 PENDING_TOKEN = -1
 
 
 class SequenceStatus(Enum):
     WAITING = auto()   # no KV blocks; in the scheduler's waiting queue
     RUNNING = auto()   # owns KV blocks; prefilling or decoding
-    # Finished as far as scheduling goes (max_tokens / max_model_len reached at launch): out of
-    # the queues, no KV blocks; its last token, and with it its finish reason, is on its way.
+    # Out of the queues with no KV blocks (max_tokens / max_model_len reached at launch); its
+    # last token, and with it its finish reason, is on its way.
     DRAINING = auto()
     FINISHED = auto()
-    # Sample i > 0 of a request with n > 1, waiting for sample 0 to prefill the prompt: then it
-    # is forked from sample 0 (scheduler.py), sharing the prompt's KV blocks.
+    # In no queue until another sequence forks it (sample i > 0 of an n > 1 request, forked
+    # from sample 0 once its prompt is computed).
     FORK_PENDING = auto()
 
 
 class Sequence:
     """A prompt plus the tokens generated for it so far.
 
-    `num_cached_tokens` counts the leading tokens whose K/V are already in the cache (prefix
-    hits plus everything computed so far). A running sequence still prefilling has more than
-    one uncomputed token; a decoding one has exactly one (the last sampled token).
+    `num_cached_tokens` counts the leading tokens whose K/V are in the cache (prefix hits plus
+    everything computed). A running sequence still prefilling has more than one uncomputed
+    token; a decoding one has exactly one (its last sampled token).
     """
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
@@ -44,25 +43,24 @@ class Sequence:
         self.prompt_text: str | None = None
         self.status = SequenceStatus.WAITING if sample_index == 0 else SequenceStatus.FORK_PENDING
         self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         self.num_cached_tokens = 0
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chain hashes of the leading full blocks (prefix cache)
         self.num_committed_blocks = 0      # leading blocks already offered to the prefix cache
+        self.reads_prefix_cache = True     # False: compute every prompt token (prompt logprobs)
+        self.num_cached_prompt_tokens: int | None = None  # prefix-cache hits when first scheduled
         self.num_preemptions = 0
-        # Row of the in-flight step whose sampled token is this sequence's last token, which is
-        # PENDING_TOKEN until the engine resolves that step; -1 when every token is known.
+        # Row of the in-flight step that samples the last token (PENDING_TOKEN until then); -1: known.
         self.pending_row = -1
-        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
-        # n > 1 (on sample 0, which prefills the prompt): the request's samples, itself first;
-        # those not forked yet; and the free blocks held for their copies of the prompt's
-        # partly filled last block (BlockManager.fork).
+        # The request's samples, itself first (n > 1: all of them); those still to fork from
+        # this one, and the free blocks held for them (BlockManager.fork).
         self.samples: list[Sequence] = [self]
         self.pending_forks: list[Sequence] = []
         self.reserved_blocks: list[int] = []
-        self.num_cached_prompt_tokens: int | None = None  # prefix-cache hits when first scheduled
-        # logprobs: one (sampled token's logprob, its rank, top ids, top logprobs) per generated
-        # token; prompt_logprobs (sample 0): the same per prompt token after the first, and how
-        # many prompt positions a launched step already computes them for.
+        # Per generated token (sampled token's logprob, its rank, top ids, top logprobs); the
+        # same per prompt token after the first, and how many prompt positions launched steps
+        # compute them for.
         self.logprobs: list[tuple] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[tuple] | None = [] if params.prompt_logprobs is not None else None
@@ -96,18 +94,12 @@ class Sequence:
         return len(self.token_ids) - self.num_cached_tokens
 
     @property
-    def needs_prompt_logprobs(self) -> bool:
-        """Prompt positions whose logprobs no launched step computes yet (then the prefix cache
-        is not read: cached positions have no logits)."""
-        return self.prompt_logprobs is not None and self.num_prompt_logprobs_planned < self.num_prompt_tokens - 1
-
-    @property
     def is_finished(self) -> bool:
         """No more steps run for it (its finish reason may still be on its way: DRAINING)."""
         return self.status in (SequenceStatus.DRAINING, SequenceStatus.FINISHED)
 
     def reached_length(self, max_model_len: int) -> bool:
-        """Whether the sequence may not grow any more: max_tokens generated, or max_model_len long."""
+        """Whether it may not grow any more: max_tokens generated, or max_model_len long."""
         return self.num_completion_tokens >= self.params.max_tokens or self.num_tokens >= max_model_len
 
     @property
@@ -122,7 +114,6 @@ class Sequence:
         self.pending_row = row
 
     def fill_pending_token(self, token_id: int) -> None:
-        """The pending token's value has arrived."""
         self.token_ids[-1] = token_id
         self.pending_row = -1
 

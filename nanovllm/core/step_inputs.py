@@ -21,17 +21,13 @@ from nanovllm.model.context import AttentionMetadata, host_to_device, prefill_me
 class StepInput:
     """What every tensor-parallel rank needs to run one step: plain lists, cheap to pickle.
 
-    token_ids[i]: the new tokens of sequence i (decode: just its last token); start_pos[i]: how
-    many of its tokens are already in the KV cache; block_tables[i]: its KV blocks; src_rows
-    (None when all tokens are known): for each sequence, the row of the previous step's sampled
-    tokens that holds its last new token, or -1 to use token_ids. Only a sequence that computes
-    just its newest token has one: a decode row, also in a mixed (prefill-shaped) step.
-
-    Rarer extras (None when unused): fork_rows, the rows whose hidden state the samples forked in
-    this step sample from (their sampling rows follow the sequences'); block_copies, the (src,
-    dst) KV blocks to copy after the forward (ScheduledBatch); prompt_rows, positions of the
-    packed prefill tokens whose logits give prompt logprobs (their logits rows come last),
-    predicting prompt_targets, owned by prompt_owners = (row, positions, k) per sequence.
+    token_ids[i]: the new tokens of sequence i (decode: its last token); start_pos[i]: how many
+    of its tokens are in the KV cache already; block_tables[i]: its KV blocks; src_rows (None
+    when all tokens are known): per sequence, the row of the previous step's sampled tokens
+    that holds its last new token, or -1 to use token_ids (only a row that computes just its
+    newest token has one: a decode row, also in a prefill-shaped step). The rarer extras, None
+    when unused, are ScheduledBatch's: fork_rows, block_copies, prompt_rows (their logits rows
+    come last), prompt_targets, prompt_owners.
     """
 
     is_prefill: bool
@@ -50,38 +46,19 @@ class StepInput:
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
         seqs = batch.seqs
-        src = None
         if batch.is_prefill:
             tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]
                       for s, n in zip(seqs, batch.num_new_tokens)]
         else:
             tokens = [[s.token_ids[-1]] for s in seqs]
-        if any(s.has_pending_token for s in seqs):
-            src = [s.pending_row for s in seqs]
-        step = cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in seqs],
-                   [s.block_table for s in seqs], src)
+        src = [s.pending_row for s in seqs] if any(s.has_pending_token for s in seqs) else None
+        step = cls(batch.is_prefill, tokens, [s.num_cached_tokens for s in seqs], [s.block_table for s in seqs], src)
         if batch.forks:
             step.fork_rows, step.block_copies = list(batch.fork_rows), list(batch.block_copies)
-        if batch.is_prefill and any(s.prompt_logprobs is not None for s in seqs):
-            step._plan_prompt_logprobs(batch)
+        if batch.prompt_rows:
+            step.prompt_rows, step.prompt_targets, step.prompt_owners = \
+                batch.prompt_rows, batch.prompt_targets, batch.prompt_owners
         return step
-
-    def _plan_prompt_logprobs(self, batch: ScheduledBatch) -> None:
-        """Which packed positions' logits this prefill needs for prompt logprobs: position p of
-        a prompt predicts its token p + 1; positions an earlier launched step computes are
-        skipped (a recomputed prompt after preemption), the last prompt token predicts none."""
-        rows, targets, owners, packed = [], [], [], 0
-        for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            if s.needs_prompt_logprobs:
-                start = s.num_cached_tokens
-                lo, hi = max(start, s.num_prompt_logprobs_planned), min(start + n, s.num_prompt_tokens - 1)
-                if hi > lo:
-                    rows.extend(range(packed + lo - start, packed + hi - start))
-                    targets.extend(s.token_ids[lo + 1:hi + 1])
-                    owners.append((i, hi - lo, s.params.prompt_logprobs))
-            packed += n
-        if rows:
-            self.prompt_rows, self.prompt_targets, self.prompt_owners = rows, targets, owners
 
 
 class DecodeBuffers:
@@ -136,11 +113,8 @@ class DecodeBuffers:
         p = pos[:n]
         slots[:n] = tables[np.arange(n), p // self.block_size] * self.block_size + p % self.block_size
         ctx[:n] = p + 1
-        ids[n:bs] = 0
-        pos[n:bs] = 0
-        slots[n:bs] = -1
-        ctx[n:bs] = 0
-        src[n:bs] = -1
+        for field, pad in ((ids, 0), (pos, 0), (slots, -1), (ctx, 0), (src, -1)):
+            field[n:bs] = pad
         # Two copies: the small fields, and only the block-table rows in use (the full table can
         # be megabytes with small blocks and a long max_model_len).
         end = self._small + bs * self.width
@@ -163,8 +137,7 @@ class StepInputs:
         self._splits: dict[tuple[int, int], int] = {}
 
     def _to_device(self, data, dtype) -> torch.Tensor:
-        # A list or numpy array, through pinned memory: from pageable memory a host-to-device
-        # copy waits for the GPU to drain its queue, which would undo overlap scheduling.
+        # Through pinned memory: from pageable memory the copy waits for the GPU to drain its queue.
         return host_to_device(data, dtype, self.device, self.pin)
 
     def prefill(self, step: StepInput, input_tokens=None):
