@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels.fused_ops import qk_norm_rope
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.model.attention import store_kvcache_torch
 from nanovllm.model.layers.rotary_embedding import RotaryEmbedding

@@ -206,7 +206,7 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         store = {}
         if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
-            from nanovllm.kernels.fused_ops import qk_norm_rope
+            from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 
             # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
             # writes k and v into the paged cache when the attention layer lets it (one launch
