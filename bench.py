@@ -5,7 +5,7 @@
     python bench.py --dummy qwen3-8b --latency    # batch-1 decode ms/token
     python bench.py --dummy qwen3-0.6b --logprobs 5   # every request also asks for 5 logprobs
     python bench.py --dummy qwen3-30b-a3b         # also qwen2.5-7b, llama-3.1-8b
-    python bench.py --dummy qwen3-0.6b --fuse-kv-store 0 --json a.json   # K/V store in its own kernel
+    python bench.py --dummy qwen3-0.6b --json a.json
     python benchmarks/plot_kv_usage.py a.json kv.png                     # KV-cache use over the run
     python bench.py --dummy qwen3-0.6b --dp 2     # data parallelism: 2 replicas, per-replica tok/s
 
@@ -478,21 +478,12 @@ def run_vllm(model_path: str, prompts, max_tokens, load_dummy: bool, tp: int) ->
 
 
 def add_round2_args(ap) -> None:
-    """The options of the per-step floor, the KV-use report and the fused KV store."""
+    """The options of the per-step floor and the KV-use report."""
     ap.add_argument("--peak-flops", type=float, default=H200_PEAK_BF16,
                     help="dense bf16 matrix FLOP/s of the per-step floor (default: the H200's)")
     ap.add_argument("--peak-flops-fp8", type=float, default=H200_PEAK_FP8,
                     help="FP8 matrix FLOP/s, used for the decoder projections when the weights are FP8")
-    ap.add_argument("--fuse-kv-store", choices=["0", "1"],
-                    help="1: the K/V cache store fused into the q/k-norm + RoPE kernel (CUDA); 0: a kernel of "
-                         "its own (sets NANOVLLM_FUSE_KV_STORE; default 1)")
     ap.add_argument("--kv-plot", help="also plot the KV-cache use over the timed run to this PNG (matplotlib)")
-
-
-def round2_env(args) -> None:
-    """Environment switches the LLM reads when it makes its Config."""
-    if args.fuse_kv_store is not None:
-        os.environ["NANOVLLM_FUSE_KV_STORE"] = args.fuse_kv_store
 
 
 def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor: float, prompts, max_tokens) -> dict:
@@ -523,7 +514,6 @@ def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor
     return {"step_floor_s": round(total, 3), "step_floor_prefill_s": round(floor.prefill_s / tp, 3),
             "step_floor_decode_s": round(floor.decode_s / tp, 3), "fraction_of_step_floor": round(total / seconds, 3),
             "peak_flops": args.peak_flops, "peak_flops_linear": kw["linear_peak_flops"],
-            "fuse_kv_store": llm.config.fuse_kv_store,
             "timeline": timeline.summary(groups), "kv_usage": kv}
 
 
@@ -613,7 +603,6 @@ def main(argv=None):
         ap.error("--dp > 1 measures throughput only (no --latency, --profile, --profile-startup, --gather-logits)")
     if args.decode_blas:
         os.environ["NANOVLLM_DECODE_BLAS"] = args.decode_blas  # read when the LLM makes its Config
-    round2_env(args)
 
     import torch
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nanovllm import features
 from nanovllm.model import registry
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
@@ -63,16 +64,6 @@ def decode_blas_library() -> str:
     if name not in DECODE_BLAS_LIBRARIES:
         raise ValueError(f"NANOVLLM_DECODE_BLAS must be one of {DECODE_BLAS_LIBRARIES}, got {name!r}")
     return name
-
-
-def fuse_kv_store_switch() -> bool:
-    """NANOVLLM_FUSE_KV_STORE, checked: "1" (default) stores each layer's K/V inside the q/k-norm
-    + RoPE kernel on CUDA (one launch per layer less), "0" in the store kernel of its own (to
-    compare; BENCHMARKS.md, "fused K/V store")."""
-    value = os.environ.get("NANOVLLM_FUSE_KV_STORE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"NANOVLLM_FUSE_KV_STORE must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 def _field_is(name: str, value, kind, what: str):
@@ -139,16 +130,17 @@ class Config:
     # larger ones run eagerly. 0: all eagerly. On CUDA without enforce_eager only.
     max_prefill_graph_tokens: int = 2048
     hf_config: object = field(init=False, repr=False, default=None)
-    # The linear layers' weight scheme (layers/quantization: an Fp8Config or None), from
-    # `quantization` and the checkpoint's quantization_config; the KV cache's element type.
+    # The linear layers' weight scheme (model/quant.py's QuantScheme, or None), from
+    # `quantization` and the checkpoint's quantization_config; the KV cache's element type; the
+    # FP8 cache's scale calibrator (calculate_kv_scales); the MoE block factory of a model with
+    # MoE layers (model/decoder.py's SparseMlpFactory). Resolved by nanovllm/features.
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
+    kv_calibrator: object = field(init=False, repr=False, default=None)
+    sparse_mlp: object = field(init=False, repr=False, default=None)
     # The decode graphs' BLAS library, from NANOVLLM_DECODE_BLAS when the config is made (TP
     # workers get this copy, whatever their environment).
     decode_blas: str = field(init=False, default="cublaslt")
-    # Whether the K/V cache store is fused into the q/k-norm + RoPE kernel, from
-    # NANOVLLM_FUSE_KV_STORE when the config is made (TP workers get this copy too).
-    fuse_kv_store: bool = field(init=False, default=True)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -198,7 +190,6 @@ class Config:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
         self.decode_blas = decode_blas_library()  # a bad NANOVLLM_DECODE_BLAS fails here, before any work
-        self.fuse_kv_store = fuse_kv_store_switch()
         if self.attention_backend in ("triton", "flash_attn") and self.device != "cuda":
             raise ValueError(f"attention_backend={self.attention_backend!r} needs CUDA; this engine runs on {self.device}")
         if self.attention_backend == "flash_attn" and bs % 256:
@@ -208,10 +199,7 @@ class Config:
 
             if not flash_attn_available():
                 raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
-        from nanovllm.model.attention import kv_cache_torch_dtype
-        from nanovllm.features.quantization import resolve_quantization
-
-        kv_cache_torch_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here, before the model loads
+        features.kv_cache_dtype(self.kv_cache_dtype, torch.float32)  # a bad name fails here, before the model loads
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
                              "kv_cache_dtype='fp8'")
@@ -220,10 +208,13 @@ class Config:
             self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
-        self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
+        self.quant = features.quantization_scheme(getattr(self.hf_config, "quantization_config", None),
+                                                  self.quantization)
         if self.quant is not None:
             self.quant.check_model(self.hf_config, self.tensor_parallel_size)
-        self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
+        self.kv_dtype = features.kv_cache_dtype(self.kv_cache_dtype, self.dtype)
+        self.kv_calibrator = features.kv_scale_calibrator(self.calculate_kv_scales)
+        self.sparse_mlp = features.sparse_mlp(registry.model_class(self.hf_config).options_from_config(self.hf_config))
         if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
             major, minor = torch.cuda.get_device_capability()
             if (major, minor) < (8, 9):

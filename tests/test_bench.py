@@ -135,7 +135,6 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
     assert res["step_floor_s"] == pytest.approx(res["step_floor_prefill_s"] + res["step_floor_decode_s"], abs=2e-3)
     assert all("floor_s" in g for g in groups.values()) and groups["launch"]["floor_s"] == 0
     assert res["peak_flops"] == res["peak_flops_linear"] == bench.H200_PEAK_BF16  # bf16 weights
-    assert res["fuse_kv_store"] is True  # the default
     kv = res["kv_usage"]["summary"]
     assert kv["running_peak"] == 3 and kv["steps"] == sum(g["steps"] for g in groups.values())
     assert 0 < kv["live_tokens_peak"] <= kv["allocated_tokens_peak"] <= kv["capacity_tokens"]
@@ -145,18 +144,16 @@ def test_bench_runs_on_a_tiny_checkpoint(tmp_path):
 
 
 def test_bench_logprobs_option(tmp_path):
-    """--logprobs K: every timed request asks for K logprobs (the default run asks for none);
-    --fuse-kv-store 1 reaches the engine."""
+    """--logprobs K: every timed request asks for K logprobs (the default run asks for none)."""
     path = tm.make_tiny_qwen3(tmp_path / "ckpt", vocab_size=10_001)
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench.py"), "--model", path, "--num-seqs", "2",
                            "--max-input-len", "110", "--max-output-len", "101", "--block-size", "16",
-                           "--logprobs", "5", "--fuse-kv-store", "0", "--json", str(out)],
+                           "--logprobs", "5", "--json", str(out)],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     res = json.loads(out.read_text())
     assert res["logprobs"] == 5 and res["output_tokens"] == sum(bench.workload(2, 110, 101)[1])
-    assert res["fuse_kv_store"] is False  # --fuse-kv-store 0 reached the engine's Config (default on)
 
 
 def test_startup_profile_names_where_the_cold_start_goes(tmp_path):

@@ -3,8 +3,7 @@ v_cache): its q, k, v and the caches it writes must be bitwise what the two sepa
 (qk_norm_rope, then store_kvcache) give, for caches of the activation dtype and FP8, slots of
 -1 (skipped), GQA and rotary-only models; and the caches must also be bitwise what the plain
 torch store (store_kvcache_torch: index assignment, torch's e4m3 cast) writes from the
-unfused kernel's k and v. Then the engine: the switch NANOVLLM_FUSE_KV_STORE on or off gives
-the same tokens and logprobs.
+unfused kernel's k and v.
 
 Without CUDA the kernels run through Triton's interpreter (fp32 / fp16 only: it rounds bf16
 wrongly); the `gpu` tests use bf16 and real Qwen3 sizes, in a CUDA graph too. Fresh random
@@ -19,7 +18,7 @@ import torch
 
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.model.attention import store_kvcache_torch
+from nanovllm.model.attention.paged_kv import store_kvcache_torch
 from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,64 +139,6 @@ def test_fused_store_rejects_bad_arguments():
         call(k_scale=one, v_scale=one)
     with pytest.raises(ValueError, match="go with k_cache"):
         qk_norm_rope(qkv, qw, kw, cos_sin, positions, nh, nkv, d, EPS, slot_mapping=slots)
-
-
-# ----------------------------------------------------------------------------- the engine
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    from helpers import tiny_checkpoint
-
-    return tiny_checkpoint(tmp_path_factory)  # GQA: 4 query heads of 16, 2 kv heads
-
-
-def _generate(ckpt, fuse: str, monkeypatch, **llm_kw):
-    """Greedy tokens and logprobs with NANOVLLM_FUSE_KV_STORE=fuse. On a CPU the decoder's
-    q/k-norm + RoPE kernel is forced on (through Triton's interpreter): the CPU path otherwise
-    uses plain torch ops and never fuses."""
-    from helpers import greedy, make_llm, rand_ids
-
-    from nanovllm.model.decoder import DecoderAttention
-
-    monkeypatch.setenv("NANOVLLM_FUSE_KV_STORE", fuse)
-    llm = make_llm(ckpt, max_num_batched_tokens=48, **llm_kw)  # chunked prefill: a later chunk reads the cache
-    try:
-        assert llm.config.fuse_kv_store == (fuse == "1")
-        for m in llm.model_runner.model.modules():
-            if isinstance(m, DecoderAttention) and DEVICE == "cpu":
-                m.use_kernels = True
-        prompts = [rand_ids(n, seed=n) for n in (37, 21, 50)]
-        outs = llm.generate(prompts, [greedy(5, logprobs=1), greedy(3, logprobs=1), greedy(4, logprobs=1)],
-                            use_tqdm=False)
-        return [(o.outputs[0].token_ids, [sorted(lp.items()) for lp in o.outputs[0].logprobs]) for o in outs]
-    finally:
-        llm.shutdown()
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_engine_gives_the_same_tokens_fused_or_not(ckpt, monkeypatch, kv_cache_dtype):
-    fused = _generate(ckpt, "1", monkeypatch, kv_cache_dtype=kv_cache_dtype)
-    unfused = _generate(ckpt, "0", monkeypatch, kv_cache_dtype=kv_cache_dtype)
-    assert fused == unfused
-    assert [len(t) for t, _ in fused] == [5, 3, 4]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_gpu_engine_gives_the_same_tokens_fused_or_not(ckpt, monkeypatch, kv_cache_dtype):
-    """bf16 on the GPU, decode through CUDA graphs (the fused store inside them), chunked
-    prefill with prefix reads: the same tokens and logprobs, bit for bit."""
-    kw = dict(kv_cache_dtype=kv_cache_dtype, dtype="bfloat16")
-    assert _generate(ckpt, "1", monkeypatch, **kw) == _generate(ckpt, "0", monkeypatch, **kw)
-
-
-def test_fuse_switch_is_checked(ckpt, monkeypatch):
-    from helpers import make_llm
-
-    monkeypatch.setenv("NANOVLLM_FUSE_KV_STORE", "yes")
-    with pytest.raises(ValueError, match="NANOVLLM_FUSE_KV_STORE"):
-        make_llm(ckpt)
 
 
 # ----------------------------------------------------------------------------- GPU (bf16, real sizes)

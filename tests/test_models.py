@@ -304,8 +304,9 @@ def _params(path):
     from nanovllm.model.registry import model_class
     from nanovllm.model.loader import load_model
 
-    hf = Config.from_kwargs(path).hf_config
-    model = model_class(hf)(hf)
+    config = Config.from_kwargs(path)
+    hf = config.hf_config
+    model = model_class(hf)(hf, sparse_mlp=config.sparse_mlp)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))

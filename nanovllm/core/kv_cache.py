@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.features.prefill_graphs import prefill_graph_tokens
-from nanovllm.model.context import prefill_metadata
+from nanovllm.model.attention import prefill_metadata
 
 logger = logging.getLogger(__name__)
 

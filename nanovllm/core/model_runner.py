@@ -27,11 +27,10 @@ from nanovllm.features.prefill_graphs import PrefillGraphs, prefill_graph_tokens
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
-from nanovllm.model.attention import Attention, select_backend
-from nanovllm.features.quantization.fp8 import finish_fp8_linears, init_dummy_fp8_linears, prepare_fp8_linears
+from nanovllm.model.attention import Attention, host_to_device, prefill_metadata, select_backend
+from nanovllm.model.quant import finish_loading, quantize_model
 from nanovllm.model.registry import model_class
 from nanovllm.sampling_params import is_integer
-from nanovllm.model.context import host_to_device, prefill_metadata
 from nanovllm.model.loader import init_dummy, load_model
 
 logger = logging.getLogger(__name__)
@@ -59,7 +58,7 @@ class ModelRunner:
         t_weights = time.perf_counter()
 
         self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
-                                      config.kv_cache_dtype)
+                                      config.kv_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
@@ -86,9 +85,10 @@ class ModelRunner:
                                        config.decode_blas)
             self.prefill_graphs = self._capture_prefill_graphs(config)
             self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
-        if config.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
+        if config.kv_calibrator is not None:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
-                layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
+                if not getattr(layer, "kv_scales_from_checkpoint", False):
+                    layer.calibrate_next_prefill = config.kv_calibrator
         # Where the cold start goes (bench.py reports it).
         self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
@@ -105,8 +105,7 @@ class ModelRunner:
         # K/V (the fused store) and the triton backend gives them the paged decode kernel. At
         # most 256 of them: every replay runs the kernel over all those rows (empty ones exit at
         # once), and a step with more decode rows is GPU-bound anyway, its host time hidden.
-        decode_rows = min(config.max_num_seqs, max_tokens, 256) if self.backend.name == "triton" and \
-            config.fuse_kv_store else 0
+        decode_rows = min(config.max_num_seqs, max_tokens, 256) if self.backend.name == "triton" else 0
         return PrefillGraphs(self.model, self.attn_layers, max_tokens, config.hf_config.hidden_size, config.dtype,
                              self.device, pool=self.graphs.pool, stream=self.graphs.stream, decode_rows=decode_rows,
                              max_blocks=math.ceil(config.max_model_len / config.kvcache_block_size),
@@ -120,23 +119,20 @@ class ModelRunner:
         torch.set_default_dtype(config.dtype)
         try:
             with torch.device(self.device), use_tp_group(self.tp):
-                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len)
+                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len,
+                                                      sparse_mlp=config.sparse_mlp)
         finally:
             torch.set_default_dtype(default_dtype)
         if config.quant is not None:
-            prepare_fp8_linears(model, config.quant)
+            quantize_model(model, config.quant)
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
-                layer.fuse_kv_store = config.fuse_kv_store
         if config.load_format == "dummy":
             init_dummy(model, config.seed)
-            if config.quant is not None:
-                init_dummy_fp8_linears(model, config.seed)
         else:
             load_model(model, config.model)
-        if config.quant is not None:
-            finish_fp8_linears(model)
+        finish_loading(model)
         return model
 
     # ------------------------------------------------------------------ a step

@@ -23,7 +23,7 @@ import torch
 from nanovllm.core.sequence import Sequence
 from nanovllm.features import logits_processors as lp
 from nanovllm.core.sampler import Sampler, SamplingTensors, filters_off, pick_candidates
-from nanovllm.model.context import host_to_device
+from nanovllm.model.attention import host_to_device
 
 
 def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:

@@ -1,0 +1,43 @@
+"""FP8 KV cache options: `kv_cache_dtype` names, and the scales calibrated on the first prefill
+(`calculate_kv_scales=True`). The cache's format (e4m3 values times one fp32 scale per layer
+for K and for V) is the attention's: nanovllm/model/attention/paged_kv.py and the kernels.
+
+Calibration: scale = amax / R, so the calibrating prefill's largest |K| is stored as R (of
+e4m3's 448) and later tokens may be 448 / R times larger before they saturate. One prefill is a
+small sample (other prompts and later positions can exceed its amax), and a saturated value's
+error is unbounded, while a smaller R is nearly free: e4m3's relative rounding (<= 2**-4) is the
+same at every magnitude down to its smallest normal 2**-6, so only values below
+amax * 2**-6 / R lose precision, and they add at most that fraction of amax to a dot product.
+
+We take vLLM's defaults (K_SCALE_CONSTANT 200, V_SCALE_CONSTANT 100: 2.2x headroom for K, 4.5x
+for V) so that scales calibrated here and by vLLM agree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+K_SCALE_HEADROOM = 200.0
+V_SCALE_HEADROOM = 100.0
+_KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's element type for LLM(kv_cache_dtype=...): "auto" -> the model's dtype,
+    "fp8" / "fp8_e4m3" -> torch.float8_e4m3fn (vLLM's names). Anything else (fp8_e5m2
+    included) is a ValueError."""
+    if not isinstance(kv_cache_dtype, str) or kv_cache_dtype not in _KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is not supported; use one of "
+                         f"{', '.join(map(repr, _KV_CACHE_DTYPES))}")
+    return _KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
+@torch.no_grad()
+def calibrate_kv_scales(k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None:
+    """k_scale = amax|k| / K_SCALE_HEADROOM, v_scale = amax|v| / V_SCALE_HEADROOM, computed and
+    written on the device (no host sync): the attention layer's KVScaleCalibrator. An all-zero
+    or non-finite amax gives a scale of 1.0 instead (dividing by 0 would turn every stored value
+    into NaN)."""
+    for x, buf, headroom in ((k, k_scale, K_SCALE_HEADROOM), (v, v_scale, V_SCALE_HEADROOM)):
+        s = x.abs().amax().float().reshape(1) / headroom
+        buf.copy_(torch.where(torch.isfinite(s) & (s > 0), s, 1.0))
