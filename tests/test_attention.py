@@ -13,7 +13,7 @@ from nanovllm.features.quantization.fp8_kv import (K_SCALE_HEADROOM, V_SCALE_HEA
 from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metadata, select_backend
 from nanovllm.model.attention import backend as backend_mod
 from nanovllm.model.attention.flash_attn_backend import FlashAttnBackend
-from nanovllm.model.attention.paged_kv import gather_kv
+from nanovllm.model.attention.paged_kv import gather_kv, quantize_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
 
 
@@ -454,6 +454,38 @@ def test_fp8_calibration_keeps_a_usable_scale_for_zero_or_nonfinite_kv():
     zeros = torch.zeros(5, 1, 16)
     calibrate_kv_scales(zeros, torch.full((5, 1, 16), float("inf")), layer.k_scale, layer.v_scale)
     assert layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
+
+
+def _e4m3_midpoint_distance(x: torch.Tensor) -> torch.Tensor:
+    """|x| / 448-clamped: its distance to the nearest e4m3 rounding midpoint, relative to the
+    e4m3 spacing there (0: on a midpoint; 0.5: on an e4m3 value)."""
+    a = x.abs().clamp(2.0 ** -6, 448.0)
+    spacing = 2.0 ** (torch.floor(torch.log2(a)) - 3)
+    frac = a / spacing - torch.floor(a / spacing)  # position inside the spacing, 0.5 = midpoint
+    return (frac - 0.5).abs()
+
+
+def test_fp8_calibrated_maxima_are_off_the_rounding_midpoints(fresh_seed):
+    """issue 40, item 10: the calibrating prompt's largest |K| / |V| is stored as the headroom,
+    which must not be an e4m3 rounding midpoint: calibrated from K/V with relative noise of a few
+    fp32 ulps (what batching the prompt with others changes in its GEMMs), the largest values
+    must be stored as the same codes. With vLLM's 200 / 100 (midpoints between 192 and 208, 96
+    and 104) they round up or down with the noise, and the same prompt gave other tokens alone
+    and in a batch."""
+    assert _e4m3_midpoint_distance(torch.tensor([K_SCALE_HEADROOM, V_SCALE_HEADROOM])).min() > 0.25
+    for _ in range(50):
+        x = torch.randn(6, 2, 16) * 10 ** torch.empty(1).uniform_(-3, 3)
+        top = x.abs().flatten().argmax()
+        codes = set()
+        for ulps in range(-4, 5):
+            noisy = x * (1 + ulps * 2.0 ** -23)
+            k_scale, v_scale = torch.ones(1), torch.ones(1)
+            calibrate_kv_scales(noisy, noisy, k_scale, v_scale)
+            for scale, headroom in ((k_scale, K_SCALE_HEADROOM), (v_scale, V_SCALE_HEADROOM)):
+                stored = quantize_kv(noisy, scale).flatten()[top]
+                codes.add((headroom, stored.float().abs().item()))
+        assert len(codes) == 2, codes  # one code each for K and V, whatever the noise
+        assert all(value == headroom for headroom, value in codes)
 
 
 def test_kv_cache_dtype_names():
