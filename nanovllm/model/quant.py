@@ -1,21 +1,21 @@
 """The hook through which quantization schemes store and multiply a model's weights.
 
 A scheme (features/quantization/: FP8 today) is resolved by the front from `LLM(quantization=...)`
-and the checkpoint's `quantization_config`; the engine's Config carries it to every rank. Here,
-before the weights load, `quantize_model` asks it for a method per quantizable module, and the
-method takes over that module's weights:
+and the checkpoint's `quantization_config`; the engine's Config carries it to every rank. Before
+the weights load, `quantize_model` asks it for a method per quantizable module, which then owns
+that module's weights:
 
-    create        replace / add the module's parameters in the stored format. Each new
-                  parameter loads a checkpoint tensor through its `weight_loader` (the module's
-                  own, which takes this rank's shard, unless the method gives it another)
+    create        its parameters in the stored format; each new parameter loads its checkpoint
+                  tensor through its `weight_loader` (the module's own, which takes this rank's
+                  shard, unless the method sets another)
     init_dummy    random weights in that format (load_format="dummy")
     after_loading convert what was loaded (e.g. quantize 16-bit weights at load time)
-    apply         (linear layers) x @ W^T (+ bias) with the stored weights
+    apply         the module's product with the stored weights (linear: x @ W^T (+ bias);
+                  MoE experts: features/moe.py's ExpertsMethod)
 
-Quantizable modules say what they are with a `quant_kind` ("linear": LinearBase; "experts":
-stacked MoE experts, whose method has no `apply`: the experts kernel reads their parameters),
-and hold their method in `quant` (None: 16-bit). A module with `quant_kind = None` (an MoE
-router) stays 16-bit under every scheme.
+Quantizable modules name their kind in `quant_kind` ("linear", "experts"; None keeps a module,
+such as an MoE router, 16-bit under every scheme) and hold their method in `quant` (None:
+16-bit). A wrapper (LoRA) can stand in for a method by delegating to it.
 """
 
 from __future__ import annotations
