@@ -3,22 +3,23 @@
 `Config.from_kwargs(model, **kwargs)` checks each value and does no I/O: core fields flat, and one
 sub-config per feature (`parallel`, `quantization`, `scheduling`, `prefill_graphs`), each checking
 its own fields. `config.resolve(...)` then reads the checkpoint's config.json, picks the device and
-dtypes, probes the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`).
+dtypes, probes the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`,
+`kv_calibrator`, `sparse_mlp`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
 from nanovllm.model import registry
+from nanovllm.model.attention.backend import flash_attn_available
 from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
@@ -55,13 +56,49 @@ def checked(name: str, value, kind, what: str, ok: Callable = lambda v: True):
     return value
 
 
-def flash_attn_available() -> bool:
-    """Whether the optional flash_attn package is installed (the flash_attn backend needs it)."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
 def _at_least(n):
     return lambda v: v >= n
+
+
+# ---------------------------------------------------------------- what the model needs from features
+
+
+class ModelFeatures(Protocol):
+    """What Config.resolve asks of the features the front wires in (nanovllm/wiring.py): each
+    answer is an object the model runner plugs into a hook of model/, or None when the model and
+    options need none."""
+
+    def quantization_scheme(self, checkpoint_config: dict | None, requested: str | None):
+        """The linear layers' weight scheme (model/quant.py's QuantScheme) for the checkpoint's
+        quantization_config and LLM(quantization=...), or None."""
+
+    def kv_scale_calibrator(self, calculate_kv_scales: bool):
+        """The attention layers' KVScaleCalibrator (model/attention/layer.py), or None."""
+
+    def sparse_mlp(self, decoder_options):
+        """The MoE block factory (model/decoder.py's SparseMlpFactory) of a model whose
+        DecoderOptions have MoE layers, or None."""
+
+
+class NoFeatures:
+    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
+
+    @staticmethod
+    def _refuse(what: str):
+        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
+                         f"not a bare LLMEngine")
+
+    def quantization_scheme(self, checkpoint_config, requested):
+        if checkpoint_config or requested is not None:
+            self._refuse("quantized weights")
+
+    def kv_scale_calibrator(self, calculate_kv_scales):
+        if calculate_kv_scales:
+            self._refuse("calculate_kv_scales=True")
+
+    def sparse_mlp(self, decoder_options):
+        if decoder_options.moe_layers:
+            self._refuse("a mixture-of-experts model")
 
 
 # ---------------------------------------------------------------- one sub-config per feature
@@ -192,12 +229,16 @@ class Config:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
-    # Filled by resolve(): the checkpoint's transformers config, the weights' quantization method
-    # (a linear method object, or None) and the KV cache's element type.
+    # Filled by resolve(): the checkpoint's transformers config; the linear layers' weight scheme
+    # (model/quant.py's QuantScheme, or None); the KV cache's element type; the FP8 cache's scale
+    # calibrator (calculate_kv_scales); the MoE block factory of a model with MoE layers
+    # (model/decoder.py's SparseMlpFactory). `quant` and the last two come from the features the
+    # front wires in (ModelFeatures).
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
-    fuse_kv_store: bool = field(init=False, default=True)  # K/V store inside the q/k-norm + RoPE kernel on CUDA
+    kv_calibrator: object = field(init=False, repr=False, default=None)
+    sparse_mlp: object = field(init=False, repr=False, default=None)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -269,11 +310,11 @@ class Config:
             raise ValueError(f"device={self.device!r}: must be None, 'cpu' or 'cuda'")
 
     # ------------------------------------------------------------------ resolve (I/O)
-    def resolve(self, resolve_quantization: Callable | None = None) -> "Config":
+    def resolve(self, features: ModelFeatures | None = None) -> "Config":
         """Read the checkpoint and the machine, once: the device, the model and tokenizer folders
-        (a Hub download when online), config.json (checked by its model family), the dtypes, the
-        quantization method (`resolve_quantization(checkpoint_quantization_config, requested)`,
-        which the front supplies) and the fit of the parallel sizes. Returns self."""
+        (a Hub download when online), config.json (checked by its model family), the dtypes, what
+        the model needs from the features the front wires in (`features`: quantized weights,
+        KV-scale calibration, MoE layers) and the fit of the parallel sizes. Returns self."""
         if self.hf_config is not None:
             return self
         self.device = self._resolve_device(self.device)
@@ -283,7 +324,7 @@ class Config:
             self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
         hf = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype, hf)
-        self.quant = self._resolve_quant(hf, resolve_quantization)
+        self._resolve_features(hf, features or NoFeatures())
         self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype
         self._check_fp8_device()
         if self.max_model_len > hf.max_position_embeddings:  # RoPE would silently extrapolate
@@ -299,17 +340,12 @@ class Config:
         self.hf_config = hf
         return self
 
-    def _resolve_quant(self, hf, resolve_quantization: Callable | None):
-        checkpoint = getattr(hf, "quantization_config", None)
-        if resolve_quantization is None:
-            if checkpoint or self.quantization.method is not None:
-                raise ValueError("quantized weights need the quantization methods that LLM wires in: "
-                                 "create LLM(model, ...), not a bare LLMEngine")
-            return None
-        quant = resolve_quantization(checkpoint, self.quantization.method)
-        if quant is not None:
-            quant.check_model(hf, self.parallel.tensor_parallel_size)
-        return quant
+    def _resolve_features(self, hf, features: ModelFeatures) -> None:
+        self.quant = features.quantization_scheme(getattr(hf, "quantization_config", None), self.quantization.method)
+        if self.quant is not None:
+            self.quant.check_model(hf, self.parallel.tensor_parallel_size)
+        self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
+        self.sparse_mlp = features.sparse_mlp(registry.model_class(hf).options_from_config(hf))
 
     def _check_backend_on_device(self) -> None:
         backend = self.attention_backend

@@ -8,7 +8,7 @@ cache of the smallest replica, and refuses the calls that would need an engine o
 
 from __future__ import annotations
 
-from nanovllm.features import replica_set
+from nanovllm.wiring import replica_set
 from nanovllm.outputs import RequestOutput
 
 

@@ -7,13 +7,13 @@ import threading
 import time
 from typing import Iterator
 
+import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.data_parallel_front import DataParallelFront
-from nanovllm.features import enable_logits_extensions, resolve_quantization, start_executor, wire_scheduling
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
@@ -48,13 +48,13 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         # stream() iterator) gets a clear error instead of sharing the engine's steps.
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
-        super().__init__(model, start_executor=self._start_executor, resolve_quantization=resolve_quantization,
+        super().__init__(model, start_executor=self._start_executor, model_features=wiring,
                          **kwargs)
-        wire_scheduling(self)  # mixed steps, when asked
+        wiring.wire_scheduling(self)  # mixed steps, when asked
 
     def _start_executor(self, config):
-        """What runs the model: this process, or tensor-parallel workers / torchrun (features/)."""
-        return start_executor(config)
+        """What runs the model: this process, or tensor-parallel workers / torchrun (wiring.py)."""
+        return wiring.start_executor(config)
 
     def __enter__(self):
         return self
@@ -106,7 +106,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         p = super().prepare_params(params)
         runner = getattr(self, "model_runner", None)
         if runner is not None:
-            enable_logits_extensions(runner.sampler, p)
+            wiring.enable_logits_extensions(runner.sampler, p)
         return p
 
     def _prompt(self, prompt) -> tuple[list[int], str | None]:
@@ -153,7 +153,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None) -> Sequence:
-        wire_scheduling(self, params)  # n > 1, prompt logprobs: their hooks, on first use
+        wiring.wire_scheduling(self, params)  # n > 1, prompt logprobs: their hooks, on first use
         return super().add_request(prompt_ids, params, track_text, prompt)
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:

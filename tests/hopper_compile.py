@@ -110,7 +110,7 @@ def _store(cache_dtype):
 
 
 def _qk_norm_rope(cache_dtype, norm):
-    from nanovllm.kernels.fused_ops import qk_norm_rope
+    from nanovllm.kernels.qk_norm_rope import qk_norm_rope
     from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
     nh, nkv, hd, tokens = 16, 8, 128, 6

@@ -41,17 +41,12 @@ def import_graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
 # Subpackages that may not import some others: core/ and model/ read alone, the features and
 # the processes plug into hooks they declare.
 FORBIDDEN = {"core": {"features", "launch", "serve"}, "model": {"features", "launch", "serve", "core"}}
-# The imports of that kind still made: features woven into core/ or model/ that have yet to move
-# behind a hook. This set may only shrink: remove an entry once its import is gone.
-KNOWN_OFFENDERS = {
-    "nanovllm.model.decoder -> nanovllm.features.moe",
-}
 
 
 def subpackage(module: str) -> str:
     """The subpackage of a module ("core", "launch", ...), or "(front)" for the top-level modules
     (nanovllm.llm, nanovllm.config, ...) and the subpackages' __init__ files, where the fronts
-    wire features and launchers in (nanovllm.features)."""
+    wire features and launchers in (nanovllm.wiring)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 2 else "(front)"
 
@@ -65,8 +60,7 @@ def forbidden_imports(edges: dict[str, set[str]]) -> set[str]:
 
 def test_core_and_model_never_import_features_launch_or_serve():
     found = forbidden_imports(import_graph(modules()))
-    assert not found - KNOWN_OFFENDERS, sorted(found - KNOWN_OFFENDERS)
-    assert not KNOWN_OFFENDERS - found, f"gone, remove them from KNOWN_OFFENDERS: {sorted(KNOWN_OFFENDERS - found)}"
+    assert not found, sorted(found)
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -89,12 +83,8 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return cycles
 
 
-def _without_known_offenders(edges: dict[str, set[str]]) -> dict[str, set[str]]:
-    return {a: {b for b in targets if f"{a} -> {b}" not in KNOWN_OFFENDERS} for a, targets in edges.items()}
-
-
 def test_import_graph_has_no_cycles():
-    edges = _without_known_offenders(import_graph(modules()))
+    edges = import_graph(modules())
     assert not _cycles(edges), _cycles(edges)
     assert edges["nanovllm.core.model_runner"]  # the graph is real: the runner imports its parts
 
@@ -103,7 +93,7 @@ def test_no_cycle_between_subpackages():
     """Between core/, model/, features/, parallel/, launch/, serve/, kernels/ (the fronts, which
     wire them together, are left out: their own cycles are the module test's)."""
     units: dict[str, set[str]] = {}
-    for a, targets in _without_known_offenders(import_graph(modules())).items():
+    for a, targets in import_graph(modules()).items():
         units.setdefault(subpackage(a), set()).update(subpackage(b) for b in targets)
     units = {a: {b for b in bs if b not in (a, "(front)")} for a, bs in units.items() if a != "(front)"}
     assert not _cycles(units), _cycles(units)

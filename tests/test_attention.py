@@ -8,9 +8,13 @@ import types
 import pytest
 import torch
 
-from nanovllm.model import attention as attn_mod
-from nanovllm.model.attention import Attention, FlashAttnBackend, TorchBackend, gather_kv, select_backend
-from nanovllm.model.context import AttentionMetadata, prefill_metadata
+from nanovllm.config import KV_CACHE_DTYPES, QuantizationConfig
+from nanovllm.features.quantization.fp8_kv import K_SCALE_HEADROOM, V_SCALE_HEADROOM, calibrate_kv_scales
+from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metadata, select_backend
+from nanovllm.model.attention import backend as backend_mod
+from nanovllm.model.attention.flash_attn_backend import FlashAttnBackend
+from nanovllm.model.attention.paged_kv import gather_kv, quantize_kv
+from nanovllm.model.attention.torch_backend import TorchBackend
 
 
 # ----------------------------------------------------------------------------- scenario helpers
@@ -161,19 +165,31 @@ def test_decode_torch_and_flash_contract():
     assert calls == [("kvcache", True)]
 
 
+def stub_cuda_backends(monkeypatch, flash_attn: bool = True):
+    """Backend selection as on a CUDA machine (flash_attn importable or not), the CUDA backends
+    replaced by stand-ins that say their name."""
+    real = backend_mod.backend_class
+
+    def stub(name):
+        if name == "torch":
+            return real(name)
+        return type(name, (), {"name": name, "fp8_cache": real(name).fp8_cache})
+
+    monkeypatch.setattr(backend_mod, "flash_attn_available", lambda: flash_attn)
+    monkeypatch.setattr(backend_mod, "backend_class", stub)
+
+
 def test_backend_selection(monkeypatch):
     assert select_backend("cpu", 16).name == "torch"
     with pytest.raises(ValueError, match="needs CUDA"):
         select_backend("cpu", 256, forced="triton")
     with pytest.raises(ValueError, match="multiple of 256"):
         select_backend("cuda", 16, forced="flash_attn")
-    monkeypatch.setattr(attn_mod, "flash_attn_available", lambda: True)
-    monkeypatch.setattr(attn_mod, "FlashAttnBackend", lambda: types.SimpleNamespace(name="flash_attn"))
-    monkeypatch.setattr(attn_mod, "TritonBackend", lambda: types.SimpleNamespace(name="triton"))
+    stub_cuda_backends(monkeypatch)
     assert select_backend("cuda", 256).name == "flash_attn"
     assert select_backend("cuda", 16).name == "triton"      # flash-attn needs block % 256
     assert select_backend("cuda", 256, forced="triton").name == "triton"
-    monkeypatch.setattr(attn_mod, "flash_attn_available", lambda: False)
+    stub_cuda_backends(monkeypatch, flash_attn=False)
     assert select_backend("cuda", 256).name == "triton"
     assert select_backend("cpu", 256).name == "torch"
 
@@ -183,7 +199,7 @@ def test_backend_selection(monkeypatch):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_backend_prefill_matches_torch_on_gpu(case, block_size):
-    from nanovllm.model.attention import TritonBackend
+    from nanovllm.model.attention.triton_backend import TritonBackend
 
     cached, new = CASES[case]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, block_size, torch.bfloat16, "cuda",
@@ -202,7 +218,7 @@ def test_triton_backend_prefill_matches_torch_on_gpu(case, block_size):
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_backend_decode_matches_torch_on_gpu(block_size):
     from nanovllm.kernels.paged_decode import choose_num_splits
-    from nanovllm.model.attention import TritonBackend
+    from nanovllm.model.attention.triton_backend import TritonBackend
 
     g = torch.Generator().manual_seed(torch.seed() % 10_000)
     ctx = torch.randint(1, 3000, (48,), generator=g).tolist()
@@ -218,7 +234,8 @@ def test_triton_backend_decode_matches_torch_on_gpu(block_size):
 
 
 def test_gather_groups_and_varlen_gather_on_cpu():
-    from nanovllm.model.attention import gather_kv, gather_kv_varlen, groups_of_at_most
+    from nanovllm.model.attention.paged_kv import gather_kv_varlen
+    from nanovllm.model.attention.triton_backend import groups_of_at_most
 
     assert list(groups_of_at_most([5, 5, 5], 10)) == [(0, 2), (2, 3)]
     assert list(groups_of_at_most([20, 1, 1], 10)) == [(0, 1), (1, 3)]   # a long one alone
@@ -234,7 +251,7 @@ def test_gather_groups_and_varlen_gather_on_cpu():
 
 @pytest.mark.gpu
 def test_triton_prefix_prefill_in_several_gather_groups(monkeypatch):
-    from nanovllm.model.attention import TritonBackend
+    from nanovllm.model.attention.triton_backend import TritonBackend
 
     cached, new = CASES["prefix_hit"]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=11)
@@ -319,9 +336,9 @@ def random_sequences(lengths, num_heads, num_kv_heads, head_dim, dtype):
 
 def fp8_scales(seqs):
     """Scales as calibration would set them from all of the sequences' K/V (no saturation)."""
-    layer = Attention(1, 1, 1.0, 1)
-    layer.calibrate_kv_scales(torch.cat([k for _, k, _ in seqs]), torch.cat([v for _, _, v in seqs]))
-    return layer.k_scale.clone(), layer.v_scale.clone()
+    k_scale, v_scale = torch.ones(1), torch.ones(1)
+    calibrate_kv_scales(torch.cat([k for _, k, _ in seqs]), torch.cat([v for _, _, v in seqs]), k_scale, v_scale)
+    return k_scale, v_scale
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -415,13 +432,13 @@ def test_fp8_calibration_on_first_prefill_only(fresh_seed):
     assert layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
     r.prefill([(0, 0, 5)])
     # A decode step does not take the flag (nor change the scales); the next prefill does.
-    layer.calibrate_next_prefill = True
+    layer.calibrate_next_prefill = calibrate_kv_scales
     r.decode([(0, 5)])
     assert layer.calibrate_next_prefill and layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
     r.prefill([(0, 6, 16)])
     assert not layer.calibrate_next_prefill
     k0, v0 = seqs[0][1][6:16], seqs[0][2][6:16]
-    want = (k0.abs().amax() / 200).reshape(1), (v0.abs().amax() / 100).reshape(1)
+    want = (k0.abs().amax() / K_SCALE_HEADROOM).reshape(1), (v0.abs().amax() / V_SCALE_HEADROOM).reshape(1)
     assert torch.equal(layer.k_scale, want[0]) and torch.equal(layer.v_scale, want[1])
     # The calibrating prefill was stored with the new scales (the tokens before it with 1.0).
     assert torch.equal(r.cached(0, 0)[6:16].view(torch.uint8), (k0 / want[0]).clamp(-448, 448).to(FP8).view(torch.uint8))
@@ -435,17 +452,48 @@ def test_fp8_calibration_on_first_prefill_only(fresh_seed):
 def test_fp8_calibration_keeps_a_usable_scale_for_zero_or_nonfinite_kv():
     layer = Attention(2, 16, 0.25, 1)
     zeros = torch.zeros(5, 1, 16)
-    layer.calibrate_kv_scales(zeros, torch.full((5, 1, 16), float("inf")))
+    calibrate_kv_scales(zeros, torch.full((5, 1, 16), float("inf")), layer.k_scale, layer.v_scale)
     assert layer.k_scale.tolist() == [1.0] and layer.v_scale.tolist() == [1.0]
 
 
+def _e4m3_midpoint_distance(x: torch.Tensor) -> torch.Tensor:
+    """|x| / 448-clamped: its distance to the nearest e4m3 rounding midpoint, relative to the
+    e4m3 spacing there (0: on a midpoint; 0.5: on an e4m3 value)."""
+    a = x.abs().clamp(2.0 ** -6, 448.0)
+    spacing = 2.0 ** (torch.floor(torch.log2(a)) - 3)
+    frac = a / spacing - torch.floor(a / spacing)  # position inside the spacing, 0.5 = midpoint
+    return (frac - 0.5).abs()
+
+
+def test_fp8_calibrated_maxima_are_off_the_rounding_midpoints(fresh_seed):
+    """issue 40, item 10: the calibrating prompt's largest |K| / |V| is stored as the headroom,
+    which must not be an e4m3 rounding midpoint: calibrated from K/V with relative noise of a few
+    fp32 ulps (what batching the prompt with others changes in its GEMMs), the largest values
+    must be stored as the same codes. With vLLM's 200 / 100 (midpoints between 192 and 208, 96
+    and 104) they round up or down with the noise, and the same prompt gave other tokens alone
+    and in a batch."""
+    assert _e4m3_midpoint_distance(torch.tensor([K_SCALE_HEADROOM, V_SCALE_HEADROOM])).min() > 0.25
+    for _ in range(50):
+        x = torch.randn(6, 2, 16) * 10 ** torch.empty(1).uniform_(-3, 3)
+        top = x.abs().flatten().argmax()
+        codes = set()
+        for ulps in range(-4, 5):
+            noisy = x * (1 + ulps * 2.0 ** -23)
+            k_scale, v_scale = torch.ones(1), torch.ones(1)
+            calibrate_kv_scales(noisy, noisy, k_scale, v_scale)
+            for scale, headroom in ((k_scale, K_SCALE_HEADROOM), (v_scale, V_SCALE_HEADROOM)):
+                stored = quantize_kv(noisy, scale).flatten()[top]
+                codes.add((headroom, stored.float().abs().item()))
+        assert len(codes) == 2, codes  # one code each for K and V, whatever the noise
+        assert all(value == headroom for headroom, value in codes)
+
+
 def test_kv_cache_dtype_names():
-    assert attn_mod.kv_cache_torch_dtype("auto", torch.bfloat16) == torch.bfloat16
-    assert attn_mod.kv_cache_torch_dtype("fp8", torch.bfloat16) == FP8
-    assert attn_mod.kv_cache_torch_dtype("fp8_e4m3", torch.float16) == FP8
+    assert KV_CACHE_DTYPES["auto"] is None  # the model's dtype
+    assert KV_CACHE_DTYPES["fp8"] == KV_CACHE_DTYPES["fp8_e4m3"] == FP8
     for bad in ("fp8_e5m2", "bf16", "FP8", None):
         with pytest.raises(ValueError, match=r"kv_cache_dtype=.*'auto', 'fp8', 'fp8_e4m3'") as e:
-            attn_mod.kv_cache_torch_dtype(bad, torch.bfloat16)
+            QuantizationConfig(kv_cache_dtype=bad)
         assert repr(bad) in str(e.value)
 
 
@@ -468,17 +516,15 @@ def test_fp8_bad_inputs_and_backend_selection(monkeypatch):
     with pytest.raises(ValueError, match="flash_attn attention backend does not support an FP8"):
         fa.forward(torch.randn(3, 4, 16), k, k, cache8, cache8, meta, 0.25, one, one)
 
-    with pytest.raises(ValueError, match="fp8_e5m2"):
-        select_backend("cpu", 16, kv_cache_dtype="fp8_e5m2")
-    assert select_backend("cpu", 256, kv_cache_dtype="fp8").name == "torch"
-    monkeypatch.setattr(attn_mod, "flash_attn_available", lambda: True)
-    monkeypatch.setattr(attn_mod, "FlashAttnBackend", lambda: types.SimpleNamespace(name="flash_attn"))
-    monkeypatch.setattr(attn_mod, "TritonBackend", lambda: types.SimpleNamespace(name="triton"))
+    with pytest.raises(ValueError, match="float8_e5m2"):
+        select_backend("cpu", 16, kv_cache_dtype=torch.float8_e5m2)
+    assert select_backend("cpu", 256, kv_cache_dtype=FP8).name == "torch"
+    stub_cuda_backends(monkeypatch)
     assert select_backend("cuda", 256).name == "flash_attn"
-    assert select_backend("cuda", 256, kv_cache_dtype="fp8").name == "triton"
-    assert select_backend("cuda", 256, kv_cache_dtype="fp8_e4m3").name == "triton"
+    assert select_backend("cuda", 256, kv_cache_dtype=FP8).name == "triton"
+    assert select_backend("cuda", 256, kv_cache_dtype=FP8).name == "triton"
     with pytest.raises(ValueError, match="does not support kv_cache_dtype='fp8'"):
-        select_backend("cuda", 256, forced="flash_attn", kv_cache_dtype="fp8")
+        select_backend("cuda", 256, forced="flash_attn", kv_cache_dtype=FP8)
 
 
 @pytest.mark.gpu
@@ -489,7 +535,7 @@ def test_triton_backend_fp8_matches_torch_on_gpu(case, block_size):
     triton backend on an FP8 cache vs the torch backend on the same cache, and both vs fp32
     attention over the round-tripped K/V. bf16 throughout: 1e-2 as the bf16 tests above."""
     from nanovllm.kernels.paged_decode import choose_num_splits
-    from nanovllm.model.attention import TritonBackend
+    from nanovllm.model.attention.triton_backend import TritonBackend
 
     cached, new = CASES[case]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, block_size, torch.bfloat16, "cuda",

@@ -13,12 +13,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import copy_checkpoint, edit_json, tiny_checkpoint  # noqa: E402
 
 from nanovllm.config import FEATURE_OPTIONS, Config  # noqa: E402
-from nanovllm.features import resolve_quantization  # noqa: E402
+import nanovllm.wiring as wiring  # noqa: E402
 
 
 def make(model, **kwargs) -> Config:
     """Config as LLM makes it: the keywords checked, then resolved against the checkpoint."""
-    return Config.from_kwargs(model, **kwargs).resolve(resolve_quantization)
+    return Config.from_kwargs(model, **kwargs).resolve(wiring)
 
 
 def option(cfg: Config, name: str):

@@ -3,8 +3,7 @@ v_cache): its q, k, v and the caches it writes must be bitwise what the two sepa
 (qk_norm_rope, then store_kvcache) give, for caches of the activation dtype and FP8, slots of
 -1 (skipped), GQA and rotary-only models; and the caches must also be bitwise what the plain
 torch store (store_kvcache_torch: index assignment, torch's e4m3 cast) writes from the
-unfused kernel's k and v. Then the engine: the switch NANOVLLM_FUSE_KV_STORE on or off gives
-the same tokens and logprobs.
+unfused kernel's k and v.
 
 Without CUDA the kernels run through Triton's interpreter (fp32 / fp16 only: it rounds bf16
 wrongly); the `gpu` tests use bf16 and real Qwen3 sizes, in a CUDA graph too. Fresh random
@@ -17,9 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanovllm.kernels.fused_ops import qk_norm_rope
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.model.attention import store_kvcache_torch
+from nanovllm.model.attention.paged_kv import store_kvcache_torch
 from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -140,6 +139,9 @@ def test_fused_store_rejects_bad_arguments():
         call(k_scale=one, v_scale=one)
     with pytest.raises(ValueError, match="go with k_cache"):
         qk_norm_rope(qkv, qw, kw, cos_sin, positions, nh, nkv, d, EPS, slot_mapping=slots)
+
+
+# ----------------------------------------------------------------------------- GPU (bf16, real sizes)
 
 
 @pytest.mark.gpu

@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.kernels import fused_moe as fm
+from nanovllm.kernels import moe_align
+from nanovllm.kernels.moe_fp8_activations import quantize_fp8_activations
 from nanovllm.features.moe import route_topk
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -246,11 +248,11 @@ def test_route_topk_rejects_bad_input():
 
 
 def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    sorted_ids, block_experts, total = fm.align_tokens_to_experts(ids, num_experts, block_m)
+    sorted_ids, block_experts, total = moe_align.align_tokens_to_experts(ids, num_experts, block_m)
     num_slots = ids.numel()
     flat = ids.reshape(-1).long().cpu()
     sorted_ids, block_experts, total = sorted_ids.cpu().long(), block_experts.cpu().long(), int(total.item())
-    assert sorted_ids.numel() == fm.max_padded_slots(num_slots, num_experts, block_m)
+    assert sorted_ids.numel() == moe_align.max_padded_slots(num_slots, num_experts, block_m)
     assert block_experts.numel() * block_m == sorted_ids.numel()
     counts = torch.bincount(flat, minlength=num_experts)
     padded = (counts + block_m - 1) // block_m * block_m
@@ -296,17 +298,17 @@ def test_align_tokens_to_experts_invariants(num_tokens, k, num_experts, block_m,
 
 
 def test_align_tokens_to_experts_no_tokens_and_bad_input():
-    sorted_ids, block_experts, total = fm.align_tokens_to_experts(torch.zeros(0, 4, dtype=torch.int32, device=DEVICE), 8, 16)
+    sorted_ids, block_experts, total = moe_align.align_tokens_to_experts(torch.zeros(0, 4, dtype=torch.int32, device=DEVICE), 8, 16)
     assert sorted_ids.numel() == 0 and block_experts.numel() == 0 and total.item() == 0
     ids = torch.zeros(2, 2, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_m"):
-        fm.align_tokens_to_experts(ids, 4, 12)
+        moe_align.align_tokens_to_experts(ids, 4, 12)
     with pytest.raises(ValueError, match="num_experts"):
-        fm.align_tokens_to_experts(ids, 0, 16)
+        moe_align.align_tokens_to_experts(ids, 0, 16)
     with pytest.raises(TypeError, match="int32 or int64"):
-        fm.align_tokens_to_experts(ids.float(), 4, 16)
+        moe_align.align_tokens_to_experts(ids.float(), 4, 16)
     with pytest.raises(ValueError, match="topk_ids"):
-        fm.align_tokens_to_experts(ids.flatten(), 4, 16)
+        moe_align.align_tokens_to_experts(ids.flatten(), 4, 16)
 
 
 # ----------------------------------------------------------------------------- fused_moe, CPU
@@ -450,7 +452,7 @@ def test_quantize_fp8_activations_equals_torch(dtype):
     x = (torch.randn(9, 200, device=DEVICE) * torch.logspace(-3, 3, 9, device=DEVICE)[:, None]).to(dtype)
     x[3] = 0  # an all-zero row: scale from the floor, q = 0
     x[5, 130] = 1e-7  # a value that lands among the subnormals of its group
-    q, scale = fm.quantize_fp8_activations(x)
+    q, scale = quantize_fp8_activations(x)
     want_q, want_scale = torch_quantize_activations(x)
     assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (9, 2)
     assert_same(scale, want_scale, "scales")  # bit for bit: same fp32 arithmetic
@@ -479,7 +481,7 @@ def check_fp8_gemms(x, q13, s13, q2, s2, weights, ids, cfg, u):
     (the bound of the module doc with the FP8 dot_gamma). The down GEMM's exact input is the
     kernel's own intermediate, quantized. Returns the slot outputs [T*k, H]."""
     hidden, inter, k, num_experts = x.shape[1], q2.shape[2], ids.shape[1], q13.shape[0]
-    sorted_ids, block_experts, _ = fm.align_tokens_to_experts(ids, num_experts, cfg.block_m)
+    sorted_ids, block_experts, _ = moe_align.align_tokens_to_experts(ids, num_experts, cfg.block_m)
     inter_out = fm.moe_gate_up(x, q13, sorted_ids, block_experts, k, cfg, s13)
     xq, xs = torch_quantize_activations(x)
     xd = Bounded(dequantize(xq, expand_groups(xs, hidden)))
@@ -590,7 +592,7 @@ def test_gpu_fp8_qwen3_30b_shapes(num_tokens):
 def test_gpu_quantize_fp8_activations_equals_torch():
     x = torch.randn(300, 2048, device="cuda", dtype=torch.bfloat16) * 10
     x[7] = 0
-    q, scale = fm.quantize_fp8_activations(x)
+    q, scale = quantize_fp8_activations(x)
     want_q, want_scale = torch_quantize_activations(x)
     assert_same(scale, want_scale, "scales")
     assert_same(q, want_q.contiguous(), "quantized values")

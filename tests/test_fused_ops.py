@@ -16,7 +16,8 @@ import random
 import pytest
 import torch
 
-from nanovllm.kernels.fused_ops import qk_norm_rope, rms_norm, silu_and_mul
+from nanovllm.kernels.fused_ops import rms_norm, silu_and_mul
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.model.layers.activation import SiluAndMul
 from nanovllm.model.layers.layernorm import RMSNorm
 from nanovllm.model.layers.rotary_embedding import RotaryEmbedding

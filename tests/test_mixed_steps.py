@@ -173,7 +173,7 @@ def test_triton_backend_runs_decode_rows_of_a_mixed_step_through_the_decode_kern
 
     from test_attention import dense_new_kv, make_cache_scenario, prefill_meta, reference_attention
 
-    from nanovllm.model.attention import TritonBackend
+    from nanovllm.model.attention.triton_backend import TritonBackend
 
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 4, 2, 16, 16, getattr(torch, dtype), device,
                                                 seed=fresh_seed)

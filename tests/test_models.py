@@ -42,7 +42,7 @@ from helpers import (  # noqa: E402
 )
 
 from nanovllm.config import Config
-from nanovllm.features import resolve_quantization  # noqa: E402
+import nanovllm.wiring as wiring  # noqa: E402
 
 NAMES = list(tm.MODEL_CONFIGS)
 
@@ -73,7 +73,7 @@ def assert_logits_close(ours, ref):
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_matches_transformers(tmp_path_factory, name):
     path = tiny_checkpoint(tmp_path_factory, name)
-    vocab = Config.from_kwargs(path).resolve(resolve_quantization).hf_config.vocab_size
+    vocab = Config.from_kwargs(path).resolve(wiring).hf_config.vocab_size
     prompts = [rand_ids(1, 1), rand_ids(BLOCK, 2), rand_ids(3 * BLOCK + 1, 3), [vocab - 1, 0, vocab - 2]]
     llm = make_llm(path)
     assert type(llm.model_runner.model).__name__ == llm.config.hf_config.architectures[0]  # the registry's pick
@@ -160,7 +160,7 @@ def _edited(tmp_path, name, tmp_path_factory, fn):
 def test_unsupported_config_options_raise(tmp_path, tmp_path_factory, name, edit, pattern):
     folder = _edited(tmp_path, name, tmp_path_factory, edit)
     with pytest.raises(ValueError, match=pattern):
-        Config.from_kwargs(folder).resolve(resolve_quantization)
+        Config.from_kwargs(folder).resolve(wiring)
 
 
 @pytest.mark.parametrize("name,tp,pattern", [
@@ -170,7 +170,7 @@ def test_unsupported_config_options_raise(tmp_path, tmp_path_factory, name, edit
 ])
 def test_tensor_parallel_sizes_are_checked(tmp_path_factory, name, tp, pattern):
     with pytest.raises(ValueError, match=pattern):
-        Config.from_kwargs(tiny_checkpoint(tmp_path_factory, name), tensor_parallel_size=tp).resolve(resolve_quantization)
+        Config.from_kwargs(tiny_checkpoint(tmp_path_factory, name), tensor_parallel_size=tp).resolve(wiring)
 
 
 def test_moe_layer_choice_follows_transformers(tmp_path_factory):
@@ -305,8 +305,9 @@ def _params(path):
     from nanovllm.model.registry import model_class
     from nanovllm.model.loader import load_model
 
-    hf = Config.from_kwargs(path).resolve(resolve_quantization).hf_config
-    model = model_class(hf)(hf)
+    config = Config.from_kwargs(path).resolve(wiring)
+    hf = config.hf_config
+    model = model_class(hf)(hf, sparse_mlp=config.sparse_mlp)
     with torch.no_grad():
         for p in model.parameters():
             p.fill_(float("nan"))

@@ -10,7 +10,7 @@ routers all meet in one model. "16-bit" below means the unquantized engine (fp32
 1. loading: the engine's stacked experts hold exactly the checkpoint's per-expert FP8 codes and
    scales (per rank under TP, per-expert and transformers' fused layouts alike); routers stay
    16-bit, with or without Qwen's modules_to_not_convert;
-2. the CPU FP8 MoE (layers/quantization/fp8_moe.py) against a float64 reference of the same
+2. the CPU FP8 MoE (features/quantization/fp8_moe.py) against a float64 reference of the same
    arithmetic, step by step with stated bounds, and against the Triton kernel (interpreted);
    the layer against full precision, and the engine against the 16-bit engine (logits, argmax
    of a peaked model), with stated bounds;
@@ -154,7 +154,8 @@ def test_fp8_experts_shard_with_their_scales_under_tp(fresh_seed):
             for fused in (False, True):
                 with use_tp_group(TPGroup(rank=rank, size=tp)):
                     ex = MoeExperts(E, H, I)
-                CheckpointFp8Experts().create(ex, "x")
+                ex.quant = CheckpointFp8Experts()
+                ex.quant.create(ex, "x")
                 for p in ex.parameters():
                     p.data.view(torch.uint8).fill_(0xFF)  # poison: NaN codes / scales if left unloaded
                 load_experts(ex, tensors, fused)
@@ -355,14 +356,16 @@ def test_cpu_fp8_moe_is_the_kernels_arithmetic(fresh_seed):
     the same inputs: both within the fp32 bound of the exact result, so within twice it of each
     other; the activation quantizers bit for bit."""
     from nanovllm.kernels import fused_moe as fm
+    from nanovllm.kernels.moe_align import align_tokens_to_experts
+    from nanovllm.kernels.moe_fp8_activations import quantize_fp8_activations
 
     T, H, I, E, k = 5, 200, 128, 3, 2
     x, (_, q13, s13), (_, q2, s2), w, ids = fp8_problem(T, H, I, E, k, torch.float32)
-    kq, ks = fm.quantize_fp8_activations(x)
+    kq, ks = quantize_fp8_activations(x)
     q, s = quantize_moe_activations_torch(x)
     assert torch.equal(codes(kq), codes(q)) and torch.equal(ks, s)
     cfg = fm.get_config(T, k, E, True)
-    sorted_ids, blocks, _ = fm.align_tokens_to_experts(ids, E, cfg.block_m)
+    sorted_ids, blocks, _ = align_tokens_to_experts(ids, E, cfg.block_m)
     k_inter = fm.moe_gate_up(x, q13, sorted_ids, blocks, k, cfg, s13)
     _, bound = gate_up_reference(x, q13, s13, ids, EPS32)
     assert_within(k_inter, moe_fp8_gate_up_torch(x, q13, s13, ids).double(), 2 * bound, "kernel vs torch gate_up")
@@ -609,17 +612,19 @@ def test_gpu_fp8_moe_layer_against_the_cpu_arithmetic(fresh_seed, tp):
     intermediates' FP8 codes round apart: one e4m3 step, 2**-3 relative, on a few elements)."""
     from nanovllm.parallel.group import TPGroup, use_tp_group
     from nanovllm.kernels import fused_moe as fm
+    from nanovllm.kernels.moe_align import align_tokens_to_experts
 
     H, I, E, k, T = QWEN3_30B["hidden"], QWEN3_30B["inter"] // tp, QWEN3_30B["num_experts"], QWEN3_30B["k"], 5
     with torch.device("cuda"), use_tp_group(TPGroup(rank=0, size=1)):
         ex = MoeExperts(E, H, I)
-    CheckpointFp8Experts().create(ex, "experts")
-    CheckpointFp8Experts().init_dummy(ex, torch.Generator(device="cuda").manual_seed(fresh_seed))
+    ex.quant = CheckpointFp8Experts()
+    ex.quant.create(ex, "experts")
+    ex.quant.init_dummy(ex, torch.Generator(device="cuda").manual_seed(fresh_seed))
     x = torch.randn(T, H, device="cuda").bfloat16()
     w, ids = route_topk(torch.randn(T, E, device="cuda"), k, True)
     out = ex(x, w, ids)
     cfg = fm.get_config(T, k, E, True)
-    sorted_ids, blocks, _ = fm.align_tokens_to_experts(ids, E, cfg.block_m)
+    sorted_ids, blocks, _ = align_tokens_to_experts(ids, E, cfg.block_m)
     k_inter = fm.moe_gate_up(x, ex.w13, sorted_ids, blocks, k, cfg, ex.w13_scale_inv)
     k_slots = fm.moe_down(k_inter, ex.w2, w, sorted_ids, blocks, cfg, ex.w2_scale_inv)
     assert torch.equal(out, k_slots.view(T, k, H).sum(1))

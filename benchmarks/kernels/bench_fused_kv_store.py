@@ -17,7 +17,7 @@ import torch
 
 from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 
-from nanovllm.kernels.fused_ops import qk_norm_rope
+from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 

@@ -10,7 +10,7 @@ import random
 import time
 from typing import Callable
 
-from nanovllm.config import Config, read_json
+from nanovllm.config import Config, ModelFeatures, read_json
 from nanovllm.core.block_manager import BlockManager, KVUsage
 from nanovllm.core.executor import Executor, ExecutorFactory, start_in_process
 from nanovllm.core.interrupts import deferred_interrupts
@@ -43,11 +43,12 @@ class LLMEngine:
     """
 
     def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None,
-                 resolve_quantization: Callable | None = None, **kwargs):
+                 model_features: ModelFeatures | None = None, **kwargs):
         """`start_executor(config)` makes the executor (LLM passes its pick); by default the model
-        runs in this process (`start_in_process`). `resolve_quantization` (see Config.resolve):
-        the quantization methods the front wires in; without them only unquantized weights load."""
-        self.config = config = Config.from_kwargs(model, **kwargs).resolve(resolve_quantization)
+        runs in this process (`start_in_process`). `model_features` (config.py's ModelFeatures):
+        what the front wires in for quantized weights, KV-scale calibration and MoE layers;
+        without them a model or option that needs one is a ValueError."""
+        self.config = config = Config.from_kwargs(model, **kwargs).resolve(model_features)
         hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:

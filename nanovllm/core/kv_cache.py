@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.model.context import prefill_metadata
+from nanovllm.model.attention import prefill_metadata
 
 logger = logging.getLogger(__name__)
 

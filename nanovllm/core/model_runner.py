@@ -27,8 +27,8 @@ from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_f
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
-from nanovllm.model.attention import Attention, select_backend
-from nanovllm.model.context import host_to_device, prefill_metadata
+from nanovllm.model.attention import Attention, host_to_device, prefill_metadata, select_backend
+from nanovllm.model.quant import finish_loading, quantize_model
 from nanovllm.model.loader import init_dummy, load_model
 from nanovllm.model.registry import model_class
 from nanovllm.parallel.group import TPGroup, use_tp_group
@@ -59,7 +59,7 @@ class ModelRunner:
         t_weights = time.perf_counter()
 
         self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
-                                      config.quantization.kv_cache_dtype)
+                                      config.kv_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
@@ -79,9 +79,10 @@ class ModelRunner:
                                  self.backend.name, spec.num_kv_heads)
         self.sampler = TokenSampler(max_rows, self.device, self.tp)
         self._capture_graphs(forward_strategy)
-        if config.quantization.calculate_kv_scales:  # after the warm-ups and captures, which ran on no real data
+        if config.kv_calibrator is not None:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
-                layer.calibrate_next_prefill = not getattr(layer, "kv_scales_from_checkpoint", False)
+                if not getattr(layer, "kv_scales_from_checkpoint", False):
+                    layer.calibrate_next_prefill = config.kv_calibrator
         # Where the cold start goes (bench.py reports it).
         self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
@@ -111,24 +112,20 @@ class ModelRunner:
         torch.set_default_dtype(config.dtype)
         try:
             with torch.device(self.device), use_tp_group(self.tp):
-                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len)
+                model = model_class(config.hf_config)(config.hf_config, max_positions=config.max_model_len,
+                                                      sparse_mlp=config.sparse_mlp)
         finally:
             torch.set_default_dtype(default_dtype)
-        quant = config.quant  # the weights' quantization scheme, if any: it prepares, fills and finishes them
-        if quant is not None:
-            quant.prepare(model)
+        if config.quant is not None:
+            quantize_model(model, config.quant)
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
-                layer.fuse_kv_store = config.fuse_kv_store
         if config.load_format == "dummy":
             init_dummy(model, config.seed)
-            if quant is not None:
-                quant.init_dummy(model, config.seed)
         else:
             load_model(model, config.model)
-        if quant is not None:
-            quant.finish(model)
+        finish_loading(model)
         return model
 
     # ------------------------------------------------------------------ a step

@@ -19,7 +19,7 @@ import torch
 from nanovllm.core.hooks import LogitsExtension, LogprobsExtension, PendingLogprobs, StepLogprobs
 from nanovllm.core.sampler import Sampler, SamplingTensors
 from nanovllm.core.sequence import Sequence
-from nanovllm.model.context import host_to_device
+from nanovllm.model.attention import host_to_device
 
 
 def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from nanovllm.core.scheduler import ScheduledBatch
-from nanovllm.model.context import AttentionMetadata, host_to_device, prefill_metadata
+from nanovllm.model.attention import AttentionMetadata, host_to_device, prefill_metadata
 
 
 @dataclass

@@ -7,12 +7,13 @@ holds rows [r * I/tp, (r + 1) * I/tp) of gate and of up, and the same columns of
 output is a partial sum that the next RMSNorm all-reduces (reduce_results=False). The router is
 replicated: every rank routes the same (all-reduced) hidden states to the same experts.
 Block-FP8 experts (Qwen3-*-FP8 checkpoints, or `quantization="fp8"`) keep the same layout in
-float8_e4m3fn plus stacked 128x128 block scales: layers/quantization/fp8_moe.py.
+float8_e4m3fn plus stacked 128x128 block scales: features/quantization/fp8_moe.py.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -21,7 +22,7 @@ from torch import nn
 from nanovllm.model.layers.activation import SiluAndMul
 from nanovllm.kernels.fp8_format import FP8_DTYPE
 from nanovllm.model.layers.linear import ReplicatedLinear
-from nanovllm.features.quantization.fp8_moe import moe_fp8_torch
+from nanovllm.model.quant import QuantMethod
 from nanovllm.parallel.group import current_tp_group, divide
 
 
@@ -130,19 +131,23 @@ def _fused_moe_kernel():
 
 
 def fused_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The experts' weighted sum (see moe_torch): the one place that picks the implementation,
-    the fused Triton kernel on CUDA when it is available, else plain torch. Block-FP8 experts
-    (float8_e4m3fn w13 / w2 with their block scales, layers/quantization/fp8_moe.py) take the
-    kernel's FP8 variant, or its arithmetic in torch (moe_fp8_torch)."""
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The 16-bit experts' weighted sum (see moe_torch): the one place that picks the
+    implementation, the fused Triton kernel on CUDA when it is available, else plain torch.
+    (Quantized experts go through their method: ExpertsMethod.apply.)"""
     if hidden.is_cuda:
         kernel = _fused_moe_kernel()
         if kernel is not None:
-            return kernel(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
-    if w13.dtype == FP8_DTYPE:
-        return moe_fp8_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+            return kernel(hidden, w13, w2, topk_weights, topk_ids)
     return moe_torch(hidden, w13, w2, topk_weights, topk_ids)
+
+
+class ExpertsMethod(QuantMethod, Protocol):
+    """A quantization method of MoeExperts (model/quant.py's hook, quant_kind "experts"; e.g.
+    features/quantization/fp8_moe.py): their weighted sum from the stored weights."""
+
+    def apply(self, experts: "MoeExperts", hidden: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class MoeExperts(nn.Module):
@@ -152,11 +157,13 @@ class MoeExperts(nn.Module):
     Weight loading (shard ids, see nanovllm/model/loader.py): (e, 0) / (e, 1) take expert e's
     gate_proj / up_proj [I, H] into w13, (e, 0) its down_proj [H, I] into w2, and "fused" the
     stacked 3-D form transformers keeps in memory ([E, 2I, H] gate_up_proj, [E, H, I] down_proj).
-    With block-FP8 experts (`quant`, set before loading: layers/quantization/fp8_moe.py) w13 / w2
+    With block-FP8 experts (`quant`, set before loading: features/quantization/fp8_moe.py) w13 / w2
     are float8_e4m3fn and `w13_scale_inv` / `w2_scale_inv` hold their 128x128 block scales,
     stacked and sharded the same way from each projection's `weight_scale_inv` (counted in
     blocks); without FP8 they are None.
     """
+
+    quant_kind = "experts"  # what a quantization scheme sees (model/quant.py)
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
@@ -172,7 +179,7 @@ class MoeExperts(nn.Module):
         self.w2.weight_loader = self.weight_loader
         self.register_parameter("w13_scale_inv", None)
         self.register_parameter("w2_scale_inv", None)
-        self.quant = None  # an FP8 experts method (layers/quantization/fp8_moe.py), set before loading
+        self.quant = None  # its QuantMethod (model/quant.py) when quantized, set before loading
 
     def _expert_index(self, shard_id, name: str) -> int:
         e = shard_id[0]
@@ -217,7 +224,9 @@ class MoeExperts(nn.Module):
             raise ValueError(f"{name}: not a parameter of this experts module")
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids, self.w13_scale_inv, self.w2_scale_inv)
+        if self.quant is not None:
+            return self.quant.apply(self, hidden, topk_weights, topk_ids)
+        return fused_experts(hidden, self.w13, self.w2, topk_weights, topk_ids)
 
 
 class SparseMoeBlock(nn.Module):
@@ -233,7 +242,15 @@ class SparseMoeBlock(nn.Module):
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
         self.gate = ReplicatedLinear(hidden_size, num_experts, bias=False)
+        # The router stays 16-bit under every scheme (as in vLLM's Qwen3-MoE; Qwen's FP8 MoE
+        # checkpoints store it in bf16 and list it in modules_to_not_convert).
+        self.gate.quant_kind = None
         self.experts = MoeExperts(num_experts, hidden_size, intermediate_size)
+
+    @classmethod
+    def from_options(cls, hidden_size: int, moe) -> "SparseMoeBlock":
+        """The block of a decoder layer (model/decoder.py's `SparseMlpFactory`) from its MoeOptions."""
+        return cls(hidden_size, moe.num_experts, moe.top_k, moe.intermediate_size, moe.norm_topk_prob)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         weights, ids = route_topk(self.gate(hidden), self.top_k, self.norm_topk_prob)

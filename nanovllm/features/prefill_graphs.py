@@ -21,7 +21,7 @@ The pieces share the decode graphs' memory pool, and are captured on the decode 
 bucket would stack every bucket's memory). Every replay reads only buffers outside the pool (the
 inputs, the q/k/v and attention-output buffers below, weights, KV cache) or what an earlier
 piece of the same replay wrote, so graphs may replay in any order. With the K/V store fused into
-the q/k-norm + RoPE kernel (Config.fuse_kv_store) a piece also writes the KV cache, at the slots
+the q/k-norm + RoPE kernel (on CUDA) a piece also writes the KV cache, at the slots
 of a buffer of its own that every replay fills first (-1 for padding rows: nothing stored); the
 eager attention after it then skips its store. Padding rows (past the
 step's tokens) are reset to token 0 at position 0 with a zero attention output on every
@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanovllm.kernels.paged_decode import paged_decode_attention
-from nanovllm.model.context import prefill_metadata
+from nanovllm.model.attention import prefill_metadata
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ class PrefillGraphs:
         self.v = torch.zeros_like(self.k)
         self.attn_out = torch.zeros_like(self.q)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
-        if decode_rows and not all(a.fuse_kv_store and a.k_cache.numel() for a in attn_layers):
+        if decode_rows and not all(a.k_cache.numel() for a in attn_layers):
             logger.info("a mixed step's decode rows attend eagerly: the pieces do not store K/V themselves")
             decode_rows = 0  # (the baked decode kernel would read the cache before the eager store)
         self.decode_rows, self.decode_splits = decode_rows, decode_splits

@@ -166,7 +166,7 @@ def all_reduce_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.T
 
 
 # ----------------------------------------------------------------------------- arrival count wait
-# For the copy-engine exchange of prefill-sized partial sums (distributed/copy_engine.py):
+# For the copy-engine exchange of prefill-sized partial sums (parallel/copy_engine.py):
 # the peer's copy stream bumps a counter in this rank's memory after each chunk of rows it
 # copied here, and this kernel holds the stream until the count is reached.
 

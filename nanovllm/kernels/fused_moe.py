@@ -9,7 +9,7 @@ router probabilities softmax(logits[t]) in fp32, the top k of them (renormalised
 Each (token, choice) pair is a *slot* s = t * k + j. The pipeline:
 
 1. `route_topk`: router logits -> (weights fp32 [T, k], expert ids int32 [T, k]).
-2. `align_tokens_to_experts`: a list of the T*k slots grouped by expert, every group padded to a
+2. `align_tokens_to_experts` (moe_align.py): a list of the T*k slots grouped by expert, every group padded to a
    multiple of BLOCK_M, and the expert of each BLOCK_M-block -- so each program of the GEMMs
    below works on rows of one expert only. Built on the device, with sizes fixed by (T, k, E),
    so it can be captured in a CUDA graph.
@@ -24,7 +24,7 @@ tensor-parallel rank passes its slice of I; the caller all-reduces the partial o
 
 Block FP8 (Qwen3-*-FP8 checkpoints): w13 / w2 in float8_e4m3fn with one fp32 scale per 128x128
 block of each expert matrix; activations are quantized at run time per row in groups of 128
-along K (`quantize_fp8_activations`), and the kernel multiplies every 128-wide K-step's partial
+along K (`quantize_fp8_activations`, moe_fp8_activations.py), and the kernel multiplies every 128-wide K-step's partial
 dot by a_scale[row, k-block] * w_scale[column block, k-block]. Scales multiply (weight =
 q * scale): they are the checkpoints' `weight_scale_inv` tensors, stacked like the weights.
 """
@@ -37,14 +37,14 @@ import torch
 import triton
 import triton.language as tl
 
-# QUANT_BLOCK: weight scales per 128x128 block, activation scales per 128 columns. FP8_MIN_AMAX:
-# a group whose amax is below it gets the scale of this amax. Shared with the plain-torch twin
-# of the FP8 path (layers/quantization/fp8_moe.py), so the two cannot drift apart.
+# QUANT_BLOCK: weight scales per 128x128 block, activation scales per 128 columns; shared with
+# the plain-torch twin of the FP8 path (features/quantization/fp8_moe.py).
 from nanovllm.kernels.fp8_format import BLOCK as QUANT_BLOCK
-from nanovllm.kernels.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_AMAX
+from nanovllm.kernels.fp8_format import FP8_DTYPE
+from nanovllm.kernels.moe_align import align_tokens_to_experts
+from nanovllm.kernels.moe_fp8_activations import quantize_fp8_activations
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_EXPERTS = 1024  # the alignment kernels hold a [chunk, next_pow2(E)] one-hot tile in registers
 
 
 # ----------------------------------------------------------------------------- tile configs
@@ -92,262 +92,6 @@ def get_config(num_tokens: int, top_k: int, num_experts: int, fp8: bool = False)
     if per_expert <= 128:
         return MoEConfig(64, GemmConfig(64, bk, 4, 4), GemmConfig(128, bk, 4, 4))
     return MoEConfig(128, GemmConfig(64, bk, 8, 3), GemmConfig(128, bk, 8, 3))
-
-
-# ----------------------------------------------------------------------------- routing
-
-
-# ----------------------------------------------------------------------------- alignment
-
-
-@triton.jit
-def _chunk_onehot(ids_ptr, first, num_slots, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    """Slots first..first+CHUNK-1: (slot numbers [CHUNK], their expert ids [CHUNK], int32
-    one-hot [CHUNK, E_PAD] of the ids). Rows past num_slots (id -1) and ids outside
-    [0, num_experts) have an all-zero row."""
-    slots = first + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + slots, mask=slots < num_slots, other=-1).to(tl.int32)
-    cols = tl.arange(0, E_PAD)
-    hit = (ids[:, None] == cols[None, :]) & (cols[None, :] < num_experts)
-    return slots, ids, hit.to(tl.int32)
-
-
-@triton.jit
-def _scatter_chunk(sorted_ptr, slots, ids, onehot, base, CHUNK: tl.constexpr):
-    """sorted[base[e] + r] = slot for each slot of a chunk, e its expert and r the number of
-    earlier slots of the chunk with the same expert (so slots keep their order inside an
-    expert's group). base: [E_PAD] int32. Slots with an all-zero one-hot row are dropped.
-
-    The rank is a [CHUNK, CHUNK] compare-and-count and the base a one-hot dot, both plain
-    reductions: no scans and no register gathers, which keeps this cheap on the GPU."""
-    i = tl.arange(0, CHUNK)
-    earlier = (ids[None, :] == ids[:, None]) & (i[None, :] < i[:, None])
-    rank = tl.sum(earlier.to(tl.int32), axis=1)
-    dest = tl.sum(onehot * base[None, :], axis=1) + rank
-    tl.store(sorted_ptr + dest, slots, mask=tl.sum(onehot, axis=1) > 0)
-
-
-@triton.jit
-def _write_layout(counts, sorted_ptr, block_expert_ptr, total_ptr, sentinel, max_blocks,
-                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """From per-expert slot counts [E_PAD] (int32, 0 past the last expert): each expert's group
-    padded to a multiple of BLOCK_M, groups laid out in expert order. Writes the sentinel into
-    every padding position and every position past the last group (up to max_blocks * BLOCK_M),
-    block_expert[b] for all max_blocks blocks (-1 past the last group), and the padded total to
-    total_ptr[0]. Returns each expert's first position [E_PAD] (int32)."""
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    ends = tl.cumsum(padded, axis=0)
-    starts = ends - padded
-    total = tl.sum(padded, axis=0)
-    tl.store(total_ptr, total)
-    j = tl.arange(0, BLOCK_M)
-    fill = tl.zeros([E_PAD, BLOCK_M], dtype=tl.int32) + sentinel
-    tl.store(sorted_ptr + (starts + counts)[:, None] + j[None, :], fill, mask=j[None, :] < (padded - counts)[:, None])
-    tail = tl.zeros([ROWS, BLOCK_M], dtype=tl.int32) + sentinel
-    for b0 in range(0, max_blocks, ROWS):
-        blk = b0 + tl.arange(0, ROWS)
-        first = blk * BLOCK_M
-        in_range = blk < max_blocks
-        # The block's expert: how many groups end at or before its first position. Experts
-        # without slots have empty groups and are never the answer.
-        expert = tl.sum((ends[None, :] <= first[:, None]).to(tl.int32), axis=1)
-        tl.store(block_expert_ptr + blk, tl.where(first < total, expert, -1), mask=in_range)
-        tl.store(sorted_ptr + first[:, None] + j[None, :], tail, mask=(in_range & (first >= total))[:, None])
-    return starts
-
-
-@triton.jit
-def _align_single_kernel(ids_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_slots, num_experts, max_blocks,
-                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, ROWS: tl.constexpr):
-    """The whole alignment in one program (one launch: what small decode batches want).
-    Pass 1 counts each expert's slots, `_write_layout` places the groups, pass 2 scatters the
-    slots chunk by chunk, each chunk after the previous ones of the same expert."""
-    counts = tl.zeros([E_PAD], dtype=tl.int32)
-    for first in range(0, num_slots, CHUNK):
-        slots, ids, onehot = _chunk_onehot(ids_ptr, first, num_slots, num_experts, CHUNK, E_PAD)
-        counts += tl.sum(onehot, axis=0)
-    base = _write_layout(counts, sorted_ptr, block_expert_ptr, total_ptr, num_slots, max_blocks, BLOCK_M, E_PAD, ROWS)
-    for first in range(0, num_slots, CHUNK):
-        slots, ids, onehot = _chunk_onehot(ids_ptr, first, num_slots, num_experts, CHUNK, E_PAD)
-        _scatter_chunk(sorted_ptr, slots, ids, onehot, base, CHUNK)
-        base += tl.sum(onehot, axis=0)
-
-
-@triton.jit
-def _align_count_kernel(ids_ptr, counts_ptr, num_slots, num_experts, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    """Program c: counts[c, e] = number of slots of chunk c (CHUNK slots) routed to expert e."""
-    c = tl.program_id(0)
-    slots, ids, onehot = _chunk_onehot(ids_ptr, c * CHUNK, num_slots, num_experts, CHUNK, E_PAD)
-    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), tl.sum(onehot, axis=0))
-
-
-@triton.jit
-def _align_layout_kernel(counts_ptr, sorted_ptr, block_expert_ptr, total_ptr, num_chunks, num_slots, max_blocks,
-                         BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK_ROWS: tl.constexpr, ROWS: tl.constexpr):
-    """One program. counts [num_chunks + 1, E_PAD]: rows 0..num_chunks-1 are turned in place
-    into each chunk's offset inside its expert's group (an exclusive prefix sum over chunks,
-    CHUNK_ROWS chunks per step); row num_chunks receives each expert's first position."""
-    cols = tl.arange(0, E_PAD)
-    running = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, CHUNK_ROWS):
-        rows = c0 + tl.arange(0, CHUNK_ROWS)
-        ptrs = counts_ptr + rows[:, None] * E_PAD + cols[None, :]
-        ok = rows[:, None] < num_chunks
-        cnt = tl.load(ptrs, mask=ok, other=0)
-        tl.store(ptrs, tl.cumsum(cnt, axis=0) - cnt + running[None, :], mask=ok)
-        running += tl.sum(cnt, axis=0)
-    starts = _write_layout(running, sorted_ptr, block_expert_ptr, total_ptr, num_slots, max_blocks, BLOCK_M, E_PAD, ROWS)
-    tl.store(counts_ptr + num_chunks * E_PAD + cols, starts)
-
-
-@triton.jit
-def _align_scatter_kernel(ids_ptr, counts_ptr, sorted_ptr, num_slots, num_experts, num_chunks,
-                          CHUNK: tl.constexpr, E_PAD: tl.constexpr):
-    """Program c scatters the slots of chunk c to expert start + chunk offset + rank."""
-    c = tl.program_id(0)
-    cols = tl.arange(0, E_PAD)
-    slots, ids, onehot = _chunk_onehot(ids_ptr, c * CHUNK, num_slots, num_experts, CHUNK, E_PAD)
-    base = tl.load(counts_ptr + num_chunks * E_PAD + cols) + tl.load(counts_ptr + c * E_PAD + cols)
-    _scatter_chunk(sorted_ptr, slots, ids, onehot, base, CHUNK)
-
-
-# Up to this many chunks (decode batches) one program does the whole alignment: one launch
-# instead of three inside the decode graph. Its loops are serial, so larger batches use the
-# three-kernel version. (The cut-over is a guess, not a measurement.)
-_SINGLE_PROGRAM_MAX_CHUNKS = 4
-
-
-def max_padded_slots(num_slots: int, num_experts: int, block_m: int) -> int:
-    """Upper bound (a multiple of block_m) of the padded slot count: every expert that gets a
-    slot pads its group by at most block_m - 1, and at most min(E, T*k) experts get one."""
-    bound = num_slots + min(num_experts, num_slots) * (block_m - 1)
-    return bound // block_m * block_m
-
-
-def align_tokens_to_experts(topk_ids: torch.Tensor, num_experts: int, block_m: int,
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the T*k slots by expert, each group padded to a multiple of block_m.
-
-    topk_ids: [T, k] int32/int64 on any device (ids must lie in [0, num_experts): this is not
-    checked, it would cost a host sync; a slot with an id outside is left out of every group).
-    Slot s = t * k + j. Returns, all int32 on topk_ids' device, with sizes that depend on
-    (T, k, E, block_m) only (no host sync: CUDA-graph capturable):
-    - sorted_slot_ids [P], P = max_padded_slots(T*k, E, block_m): expert 0's slots in
-      increasing order, padded with the sentinel T*k to a multiple of block_m, then expert 1's,
-      ...; experts without slots take no room; every position past the last group is the
-      sentinel too.
-    - block_expert_ids [P // block_m]: the expert of each block of block_m positions, -1 for
-      the blocks past the last group.
-    - num_slots_padded [1]: the used length (sum of the padded groups).
-    block_m: a power of two. num_experts <= 1024.
-    """
-    if not isinstance(topk_ids, torch.Tensor) or topk_ids.dim() != 2:
-        raise ValueError(f"topk_ids must be a [tokens, top_k] tensor, got {getattr(topk_ids, 'shape', topk_ids)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or not 1 <= num_experts <= _MAX_EXPERTS:
-        raise ValueError(f"num_experts must be an int in [1, {_MAX_EXPERTS}], got {num_experts!r}")
-    if isinstance(block_m, bool) or not isinstance(block_m, int) or block_m < 1 or block_m & (block_m - 1):
-        raise ValueError(f"block_m must be a power of two, got {block_m!r}")
-    ids = topk_ids.contiguous()
-    num_slots = ids.numel()
-    if num_slots >= 2**31 - num_experts * block_m:
-        raise ValueError(f"too many slots for int32 slot ids: {num_slots}")
-    padded = max_padded_slots(num_slots, num_experts, block_m)
-    max_blocks = padded // block_m
-    dev = ids.device
-    sorted_ids = torch.empty(padded, dtype=torch.int32, device=dev)
-    block_experts = torch.empty(max_blocks, dtype=torch.int32, device=dev)
-    total = torch.empty(1, dtype=torch.int32, device=dev)
-    if num_slots == 0:
-        total.zero_()
-        return sorted_ids, block_experts, total
-    e_pad = triton.next_power_of_2(num_experts)
-    chunk = max(16, min(128, 16384 // e_pad))  # [chunk, e_pad] one-hot tiles of <= 16K elements
-    rows = max(1, 8192 // max(e_pad, block_m))  # blocks per step of the block-expert loop
-    num_chunks = triton.cdiv(num_slots, chunk)
-    if num_chunks <= _SINGLE_PROGRAM_MAX_CHUNKS:
-        _align_single_kernel[(1,)](ids, sorted_ids, block_experts, total, num_slots, num_experts, max_blocks,
-                                   BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, ROWS=rows, num_warps=8)
-        return sorted_ids, block_experts, total
-    counts = torch.empty((num_chunks + 1, e_pad), dtype=torch.int32, device=dev)
-    _align_count_kernel[(num_chunks,)](ids, counts, num_slots, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4)
-    _align_layout_kernel[(1,)](counts, sorted_ids, block_experts, total, num_chunks, num_slots, max_blocks,
-                               BLOCK_M=block_m, E_PAD=e_pad, CHUNK_ROWS=max(1, 4096 // e_pad), ROWS=rows, num_warps=8)
-    _align_scatter_kernel[(num_chunks,)](ids, counts, sorted_ids, num_slots, num_experts, num_chunks,
-                                         CHUNK=chunk, E_PAD=e_pad, num_warps=4)
-    return sorted_ids, block_experts, total
-
-
-# ----------------------------------------------------------------------------- FP8 activations
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 v with |v| <= 448 rounded to the nearest float8_e4m3fn value (ties to even), still in
-    fp32, so the cast that follows is exact. Rounding here rather than in the cast because
-    Triton's interpreter rounds that cast half-up and drops the carry into the exponent (124.5
-    becomes 64): with this the CPU tests check the same arithmetic the GPU runs.
-
-    Adding magic = 1.5 * 2^(k + 23) leaves a sum whose ulp is 2^k, the e4m3 spacing at |v|
-    (2^(e - 3) in binade 2^e, 2^-9 among the subnormals below 2^-6), so fp32's own
-    round-to-nearest-even does the rounding; subtracting magic again is exact."""
-    bits = v.to(tl.int32, bitcast=True)
-    a = tl.abs(v)
-    exponent = ((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    k = tl.maximum(exponent, -6) - 3
-    magic = (((k + 150) << 23) | 0x400000).to(tl.float32, bitcast=True)
-    r = (a + magic) - magic
-    return (r.to(tl.int32, bitcast=True) | (bits & -2147483648)).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _quant_fp8_kernel(x_ptr, q_ptr, s_ptr, rows, K, stride_xm, stride_qm, stride_sm,
-                      GROUP: tl.constexpr, ROWS: tl.constexpr, FP8_MAX_C: tl.constexpr, MIN_AMAX: tl.constexpr):
-    """Program (i, g): rows i*ROWS.. of column group g (GROUP columns). scale = max(amax,
-    MIN_AMAX) / FP8_MAX, q = clamp(x / scale, +-FP8_MAX) in float8e4nv; both divisions rounded
-    to nearest (div_rn) and the cast rounded to nearest even (`_round_to_e4m3`), so the result
-    equals torch's fp32 arithmetic bit for bit."""
-    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    g = tl.program_id(1)
-    cols = g * GROUP + tl.arange(0, GROUP)
-    ok = (r < rows)[:, None] & (cols < K)[None, :]
-    r64 = r.to(tl.int64)
-    x = tl.load(x_ptr + r64[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), FP8_MAX_C)
-    q = tl.math.div_rn(x, scale[:, None])
-    q = _round_to_e4m3(tl.minimum(tl.maximum(q, -FP8_MAX_C), FP8_MAX_C))
-    tl.store(q_ptr + r64[:, None] * stride_qm + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + r64 * stride_sm + g, scale, mask=r < rows)
-
-
-def quantize_fp8_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row, per-128-column-group FP8 quantization of activations (one Triton launch).
-
-    x: [M, K] float16/bfloat16/float32, stride(-1) == 1. Returns (q float8_e4m3fn [M, K]
-    contiguous, scale fp32 [M, ceil(K / 128)]): for the group of columns 128g..128g+127 of row
-    m, scale = max(amax, FP8_MIN_AMAX) / 448 and q = clamp(x / scale, -448, 448) rounded to
-    nearest, computed in fp32 from x -- the same arithmetic as
-    `(x.float() / s).clamp(-448, 448).to(torch.float8_e4m3fn)` in torch.
-    """
-    if x.dim() != 2:
-        raise ValueError(f"x must be [rows, K], got {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"x must be float16, bfloat16 or float32, got {x.dtype}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    rows, K = x.shape
-    num_groups = triton.cdiv(K, QUANT_BLOCK)
-    q = torch.empty((rows, K), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((rows, num_groups), dtype=torch.float32, device=x.device)
-    if rows == 0 or K == 0:
-        return q, scale
-    block_rows = 16  # 16 x 128 elements a program: 16 per thread with 4 warps
-    _quant_fp8_kernel[(triton.cdiv(rows, block_rows), num_groups)](
-        x, q, scale, rows, K, x.stride(0), q.stride(0), scale.stride(0),
-        GROUP=QUANT_BLOCK, ROWS=block_rows, FP8_MAX_C=FP8_MAX, MIN_AMAX=FP8_MIN_AMAX, num_warps=4)
-    return q, scale
 
 
 # ----------------------------------------------------------------------------- grouped GEMM

@@ -1,6 +1,6 @@
 """The decoder every supported family shares: pre-norm attention + MLP (or MoE) blocks.
 
-A family (models/qwen3.py, qwen2.py, llama.py, qwen3_moe.py) only says how its Hugging Face
+A family (families/qwen3.py, qwen2.py, llama.py, qwen3_moe.py) only says how its Hugging Face
 config maps onto `DecoderOptions`: q/k norm or not, which projections carry a bias, RoPE and
 its scaling, and which layers are mixture-of-experts. Everything else is this one module:
 
@@ -10,24 +10,24 @@ Under tensor parallelism q/k/v and gate/up are column-parallel (no communication
 down_proj and the experts return this rank's partial sum; the RMSNorm after each of them sums
 it over the ranks together with the residual add (one fused all-reduce + norm per sub-block).
 A row-parallel bias (o_proj / down_proj of Llama with attention_bias / mlp_bias) is added by
-rank 0 only, so that sum counts it once.
+rank 0 only, so that sum counts it once. The MoE block is a feature (features/moe.py): the
+engine passes it in as the `sparse_mlp` factory when the model has MoE layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from nanovllm.model.attention import Attention, AttentionMetadata
 from nanovllm.model.layers.activation import SiluAndMul
-from nanovllm.model.attention import Attention
 from nanovllm.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.model.layers.layernorm import RMSNorm
 from nanovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.features.moe import SparseMoeBlock
 from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding
-from nanovllm.model.context import AttentionMetadata
 from nanovllm.parallel.group import current_tp_group
 
 
@@ -45,6 +45,13 @@ class MoeOptions:
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+class SparseMlpFactory(Protocol):
+    """Builds the MLP of a mixture-of-experts layer (features/moe.py's SparseMoeBlock.from_options):
+    a module [T, H] -> this rank's partial sum [T, H], like DenseMLP."""
+
+    def __call__(self, hidden_size: int, moe: MoeOptions) -> nn.Module: ...
 
 
 @dataclass(frozen=True)
@@ -206,7 +213,7 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         store = {}
         if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
-            from nanovllm.kernels.fused_ops import qk_norm_rope
+            from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 
             # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
             # writes k and v into the paged cache when the attention layer lets it (one launch
@@ -249,13 +256,15 @@ class DecoderLayer(nn.Module):
     (all_reduce=True): two all-reduces per layer, each fused with the norm after it.
     """
 
-    def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding):
+    def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding,
+                 sparse_mlp: SparseMlpFactory | None = None):
         super().__init__()
         self.self_attn = DecoderAttention(opts, rotary_emb)
         if opts.is_moe(layer):
-            m = opts.moe
-            self.mlp = SparseMoeBlock(opts.hidden_size, m.num_experts, m.top_k, m.intermediate_size,
-                                      m.norm_topk_prob)
+            if sparse_mlp is None:
+                raise ValueError("this model has mixture-of-experts layers: build it with sparse_mlp= "
+                                 "(features/moe.py's SparseMoeBlock.from_options)")
+            self.mlp = sparse_mlp(opts.hidden_size, opts.moe)
         else:
             self.mlp = DenseMLP(opts.hidden_size, opts.intermediate_size, bias=opts.mlp_bias)
         self.input_layernorm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
@@ -275,12 +284,13 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and the final norm: token ids -> hidden states."""
 
-    def __init__(self, opts: DecoderOptions, max_positions: int | None = None):
+    def __init__(self, opts: DecoderOptions, max_positions: int | None = None,
+                 sparse_mlp: SparseMlpFactory | None = None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(opts.vocab_size, opts.hidden_size)
         rotary = RotaryEmbedding(opts.head_dim, max_positions or opts.max_position_embeddings, opts.rope_theta,
                                  opts.rope_scaling)
-        self.layers = nn.ModuleList(DecoderLayer(opts, i, rotary) for i in range(opts.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(opts, i, rotary, sparse_mlp) for i in range(opts.num_layers))
         self.norm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
 
     def forward(self, input_ids, positions, meta):
@@ -299,7 +309,7 @@ class DecoderForCausalLM(nn.Module):
     which also validates the config (a ValueError for anything unsupported).
     """
 
-    # Checkpoint tensor name part -> (packed parameter name part, shard id); see utils/loader.py.
+    # Checkpoint tensor name part -> (packed parameter name part, shard id); see loader.py.
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
         "k_proj": ("qkv_proj", "k"),
@@ -316,11 +326,12 @@ class DecoderForCausalLM(nn.Module):
     def options_from_config(cls, config) -> DecoderOptions:
         raise NotImplementedError
 
-    def __init__(self, config, max_positions: int | None = None):
-        """`max_positions` bounds the RoPE table (the engine passes max_model_len)."""
+    def __init__(self, config, max_positions: int | None = None, sparse_mlp: SparseMlpFactory | None = None):
+        """`max_positions` bounds the RoPE table (the engine passes max_model_len); `sparse_mlp`
+        builds the MLP of the MoE layers (needed when the model has some)."""
         super().__init__()
         self.options = self.options_from_config(config)
-        self.model = DecoderModel(self.options, max_positions)
+        self.model = DecoderModel(self.options, max_positions, sparse_mlp)
         self.lm_head = ParallelLMHead(self.options.vocab_size, self.options.hidden_size)
         self.tie_word_embeddings = self.options.tie_word_embeddings
         if self.tie_word_embeddings:

@@ -11,6 +11,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from nanovllm.model.quant import init_dummy_quantized
+
 
 # MoE experts: the Hub stores one tensor per expert and projection, transformers' in-memory (and,
 # in some versions, saved) form stacks all experts of a projection in one 3-D tensor. FP8
@@ -186,14 +188,19 @@ def _expected_names(mapping: dict, experts: dict, params: dict, tied: bool) -> s
     return names
 
 
+_DUMMY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 @torch.no_grad()
 def init_dummy(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of realistic scale (benchmarks without the real checkpoint)."""
+    """Random weights of realistic scale (benchmarks without the real checkpoint); parameters in
+    a quantized format (FP8 codes, block scales) are drawn by their method (model/quant.py)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
-        if param.dtype == torch.float8_e4m3fn or getattr(param, "block", None):
-            continue  # FP8 checkpoint parameters: the quantization scheme fills them (init_dummy hook)
+        if param.dtype not in _DUMMY_DTYPES or getattr(param, "block", None):
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
+    init_dummy_quantized(model, seed)

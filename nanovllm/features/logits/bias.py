@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.core.sequence import Sequence
-from nanovllm.model.context import host_to_device
+from nanovllm.model.attention import host_to_device
 from nanovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

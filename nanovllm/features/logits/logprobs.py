@@ -12,7 +12,7 @@ import torch
 
 from nanovllm.core.hooks import StepLogprobs
 from nanovllm.core.sequence import Sequence
-from nanovllm.model.context import host_to_device
+from nanovllm.model.attention import host_to_device
 from nanovllm.sampling_params import SamplingParams
 
 

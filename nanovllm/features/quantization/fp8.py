@@ -20,22 +20,21 @@ head and the MoE routers stay in 16 bits. The arithmetic: fp8_ops.py, fp8_moe.py
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from nanovllm.model.decoder import head_dim_of
 from nanovllm.features.quantization.fp8_moe import CheckpointFp8Experts, OnlineFp8Experts
 from nanovllm.features.quantization.fp8_ops import (BLOCK, FP8_DTYPE, fp8_block_linear, fp8_tensor_linear,
                                                   quantize_weight_block_fp8, quantize_weight_per_tensor_fp8)
 
-logger = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class Fp8Config:
-    """How a model's linear weights are stored in FP8 (see the module docstring)."""
+    """How a model's linear weights are stored in FP8 (see the module docstring): a
+    `QuantScheme` of model/quant.py."""
 
     scheme: str  # "block" (from an FP8 checkpoint) or "tensor" (quantized at load time)
     ignored: tuple[str, ...] = ()  # module names left in 16 bits (the checkpoint's modules_to_not_convert)
@@ -64,13 +63,16 @@ class Fp8Config:
     def online(cls) -> "Fp8Config":
         return cls("tensor")
 
+    @classmethod
+    def resolve(cls, checkpoint_config: dict | None) -> "Fp8Config":
+        """The checkpoint's block scheme, or (None) quantization at load time."""
+        return cls.online() if checkpoint_config is None else cls.from_checkpoint(checkpoint_config)
+
     def check_model(self, hf_config, tp: int) -> None:
         """A ValueError, before any weight loads, when a tensor-parallel shard or a packed part
         (q / k of qkv, gate of gate_up) would not be whole 128-blocks of the checkpoint's scales,
         or (either scheme: FP8 experts are always in 128x128 blocks) when a rank's share of the
         MoE intermediate size would not be."""
-        from nanovllm.model.decoder import head_dim_of  # (the model modules import this one)
-
         c = hf_config
         dims = {}
         if getattr(c, "num_experts", 0):
@@ -93,22 +95,17 @@ class Fp8Config:
         dotted = f".{module_name}."
         return not any(name and f".{name}." in dotted for name in self.ignored)
 
-    def method(self):
-        return BlockFp8Linear() if self.scheme == "block" else TensorFp8Linear()
-
-    # The weights' lifecycle, as the model runner calls it on its config's scheme.
-    def prepare(self, model: nn.Module) -> None:
-        prepare_fp8_linears(model, self)
-
-    def init_dummy(self, model: nn.Module, seed: int) -> None:
-        init_dummy_fp8_linears(model, seed)
-
-    def finish(self, model: nn.Module) -> None:
-        finish_fp8_linears(model)
-
-    def experts_method(self):
-        """How MoE experts are stored: both schemes use 128x128 blocks (fp8_moe.py)."""
-        return CheckpointFp8Experts() if self.scheme == "block" else OnlineFp8Experts()
+    def method_for(self, kind: str, name: str):
+        """The FP8 method of a linear layer or MoE experts module (both schemes store experts
+        in 128x128 blocks: fp8_moe.py), or None for a module left in 16 bits."""
+        if not self.quantizes(name):
+            return None
+        block = self.scheme == "block"
+        if kind == "linear":
+            return BlockFp8Linear() if block else TensorFp8Linear()
+        if kind == "experts":
+            return CheckpointFp8Experts() if block else OnlineFp8Experts()
+        return None
 
 
 class BlockFp8Linear:
@@ -167,52 +164,3 @@ class TensorFp8Linear:
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return fp8_tensor_linear(x, layer.weight, layer.weight_scale, bias)
-
-
-def _fp8_modules(model: nn.Module):
-    """The modules a scheme can make FP8: linear layers and MoE experts, with their names; the
-    routers of the MoE layers excepted (they stay 16-bit, as in vLLM's Qwen3-MoE; Qwen's FP8
-    MoE checkpoints store them in bf16, and list them in modules_to_not_convert)."""
-    from nanovllm.model.layers.linear import LinearBase
-    from nanovllm.features.moe import MoeExperts, SparseMoeBlock
-
-    routers = {id(m.gate) for m in model.modules() if isinstance(m, SparseMoeBlock)}
-    for name, module in model.named_modules():
-        if isinstance(module, MoeExperts) or (isinstance(module, LinearBase) and id(module) not in routers):
-            yield name, module
-
-
-def prepare_fp8_linears(model: nn.Module, config: Fp8Config) -> int:
-    """Give every linear layer and MoE experts module `config` covers its FP8 method (and, for
-    checkpoints, its FP8 parameters); before the weights load. Returns how many are quantized."""
-    from nanovllm.features.moe import MoeExperts
-
-    count = 0
-    for name, module in _fp8_modules(model):
-        if config.quantizes(name):
-            module.quant = config.experts_method() if isinstance(module, MoeExperts) else config.method()
-            module.quant.create(module, name)
-            count += 1
-    logger.info("FP8 (%s scheme) for %d linear layers and experts modules", config.scheme, count)
-    return count
-
-
-@torch.no_grad()
-def init_dummy_fp8_linears(model: nn.Module, seed: int) -> None:
-    """Random FP8 weights for the layers and experts whose checkpoint parameters are FP8
-    (load_format="dummy")."""
-    gen = None
-    for _, module in _fp8_modules(model):
-        if module.quant is not None:
-            if gen is None:
-                device = next(module.parameters()).device
-                gen = torch.Generator(device=device).manual_seed(seed + 1)
-            module.quant.init_dummy(module, gen)
-
-
-@torch.no_grad()
-def finish_fp8_linears(model: nn.Module) -> None:
-    """After the weights loaded: quantize what the scheme quantizes at load time."""
-    for _, module in _fp8_modules(model):
-        if module.quant is not None:
-            module.quant.after_loading(module)

@@ -1,6 +1,6 @@
 """FP8 (e4m3) MoE experts: Qwen's block format for the stacked expert weights, the arithmetic of
 the fused-MoE kernel's FP8 variant in plain torch, and the methods that give `MoeExperts` its
-FP8 parameters.
+FP8 parameters (an `ExpertsMethod` of features/moe.py).
 
 Format (Qwen/Qwen3-30B-A3B-FP8): each expert's gate_proj / up_proj [I, H] and down_proj [H, I]
 is float8_e4m3fn with a `weight_scale_inv` of one scale per 128x128 block, weight = q * scale.
@@ -153,7 +153,26 @@ def _replace(experts, name: str, tensor: torch.Tensor, block: bool = False) -> N
     setattr(experts, name, param)
 
 
-class CheckpointFp8Experts:
+def fp8_experts(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> torch.Tensor:
+    """The block-FP8 experts' weighted sum: the fused-MoE kernel's FP8 variant on CUDA, else
+    its arithmetic in torch (moe_fp8_torch)."""
+    if hidden.is_cuda:
+        from nanovllm.kernels.fused_moe import fused_moe  # (Triton: CUDA only)
+
+        return fused_moe(hidden, w13, w2, topk_weights, topk_ids, w13_scale=w13_scale, w2_scale=w2_scale)
+    return moe_fp8_torch(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+
+
+class _Fp8Experts:
+    """What both FP8 experts methods share: the weighted sum of the stored experts."""
+
+    def apply(self, experts, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fp8_experts(hidden, experts.w13, experts.w2, topk_weights, topk_ids, experts.w13_scale_inv,
+                           experts.w2_scale_inv)
+
+
+class CheckpointFp8Experts(_Fp8Experts):
     """Experts whose weights come in Qwen's block-FP8 format (checkpoint or dummy weights)."""
 
     def create(self, experts, name: str) -> None:
@@ -184,7 +203,7 @@ class CheckpointFp8Experts:
         pass
 
 
-class OnlineFp8Experts:
+class OnlineFp8Experts(_Fp8Experts):
     """16-bit experts (checkpoint or dummy) quantized in 128x128 blocks once they have loaded:
     `LLM(quantization="fp8")`. Blocks, not one scale per tensor as for the dense linears: the
     fused-MoE kernel's FP8 format, and an expert's outliers stay inside their blocks."""

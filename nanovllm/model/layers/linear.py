@@ -33,6 +33,8 @@ def _units(param: torch.Tensor, n: int) -> int:
 
 
 class LinearBase(nn.Module):
+    quant_kind = "linear"  # what a quantization scheme sees (model/quant.py)
+
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim
@@ -41,7 +43,7 @@ class LinearBase(nn.Module):
         self.tp_size = self.tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
-        self.quant = None  # a quantization method (layers/quantization), set before loading
+        self.quant = None  # its LinearMethod (model/quant.py) when quantized, set before loading
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
             self.bias.weight_loader = self.weight_loader

@@ -1,4 +1,4 @@
-"""Per-step attention metadata, built by the ModelRunner and passed down through the model."""
+"""Per-step attention metadata, built by the core (step_inputs.py) and passed down through the model."""
 
 from __future__ import annotations
 

@@ -1,0 +1,94 @@
+"""The attention backend of CUDA without flash-attn: PyTorch's bundled FlashAttention-2 varlen
+kernel for prefill, our Triton split-KV kernel (kernels/paged_decode.py) for decode, the Triton
+store kernel (kernels/kv_store.py) for the paged cache; FP8 caches included."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from nanovllm.kernels.kv_store import store_kvcache
+from nanovllm.kernels.paged_decode import paged_decode_attention
+from nanovllm.model.attention.metadata import AttentionMetadata
+from nanovllm.model.attention.paged_kv import dequantize_kv, fp8_kv, gather_kv_varlen, round_trip_kv
+from nanovllm.model.attention.torch_backend import TorchBackend
+
+
+def groups_of_at_most(lengths: list[int], limit: int):
+    """Consecutive index ranges [a, b) whose lengths sum to <= limit (a single longer one alone)."""
+    a, total = 0, 0
+    for i, n in enumerate(lengths):
+        if total and total + n > limit:
+            yield a, i
+            a, total = i, 0
+        total += n
+    if a < len(lengths):
+        yield a, len(lengths)
+
+
+class TritonBackend:
+    """CUDA without flash-attn: aten's FlashAttention-2 varlen prefill, Triton paged decode."""
+
+    name = "triton"
+    fp8_cache = True
+    GATHER_TOKENS = 1 << 16  # K/V tokens gathered per group: 256 MiB of K+V at 8 heads x 128 in bf16
+
+    def __init__(self):
+        self._decode = paged_decode_attention
+        self._reference = TorchBackend()
+
+    def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
+        store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                k_scale=None, v_scale=None) -> torch.Tensor:
+        if not meta.is_prefill:
+            return self._decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
+        if meta.num_decode_rows:
+            return self._mixed(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        if q.dtype == torch.float32:
+            # aten's FlashAttention kernel takes only fp16/bf16; fp32 (tests) uses the reference.
+            return self._reference.forward(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        fp8 = fp8_kv(k_cache, k_scale, v_scale)
+        if not meta.has_prefix:
+            if fp8:
+                k, v = round_trip_kv(k, k_scale, q.dtype), round_trip_kv(v, v_scale, q.dtype)
+            return self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                               meta.max_seqlen_k, scale)
+        # Cached prefix + new tokens: aten's kernel has no block table, so read each context back
+        # from the paged cache (the new tokens were stored there a moment ago) as contiguous
+        # varlen K/V. Prefix hits make contexts much longer than the step's token budget (say
+        # 512 requests behind one 4k-token system prompt), so gather a bounded group at a time.
+        # An FP8 cache is dequantized group by group (a transient fp32 copy of the group).
+        out = torch.empty_like(q)
+        cu_q_host = [0, *itertools.accumulate(meta.query_lens)]
+        for a, b in groups_of_at_most(meta.kv_lens, self.GATHER_TOKENS):
+            cu_q = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a]
+            cu_k = meta.cu_seqlens_k[a:b + 1] - meta.cu_seqlens_k[a]
+            total = sum(meta.kv_lens[a:b])
+            kk = dequantize_kv(gather_kv_varlen(k_cache, meta.block_tables[a:b], cu_k, total), k_scale, q.dtype)
+            vv = dequantize_kv(gather_kv_varlen(v_cache, meta.block_tables[a:b], cu_k, total), v_scale, q.dtype)
+            rows = slice(cu_q_host[a], cu_q_host[b])
+            out[rows] = self._flash(q[rows], kk, vv, cu_q, cu_k, max(meta.query_lens[a:b]), max(meta.kv_lens[a:b]),
+                                    scale)
+        return out
+
+    def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale):
+        """A prefill step whose last rows are one-token decode rows (a mixed step): those attend
+        through the paged decode kernel, reading the cache in place as a decode step does; the
+        prefill path would first gather each one's whole context into a contiguous copy."""
+        d = meta.num_decode_rows
+        p, t = len(meta.query_lens) - d, q.size(0) - d  # prefill rows, and their packed tokens
+        out = torch.empty_like(q)
+        out[t:] = self._decode(q[t:], k_cache, v_cache, meta.block_tables[p:], meta.context_lens[p:], scale,
+                               num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
+        if p:
+            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, meta.prefill_part(), scale, k_scale, v_scale)
+        return out
+
+    @staticmethod
+    def _flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        return torch.ops.aten._flash_attention_forward(q, k, v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True,
+                                                      False, scale=scale)[0]

@@ -1,0 +1,99 @@
+"""The hook through which quantization schemes store and multiply a model's weights.
+
+A scheme (features/quantization/: FP8 today) is resolved by the front from `LLM(quantization=...)`
+and the checkpoint's `quantization_config`; the engine's Config carries it to every rank. Before
+the weights load, `quantize_model` asks it for a method per quantizable module, which then owns
+that module's weights:
+
+    create        its parameters in the stored format; each new parameter loads its checkpoint
+                  tensor through its `weight_loader` (the module's own, which takes this rank's
+                  shard, unless the method sets another)
+    init_dummy    random weights in that format (load_format="dummy")
+    after_loading convert what was loaded (e.g. quantize 16-bit weights at load time)
+    apply         the module's product with the stored weights (linear: x @ W^T (+ bias);
+                  MoE experts: features/moe.py's ExpertsMethod)
+
+Quantizable modules name their kind in `quant_kind` ("linear", "experts"; None keeps a module,
+such as an MoE router, 16-bit under every scheme) and hold their method in `quant` (None:
+16-bit). A wrapper (LoRA) can stand in for a method by delegating to it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, Iterator, Protocol
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+
+class QuantMethod(Protocol):
+    def create(self, module: nn.Module, name: str) -> None: ...
+
+    def init_dummy(self, module: nn.Module, gen: torch.Generator) -> None: ...
+
+    def after_loading(self, module: nn.Module) -> None: ...
+
+
+class LinearMethod(QuantMethod, Protocol):
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+
+class QuantScheme(Protocol):
+    """A resolved quantization scheme (e.g. features/quantization/fp8.py's Fp8Config)."""
+
+    def check_model(self, hf_config, tp: int) -> None:
+        """A ValueError, before any weight loads, for a model this scheme cannot store."""
+
+    def method_for(self, kind: str, name: str) -> QuantMethod | None:
+        """The method of the module `name` of this `quant_kind`, or None to keep it 16-bit."""
+
+
+# quantization name ("fp8", later "gptq", "awq") -> (checkpoint quantization_config dict, or
+# None to quantize 16-bit weights at load time) -> scheme. Filled by features/quantization.
+SCHEMES: dict[str, Callable[[dict | None], QuantScheme]] = {}
+
+
+def register_scheme(name: str, factory: Callable[[dict | None], QuantScheme]) -> None:
+    SCHEMES[name] = factory
+
+
+def quantizable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    for name, module in model.named_modules():
+        if getattr(module, "quant_kind", None) is not None:
+            yield name, module
+
+
+def quantize_model(model: nn.Module, scheme: QuantScheme) -> int:
+    """Give every module the scheme covers its method and stored-format parameters, before the
+    weights load. Returns how many modules are quantized."""
+    count = 0
+    for name, module in quantizable_modules(model):
+        method = scheme.method_for(module.quant_kind, name)
+        if method is not None:
+            module.quant = method
+            method.create(module, name)
+            count += 1
+    logger.info("%s: %d linear layers and experts modules quantized", scheme, count)
+    return count
+
+
+@torch.no_grad()
+def init_dummy_quantized(model: nn.Module, seed: int) -> None:
+    """Random weights, in their stored format, for the modules a method holds."""
+    gen = None
+    for _, module in quantizable_modules(model):
+        if module.quant is not None:
+            if gen is None:
+                gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed + 1)
+            module.quant.init_dummy(module, gen)
+
+
+@torch.no_grad()
+def finish_loading(model: nn.Module) -> None:
+    """After the weights loaded: each method converts what it loaded."""
+    for _, module in quantizable_modules(model):
+        if module.quant is not None:
+            module.quant.after_loading(module)

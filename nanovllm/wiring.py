@@ -1,0 +1,130 @@
+"""The one place that wires features into the engine (nanovllm/features/, launch/).
+
+The fronts (llm.py, serve/) call the functions below; each imports a feature only when a config
+option, the checkpoint or a request turns it on, so a plain generate loads none of them. Every
+function plugs a feature into a hook that core/ or model/ declares: the Executor
+(core/executor.py), the ForwardStrategy, logits extensions and scheduling hooks
+(core/hooks.py), and what Config.resolve asks of the model's features (config.py's
+ModelFeatures, answered by this module's quantization_scheme / kv_scale_calibrator /
+sparse_mlp). Function-level imports are this module's purpose: the architecture test allows
+them here and nowhere else.
+"""
+
+from __future__ import annotations
+
+# ---------------------------------------------------------------- executors, forward strategy, replicas
+
+
+def forward_strategy(config):
+    """The piecewise prefill graphs (core/hooks.py's ForwardStrategy) when `config` allows them:
+    CUDA, no enforce_eager, max_prefill_graph_tokens > 0; else None (prefill steps run eagerly)."""
+    if config.device != "cuda" or config.enforce_eager or config.prefill_graphs.max_tokens < 1:
+        return None
+    from nanovllm.features.prefill_graphs import PrefillGraphStrategy, prefill_graph_tokens
+
+    return PrefillGraphStrategy(prefill_graph_tokens(config))
+
+
+def start_executor(config):
+    """What runs the model of LLM's engine (core/executor.py's Executor), with the forward
+    strategy `config` allows: a ModelRunner in this process, or (tensor_parallel_size > 1, or
+    torchrun) rank 0 of worker processes / this torchrun rank (launch/executors.py)."""
+    strategy = forward_strategy(config)
+    if config.parallel.tensor_parallel_size == 1 and config.parallel.distributed_executor_backend != "external_launcher":
+        from nanovllm.core.executor import start_in_process
+
+        return start_in_process(config, strategy)
+    from nanovllm.launch.executors import start_launched_executor
+
+    return start_launched_executor(config, strategy)
+
+
+def replica_set(replica_class, kwargs: dict):
+    """The replicas of a data-parallel LLM (launch/data_parallel.py's ReplicaSet), not started yet."""
+    from nanovllm.launch.data_parallel import ReplicaSet
+
+    return ReplicaSet(replica_class, kwargs)
+
+
+# ---------------------------------------------------------------- the model's features (Config.resolve)
+
+
+def quantization_scheme(checkpoint_config, requested: str | None):
+    """The weight scheme (model/quant.py's QuantScheme) for `LLM(quantization=...)` and the
+    checkpoint's `quantization_config`, or None when neither asks for one."""
+    if requested is None and not checkpoint_config:
+        return None
+    from nanovllm.features.quantization import resolve_quantization
+
+    return resolve_quantization(checkpoint_config, requested)
+
+
+def kv_scale_calibrator(calculate_kv_scales: bool):
+    """The attention layers' KVScaleCalibrator for `LLM(calculate_kv_scales=True)`, else None."""
+    if not calculate_kv_scales:
+        return None
+    from nanovllm.features.quantization.fp8_kv import calibrate_kv_scales
+
+    return calibrate_kv_scales
+
+
+def sparse_mlp(decoder_options):
+    """The MoE block factory (model/decoder.py's SparseMlpFactory: features/moe.py) when the
+    model (its DecoderOptions) has mixture-of-experts layers, else None."""
+    if not decoder_options.moe_layers:
+        return None
+    from nanovllm.features.moe import SparseMoeBlock
+
+    return SparseMoeBlock.from_options
+
+
+# ---------------------------------------------------------------- logits extensions
+
+
+def enable_logits_extensions(sampler, params) -> None:
+    """Register on `sampler` (core/sampling.py's TokenSampler) the logits extensions that the
+    engine-validated `params` ask for, each once, at its first use: penalties, allowed ids / bad
+    words / logit_bias, logprobs (of the samples or the prompt). A request that asks for none
+    imports none of their modules."""
+    if params.uses_penalties:
+        from nanovllm.features.logits.penalties import Penalties
+
+        if not any(isinstance(e, Penalties) for e in sampler.extensions):
+            sampler.add_extension(Penalties(sampler.device, sampler.pin))
+    if params.bias or params.allowed_ids is not None or params.bad_word_ids:
+        from nanovllm.features.logits.bias import TokenBias
+
+        if not any(isinstance(e, TokenBias) for e in sampler.extensions):
+            sampler.add_extension(TokenBias(sampler.device, sampler.pin, sampler.prev_tokens))
+    if sampler.logprobs is None and (params.logprobs is not None or params.prompt_logprobs is not None):
+        from nanovllm.features.logits.logprobs import Logprobs
+
+        sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
+
+
+# ---------------------------------------------------------------- scheduling
+
+
+def wire_scheduling(engine, params=None) -> None:
+    """The scheduling features (core/hooks.py) `engine` needs. At start-up (no `params`): mixed
+    steps when config.scheduling.mixed_steps asks. For a request's SamplingParams: parallel
+    sampling (n > 1) and prompt logprobs, registered once, by the first request that asks."""
+    scheduler = engine.scheduler
+    if params is None:
+        if engine.config.scheduling.mixed_steps:
+            from nanovllm.features.mixed_steps import MixedSteps
+
+            scheduler.policy = MixedSteps()
+        return
+    wanted = []
+    if params.n > 1:
+        from nanovllm.features.parallel_sampling import ParallelSampling
+
+        wanted.append(ParallelSampling)
+    if params.prompt_logprobs is not None:
+        from nanovllm.features.prompt_logprobs import PromptLogprobs
+
+        wanted.append(PromptLogprobs)
+    for hook in wanted:
+        if not any(isinstance(h, hook) for h in scheduler.hooks):
+            scheduler.hooks.append(hook())
