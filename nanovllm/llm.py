@@ -43,6 +43,7 @@ class LLM(LLMEngine):
         # stream() iterator) gets a clear error instead of sharing the engine's steps.
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
+        self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
         super().__init__(model, **kwargs)
 
     def __enter__(self):
@@ -122,19 +123,24 @@ class LLM(LLMEngine):
         callable that makes one from tqdm's keywords (total, desc, ...)."""
         requests = self._normalize(prompts, sampling_params)
         seqs = []
-        with self._exclusive():
+        # A signal handler's exception (Ctrl-C, a timeout) comes out at a step's end; the clean-up runs uncut.
+        with self._exclusive(), deferred_interrupts():
             try:
+                self._clear_leftovers()
                 self._add_all(requests, seqs)
                 self._run_to_completion(sum(len(s.samples) for s in seqs), use_tqdm)
             except BaseException:
                 self._release(seqs)
                 raise
-        return [self._request_output(seq) for seq in seqs]
+            outputs = [self._request_output(seq) for seq in seqs]
+            self._call_seqs = []
+            return outputs
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
         one, never between queuing a request and recording it (which would leak it)."""
         with deferred_interrupts():
+            self._call_seqs = seqs
             for ids, p, text in requests:
                 seqs.append(self.add_request(ids, p, track_text=track_text, prompt=text))
 
@@ -149,20 +155,32 @@ class LLM(LLMEngine):
             for seq in seqs:
                 for sample in seq.samples:
                     self.forget_text(sample)
+            self._call_seqs = []
+
+    def _clear_leftovers(self) -> None:
+        """End the previous call's requests if its clean-up never ran (an exception from a signal
+        handler landing in a stream between its steps and its finally)."""
+        if self._call_seqs:
+            self._release(self._call_seqs)
 
     @contextlib.contextmanager
     def _exclusive(self):
         """One generate / stream at a time: steps run every queued request, so a second caller
-        would swallow the first one's outputs. The check and the claim are one atomic step."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
-                               "another thread, or a server's engine loop); an LLM serves one "
-                               "generate/stream/chat at a time: finish or close the other one first, or "
-                               "give each thread its own LLM")
+        would swallow the first one's outputs. The check and the claim are one atomic step, and
+        an exception from a signal handler cannot land between the claim and its release."""
+        claimed = False
         try:
+            with deferred_interrupts():
+                claimed = self._busy.acquire(blocking=False)
+            if not claimed:
+                raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
+                                   "another thread, or a server's engine loop); an LLM serves one "
+                                   "generate/stream/chat at a time: finish or close the other one first, or "
+                                   "give each thread its own LLM")
             yield
         finally:
-            self._busy.release()
+            if claimed:
+                self._busy.release()
 
     # ------------------------------------------------------------------ outputs
     def _request_output(self, seq: Sequence) -> RequestOutput:
@@ -216,20 +234,22 @@ class LLM(LLMEngine):
 
     def _run_to_completion(self, total: int, use_tqdm) -> None:
         bar = self._progress_bar(use_tqdm, total)
-        prefill_tps = decode_tps = 0.0
-        while self.has_unfinished():
-            t = time.perf_counter()
-            outputs, num_tokens, is_prefill = self.step()
+        try:
+            prefill_tps = decode_tps = 0.0
+            while self.has_unfinished():
+                t = time.perf_counter()
+                outputs, num_tokens, is_prefill = self.step()
+                if bar is not None:
+                    dt = max(time.perf_counter() - t, 1e-9)
+                    if is_prefill:
+                        prefill_tps = num_tokens / dt
+                    else:
+                        decode_tps = num_tokens / dt
+                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+                    bar.update(sum(o.finished for o in outputs))
+        finally:
             if bar is not None:
-                dt = max(time.perf_counter() - t, 1e-9)
-                if is_prefill:
-                    prefill_tps = num_tokens / dt
-                else:
-                    decode_tps = num_tokens / dt
-                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-                bar.update(sum(o.finished for o in outputs))
-        if bar is not None:
-            bar.close()
+                bar.close()
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Yield per-completion increments as the engine produces them (StreamOutput: vLLM's
@@ -247,6 +267,7 @@ class LLM(LLMEngine):
         seqs = []
         with self._exclusive():
             try:
+                self._clear_leftovers()
                 self._add_all(requests, seqs, track_text=True)
                 where = {s.seq_id: (i, seq) for i, seq in enumerate(seqs) for s in seq.samples}
                 first = set()  # requests whose first increment (with the prompt logprobs) went out

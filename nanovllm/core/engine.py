@@ -68,6 +68,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
+        self._broken: str | None = None  # why the requests' state is unknown (see _bookkeeping)
 
     def _start_model_runner(self, config: Config):
         if config.data_parallel_size > 1 or config.distributed_executor_backend == "ray":
@@ -255,8 +256,11 @@ class LLMEngine:
         """
         if self._closed:
             raise RuntimeError("this LLM has been shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
+                               f"({self._broken}); create a new LLM")
         with deferred_interrupts():
-            batch = self.scheduler.schedule()
+            batch = self._bookkeeping(self.scheduler.schedule)
             done, self._in_flight = self._in_flight, None
             if batch is None and done is None:
                 raise RuntimeError("scheduler produced no work although requests are pending")
@@ -265,9 +269,18 @@ class LLMEngine:
             if launched is not None:
                 # After resolving step n: a request that step n stopped is skipped in n+1 (its
                 # row was computed for nothing, one row once per request).
-                self.requests.launched(batch)
+                self._bookkeeping(self.requests.launched, batch)
                 self._in_flight = launched
             return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
+
+    def _bookkeeping(self, fn, *args):
+        """fn(*args), a change of the scheduler's state that must not fail: if it does, its
+        requests are half-moved, and every later step refuses to run (see step)."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._broken = f"{type(e).__name__}: {str(e)[:200]}"
+            raise
 
     def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
         try:
