@@ -8,8 +8,8 @@ interrupt, or inside a tensor-parallel step (rank 0 leaves the collectives its w
 in) would leave the engine in a half-state. So engine code that must not be cut runs under
 `deferred_interrupts()`: there every Python-level handler of the usual asynchronous signals
 still runs at once (its side effects happen), but the exception it raises is held and raised
-when the block ends (an inner one included), with the engine consistent. Only the first exception is kept: a
-second Ctrl-C while one is held adds nothing.
+when the block ends (an inner one included), with the engine consistent. Only the first
+exception is kept: a second Ctrl-C while one is held adds nothing.
 
 Only in the main thread, the only one Python runs signal handlers in.
 """
