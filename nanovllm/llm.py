@@ -11,6 +11,7 @@ from nanovllm.launch.data_parallel import DataParallelFront, wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.engine import LLMEngine
+from nanovllm.limits import check_unicode, clip_repr
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -100,7 +101,7 @@ class LLM(LLMEngine):
             raise NotImplementedError(f"prompt keys {unsupported} are not supported by nano-vllm (text models only)")
         unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids"})
         if unknown:
-            raise TypeError(f"unknown prompt keys {unknown}: a prompt dict has 'prompt' (text) or "
+            raise TypeError(f"unknown prompt keys {clip_repr(unknown)}: a prompt dict has 'prompt' (text) or "
                             f"'prompt_token_ids' (token ids)")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
@@ -158,16 +159,14 @@ class LLM(LLMEngine):
             self._call_seqs = []
 
     def _clear_leftovers(self) -> None:
-        """End the previous call's requests if its clean-up never ran (an exception from a signal
-        handler landing in a stream between its steps and its finally)."""
+        """End the previous call's requests if an exception cut its clean-up short (see _release)."""
         if self._call_seqs:
             self._release(self._call_seqs)
 
     @contextlib.contextmanager
     def _exclusive(self):
         """One generate / stream at a time: steps run every queued request, so a second caller
-        would swallow the first one's outputs. The check and the claim are one atomic step, and
-        an exception from a signal handler cannot land between the claim and its release."""
+        would swallow the first one's outputs. The check and the claim are one atomic step."""
         claimed = False
         try:
             with deferred_interrupts():
@@ -225,12 +224,9 @@ class LLM(LLMEngine):
         """The generate() progress bar over `total` completions, or None without one."""
         if not use_tqdm:
             return None
-        # As in vLLM, use_tqdm may be a callable that makes the bar (tqdm's keywords).
-        if callable(use_tqdm):
-            make_bar = use_tqdm
-        else:
-            from tqdm.auto import tqdm as make_bar
-        return make_bar(total=total, desc="Generating", dynamic_ncols=True)
+        if not callable(use_tqdm):  # as in vLLM, it may be a callable that makes the bar (tqdm's keywords)
+            from tqdm.auto import tqdm as use_tqdm
+        return use_tqdm(total=total, desc="Generating", dynamic_ncols=True)
 
     def _run_to_completion(self, total: int, use_tqdm) -> None:
         bar = self._progress_bar(use_tqdm, total)
@@ -378,11 +374,14 @@ def _check_conversation(conv, where: str) -> None:
             raise TypeError(f"{where}, message {j}: must be a dict with 'role' and 'content', got {type(m).__name__}")
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise ValueError(f"{where}, message {j}: role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}")
+            raise ValueError(f"{where}, message {j}: role must be one of {', '.join(_CHAT_ROLES)}, "
+                             f"got {clip_repr(role)}")
         content = m.get("content")
         calls_tools = role == "assistant" and bool(m.get("tool_calls"))
         if not isinstance(content, str) and not (calls_tools and content is None):
             raise TypeError(f"{where}, message {j}: content must be a string, got {type(content).__name__}")
+        if isinstance(content, str):
+            check_unicode(content, f"{where}, message {j}: content")
 
 
 def _template_variables(template) -> set[str] | None:

@@ -16,6 +16,7 @@ from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
+from nanovllm.limits import check_unicode, clip_repr, describe_ids
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,7 @@ class LLMEngine:
                 raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
             if not prompt:
                 raise ValueError("empty prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = encode_text(self.tokenizer, prompt, "the prompt")
         elif isinstance(prompt, (list, tuple)) and (ids := as_token_ids(prompt)) is not None:
             pass
         else:
@@ -103,7 +104,7 @@ class LLMEngine:
             raise ValueError("empty prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops; the list below only on error)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(f"token ids {describe_ids(bad)} are outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -134,14 +135,10 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()
         vocab = self.vocab_size
-
-        def outside(ids):
-            return sorted(t for t in ids if t >= vocab)
-
         for name, ids in (("stop_token_ids", p.stop_ids), ("logit_bias", p.bias or ()),
                           ("allowed_token_ids", p.allowed_ids or ())):
-            if outside(ids):
-                raise ValueError(f"{name}: token ids {outside(ids)} are outside the vocabulary [0, {vocab})")
+            if bad := sorted(t for t in ids if t >= vocab):
+                raise ValueError(f"{name}: token ids {describe_ids(bad)} are outside the vocabulary [0, {vocab})")
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
@@ -164,16 +161,16 @@ class LLMEngine:
         counts when it is as many tokens and starts with another token)."""
         out = []
         for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            plain = encode_text(self.tokenizer, word.lstrip(), "SamplingParams.bad_words", add_special_tokens=False)
             if not plain:
-                raise ValueError(f"SamplingParams.bad_words: {word!r} gives no tokens")
+                raise ValueError(f"SamplingParams.bad_words: {clip_repr(word)} gives no tokens")
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             out.append(tuple(plain))
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(tuple(spaced))
         bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
         if bad:
-            raise ValueError(f"SamplingParams.bad_words: token ids {bad} are outside the vocabulary")
+            raise ValueError(f"SamplingParams.bad_words: token ids {describe_ids(bad)} are outside the vocabulary")
         return tuple(out)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -326,6 +323,17 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def encode_text(tokenizer, text: str, what: str, **kwargs) -> list[int]:
+    """tokenizer.encode(text, **kwargs), with a ValueError naming `what` for text that is not
+    valid Unicode (the tokenizers library reports a lone surrogate as a TypeError about its
+    input types). Checked only when encoding fails: free for every other text."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except (TypeError, UnicodeError):
+        check_unicode(text, what)
+        raise
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
