@@ -223,6 +223,10 @@ class Config:
         self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
         if self.quant is not None:
             self.quant.check_model(self.hf_config, self.tensor_parallel_size)
+        check_model_values(self.hf_config)
+        if self.distributed_executor_backend != "ray":  # (Ray's replicas check on their own devices)
+            check_weights_fit(self.hf_config, self.dtype, self.quant is not None, self.device,
+                              self.tensor_parallel_size, self.data_parallel_size)
         self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
         if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
             major, minor = torch.cuda.get_device_capability()
@@ -303,6 +307,68 @@ class Config:
         return resolved
 
 
+# config.json sizes that must be positive integers where given (a family may fall back from a 0).
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def check_sizes(raw: dict) -> None:
+    """config.json's sizes (as parsed) that are not positive integers, as a ValueError naming the field."""
+    for name in _POSITIVE_SIZES:
+        value = raw.get(name)
+        if value is not None and (not is_integer(value) or value < 1):
+            raise ValueError(f"config.json: {name}={value!r}: must be a positive integer")
+
+
+def check_model_values(hf_config) -> None:
+    """rope_theta and rms_norm_eps (as the family reads them), as a ValueError naming the field
+    unless a positive finite number (rope_theta=0 would load and emit garbage)."""
+    opts = registry.model_class(hf_config).options_from_config(hf_config)
+    for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
+        if not 0 < value < float("inf"):
+            raise ValueError(f"config.json: {name}={value!r}: must be a positive finite number")
+
+
+def weight_bytes(hf_config, dtype: torch.dtype, fp8_layers: bool) -> dict[str, int]:
+    """A lower bound of the model's weight bytes, in two parts named by the config.json field
+    that scales them: "vocab_size" (embedding and LM head), "num_hidden_layers" (the layers)."""
+    o = registry.model_class(hf_config).options_from_config(hf_config)
+    h, q, kv = o.hidden_size, o.num_heads * o.head_dim, o.num_kv_heads * o.head_dim
+    dense_layers = o.num_layers - len(o.moe_layers)
+    params = o.num_layers * (h * (q + 2 * kv) + q * h) + dense_layers * 3 * h * o.intermediate_size
+    if o.moe is not None:
+        params += len(o.moe_layers) * o.moe.num_experts * (3 * h * o.moe.intermediate_size + h)
+    size = torch.tensor([], dtype=dtype).element_size()
+    return {"vocab_size": o.vocab_size * h * (1 if o.tie_word_embeddings else 2) * size,
+            "num_hidden_layers": params * (1 if fp8_layers else size)}
+
+
+def device_memory(device: str) -> tuple[int, str]:
+    """(bytes, what they are): one GPU's total memory, or on the CPU the RAM available now."""
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory, "memory of one GPU"
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024, "available RAM"
+    except (OSError, StopIteration, ValueError):
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "available RAM"
+
+
+def check_weights_fit(hf_config, dtype: torch.dtype, fp8_layers: bool, device: str, tp: int, dp: int) -> None:
+    """A ValueError naming the field that makes the weights larger than the device's memory
+    (each GPU holds 1/tp of them; on the CPU all ranks and replicas share the RAM), before an
+    absurd config (10^6 layers, a 10^9 vocabulary) grinds or fails in the allocator."""
+    parts = weight_bytes(hf_config, dtype, fp8_layers)
+    need = sum(parts.values()) * (dp if device == "cpu" else 1) // (1 if device == "cpu" else tp)
+    have, what = device_memory(device)
+    if need > have:
+        field = max(parts, key=parts.get)
+        raise ValueError(f"config.json: {field}={getattr(hf_config, field)} (hidden_size={hf_config.hidden_size}): "
+                         f"the weights alone need {need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB "
+                         f"{what}")
+
+
 def read_json(path: str) -> dict:
     """One of a checkpoint's JSON files (an object); a broken one is a ValueError naming the file."""
     try:
@@ -322,4 +388,6 @@ def load_hf_config(path: str):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
     # The registry picks the family (architectures), its transformers config class reads the
     # file, and the family refuses what it does not implement.
-    return registry.load_hf_config(path, read_json(cfg_file))
+    raw = read_json(cfg_file)
+    check_sizes(raw)
+    return registry.load_hf_config(path, raw)
