@@ -223,10 +223,7 @@ class Config:
         self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
         if self.quant is not None:
             self.quant.check_model(self.hf_config, self.tensor_parallel_size)
-        check_model_values(self.hf_config)
-        if self.distributed_executor_backend != "ray":  # (Ray's replicas check on their own devices)
-            check_weights_fit(self.hf_config, self.dtype, self.quant is not None, self.device,
-                              self.tensor_parallel_size, self.data_parallel_size)
+        check_model_fits(self)
         self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
         if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
             major, minor = torch.cuda.get_device_capability()
@@ -327,6 +324,15 @@ def check_model_values(hf_config) -> None:
     for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
         if not 0 < value < float("inf"):
             raise ValueError(f"config.json: {name}={value!r}: must be a positive finite number")
+
+
+def check_model_fits(cfg: "Config") -> None:
+    """The model's values (check_model_values) and, where this Config's device is the one that
+    holds the weights (not a Ray front: its replicas check on their own), their size."""
+    check_model_values(cfg.hf_config)
+    if cfg.distributed_executor_backend != "ray":
+        check_weights_fit(cfg.hf_config, cfg.dtype, cfg.quant is not None, cfg.device, cfg.tensor_parallel_size,
+                          cfg.data_parallel_size)
 
 
 def weight_bytes(hf_config, dtype: torch.dtype, fp8_layers: bool) -> dict[str, int]:
