@@ -104,7 +104,8 @@ class LLMEngine:
             raise ValueError("empty prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops; the list below only on error)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"token ids {describe_ids(bad)} are outside the vocabulary [0, {self.vocab_size})")
+            what = f"token id {bad[0]} is" if len(bad) == 1 else f"token ids {describe_ids(bad)} are"
+            raise ValueError(f"{what} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def get_default_sampling_params(self) -> SamplingParams:
