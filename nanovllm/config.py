@@ -12,6 +12,7 @@ import torch
 
 from nanovllm.model import registry
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
+from nanovllm.limits import clip_repr
 from nanovllm.sampling_params import is_integer, is_real
 
 logger = logging.getLogger(__name__)
@@ -84,7 +85,7 @@ def _field_is(name: str, value, kind, what: str):
     else:
         ok = isinstance(value, kind)
     if not ok:
-        raise ValueError(f"{name}={value!r}: must be {what}")
+        raise ValueError(f"{name}={clip_repr(value)}: must be {what}")
     return kind(value) if kind in (int, float) else value
 
 
@@ -193,7 +194,7 @@ class Config:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization}: must be in (0, 1]")
         if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format={self.load_format!r}: must be 'auto', 'safetensors' or 'dummy'")
+            raise ValueError(f"load_format={clip_repr(self.load_format)}: must be 'auto', 'safetensors' or 'dummy'")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
         self.device = self._resolve_device(self.device)
@@ -221,8 +222,6 @@ class Config:
         self.hf_config = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype)
         self.quant = resolve_quantization(getattr(self.hf_config, "quantization_config", None), self.quantization)
-        if self.quant is not None:
-            self.quant.check_model(self.hf_config, self.tensor_parallel_size)
         check_model_fits(self)
         self.kv_dtype = kv_cache_torch_dtype(self.kv_cache_dtype, self.dtype)
         if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
@@ -256,7 +255,7 @@ class Config:
     def _check_executor_options(self) -> None:
         backend = self.distributed_executor_backend
         if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={backend!r}: must be one of {EXECUTOR_BACKENDS}")
+            raise ValueError(f"distributed_executor_backend={clip_repr(backend)}: must be one of {EXECUTOR_BACKENDS}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={self.data_parallel_size}: must be >= 1")
         if backend == "external_launcher" and self.data_parallel_size != 1:
@@ -266,14 +265,14 @@ class Config:
 
     def _check_tokenizer_options(self) -> None:
         if self.tokenizer_mode not in TOKENIZER_MODES:
-            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: must be one of {TOKENIZER_MODES}")
+            raise ValueError(f"tokenizer_mode={clip_repr(self.tokenizer_mode)}: must be one of {TOKENIZER_MODES}")
         for name in ("tokenizer", "revision"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"{name}={value!r}: must be None or a string")
+                raise ValueError(f"{name}={clip_repr(value)}: must be None or a string")
         gc = self.generation_config
         if not isinstance(gc, (str, os.PathLike)) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
-            raise ValueError(f"generation_config={gc!r}: must be 'auto' (the model's), 'vllm' (none) "
+            raise ValueError(f"generation_config={clip_repr(gc)}: must be 'auto' (the model's), 'vllm' (none) "
                              "or a folder holding a generation_config.json")
         self.max_logprobs = _field_is("max_logprobs", self.max_logprobs, int, "-1 or an integer >= 0")
         if self.max_logprobs < -1:
@@ -285,7 +284,7 @@ class Config:
             return "cuda" if torch.cuda.is_available() else "cpu"
         device = str(device)
         if device not in ("cpu", "cuda"):
-            raise ValueError(f"device={device!r}: must be None, 'cpu' or 'cuda'")
+            raise ValueError(f"device={clip_repr(device)}: must be None, 'cpu' or 'cuda'")
         if device == "cuda" and not torch.cuda.is_available():
             raise ValueError("device='cuda' but CUDA is not available")
         return device
@@ -300,7 +299,7 @@ class Config:
         else:
             resolved = _DTYPES.get(str(dtype).removeprefix("torch."))
         if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype={dtype!r}: must be None, 'auto', float32, bfloat16 or float16")
+            raise ValueError(f"dtype={clip_repr(dtype)}: must be None, 'auto', float32, bfloat16 or float16")
         return resolved
 
 
@@ -314,22 +313,19 @@ def check_sizes(raw: dict) -> None:
     for name in _POSITIVE_SIZES:
         value = raw.get(name)
         if value is not None and (not is_integer(value) or value < 1):
-            raise ValueError(f"config.json: {name}={value!r}: must be a positive integer")
-
-
-def check_model_values(hf_config) -> None:
-    """rope_theta and rms_norm_eps (as the family reads them), as a ValueError naming the field
-    unless a positive finite number (rope_theta=0 would load and emit garbage)."""
-    opts = registry.model_class(hf_config).options_from_config(hf_config)
-    for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
-        if not 0 < value < float("inf"):
-            raise ValueError(f"config.json: {name}={value!r}: must be a positive finite number")
+            raise ValueError(f"config.json: {name}={clip_repr(value)}: must be a positive integer")
 
 
 def check_model_fits(cfg: "Config") -> None:
-    """The model's values (check_model_values) and, where this Config's device is the one that
-    holds the weights (not a Ray front: its replicas check on their own), their size."""
-    check_model_values(cfg.hf_config)
+    """The quantization scheme's own check; rope_theta and rms_norm_eps (as the family reads
+    them) positive and finite (rope_theta=0 would load and emit garbage); and, where this
+    Config's device holds the weights (not a Ray front: its replicas check on their own), their size."""
+    if cfg.quant is not None:
+        cfg.quant.check_model(cfg.hf_config, cfg.tensor_parallel_size)
+    opts = registry.model_class(cfg.hf_config).options_from_config(cfg.hf_config)
+    for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
+        if not 0 < value < float("inf"):
+            raise ValueError(f"config.json: {name}={value!r}: must be a positive finite number")
     if cfg.distributed_executor_backend != "ray":
         check_weights_fit(cfg.hf_config, cfg.dtype, cfg.quant is not None, cfg.device, cfg.tensor_parallel_size,
                           cfg.data_parallel_size)
@@ -362,9 +358,8 @@ def device_memory(device: str) -> tuple[int, str]:
 
 
 def check_weights_fit(hf_config, dtype: torch.dtype, fp8_layers: bool, device: str, tp: int, dp: int) -> None:
-    """A ValueError naming the field that makes the weights larger than the device's memory
-    (each GPU holds 1/tp of them; on the CPU all ranks and replicas share the RAM), before an
-    absurd config (10^6 layers, a 10^9 vocabulary) grinds or fails in the allocator."""
+    """A ValueError naming the field that makes the weights larger than the device's memory (each
+    GPU holds 1/tp of them, the CPU's ranks and replicas share the RAM), before any allocation."""
     parts = weight_bytes(hf_config, dtype, fp8_layers)
     need = sum(parts.values()) * (dp if device == "cpu" else 1) // (1 if device == "cpu" else tp)
     have, what = device_memory(device)

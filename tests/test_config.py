@@ -273,3 +273,11 @@ def test_weight_estimate_of_the_tiny_model_is_its_parameter_bytes(ckpt):
                             else math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "norm" not in k)
     estimate = sum(weight_bytes(cfg.hf_config, torch.float32, False).values())
     assert estimate == 4 * real
+
+
+def test_invalid_values_are_quoted_not_echoed_whole(ckpt):
+    for kw in (dict(max_num_seqs="8" * 10**6), dict(load_format="x" * 10**6), dict(device=["cpu"] * 10**5),
+               dict(tokenizer_mode="s" * 10**6)):
+        with pytest.raises(ValueError) as e:
+            Config.from_kwargs(ckpt, **kw)
+        assert len(str(e.value)) < 300, str(e.value)[:1000]

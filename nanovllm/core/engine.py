@@ -252,11 +252,7 @@ class LLMEngine:
         worker, ...), the requests of both steps end with finish_reason "abort" and the exception
         propagates; other requests are untouched. A Ctrl-C is raised once the step is complete.
         """
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
-        if self._broken is not None:
-            raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
-                               f"({self._broken}); create a new LLM")
+        self._check_usable()
         with deferred_interrupts():
             batch = self._bookkeeping(self.scheduler.schedule)
             done, self._in_flight = self._in_flight, None
@@ -270,6 +266,13 @@ class LLMEngine:
                 self._bookkeeping(self.requests.launched, batch)
                 self._in_flight = launched
             return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
+                               f"({self._broken}); create a new LLM")
 
     def _bookkeeping(self, fn, *args):
         """fn(*args), a change of the scheduler's state that must not fail: if it does, its
