@@ -12,14 +12,17 @@
 Workload (nano-vllm's bench.py): random.seed(0); 256 sequences; prompt lengths randint(100, 1024)
 of token ids randint(0, 10000); max_tokens randint(100, 1024); temperature 0.6; ignore_eos;
 max_model_len 4096; one warm-up generate, then one timed generate of all 256 (133,966 output
-tokens).
+tokens). Smaller settings shorten it (--max-input-len / --max-output-len below 100 lower the minimums
+to them) and token ids stay below the model's vocabulary. The phases and the timed run's progress
+go to stderr.
 
 Floor: a decode step must at least read the weights once, and each generated token must read the
 K/V of its whole context, so seconds >= (sum over generated tokens of context_len x KV bytes per
 token + decode steps x weight bytes) / bandwidth, with decode steps = the longest request's
 max_tokens (all requests decode side by side). Prefill reads are ignored (a lower bound). For MoE
 models a step reads only the experts its batch routes to: estimated from the batch size under
-uniform routing (see roofline_floor).
+uniform routing (see roofline_floor). The floors use the H200's bandwidth and peaks by default:
+off CUDA they are left out unless --bandwidth (and --peak-flops) give the device's own.
 
 Per-step floor (beside it, not instead: the memory floor's history stays comparable): the run's
 own steps, rebuilt from its step timeline (StepTiming's shape of each step), each at its lower
@@ -53,12 +56,51 @@ H200_COPY_BANDWIDTH = 4.3e12  # B/s, device-to-device copy measured on the H200
 def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024, min_input_len: int = 100,
              min_output_len: int = 100, max_id: int = 10000):
     """nano-vllm's benchmark requests: (prompt token ids, max_tokens) pairs, in its RNG order
-    (the defaults are its workload; token ids 0..max_id)."""
+    (the defaults are its workload; token ids 0..max_id). A maximum below its minimum lowers the
+    minimum to it (short settings for small runs)."""
+    if min(num_seqs, max_input_len, max_output_len) < 1 or max_id < 0:
+        raise ValueError("workload: num_seqs, max_input_len and max_output_len must be >= 1, max_id >= 0")
+    min_input_len, min_output_len = min(min_input_len, max_input_len), min(min_output_len, max_output_len)
     random.seed(0)
     prompts = [[random.randint(0, max_id) for _ in range(random.randint(min_input_len, max_input_len))]
                for _ in range(num_seqs)]
     max_tokens = [random.randint(min_output_len, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
+
+
+def workload_max_id(vocab_size: int) -> int:
+    """The largest token id of the workload: nano-vllm's 10000, or below a smaller vocabulary."""
+    return min(10000, vocab_size - 1)
+
+
+@contextlib.contextmanager
+def observing(llm, observer):
+    """`observer` among the engine's step observers for the block (None: nothing)."""
+    if observer is not None:
+        llm.step_observers.append(observer)
+    try:
+        yield
+    finally:
+        if observer is not None:
+            llm.step_observers.remove(observer)
+
+
+class Progress:
+    """A step observer that prints, at most every `interval_s` seconds of the run, how far it got
+    (to stderr): a slow run (a CPU, a big model) shows it is alive. One clock compare per step."""
+
+    def __init__(self, what: str, interval_s: float = 10.0, out=None):
+        self.what, self.interval_s, self.out = what, interval_s, out or sys.stderr
+        self.started = self._last = time.perf_counter()
+        self.steps = self.tokens = 0
+
+    def __call__(self, timing) -> None:
+        self.steps += 1
+        self.tokens += timing.num_tokens
+        if timing.ended_at - self._last >= self.interval_s:
+            self._last = timing.ended_at
+            print(f"{self.what}: {timing.ended_at - self.started:.0f} s, {self.steps} steps, {self.tokens} tokens "
+                  "computed", file=self.out, flush=True)
 
 
 def decoder_options(hf_config):
@@ -486,9 +528,30 @@ def add_round2_args(ap) -> None:
     ap.add_argument("--kv-plot", help="also plot the KV-cache use over the timed run to this PNG (matplotlib)")
 
 
-def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor: float, prompts, max_tokens) -> dict:
+def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor: float | None, prompts,
+                 max_tokens) -> dict:
     """The per-step floor of the timed run (rebuilt from its step timeline), its fraction, and
-    the KV-cache use over the run: printed, and returned as JSON fields."""
+    the KV-cache use over the run: printed, and returned as JSON fields. Without a floor (off
+    CUDA, no --bandwidth: the H200's figures would mean nothing), the steps and KV use alone."""
+    report = {}
+    if memory_floor is not None:
+        report.update(step_floor_report(llm, timeline, args, seconds, memory_floor))
+    else:
+        print(timeline.table())
+        report["timeline"] = timeline.summary()
+    kv = kv_usage_report(timeline.kv, timeline.started, prompts, max_tokens, llm.config.max_num_seqs)
+    if kv:
+        k = kv["summary"]
+        print(f"KV cache: live tokens mean {k['live_tokens_mean']:.0f} / peak {k['live_tokens_peak']}, allocated "
+              f"mean {k['allocated_tokens_mean']:.0f} / peak {k['allocated_tokens_peak']} of {k['capacity_tokens']} "
+              f"({k['fragmentation_of_allocated']:.1%} fragmentation), peak {k['running_peak']} requests; "
+              f"static batching would reserve {k['static_batching_tokens']} ({k['static_over_paged_peak']:.2f}x "
+              f"the paged peak)")
+    return report | {"kv_usage": kv}
+
+
+def step_floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor: float) -> dict:
+    """The per-step floor part of floor_report."""
     kv_bytes, linear_bytes = weight_element_bytes(llm)
     fp8_weights = llm.config.quant is not None
     kw = dict(kv_bytes=kv_bytes, linear_bytes=linear_bytes,
@@ -503,18 +566,10 @@ def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor
     print(f"memory floor {memory_floor:.3f} s ({memory_floor / seconds:.1%} of it reached); per-step floor "
           f"{total:.3f} s: prefill {floor.prefill_s / tp:.3f} + decode {floor.decode_s / tp:.3f} "
           f"({total / seconds:.1%} reached; peak {kw['linear_peak_flops'] / 1e12:.0f} TFLOP/s for the projections)")
-    kv = kv_usage_report(timeline.kv, timeline.started, prompts, max_tokens, llm.config.max_num_seqs)
-    if kv:
-        k = kv["summary"]
-        print(f"KV cache: live tokens mean {k['live_tokens_mean']:.0f} / peak {k['live_tokens_peak']}, allocated "
-              f"mean {k['allocated_tokens_mean']:.0f} / peak {k['allocated_tokens_peak']} of {k['capacity_tokens']} "
-              f"({k['fragmentation_of_allocated']:.1%} fragmentation), peak {k['running_peak']} requests; "
-              f"static batching would reserve {k['static_batching_tokens']} ({k['static_over_paged_peak']:.2f}x "
-              f"the paged peak)")
     return {"step_floor_s": round(total, 3), "step_floor_prefill_s": round(floor.prefill_s / tp, 3),
             "step_floor_decode_s": round(floor.decode_s / tp, 3), "fraction_of_step_floor": round(total / seconds, 3),
             "peak_flops": args.peak_flops, "peak_flops_linear": kw["linear_peak_flops"],
-            "timeline": timeline.summary(groups), "kv_usage": kv}
+            "timeline": timeline.summary(groups)}
 
 
 def data_parallel_floor(llm, prompts, max_tokens, args, kv_bytes, linear_bytes) -> float:
@@ -538,21 +593,55 @@ def finish_data_parallel(llm, args, name, out_tokens, in_tokens, seconds, floor,
     res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "dp": args.dp,
            "num_seqs": args.num_seqs, "output_tokens": out_tokens, "seconds": round(seconds, 3),
            "output_tok_s": round(out_tokens / seconds, 1), "total_tok_s": round((in_tokens + out_tokens) / seconds, 1),
-           "floor_s": round(floor, 3), "fraction_of_floor": round(floor / seconds, 3),
-           "cold_start_s": round(cold_start, 2), "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-           "replicas": replicas}
+           **floor_fields(floor, seconds), "cold_start_s": round(cold_start, 2), "top_p": args.top_p,
+           "top_k": args.top_k, "min_p": args.min_p, "replicas": replicas}
     llm.shutdown()
     print(json.dumps(res, indent=1))
     for r in replicas:
         print(f"replica {r['replica']}: {r['prompts']} prompts, {r['output_tokens']} tokens in {r['seconds']:.2f} s"
               f" = {r['output_tok_s']:.0f} tok/s")
-    print(f"{name} x{args.dp}: {res['output_tok_s']:.0f} output tok/s, {res['fraction_of_floor']:.1%} of the floor")
+    print(f"{name} x{args.dp}: {res['output_tok_s']:.0f} output tok/s"
+          + (f", {res['fraction_of_floor']:.1%} of the floor" if floor is not None else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
 
 
-def main(argv=None):
+def floor_fields(floor: float | None, seconds: float) -> dict:
+    """The memory floor's JSON fields (none without a floor)."""
+    return {} if floor is None else {"floor_s": round(floor, 3), "fraction_of_floor": round(floor / seconds, 3)}
+
+
+def wants_floors(args, device: str) -> bool:
+    """Floors are the H200's figures by default: reported on CUDA, elsewhere only with --bandwidth
+    (then --peak-flops should be the device's too)."""
+    if args.bandwidth is None and device == "cuda":
+        args.bandwidth = H200_COPY_BANDWIDTH
+    return args.bandwidth is not None
+
+
+def final_table(name: str, res: dict, cold_start: float) -> str:
+    """The one-line summary at the end (floor columns only when the run has floors)."""
+    floors = "floor_s" in res
+    extra = [("HF tok/s", "hf_tok_s", 10, ".0f"), ("bs1 ms/tok", "decode_ms_per_token_bs1", 12, ".2f")]
+    head = f"{'model':<12}{'out tok/s':>11}{'total tok/s':>13}" + (f"{'floor s':>9}" if floors else "") + \
+        f"{'secs':>8}" + (f"{'of floor':>10}{'step floor s':>14}{'of it':>8}" if floors else "") + f"{'cold s':>8}"
+    row = f"{name:<12}{res['output_tok_s']:>11.0f}{res['total_tok_s']:>13.0f}" + \
+        (f"{res['floor_s']:>9.2f}" if floors else "") + f"{res['seconds']:>8.2f}" + \
+        (f"{res['fraction_of_floor']:>10.1%}{res['step_floor_s']:>14.2f}{res['fraction_of_step_floor']:>8.1%}"
+         if floors else "") + f"{cold_start:>8.1f}"
+    for title, key, width, fmt in extra:
+        if key in res:
+            head, row = head + f"{title:>{width}}", row + f"{res[key]:>{width}{fmt}}"
+    return head + "\n" + row
+
+
+def say(message: str) -> None:
+    """A phase of the run, to stderr (the figures go to stdout)."""
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="checkpoint folder")
@@ -574,7 +663,8 @@ def main(argv=None):
     ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...): "auto" or "fp8"')
     ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load time')
     ap.add_argument("--calculate-kv-scales", action="store_true", help="LLM(calculate_kv_scales=True)")
-    ap.add_argument("--bandwidth", type=float, default=H200_COPY_BANDWIDTH, help="memory bandwidth, B/s")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="memory bandwidth, B/s, of the floors (default: the H200's on CUDA; elsewhere no floors)")
     ap.add_argument("--compare", choices=["hf", "vllm"], action="append", default=[])
     ap.add_argument("--hf-num-seqs", type=int, default=32, help="requests run through the HF peer (a subset: it is slow)")
     ap.add_argument("--latency", action="store_true", help="also measure batch-1 decode ms/token")
@@ -585,7 +675,7 @@ def main(argv=None):
                     help="output tokens per request of the profiled run; 0: the workload's own (the whole run)")
     ap.add_argument("--profile-fresh-prompts", action="store_true",
                     help="profile with prompts the prefix cache has not seen (every token id + 1, modulo "
-                         "10,001: the workload's ids are 0-10,000), so the profiled run prefills them all")
+                         "the workload's largest id + 1), so the profiled run prefills them all")
     ap.add_argument("--profile-startup", action="store_true",
                     help="only construct the LLM, under cProfile, and print where the cold start goes")
     ap.add_argument("--logprobs", type=int, metavar="K",
@@ -597,28 +687,31 @@ def main(argv=None):
     ap.add_argument("--json", help="write the figures to this file")
     add_round2_args(ap)
     args = ap.parse_args(argv)
+    if min(args.num_seqs, args.max_input_len, args.max_output_len) < 1:
+        ap.error("--num-seqs, --max-input-len and --max-output-len must be >= 1")
     if args.dp > 1 and (args.latency or args.profile or args.profile_startup or args.gather_logits):
         ap.error("--dp > 1 measures throughput only (no --latency, --profile, --profile-startup, --gather-logits)")
+    return args
 
-    import torch
 
-    from nanovllm import LLM, SamplingParams
+def profile_startup(path: str, args) -> None:
+    """--profile-startup: construct the LLM under cProfile and print where the cold start goes."""
+    import cProfile
+    import pstats
 
-    path = os.path.join(HERE, DUMMY_CONFIGS[args.dummy]) if args.dummy else args.model
-    name = args.dummy or os.path.basename(os.path.normpath(path)).lower()
-    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len)
+    from nanovllm import LLM
 
-    if args.profile_startup:
-        import cProfile
-        import pstats
+    with cProfile.Profile() as prof:
+        LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
+            tensor_parallel_size=args.tp, max_model_len=4096).shutdown()
+    stats = pstats.Stats(prof).sort_stats("cumulative")
+    stats.print_stats(25)  # everything: on a bare machine imports and JIT dominate
+    stats.print_stats("nanovllm", 40)  # our own code alone, which the list above may crowd out
 
-        with cProfile.Profile() as prof:
-            LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
-                tensor_parallel_size=args.tp, max_model_len=4096).shutdown()
-        stats = pstats.Stats(prof).sort_stats("cumulative")
-        stats.print_stats(25)  # everything: on a bare machine imports and JIT dominate
-        stats.print_stats("nanovllm", 40)  # our own code alone, which the list above may crowd out
-        return
+
+def load(path: str, args):
+    """(the LLM of the run, its cold start in seconds)."""
+    from nanovllm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(path, load_format="dummy" if args.dummy else "auto", skip_tokenizer_init=bool(args.dummy),
@@ -630,20 +723,26 @@ def main(argv=None):
     cold_start = time.perf_counter() - t0
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False
+    return llm, cold_start
 
-    # The default workload uses none of the optional sampling features (logprobs, penalties, n > 1):
-    # plain temperature sampling, as nano-vllm's bench.py.
-    extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
-    extra.update(top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)  # the filters (off by default)
+
+def timed_run(llm, args, prompts, max_tokens, extra: dict):
+    """The warm-up, then the timed generate of the workload: (seconds, its StepTimeline or None)."""
+    import torch
+
+    from nanovllm import SamplingParams
+
     llm.generate([[1, 2, 3]] * args.dp, SamplingParams(**extra), use_tqdm=False)  # warm-up (every replica)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    say(f"timed run: {len(prompts)} requests, {sum(max_tokens)} output tokens")
     t = time.perf_counter()
     # Per step: two clock reads, the step's shape (one pass over its rows) and a KV-use sample
     # (one pass over the running requests): ~10 us at 256 requests. Replicas step on their own:
     # no timeline of one engine's steps with --dp.
-    with (StepTimeline(llm, kv_usage=True) if args.dp == 1 else contextlib.nullcontext()) as timeline:
+    with (StepTimeline(llm, kv_usage=True) if args.dp == 1 else contextlib.nullcontext()) as timeline, \
+            observing(llm, Progress("timed run") if args.dp == 1 else None):
         outs = llm.generate(prompts, params, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -651,69 +750,84 @@ def main(argv=None):
     out_tokens = sum(len(o["token_ids"]) for o in outs)
     if out_tokens != sum(max_tokens):
         raise SystemExit(f"expected {sum(max_tokens)} output tokens, got {out_tokens}")
-    in_tokens = sum(map(len, prompts))
-    kv_bytes, linear_bytes = weight_element_bytes(llm)
-    floor = data_parallel_floor(llm, prompts, max_tokens, args, kv_bytes, linear_bytes)
-    if args.dp > 1:
-        return finish_data_parallel(llm, args, name, out_tokens, in_tokens, seconds, floor, cold_start)
+    return seconds, timeline
+
+
+def run_result(llm, args, name: str, seconds: float, floor: float | None, cold_start: float, out_tokens: int,
+               in_tokens: int) -> dict:
+    """The JSON figures of a single-engine run (before the floor report and the extras)."""
     rank0 = getattr(llm.model_runner, "runner", llm.model_runner)  # TP: rank 0's ModelRunner
-    res = {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
-           "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
-           "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), "floor_s": round(floor, 3),
-           "fraction_of_floor": round(floor / seconds, 3), "cold_start_s": round(cold_start, 2),
-           "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
-           "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
-           "quantization": None if llm.config.quant is None else f"fp8-{llm.config.quant.scheme}",
-           "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
-           "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
-           "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
-           "logprobs": args.logprobs, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-           "startup_s": llm.model_runner.startup_seconds}
-    res.update(floor_report(llm, timeline, args, seconds, floor, prompts, max_tokens))
+    return {"model": name, "gpu": gpu_name(), "commit": git_commit(), "tp": args.tp, "num_seqs": args.num_seqs,
+            "output_tokens": out_tokens, "seconds": round(seconds, 3), "output_tok_s": round(out_tokens / seconds, 1),
+            "total_tok_s": round((in_tokens + out_tokens) / seconds, 1), **floor_fields(floor, seconds),
+            "cold_start_s": round(cold_start, 2),
+            "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
+            "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": None if llm.config.quant is None else f"fp8-{llm.config.quant.scheme}",
+            "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
+            "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
+            "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
+            "logprobs": args.logprobs, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
+            "startup_s": llm.model_runner.startup_seconds}
 
-    if args.latency:
-        p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
-        prompt = [prompts[0][:128]]
-        llm.generate(prompt, p, use_tqdm=False)
-        t = time.perf_counter()
-        llm.generate(prompt, p, use_tqdm=False)
-        t_first = time.perf_counter() - t
-        n = 256
-        t = time.perf_counter()
-        llm.generate(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n + 1), use_tqdm=False)
-        res["decode_ms_per_token_bs1"] = round((time.perf_counter() - t - t_first) / n * 1e3, 3)
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
 
-        short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.profile_tokens or n, **extra)
-                 for n in max_tokens]
-        cuda = torch.cuda.is_available()  # on a CPU the run is profiled too, with no kernels to list
-        profiled = [[(t + 1) % 10_001 for t in p] for p in prompts] if args.profile_fresh_prompts else prompts
-        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof, \
-                StepTimeline(llm) as profiled_steps:
-            t = time.perf_counter()
-            llm.generate(profiled, short, use_tqdm=False)
-            if cuda:
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t
-        # GPU idle time = wall - kernel time: what host overhead between kernels costs.
-        kernels = profiled_kernels(prof)
-        busy = sum(us for _, us in kernels) / 1e6
-        print(f"profiled run: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)")
-        breakdown = kernel_breakdown(kernels)
-        for kind, secs in breakdown.items():
-            print(f"  {kind:<32}{secs * 1e3:>10.1f} ms{secs / max(busy, 1e-9):>7.1%}")
-        res["profile"] = {"tokens": args.profile_tokens, "fresh_prompts": args.profile_fresh_prompts,
-                          "prefill_tokens": sum(n for prefill, n, _, _ in profiled_steps.steps if prefill),
-                          "wall_s": round(wall, 3),
-                          "kernels_s": {k: round(v, 4) for k, v in breakdown.items()}}
-        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
-                                        max_name_column_width=60))
-        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
-    llm.shutdown()
-    del llm
+def batch1_latency(llm, prompts) -> float:
+    """--latency: batch-1 decode ms per token (the first token's time taken out)."""
+    from nanovllm import SamplingParams
+
+    say("batch-1 latency")
+    p = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=1)
+    prompt = [prompts[0][:128]]
+    llm.generate(prompt, p, use_tqdm=False)
+    t = time.perf_counter()
+    llm.generate(prompt, p, use_tqdm=False)
+    t_first = time.perf_counter() - t
+    n = 256
+    t = time.perf_counter()
+    llm.generate(prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=n + 1), use_tqdm=False)
+    return round((time.perf_counter() - t - t_first) / n * 1e3, 3)
+
+
+def profiled_run(llm, args, prompts, max_tokens, extra: dict, max_id: int) -> dict:
+    """--profile: a short run under torch.profiler; its tables printed, its figures returned."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from nanovllm import SamplingParams
+
+    short = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=args.profile_tokens or n, **extra)
+             for n in max_tokens]
+    cuda = torch.cuda.is_available()  # on a CPU the run is profiled too, with no kernels to list
+    profiled = [[(t + 1) % (max_id + 1) for t in p] for p in prompts] if args.profile_fresh_prompts else prompts
+    say("profiled run")
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof, \
+            StepTimeline(llm) as profiled_steps:
+        t = time.perf_counter()
+        llm.generate(profiled, short, use_tqdm=False)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t
+    # GPU idle time = wall - kernel time: what host overhead between kernels costs.
+    kernels = profiled_kernels(prof)
+    busy = sum(us for _, us in kernels) / 1e6
+    print(f"profiled run: wall {wall:.3f} s, GPU kernels {busy:.3f} s ({busy / wall:.0%} busy)")
+    breakdown = kernel_breakdown(kernels)
+    for kind, secs in breakdown.items():
+        print(f"  {kind:<32}{secs * 1e3:>10.1f} ms{secs / max(busy, 1e-9):>7.1%}")
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40,
+                                    max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=15, max_name_column_width=60))
+    return {"tokens": args.profile_tokens, "fresh_prompts": args.profile_fresh_prompts,
+            "prefill_tokens": sum(n for prefill, n, _, _ in profiled_steps.steps if prefill),
+            "wall_s": round(wall, 3), "kernels_s": {k: round(v, 4) for k, v in breakdown.items()}}
+
+
+def compare_peers(res: dict, args, path: str, prompts, max_tokens) -> None:
+    """--compare hf / vllm: the peers' throughput into `res` (after the LLM is shut down)."""
+    import torch
 
     if "hf" in args.compare:
+        say("the transformers peer")
         k = min(args.hf_num_seqs, len(prompts))
         import gc
 
@@ -725,16 +839,11 @@ def main(argv=None):
     if "vllm" in args.compare:
         res["vllm_tok_s"] = run_vllm(path, prompts, max_tokens, bool(args.dummy), args.tp)
 
-    # (the KV-use time series goes to --json only)
+
+def write_result(res: dict, name: str, cold_start: float, args) -> None:
+    """The figures: printed (the KV-use time series goes to --json only), to --json, --kv-plot."""
     print(json.dumps(res | {"kv_usage": res["kv_usage"].get("summary")}, indent=1))
-    print(f"\n{'model':<12}{'out tok/s':>11}{'total tok/s':>13}{'floor s':>9}{'secs':>8}{'of floor':>10}"
-          f"{'step floor s':>14}{'of it':>8}{'cold s':>8}" + (f"{'HF tok/s':>10}" if "hf_tok_s" in res else "")
-          + (f"{'bs1 ms/tok':>12}" if "decode_ms_per_token_bs1" in res else ""))
-    print(f"{name:<12}{res['output_tok_s']:>11.0f}{res['total_tok_s']:>13.0f}{floor:>9.2f}{seconds:>8.2f}"
-          f"{res['fraction_of_floor']:>10.1%}{res['step_floor_s']:>14.2f}{res['fraction_of_step_floor']:>8.1%}"
-          f"{cold_start:>8.1f}"
-          + (f"{res['hf_tok_s']:>10.0f}" if "hf_tok_s" in res else "")
-          + (f"{res['decode_ms_per_token_bs1']:>12.2f}" if "decode_ms_per_token_bs1" in res else ""))
+    print("\n" + final_table(name, res, cold_start))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
@@ -746,6 +855,41 @@ def main(argv=None):
         except ImportError as e:  # matplotlib is optional (and absent on some GPU machines)
             print(f"--kv-plot: {e}; plot it later: python benchmarks/plot_kv_usage.py RESULT.json OUT.png",
                   file=sys.stderr)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    path = os.path.join(HERE, DUMMY_CONFIGS[args.dummy]) if args.dummy else args.model
+    name = args.dummy or os.path.basename(os.path.normpath(path)).lower()
+    if args.profile_startup:
+        return profile_startup(path, args)
+
+    say(f"loading {name}")
+    llm, cold_start = load(path, args)
+    max_id = workload_max_id(llm.config.hf_config.vocab_size)
+    prompts, max_tokens = workload(args.num_seqs, args.max_input_len, args.max_output_len, max_id=max_id)
+    floors = wants_floors(args, llm.config.device)
+    # The default workload uses none of the optional sampling features (logprobs, penalties, n > 1):
+    # plain temperature sampling, as nano-vllm's bench.py.
+    extra = {} if args.logprobs is None else {"logprobs": args.logprobs}
+    extra.update(top_p=args.top_p, top_k=args.top_k, min_p=args.min_p)  # the filters (off by default)
+    say(f"started in {cold_start:.1f} s; warm-up")
+    seconds, timeline = timed_run(llm, args, prompts, max_tokens, extra)
+    out_tokens, in_tokens = sum(max_tokens), sum(map(len, prompts))
+    kv_bytes, linear_bytes = weight_element_bytes(llm)
+    floor = data_parallel_floor(llm, prompts, max_tokens, args, kv_bytes, linear_bytes) if floors else None
+    if args.dp > 1:
+        return finish_data_parallel(llm, args, name, out_tokens, in_tokens, seconds, floor, cold_start)
+    res = run_result(llm, args, name, seconds, floor, cold_start, out_tokens, in_tokens)
+    res.update(floor_report(llm, timeline, args, seconds, floor, prompts, max_tokens))
+    if args.latency:
+        res["decode_ms_per_token_bs1"] = batch1_latency(llm, prompts)
+    if args.profile:
+        res["profile"] = profiled_run(llm, args, prompts, max_tokens, extra, max_id)
+    llm.shutdown()
+    del llm
+    compare_peers(res, args, path, prompts, max_tokens)
+    write_result(res, name, cold_start, args)
 
 
 if __name__ == "__main__":

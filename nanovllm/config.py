@@ -14,12 +14,15 @@ import logging
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 
+from nanovllm.core.hooks import ModelFeatures, NoFeatures
+from nanovllm.limits import clip_repr
 from nanovllm.model import registry
 from nanovllm.model.attention.backend import flash_attn_available
+from nanovllm.model.fit import check_model_fits
 from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
@@ -52,53 +55,12 @@ def checked(name: str, value, kind, what: str, ok: Callable = lambda v: True):
     if good and kind in (int, float):
         value = kind(value)
     if not good or not ok(value):
-        raise ValueError(f"{name}={value!r}: must be {what}")
+        raise ValueError(f"{name}={clip_repr(value)}: must be {what}")
     return value
 
 
 def _at_least(n):
     return lambda v: v >= n
-
-
-# ---------------------------------------------------------------- what the model needs from features
-
-
-class ModelFeatures(Protocol):
-    """What Config.resolve asks of the features the front wires in (nanovllm/wiring.py): each
-    answer is an object the model runner plugs into a hook of model/, or None when the model and
-    options need none."""
-
-    def quantization_scheme(self, checkpoint_config: dict | None, requested: str | None):
-        """The linear layers' weight scheme (model/quant.py's QuantScheme) for the checkpoint's
-        quantization_config and LLM(quantization=...), or None."""
-
-    def kv_scale_calibrator(self, calculate_kv_scales: bool):
-        """The attention layers' KVScaleCalibrator (model/attention/layer.py), or None."""
-
-    def sparse_mlp(self, decoder_options):
-        """The MoE block factory (model/decoder.py's SparseMlpFactory) of a model whose
-        DecoderOptions have MoE layers, or None."""
-
-
-class NoFeatures:
-    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
-
-    @staticmethod
-    def _refuse(what: str):
-        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
-                         f"not a bare LLMEngine")
-
-    def quantization_scheme(self, checkpoint_config, requested):
-        if checkpoint_config or requested is not None:
-            self._refuse("quantized weights")
-
-    def kv_scale_calibrator(self, calculate_kv_scales):
-        if calculate_kv_scales:
-            self._refuse("calculate_kv_scales=True")
-
-    def sparse_mlp(self, decoder_options):
-        if decoder_options.moe_layers:
-            self._refuse("a mixture-of-experts model")
 
 
 # ---------------------------------------------------------------- one sub-config per feature
@@ -123,7 +85,7 @@ class ParallelConfig:
         checked("custom_all_reduce", self.custom_all_reduce, bool, "True or False")
         backend = self.distributed_executor_backend
         if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={backend!r}: must be one of {EXECUTOR_BACKENDS}")
+            raise ValueError(f"distributed_executor_backend={clip_repr(backend)}: must be one of {EXECUTOR_BACKENDS}")
         if backend == "external_launcher" and self.data_parallel_size != 1:
             raise ValueError("distributed_executor_backend='external_launcher' runs one tensor-parallel engine "
                              "over torchrun's ranks; data_parallel_size must be 1 (launch one torchrun job per "
@@ -141,14 +103,14 @@ class QuantizationConfig:
 
     def __post_init__(self):
         if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported; use one of "
+            raise ValueError(f"kv_cache_dtype={clip_repr(self.kv_cache_dtype)} is not supported; use one of "
                              f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
         checked("calculate_kv_scales", self.calculate_kv_scales, bool, "True or False")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
                              "kv_cache_dtype='fp8'")
         if self.method is not None and not isinstance(self.method, str):
-            raise ValueError(f"quantization={self.method!r}: must be None or a method's name")
+            raise ValueError(f"quantization={clip_repr(self.method)}: must be None or a method's name")
 
 
 @dataclass
@@ -290,24 +252,24 @@ class Config:
 
     def _check_names(self) -> None:
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format={self.load_format!r}: must be one of {LOAD_FORMATS}")
+            raise ValueError(f"load_format={clip_repr(self.load_format)}: must be one of {LOAD_FORMATS}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r}: must be None or one of {ATTENTION_BACKENDS}")
+            raise ValueError(f"attention_backend={clip_repr(self.attention_backend)}: must be None or one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "flash_attn" and self.kvcache_block_size % 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
                              f"got {self.kvcache_block_size}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
-            raise ValueError(f"tokenizer_mode={self.tokenizer_mode!r}: must be one of {TOKENIZER_MODES}")
+            raise ValueError(f"tokenizer_mode={clip_repr(self.tokenizer_mode)}: must be one of {TOKENIZER_MODES}")
         for name in ("tokenizer", "revision"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"{name}={value!r}: must be None or a string")
+                raise ValueError(f"{name}={clip_repr(value)}: must be None or a string")
         gc = self.generation_config
         if not isinstance(gc, (str, os.PathLike)) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
-            raise ValueError(f"generation_config={gc!r}: must be 'auto' (the model's), 'vllm' (none) "
+            raise ValueError(f"generation_config={clip_repr(gc)}: must be 'auto' (the model's), 'vllm' (none) "
                              "or a folder holding a generation_config.json")
         if self.device is not None and str(self.device) not in ("cpu", "cuda"):
-            raise ValueError(f"device={self.device!r}: must be None, 'cpu' or 'cuda'")
+            raise ValueError(f"device={clip_repr(self.device)}: must be None, 'cpu' or 'cuda'")
 
     # ------------------------------------------------------------------ resolve (I/O)
     def resolve(self, features: ModelFeatures | None = None) -> "Config":
@@ -325,6 +287,9 @@ class Config:
         hf = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype, hf)
         self._resolve_features(hf, features or NoFeatures())
+        if self.parallel.distributed_executor_backend != "ray":  # a Ray front's replicas check on their own
+            check_model_fits(hf, self.dtype, self.quant is not None, self.device,
+                             self.parallel.tensor_parallel_size, self.parallel.data_parallel_size)
         self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype
         self._check_fp8_device()
         if self.max_model_len > hf.max_position_embeddings:  # RoPE would silently extrapolate
@@ -389,7 +354,7 @@ class Config:
             dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
         resolved = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype).removeprefix("torch."))
         if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype={dtype!r}: must be None, 'auto', float32, bfloat16 or float16")
+            raise ValueError(f"dtype={clip_repr(dtype)}: must be None, 'auto', float32, bfloat16 or float16")
         return resolved
 
 

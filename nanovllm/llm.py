@@ -12,6 +12,7 @@ from nanovllm.config import wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
+from nanovllm.limits import check_unicode, clip_repr
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.data_parallel_front import DataParallelFront
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
@@ -48,6 +49,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         # stream() iterator) gets a clear error instead of sharing the engine's steps.
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
+        self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
         super().__init__(model, start_executor=self._start_executor, model_features=wiring,
                          **kwargs)
         wiring.wire_scheduling(self)  # mixed steps, when asked
@@ -119,7 +121,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
             raise NotImplementedError(f"prompt keys {unsupported} are not supported by nano-vllm (text models only)")
         unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids"})
         if unknown:
-            raise TypeError(f"unknown prompt keys {unknown}: a prompt dict has 'prompt' (text) or "
+            raise TypeError(f"unknown prompt keys {clip_repr(unknown)}: a prompt dict has 'prompt' (text) or "
                             f"'prompt_token_ids' (token ids)")
         text = prompt.get("prompt")
         if text is not None and not isinstance(text, str):
@@ -142,14 +144,18 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         callable that makes one from tqdm's keywords (total, desc, ...)."""
         requests = self._normalize(prompts, sampling_params)
         seqs = []
-        with self._exclusive():
+        # A signal handler's exception (Ctrl-C, a timeout) comes out at a step's end; the clean-up runs uncut.
+        with self._exclusive(), deferred_interrupts():
             try:
+                self._clear_leftovers()
                 self._add_all(requests, seqs)
                 self._run_to_completion(sum(len(s.samples) for s in seqs), use_tqdm)
             except BaseException:
                 self._release(seqs)
                 raise
-        return [self._request_output(seq) for seq in seqs]
+            outputs = [self._request_output(seq) for seq in seqs]
+            self._call_seqs = []
+            return outputs
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None) -> Sequence:
@@ -160,6 +166,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
         one, never between queuing a request and recording it (which would leak it)."""
         with deferred_interrupts():
+            self._call_seqs = seqs
             for ids, p, text in requests:
                 seqs.append(self.add_request(ids, p, track_text=track_text, prompt=text))
 
@@ -174,20 +181,30 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
             for seq in seqs:
                 for sample in seq.samples:
                     self.forget_text(sample)
+            self._call_seqs = []
+
+    def _clear_leftovers(self) -> None:
+        """End the previous call's requests if an exception cut its clean-up short (see _release)."""
+        if self._call_seqs:
+            self._release(self._call_seqs)
 
     @contextlib.contextmanager
     def _exclusive(self):
         """One generate / stream at a time: steps run every queued request, so a second caller
         would swallow the first one's outputs. The check and the claim are one atomic step."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
-                               "another thread, or a server's engine loop); an LLM serves one "
-                               "generate/stream/chat at a time: finish or close the other one first, or "
-                               "give each thread its own LLM")
+        claimed = False
         try:
+            with deferred_interrupts():
+                claimed = self._busy.acquire(blocking=False)
+            if not claimed:
+                raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
+                                   "another thread, or a server's engine loop); an LLM serves one "
+                                   "generate/stream/chat at a time: finish or close the other one first, or "
+                                   "give each thread its own LLM")
             yield
         finally:
-            self._busy.release()
+            if claimed:
+                self._busy.release()
 
     # ------------------------------------------------------------------ outputs
     def _request_output(self, seq: Sequence) -> RequestOutput:
@@ -232,29 +249,28 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         """The generate() progress bar over `total` completions, or None without one."""
         if not use_tqdm:
             return None
-        # As in vLLM, use_tqdm may be a callable that makes the bar (tqdm's keywords).
-        if callable(use_tqdm):
-            make_bar = use_tqdm
-        else:
-            from tqdm.auto import tqdm as make_bar
-        return make_bar(total=total, desc="Generating", dynamic_ncols=True)
+        if not callable(use_tqdm):  # as in vLLM, it may be a callable that makes the bar (tqdm's keywords)
+            from tqdm.auto import tqdm as use_tqdm
+        return use_tqdm(total=total, desc="Generating", dynamic_ncols=True)
 
     def _run_to_completion(self, total: int, use_tqdm) -> None:
         bar = self._progress_bar(use_tqdm, total)
-        prefill_tps = decode_tps = 0.0
-        while self.has_unfinished():
-            t = time.perf_counter()
-            outputs, num_tokens, is_prefill = self.step()
+        try:
+            prefill_tps = decode_tps = 0.0
+            while self.has_unfinished():
+                t = time.perf_counter()
+                outputs, num_tokens, is_prefill = self.step()
+                if bar is not None:
+                    dt = max(time.perf_counter() - t, 1e-9)
+                    if is_prefill:
+                        prefill_tps = num_tokens / dt
+                    else:
+                        decode_tps = num_tokens / dt
+                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
+                    bar.update(sum(o.finished for o in outputs))
+        finally:
             if bar is not None:
-                dt = max(time.perf_counter() - t, 1e-9)
-                if is_prefill:
-                    prefill_tps = num_tokens / dt
-                else:
-                    decode_tps = num_tokens / dt
-                bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-                bar.update(sum(o.finished for o in outputs))
-        if bar is not None:
-            bar.close()
+                bar.close()
 
     def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Yield per-completion increments as the engine produces them (StreamOutput: vLLM's
@@ -272,6 +288,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         seqs = []
         with self._exclusive():
             try:
+                self._clear_leftovers()
                 self._add_all(requests, seqs, track_text=True)
                 where = {s.seq_id: (i, seq) for i, seq in enumerate(seqs) for s in seq.samples}
                 first = set()  # requests whose first increment (with the prompt logprobs) went out
@@ -382,11 +399,14 @@ def _check_conversation(conv, where: str) -> None:
             raise TypeError(f"{where}, message {j}: must be a dict with 'role' and 'content', got {type(m).__name__}")
         role = m.get("role")
         if role not in _CHAT_ROLES:
-            raise ValueError(f"{where}, message {j}: role must be one of {', '.join(_CHAT_ROLES)}, got {role!r}")
+            raise ValueError(f"{where}, message {j}: role must be one of {', '.join(_CHAT_ROLES)}, "
+                             f"got {clip_repr(role)}")
         content = m.get("content")
         calls_tools = role == "assistant" and bool(m.get("tool_calls"))
         if not isinstance(content, str) and not (calls_tools and content is None):
             raise TypeError(f"{where}, message {j}: content must be a string, got {type(content).__name__}")
+        if isinstance(content, str):
+            check_unicode(content, f"{where}, message {j}: content")
 
 
 def _template_variables(template) -> set[str] | None:

@@ -11,6 +11,9 @@ from dataclasses import dataclass
 
 import xxhash
 
+from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                             MAX_TOKEN_ID_ENTRIES, check_size, clip_repr)
+
 
 def is_integer(x) -> bool:
     """An integer as callers pass them: int or numpy's integers, but not bool."""
@@ -20,8 +23,7 @@ def is_integer(x) -> bool:
 def as_token_ids(values) -> list[int] | None:
     """A list or tuple of integers (int or numpy's, not bool) as a new list of Python ints, or
     None if some element is not one. Plain ints are recognised in C (the set of the elements'
-    types) instead of one isinstance against numbers.Integral per token, which cost ~50 ms of
-    host time for the bench's 143k prompt tokens."""
+    types), not by one isinstance per token (long prompts)."""
     if set(map(type, values)) <= {int}:
         return list(values)
     if all(is_integer(t) for t in values):
@@ -51,8 +53,8 @@ def _refuse_not_implemented(name: str, value) -> None:
     off = NOT_IMPLEMENTED[name]
     if value is off or (is_real(off) and is_real(value) and value == off):
         return
-    raise NotImplementedError(f"SamplingParams.{name}={value!r}: vLLM's {name} is not implemented by nano-vllm "
-                              f"(leave it at {off!r})")
+    raise NotImplementedError(f"SamplingParams.{name}={clip_repr(value)}: vLLM's {name} is not implemented by "
+                              f"nano-vllm (leave it at {off!r})")
 
 
 def derive_sample_seed(seed: int, index: int) -> int:
@@ -155,7 +157,7 @@ class SamplingParams:
 
     # ---------------------------------------------------------------- validation
     def _bad(self, name, why):
-        raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+        raise ValueError(f"SamplingParams.{name}={clip_repr(getattr(self, name))}: {why}")
 
     def _validate(self) -> None:
         """Check every field (ValueError naming it), store numbers as Python's own, and derive
@@ -225,7 +227,6 @@ class SamplingParams:
             elif v is not None and (not is_int(v) or v < -1):
                 bad(name, "must be None (off), an integer >= 0, or -1 (the whole vocabulary)")
 
-
     def _check_stops(self) -> tuple[tuple[str, ...], list]:
         """(stop strings, stop token ids), checked."""
         bad = self._bad
@@ -241,11 +242,14 @@ class SamplingParams:
             bad("stop", "must be a string, a list of strings or None")
         if any(s == "" for s in stops):
             bad("stop", "stop strings must not be empty")
+        check_size("SamplingParams.stop", stops, MAX_STOP_STRINGS, "stop strings", MAX_STOP_STRING_CHARS)
         if stops and not self.detokenize:
             bad("stop", "stop strings need detokenize=True")
         ids = self.stop_token_ids
         if ids is None:
             ids = []
+        if isinstance(ids, (list, tuple, set, frozenset)):
+            check_size("SamplingParams.stop_token_ids", ids, MAX_TOKEN_ID_ENTRIES)
         if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
             bad("stop_token_ids", "must be a list of non-negative integers or None")
         return stops, ids
@@ -258,6 +262,7 @@ class SamplingParams:
         if bias is not None:
             if not isinstance(bias, dict):
                 bad("logit_bias", "must be a dict {token id: bias} or None")
+            check_size("SamplingParams.logit_bias", bias, MAX_TOKEN_ID_ENTRIES)
             norm = {}
             for k, v in bias.items():
                 if isinstance(k, str) and k.strip().lstrip("-").isdigit():
@@ -270,6 +275,8 @@ class SamplingParams:
             bias = norm
         allowed = self.allowed_token_ids
         if allowed is not None:
+            if isinstance(allowed, (list, tuple, set, frozenset)):
+                check_size("SamplingParams.allowed_token_ids", allowed, MAX_TOKEN_ID_ENTRIES)
             if not isinstance(allowed, (list, tuple, set, frozenset)) or not allowed \
                     or not all(is_int(t) and t >= 0 for t in allowed):
                 bad("allowed_token_ids", "must be None or a non-empty list of non-negative integers")
@@ -281,7 +288,7 @@ class SamplingParams:
             words = tuple(dict.fromkeys(words))
         else:
             bad("bad_words", "must be None or a list of non-empty strings")
-
+        check_size("SamplingParams.bad_words", words, MAX_BAD_WORDS, "words", MAX_BAD_WORD_CHARS)
         return bias, allowed, words
 
     def _normalised(self, name: str):

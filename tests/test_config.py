@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -206,3 +207,68 @@ def test_numpy_numbers_are_accepted_and_stored_as_python_numbers(ckpt):
     assert type(cfg.gpu_memory_utilization) is float
     with pytest.raises(ValueError, match="max_num_seqs"):
         make(ckpt, max_num_seqs=np.bool_(True))
+
+
+
+def _set_size(c, field, value):
+    c[field] = value
+    if field == "num_hidden_layers":
+        c.pop("layer_types", None)  # (transformers checks it has one entry per layer)
+
+
+def _set_rope_theta(c, value):
+    c["rope_theta"] = value
+    if isinstance(c.get("rope_parameters"), dict):
+        c["rope_parameters"]["rope_theta"] = value
+
+
+@pytest.mark.parametrize("field,value", [
+    ("rope_theta", 0), ("rope_theta", -10000.0), ("rms_norm_eps", -1.0), ("rms_norm_eps", 0.0),
+    ("head_dim", 0), ("head_dim", -16), ("num_key_value_heads", 0), ("num_hidden_layers", 0),
+    ("vocab_size", 0), ("hidden_size", -64), ("num_attention_heads", 0),
+])
+def test_model_values_out_of_range_are_refused_naming_the_field(ckpt, tmp_path, field, value):
+    """Before: rope_theta=0 loaded and emitted token 0, rms_norm_eps=-1 and head_dim=0 (read
+    as hidden_size / heads) were accepted."""
+    folder = copy_checkpoint(ckpt, tmp_path / "bad")
+    edit = (lambda c: _set_rope_theta(c, value)) if field == "rope_theta" else (lambda c: _set_size(c, field, value))
+    edit_json(os.path.join(folder, "config.json"), edit)
+    with pytest.raises(ValueError, match=rf"{field}"):
+        make(folder)
+
+
+@pytest.mark.parametrize("field,value,also", [("num_hidden_layers", 10**6, dict(intermediate_size=10**5)),
+                                              ("vocab_size", 10**11, {}), ("hidden_size", 10**7, {})])
+def test_weights_larger_than_the_device_are_refused_before_allocating(ckpt, tmp_path, field, value, also):
+    """Absurd sizes (no machine holds these weights: terabytes): before, num_hidden_layers=10^6
+    ground for minutes until memory ran out and vocab_size=10^9 / hidden_size=10^6 failed in
+    the allocator. Now Config (which allocates nothing) refuses them, naming the field."""
+    folder = copy_checkpoint(ckpt, tmp_path / "huge")
+    edit_json(os.path.join(folder, "config.json"), lambda c: _set_size(c, field, value) or c.update(also))
+    with pytest.raises(ValueError, match=rf"{field}={value}\b.*the weights alone need .* GiB, more than the .* GiB"):
+        make(folder, device="cpu")
+
+
+def test_weight_estimate_of_the_tiny_model_is_its_parameter_bytes(ckpt):
+    """The estimate is a lower bound: the real parameters (norms, biases aside) in float32."""
+    from safetensors import safe_open
+
+    from nanovllm.model.fit import weight_bytes
+
+    cfg = make(ckpt, device="cpu")
+    real = 0
+    for name in os.listdir(ckpt):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(ckpt, name), "pt") as f:
+                real += sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
+                            else math.prod(f.get_slice(k).get_shape()) for k in f.keys() if "norm" not in k)
+    estimate = sum(weight_bytes(cfg.hf_config, torch.float32, False).values())
+    assert estimate == 4 * real
+
+
+def test_invalid_values_are_quoted_not_echoed_whole(ckpt):
+    for kw in (dict(max_num_seqs="8" * 10**6), dict(load_format="x" * 10**6), dict(device=["cpu"] * 10**5),
+               dict(tokenizer_mode="s" * 10**6)):
+        with pytest.raises(ValueError) as e:
+            Config.from_kwargs(ckpt, **kw)
+        assert len(str(e.value)) < 300, str(e.value)[:1000]

@@ -234,7 +234,7 @@ def test_bench_dp2_reports_per_replica_throughput(tmp_path):
     out = tmp_path / "res.json"
     proc = subprocess.run([sys.executable, os.path.join(root, "bench.py"), "--model", path, "--dp", "2",
                            "--num-seqs", "4", "--max-input-len", "110", "--max-output-len", "102",
-                           "--block-size", "16", "--json", str(out)],
+                           "--block-size", "16", "--json", str(out), "--bandwidth", str(bench.H200_COPY_BANDWIDTH)],
                           capture_output=True, text=True, timeout=300, cwd=root, env={**os.environ, "PYTHONPATH": root})
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nanovllm.core.detokenizer import IncrementalDetokenizer, detokenize, detokenize_continuation
+from nanovllm.core.detokenizer import IncrementalDetokenizer, StopMatcher, detokenize, detokenize_continuation
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small vocabulary: common words merge into single tokens while most CJK characters and all
@@ -339,6 +339,53 @@ def test_stop_and_delta_invariants(tok, data):
     # Matching as text arrives never lets a complete stop string into the output.
     assert not any(s in det.text for s in stops)
     assert all("\ufffd" not in d for d in deltas)
+
+
+
+def test_stop_matcher_agrees_with_a_brute_force_search():
+    """StopMatcher (one KMP automaton per stop string) against the plain definition, on text
+    over a two-letter alphabet fed in random pieces (self-overlapping strings such as "aab" or
+    "abab" exercise the automaton's fall-backs): the earliest match ending in each piece, and
+    the longest end of the text read that starts a stop string."""
+    rng = random.Random(11)
+    for _ in range(400):
+        stops = tuple(dict.fromkeys("".join(rng.choice("ab") for _ in range(rng.randint(1, 6)))
+                                    for _ in range(rng.randint(1, 3))))
+        matcher, text = StopMatcher(stops), ""
+        while len(text) < 40:
+            piece = "".join(rng.choice("ab") for _ in range(rng.randint(1, 5)))
+            start = len(text)
+            text += piece
+            found = [(text.find(st, max(0, start - len(st) + 1)), i) for i, st in enumerate(stops)]
+            found = sorted((pos, i) for pos, i in found if pos >= 0)
+            got = matcher.feed(piece)
+            if found:
+                assert got == (found[0][0] - start, stops[found[0][1]]), (stops, text)
+                break
+            assert got is None
+            assert matcher.partial() == max((k for st in stops for k in range(1, len(st))
+                                             if text.endswith(st[:k])), default=0), (stops, text)
+
+
+def test_a_long_stop_string_costs_memory_linear_in_its_length(tok):
+    """Before, the detokenizer built every prefix of every stop string: 40,000 characters cost
+    +773 MB. Now one automaton per string: a few bytes per character."""
+    import tracemalloc
+
+    stop = "ab" * 4000 + "c"  # 8,001 characters: every prefix would be ~32 MB
+    tracemalloc.start()
+    try:
+        det = IncrementalDetokenizer(tok, [], stop=(stop,))
+        ids = byte_ids(tok, "ab" * 50)
+        for i in range(0, len(ids), 3):
+            det.add(ids[i:i + 3])
+            det.pop_delta(finished=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 2_000_000, peak
+    assert det.pop_delta(finished=False) == ""  # all of it may still become the stop string
+    assert det.pop_delta(finished=True) == "ab" * 50 and not det.stopped
 
 
 def word_tokenizer(decoder) -> PreTrainedTokenizerFast:

@@ -295,6 +295,15 @@ BAD_REQUESTS = {
     "nested_token_ids": (lambda V: ([[[1, 2]]], _sp(max_tokens=2)), TypeError, r"(?i)prompt|token"),
     "one_bad_prompt_in_a_mixed_batch": (
         lambda V: (["Hello", rand_ids(10, 5), [3, V + 5], "world"], _sp(max_tokens=4)), ValueError, r"(?i)vocab"),
+    "lone_surrogate_in_a_text_prompt": (
+        lambda V: (["Hello \ud800 world"], _sp(max_tokens=2)), ValueError, r"prompt 0: the prompt holds a lone "
+        r"surrogate \(U\+D800\) at character 6"),
+    "lone_surrogate_in_a_prompt_dict": (
+        lambda V: ([{"prompt": "ok"}, {"prompt": "\udfff"}], _sp(max_tokens=2)), ValueError,
+        r"prompt 1: .*lone surrogate \(U\+DFFF\)"),
+    "lone_surrogate_in_a_bad_word": (
+        lambda V: ([[1, 2]], _sp(max_tokens=2, bad_words=["fine", "x\udbff"])), ValueError,
+        r"bad_words.*lone surrogate \(U\+DBFF\) at character 1"),
     "one_too_long_prompt_in_a_batch": (
         lambda V: ([rand_ids(10, 6), rand_ids(SHORT_LEN + 3, 7)], _sp(max_tokens=1)), ValueError,
         r"max_model_len", "short"),
@@ -314,6 +323,34 @@ def test_bad_request_raises_before_any_work_and_llm_stays_usable(strict_llm, sho
     assert runs == [], "the model ran before the bad input was rejected"
     assert_idle(llm)  # nothing was queued
     monkeypatch.undo()
+    assert_still_works(llm, gqa)
+
+
+def test_errors_never_echo_whole_inputs(strict_llm, gqa):
+    """An error names the problem and quotes a few values, never a whole large input. Before:
+    2.7 MB of message for 3x10^5 token ids outside the vocabulary."""
+    llm = strict_llm
+    V = llm.config.hf_config.vocab_size
+    cases = [
+        (lambda: llm.generate([[V + 1] * 300_000], _sp(max_tokens=2), use_tqdm=False),
+         rf"token ids \[{V + 1}, {V + 1}, {V + 1}, {V + 1}, {V + 1}\] and 299995 more are outside the vocabulary"),
+        (lambda: llm.generate([[1, 2]], _sp(max_tokens=2, allowed_token_ids=list(range(V, V + 200_000))),
+                              use_tqdm=False),
+         rf"allowed_token_ids: token ids \[{V}, {V + 1}, {V + 2}, {V + 3}, {V + 4}\] and 199995 more"),
+        (lambda: llm.generate([[1, 2]], _sp(max_tokens=2, logit_bias={V + i: 1.0 for i in range(100_000)}),
+                              use_tqdm=False), r"logit_bias: token ids .* and 99995 more"),
+        (lambda: llm.generate([{"prompt": "hi", **{f"key{i}": 1 for i in range(100_000)}}], _sp(max_tokens=2),
+                              use_tqdm=False), r"unknown prompt keys \['key0', .*\(100000 entries\)\]"),
+        (lambda: llm.chat([{"role": "r" * 10**6, "content": "hi"}], _sp(max_tokens=2), use_tqdm=False),
+         r"role must be one of .*, got 'r+'\.\.\. \(1000000 characters\)"),
+        (lambda: llm.chat([{"role": "user", "content": "fine"}, {"role": "user", "content": "\ud800"}],
+                          _sp(max_tokens=2), use_tqdm=False), r"message 1: content holds a lone surrogate"),
+        (lambda: _sp(max_tokens=2, stop_token_ids=[-1] * 100_000), r"stop_token_ids=\[-1, .*\(100000 entries\)\]"),
+    ]
+    for call, pattern in cases:
+        with pytest.raises((ValueError, TypeError), match=pattern) as e:
+            call()
+        assert len(str(e.value)) < 400, str(e.value)[:1000]
     assert_still_works(llm, gqa)
 
 

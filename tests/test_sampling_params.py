@@ -434,3 +434,46 @@ def test_as_token_ids_takes_ints_and_numpy_ints_only():
     assert as_token_ids([1, True]) is None and as_token_ids([1.0]) is None and as_token_ids(["1"]) is None
     src = [1, 2]
     assert as_token_ids(src) is not src  # a copy: the caller's list is not the engine's
+
+
+# ============================================================================================
+# What one request may carry (nanovllm/limits.py): generous limits, a clear error beyond
+
+
+def test_request_size_limits_accept_the_limit_and_refuse_one_more():
+    from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
+                                 MAX_TOKEN_ID_ENTRIES)
+
+    ids = list(range(MAX_TOKEN_ID_ENTRIES))
+    at_limit = dict(
+        stop=[f"s{i}" for i in range(MAX_STOP_STRINGS - 1)] + ["x" * MAX_STOP_STRING_CHARS],
+        bad_words=[f"w{i}" for i in range(MAX_BAD_WORDS - 1)] + ["y" * MAX_BAD_WORD_CHARS],
+        stop_token_ids=ids, allowed_token_ids=ids, logit_bias=dict.fromkeys(ids, 1.0))
+    p = SamplingParams(**at_limit)
+    assert len(p.stop_strings) == MAX_STOP_STRINGS and len(p.allowed_ids) == MAX_TOKEN_ID_ENTRIES
+    over = dict(
+        stop=[at_limit["stop"] + ["one more"], ["x" * (MAX_STOP_STRING_CHARS + 1)]],
+        bad_words=[at_limit["bad_words"] + ["one more"], ["y" * (MAX_BAD_WORD_CHARS + 1)]],
+        stop_token_ids=[ids + [0]], allowed_token_ids=[ids + [0]],
+        logit_bias=[{**at_limit["logit_bias"], MAX_TOKEN_ID_ENTRIES: 1.0}])
+    for name, values in over.items():
+        for value in values:
+            with pytest.raises(ValueError, match=field_re(name)) as e:
+                SamplingParams(**{name: value})
+            assert "more than" in str(e.value) and len(str(e.value)) < 200
+
+
+def test_a_ten_million_character_stop_string_is_refused_with_a_short_message():
+    """Before: accepted, and the detokenizer built every prefix of it (the server's engine was
+    killed for memory)."""
+    with pytest.raises(ValueError, match=field_re("stop")) as e:
+        SamplingParams(stop=["ab" * 5_000_000])
+    assert "10000000" in str(e.value) and len(str(e.value)) < 200
+
+
+def test_invalid_values_are_quoted_not_echoed_whole():
+    for kw in (dict(temperature="x" * 10**6), dict(stop=[1] * 10**5), dict(logit_bias={i: "big" for i in range(10**5)}),
+               dict(best_of=[2] * 10**5)):
+        with pytest.raises((ValueError, NotImplementedError)) as e:
+            SamplingParams(**kw)
+        assert len(str(e.value)) < 400, str(e.value)[:1000]

@@ -91,6 +91,68 @@ def detokenize_continuation(tokenizer, prompt_token_ids: Sequence[int], output_i
     return decode(context + list(output_ids))[len(context_text):]
 
 
+def _failure(s: str) -> list[int]:
+    """KMP's prefix function of `s`: entry i is the length of the longest proper prefix of
+    s[:i + 1] that also ends it."""
+    fail, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = fail[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        fail[i] = k
+    return fail
+
+
+class StopMatcher:
+    """Finds stop strings in text that arrives piece by piece, with one KMP automaton per
+    string: memory linear in the strings' lengths and time linear in the text (for each string,
+    the automaton's state is the longest start of it that the text ends with)."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = stops
+        self._fail = [_failure(s) for s in stops]
+        self._state = [0] * len(stops)
+
+    def feed(self, text: str) -> tuple[int, str] | None:
+        """Read the next piece of text; the earliest match that ends in it (the first listed
+        wins on a tie), as (its start relative to the piece, negative when it begins in earlier
+        text; the stop string), or None."""
+        best = None
+        for i, s in enumerate(self.stops):
+            state, end = self._advance(s, self._fail[i], self._state[i], text)
+            self._state[i] = state
+            if end >= 0 and (best is None or end + 1 - len(s) < best[0]):
+                best = (end + 1 - len(s), s)
+        return best
+
+    @staticmethod
+    def _advance(s: str, fail: list[int], state: int, text: str) -> tuple[int, int]:
+        """(the state after `text`, or at the first match; the index in `text` where that match
+        ends, or -1)."""
+        j, n = 0, len(text)
+        while j < n:
+            if state == 0:  # skip to the next place the string can start
+                j = text.find(s[0], j)
+                if j < 0:
+                    return 0, -1
+            else:
+                while state and s[state] != text[j]:
+                    state = fail[state - 1]
+                if s[state] != text[j]:
+                    j += 1
+                    continue
+            state += 1
+            if state == len(s):
+                return state, j
+            j += 1
+        return state, -1
+
+    def partial(self) -> int:
+        """Length of the longest end of the text read that starts some stop string."""
+        return max(self._state, default=0)
+
+
 class IncrementalDetokenizer:
     """Turns one request's generated token ids into text as they arrive, and watches for
     stop strings.
@@ -124,11 +186,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self.include_stop = include_stop
         self._decode = _decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
-        # Characters of earlier text a new match can reach back into; also the most text
-        # pop_delta may have to hold back.
-        self._reach = max((len(s) for s in stop), default=1) - 1
-        # Every proper prefix of a stop string: text ending in one may yet become a match.
-        self._stop_prefixes = frozenset(s[:k] for s in stop for k in range(1, len(s)))
+        self._matcher = StopMatcher(stop) if stop else None
 
         context, context_text = _prompt_context(self._decode, prompt_token_ids)
         # _window holds the context tokens [:_read] and the tokens not yet turned into
@@ -143,7 +201,6 @@ class IncrementalDetokenizer:
         # The text is kept in pieces so that appending costs O(1), not O(len(text)).
         self._pieces: list[str] = []
         self._len = 0
-        self._tail = ""  # last _reach characters of the text
         self._emitted = 0  # characters already handed out by pop_delta
         self._stop_string: str | None = None
         self._finished = False
@@ -206,7 +263,8 @@ class IncrementalDetokenizer:
         """
         if finished:
             self.finish()
-        hold = 0 if self._finished else self._stop_prefix_suffix_len()
+        # The end of the text that may yet grow into a stop string (never any sent text).
+        hold = 0 if self._finished or self._matcher is None else min(self._matcher.partial(), self._len - self._emitted)
         n = self._len - hold - self._emitted
         if n <= 0:
             return ""
@@ -244,33 +302,16 @@ class IncrementalDetokenizer:
         return text[self._held_done:], True
 
     def _append(self, delta: str) -> bool:
-        """Add stable text and look for a stop string in the part new matches can touch."""
+        """Add stable text and look for a stop string ending in it."""
         start = self._len
         self._pieces.append(delta)
         self._len += len(delta)
-        if not self.stop:
+        match = self._matcher.feed(delta) if self._matcher is not None else None
+        if match is None:
             return False
-        region = self._tail + delta
-        region_start = start - len(self._tail)
-        best = None
-        for s in self.stop:
-            # Earlier text was already searched, so a new match must end in `delta`.
-            i = region.find(s, max(0, len(self._tail) - len(s) + 1))
-            if i >= 0 and (best is None or i < best[0]):
-                best = (i, s)
-        if best is None:
-            self._tail = region[-self._reach :] if self._reach else ""
-            return False
-        cut = region_start + best[0] + (len(best[1]) if self.include_stop else 0)
+        cut = start + match[0] + (len(match[1]) if self.include_stop else 0)
         self._pieces[:] = [self.text[:cut]]
         self._len = cut
-        self._stop_string = best[1]
+        self._stop_string = match[1]
         self._finished = True
         return True
-
-    def _stop_prefix_suffix_len(self) -> int:
-        """Length of the longest end of the text that is the start of some stop string."""
-        for k in range(min(self._reach, self._len - self._emitted), 0, -1):
-            if self._tail[-k:] in self._stop_prefixes:
-                return k
-        return 0

@@ -10,13 +10,15 @@ import random
 import time
 from typing import Callable
 
-from nanovllm.config import Config, ModelFeatures, read_json
+from nanovllm.config import Config, read_json
 from nanovllm.core.block_manager import BlockManager, KVUsage
 from nanovllm.core.executor import Executor, ExecutorFactory, start_in_process
+from nanovllm.core.hooks import ModelFeatures
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
+from nanovllm.limits import check_unicode, clip_repr, describe_ids
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 logger = logging.getLogger(__name__)
@@ -70,6 +72,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
+        self._broken: str | None = None  # why the requests' state is unknown (see _bookkeeping)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt) -> list[int]:
@@ -79,7 +82,7 @@ class LLMEngine:
                 raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
             if not prompt:
                 raise ValueError("empty prompt")
-            ids = self.tokenizer.encode(prompt)
+            ids = encode_text(self.tokenizer, prompt, "the prompt")
         elif isinstance(prompt, (list, tuple)) and (ids := as_token_ids(prompt)) is not None:
             pass
         else:
@@ -88,7 +91,8 @@ class LLMEngine:
             raise ValueError("empty prompt")
         if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops; the list below only on error)
             bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            what = f"token id {bad[0]} is" if len(bad) == 1 else f"token ids {describe_ids(bad)} are"
+            raise ValueError(f"{what} outside the vocabulary [0, {self.vocab_size})")
         return ids
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -119,14 +123,10 @@ class LLMEngine:
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()
         vocab = self.vocab_size
-
-        def outside(ids):
-            return sorted(t for t in ids if t >= vocab)
-
         for name, ids in (("stop_token_ids", p.stop_ids), ("logit_bias", p.bias or ()),
                           ("allowed_token_ids", p.allowed_ids or ())):
-            if outside(ids):
-                raise ValueError(f"{name}: token ids {outside(ids)} are outside the vocabulary [0, {vocab})")
+            if bad := sorted(t for t in ids if t >= vocab):
+                raise ValueError(f"{name}: token ids {describe_ids(bad)} are outside the vocabulary [0, {vocab})")
         cap = self.config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(p, name)
@@ -149,16 +149,16 @@ class LLMEngine:
         counts when it is as many tokens and starts with another token)."""
         out = []
         for word in words:
-            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            plain = encode_text(self.tokenizer, word.lstrip(), "SamplingParams.bad_words", add_special_tokens=False)
             if not plain:
-                raise ValueError(f"SamplingParams.bad_words: {word!r} gives no tokens")
+                raise ValueError(f"SamplingParams.bad_words: {clip_repr(word)} gives no tokens")
             spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             out.append(tuple(plain))
             if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(tuple(spaced))
         bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
         if bad:
-            raise ValueError(f"SamplingParams.bad_words: token ids {bad} are outside the vocabulary")
+            raise ValueError(f"SamplingParams.bad_words: token ids {describe_ids(bad)} are outside the vocabulary")
         return tuple(out)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
@@ -234,10 +234,9 @@ class LLMEngine:
         worker, ...), the requests of both steps end with finish_reason "abort" and the exception
         propagates; other requests are untouched. A Ctrl-C is raised once the step is complete.
         """
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
+        self._check_usable()
         with deferred_interrupts():
-            batch = self.scheduler.schedule()
+            batch = self._bookkeeping(self.scheduler.schedule)
             done, self._in_flight = self._in_flight, None
             if batch is None and done is None:
                 raise RuntimeError("scheduler produced no work although requests are pending")
@@ -246,9 +245,25 @@ class LLMEngine:
             if launched is not None:
                 # After resolving step n: a request that step n stopped is skipped in n+1 (its
                 # row was computed for nothing, one row once per request).
-                self.requests.launched(batch)
+                self._bookkeeping(self.requests.launched, batch)
                 self._in_flight = launched
             return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise RuntimeError("this LLM has been shut down")
+        if self._broken is not None:
+            raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
+                               f"({self._broken}); create a new LLM")
+
+    def _bookkeeping(self, fn, *args):
+        """fn(*args), a change of the scheduler's state that must not fail: if it does, its
+        requests are half-moved, and every later step refuses to run (see step)."""
+        try:
+            return fn(*args)
+        except BaseException as e:
+            self._broken = f"{type(e).__name__}: {str(e)[:200]}"
+            raise
 
     def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
         try:
@@ -294,6 +309,17 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def encode_text(tokenizer, text: str, what: str, **kwargs) -> list[int]:
+    """tokenizer.encode(text, **kwargs), with a ValueError naming `what` for text that is not
+    valid Unicode (the tokenizers library reports a lone surrogate as a TypeError about its
+    input types). Checked only when encoding fails: free for every other text."""
+    try:
+        return tokenizer.encode(text, **kwargs)
+    except (TypeError, UnicodeError):
+        check_unicode(text, what)
+        raise
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")

@@ -140,3 +140,47 @@ class ForwardStrategy(Protocol):
 
     def run_prefill(self, ids, positions, meta):
         """The final hidden states [num_tokens, hidden] of the step, as model(ids, positions, meta)."""
+
+
+# ---------------------------------------------------------------- the model's features (Config.resolve)
+# Config.resolve asks these of the features the front wires in; the model runner plugs the answers
+# into model/'s hooks (the linear-method scheme, the attention layers' calibrator, the decoder's
+# sparse MLP).
+
+
+class ModelFeatures(Protocol):
+    """What Config.resolve asks of the features the front wires in (nanovllm/wiring.py): each
+    answer is an object the model runner plugs into a hook of model/, or None when the model and
+    options need none."""
+
+    def quantization_scheme(self, checkpoint_config: dict | None, requested: str | None):
+        """The linear layers' weight scheme (model/quant.py's QuantScheme) for the checkpoint's
+        quantization_config and LLM(quantization=...), or None."""
+
+    def kv_scale_calibrator(self, calculate_kv_scales: bool):
+        """The attention layers' KVScaleCalibrator (model/attention/layer.py), or None."""
+
+    def sparse_mlp(self, decoder_options):
+        """The MoE block factory (model/decoder.py's SparseMlpFactory) of a model whose
+        DecoderOptions have MoE layers, or None."""
+
+
+class NoFeatures:
+    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
+
+    @staticmethod
+    def _refuse(what: str):
+        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
+                         f"not a bare LLMEngine")
+
+    def quantization_scheme(self, checkpoint_config, requested):
+        if checkpoint_config or requested is not None:
+            self._refuse("quantized weights")
+
+    def kv_scale_calibrator(self, calculate_kv_scales):
+        if calculate_kv_scales:
+            self._refuse("calculate_kv_scales=True")
+
+    def sparse_mlp(self, decoder_options):
+        if decoder_options.moe_layers:
+            self._refuse("a mixture-of-experts model")

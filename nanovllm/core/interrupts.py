@@ -1,52 +1,72 @@
-"""Ctrl-C at safe points: SIGINT is held while the engine changes its state, then raised.
+"""Signals at safe points: an exception raised by a signal handler is held while the engine
+changes its state, then raised.
 
-A KeyboardInterrupt can land between any two bytecodes. Landing inside a step (half the
-requests accounted for), inside the clean-up after an earlier interrupt, or inside a
-tensor-parallel step (rank 0 leaves the collectives its workers are still in) would leave the
-engine in a half-state. So engine code that must not be cut runs under `deferred_interrupts()`:
-a SIGINT there only sets a flag, and KeyboardInterrupt is raised when the block ends, with the
-engine consistent. A second Ctrl-C while one is held adds nothing.
+A signal handler runs between any two bytecodes, and an exception it raises (Ctrl-C's
+KeyboardInterrupt, or the TimeoutError of an alarm-based timeout decorator) lands right there.
+Landing inside a step (half the requests accounted for), inside the clean-up after an earlier
+interrupt, or inside a tensor-parallel step (rank 0 leaves the collectives its workers are still
+in) would leave the engine in a half-state. So engine code that must not be cut runs under
+`deferred_interrupts()`: there every Python-level handler of the usual asynchronous signals
+still runs at once (its side effects happen), but the exception it raises is held and raised
+when the block ends (an inner one included), with the engine consistent. Only the first
+exception is kept: a second Ctrl-C while one is held adds nothing.
 
-Only in the main thread (the only one Python delivers signals to), and only while SIGINT has
-Python's default handler: a handler of the caller's own is left alone.
+Only in the main thread, the only one Python runs signal handlers in.
 """
 
 from __future__ import annotations
 
-import contextlib
 import signal
 import threading
 
+# Signals whose Python handlers are commonly made to raise (Ctrl-C, termination, itimer alarms,
+# user signals). Checked on every outermost block, so kept short.
+DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in (
+    "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2")
+    if hasattr(signal, name))
+
 
 class _Deferral:
-    """The process's SIGINT deferral: nesting depth, the held interrupt, the handler it replaced."""
+    """The process's signal deferral: nesting depth, the held exception, the handlers it wraps."""
 
     def __init__(self):
         self.depth = 0
-        self.held = False
-        self.previous = None
+        self.held: BaseException | None = None
+        self.wrapped: list[tuple[int, object]] = []  # (signal, the handler it had)
 
-    def _hold(self, signum, frame) -> None:
-        self.held = True
+    def __call__(self) -> "_Deferral":
+        return self
 
-    @contextlib.contextmanager
-    def __call__(self):
-        if threading.current_thread() is not threading.main_thread() or (
-                self.depth == 0 and signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-            yield
+    def _guard(self, handler):
+        def guarded(signum, frame):
+            try:
+                handler(signum, frame)
+            except BaseException as e:  # noqa: BLE001 - held, raised when the block ends
+                if self.held is None:
+                    self.held = e
+        return guarded
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
             return
         if self.depth == 0:
-            self.previous = signal.signal(signal.SIGINT, self._hold)
+            for signum in DEFERRED_SIGNALS:
+                handler = signal.getsignal(signum)
+                if callable(handler):
+                    signal.signal(signum, self._guard(handler))
+                    self.wrapped.append((signum, handler))
         self.depth += 1
-        try:
-            yield
-        finally:
-            self.depth -= 1
-            if self.depth == 0:
-                signal.signal(signal.SIGINT, self.previous)
-            if self.held:
-                self.held = False
-                raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self.depth -= 1
+        if self.depth == 0:
+            while self.wrapped:
+                signal.signal(*self.wrapped.pop())
+        held, self.held = self.held, None
+        if held is not None:
+            raise held
 
 
 deferred_interrupts = _Deferral()

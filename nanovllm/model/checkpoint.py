@@ -7,7 +7,9 @@ import importlib.util
 import json
 import os
 
+from nanovllm.limits import clip_repr
 from nanovllm.model import registry
+from nanovllm.sampling_params import is_integer
 
 
 def resolve_model_path(model: str, revision: str | None = None, what: str = "model") -> str:
@@ -53,4 +55,19 @@ def load_hf_config(path: str):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
     # The registry picks the family (architectures), its transformers config class reads the
     # file, and the family refuses what it does not implement.
-    return registry.load_hf_config(path, read_json(cfg_file))
+    raw = read_json(cfg_file)
+    check_sizes(raw)
+    return registry.load_hf_config(path, raw)
+
+
+# config.json sizes that must be positive integers where given (a family may fall back from a 0).
+_POSITIVE_SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                   "head_dim", "max_position_embeddings", "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+
+
+def check_sizes(raw: dict) -> None:
+    """config.json's sizes (as parsed) that are not positive integers, as a ValueError naming the field."""
+    for name in _POSITIVE_SIZES:
+        value = raw.get(name)
+        if value is not None and (not is_integer(value) or value < 1):
+            raise ValueError(f"config.json: {name}={clip_repr(value)}: must be a positive integer")
