@@ -11,10 +11,12 @@ MAX_MESSAGE_CHARS = 1000
 
 
 def capped(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
-    """`text`, or its first `limit` characters and how many more there were."""
+    """`text`, or its beginning and end (where a message names what is wrong) with the middle
+    cut, `limit` characters in all and a note of how many were cut."""
     if len(text) <= limit:
         return text
-    return f"{text[:limit]}... [{len(text) - limit} more characters]"
+    head, tail = limit * 2 // 3, limit // 3
+    return f"{text[:head]} ... [{len(text) - head - tail} characters cut] ... {text[-tail:]}"
 
 
 class APIError(Exception):
