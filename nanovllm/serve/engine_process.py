@@ -2,7 +2,7 @@
 
 In one process, the HTTP side (an asyncio thread formatting and writing one chunk per token per
 stream) and the engine thread take turns on one GIL: every step waits for the chunks of the
-last one. `EngineProcess` runs the `EngineLoop` (engine/async_engine.py) in a spawned child
+last one. `EngineProcess` runs the `EngineLoop` (async_engine.py) in a spawned child
 that builds the `LLM` itself; the parent keeps the requests and their sinks. Two pipes join them:
 
     parent -> child   ("add", [(request id, prompt, params, fill_max_tokens, want_prompt_text,

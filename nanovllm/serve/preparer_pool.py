@@ -60,7 +60,8 @@ class _Worker:
         self.conn.send(spec)
         try:
             kind, *rest = self.conn.recv()
-        except EOFError:
+        except (EOFError, OSError):
+            self.proc.join(10)
             raise RuntimeError(f"a preparer worker exited while starting (exit code {self.proc.exitcode})") from None
         if kind == "failed":
             raise rest[0]
