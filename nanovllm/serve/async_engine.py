@@ -21,8 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from nanovllm.launch.data_parallel import DataParallelFront
-from nanovllm.llm import LLM
+from nanovllm.llm import LLM, DataParallelLLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.preparation import ChatPrompt, Prepared, PreparerSpec, prepare_requests
 
@@ -159,7 +158,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM, dispatch: Callable[[list], None] = call_sinks,
                  on_stats: Callable[[EngineStats], None] | None = None):
-        if isinstance(llm, DataParallelFront):
+        if isinstance(llm, DataParallelLLM):
             raise ValueError(SINGLE_ENGINE_ONLY)
         self.llm = llm
         self.dispatch = dispatch

@@ -11,9 +11,9 @@ its LLM.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
-from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.engine import LLMEngine, load_tokenizer
 from nanovllm.llm import LLM
@@ -41,11 +41,31 @@ class Prepared:
 
 
 @dataclass(frozen=True)
-class PreparerSpec:
-    """What preparing needs of an engine (picklable, for the workers): its Config, vocabulary
-    size and KV cache size."""
+class PrepareConfig:
+    """The Config fields that preparing a request reads (the tokenizer's, and the limits that
+    prepare_params / check_fits check), under Config's names."""
 
-    config: Config
+    model: str
+    tokenizer: str | None
+    tokenizer_mode: str
+    trust_remote_code: bool
+    revision: str | None
+    skip_tokenizer_init: bool
+    max_model_len: int
+    max_logprobs: int
+    max_num_seqs: int
+
+    @classmethod
+    def of(cls, config) -> "PrepareConfig":
+        return cls(*(getattr(config, f.name) for f in dataclasses.fields(cls)))
+
+
+@dataclass(frozen=True)
+class PreparerSpec:
+    """What preparing needs of an engine (picklable, for the workers): those Config fields, the
+    vocabulary size and the KV cache's size."""
+
+    config: PrepareConfig
     vocab_size: int
     num_blocks: int
     block_size: int
@@ -53,7 +73,7 @@ class PreparerSpec:
     @classmethod
     def of(cls, llm: LLM) -> "PreparerSpec":
         bm = llm.block_manager
-        return cls(llm.config, llm.vocab_size, bm.num_blocks, bm.block_size)
+        return cls(PrepareConfig.of(llm.config), llm.vocab_size, bm.num_blocks, bm.block_size)
 
 
 @dataclass(frozen=True)

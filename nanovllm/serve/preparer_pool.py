@@ -95,6 +95,7 @@ class PreparerPool:
         self._idle: asyncio.Queue = asyncio.Queue()
         self._threads = ThreadPoolExecutor(size, thread_name_prefix="nanovllm-prepare")
         self._alive = 0
+        self._stopped = False
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -139,8 +140,10 @@ class PreparerPool:
         return answer
 
     def _replace(self, worker: _Worker, why: str) -> None:
-        logger.warning("preparer worker %s killed: %s", worker.proc.pid, why)
         worker.kill()
+        if self._stopped:
+            return
+        logger.warning("preparer worker %s killed: %s", worker.proc.pid, why)
         threading.Thread(target=self._start_replacement, name="nanovllm-preparer-start", daemon=True).start()
 
     def _start_replacement(self) -> None:
@@ -159,6 +162,7 @@ class PreparerPool:
         self._loop.call_soon_threadsafe(self._idle.put_nowait, fresh)
 
     def stop(self) -> None:
+        self._stopped = True
         for w in self._spawned:
             if w.proc.is_alive():
                 w.kill()
