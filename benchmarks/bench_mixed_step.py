@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     import shlex
 
     from nanovllm import LLM
-    from nanovllm.serve.server import build_parser, llm_options
+    from nanovllm.serve.cli import build_parser, llm_options
 
     path = args.model or os.path.join(os.path.dirname(bench.__file__), bench.DUMMY_CONFIGS[args.dummy])
     flags = ([] if args.model else ["--load-format", "dummy", "--skip-tokenizer-init"]) + shlex.split(args.server_args)

@@ -255,7 +255,7 @@ def step_stats(steps: list[dict], start: float, end: float) -> dict:
 def run_server(args, path: str, prompts, max_tokens) -> dict:
     import tempfile
 
-    from nanovllm.serve.server import ServerProcess
+    from nanovllm.serve.launcher import ServerProcess
 
     step_log = os.path.join(tempfile.mkdtemp(prefix="serve_bench_"), "steps.jsonl")
     flags = server_flags(args) + ["--log-level", "warning", "--step-log", step_log]
@@ -292,7 +292,7 @@ def server_llm(args, path: str, **overrides):
 
 def server_options(args, path: str) -> dict:
     """The LLM options the server runs with (its flags, parsed by its own parser)."""
-    from nanovllm.serve.server import build_parser, llm_options
+    from nanovllm.serve.cli import build_parser, llm_options
 
     return llm_options(build_parser().parse_args([path, *server_flags(args)]))
 

@@ -102,15 +102,6 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
             requests.append((ids, snap, text))
         return requests
 
-    def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """LLMEngine.prepare_params, and the logits extensions the request asks for wired into
-        the sampler (a data-parallel front has none here: its replicas wire their own)."""
-        p = super().prepare_params(params)
-        runner = getattr(self, "model_runner", None)
-        if runner is not None:
-            wiring.enable_logits_extensions(runner.sampler, p)
-        return p
-
     def _prompt(self, prompt) -> tuple[list[int], str | None]:
         """(token ids, text or None) of one prompt: text, token ids, or vLLM's prompt dicts
         {"prompt": text} (TextPrompt) / {"prompt_token_ids": ids} (TokensPrompt)."""
@@ -159,7 +150,11 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None) -> Sequence:
-        wiring.wire_scheduling(self, params)  # n > 1, prompt logprobs: their hooks, on first use
+        params = params if getattr(params, "_frozen", False) else self.prepare_params(params)
+        # The features the request asks for, on first use: n > 1 and prompt-logprob planning in
+        # the scheduler, penalties / bias / logprobs in the sampler.
+        wiring.wire_scheduling(self, params)
+        wiring.enable_logits_extensions(self.model_runner.sampler, params)
         return super().add_request(prompt_ids, params, track_text, prompt)
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:

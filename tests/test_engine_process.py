@@ -105,7 +105,9 @@ def test_a_model_that_cannot_be_built_raises_its_error_here(ckpt):
 
 def test_stop_fails_open_requests_and_a_dead_child_fails_them_too(ckpt):
     sinks = Sinks()
+    died = []
     engine = EngineProcess(ckpt, OPTIONS)
+    engine.on_death = died.append  # (not called: this one is stopped)
     engine.start()
     try:
         engine.submit([EngineRequest(rand_ids(5, seed=1), greedy(500), sinks.sink(0))])
@@ -113,8 +115,10 @@ def test_stop_fails_open_requests_and_a_dead_child_fails_them_too(ckpt):
     finally:
         engine.stop()
     assert isinstance(sinks.events[0][-1], Failed) and isinstance(sinks.events[0][-1].error, EngineStopped)
+    assert not died
 
     engine = EngineProcess(ckpt, OPTIONS)
+    engine.on_death = died.append  # (called: this one dies)
     engine.start()
     try:
         engine.submit([EngineRequest(rand_ids(5, seed=2), greedy(500), sinks.sink(1))])
@@ -128,6 +132,7 @@ def test_stop_fails_open_requests_and_a_dead_child_fails_them_too(ckpt):
             assert time.monotonic() < deadline
             time.sleep(0.01)
         assert "exit code -9" in str(engine.error)
+        assert len(died) == 1 and "died" in str(died[0])
         with pytest.raises(RuntimeError, match="not running"):
             engine.submit([EngineRequest([1, 2], greedy(2), lambda e: None)])
     finally:
@@ -188,3 +193,70 @@ def test_a_request_whose_preparation_raises_anything_is_refused_not_the_engine(c
         assert isinstance(sinks.events[1][-1], Finished) and engine.running
     finally:
         engine.stop()
+
+
+def test_a_stopped_child_falls_silent_and_speaks_again(ckpt):
+    """The child says it is alive every HEARTBEAT_S, from a thread other than the engine loop's:
+    only a whole process stopped (SIGSTOP) or frozen falls silent (what /health watches)."""
+    from nanovllm.serve.engine_process import HEARTBEAT_S
+
+    engine = EngineProcess(ckpt, OPTIONS)
+    engine.start()
+    try:
+        time.sleep(3 * HEARTBEAT_S)
+        assert time.monotonic() - engine.heard_at < 3 * HEARTBEAT_S
+        os.kill(engine.pid, signal.SIGSTOP)
+        try:
+            time.sleep(6 * HEARTBEAT_S)
+            assert time.monotonic() - engine.heard_at >= 4 * HEARTBEAT_S
+        finally:
+            os.kill(engine.pid, signal.SIGCONT)
+        deadline = time.monotonic() + DEADLINE_S
+        while time.monotonic() - engine.heard_at >= 3 * HEARTBEAT_S:
+            assert time.monotonic() < deadline, "no heartbeat after SIGCONT"
+            time.sleep(0.05)
+        assert engine.running and not engine.stats.busy
+    finally:
+        engine.stop()
+
+
+# A chat template that would render for minutes (10^9 loop turns).
+SLOW_TEMPLATE = ("{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}{% endfor %}"
+                 "{% endfor %}{% endfor %}hi")
+
+
+def test_preparer_workers_prepare_as_the_engine_does_and_cut_a_slow_job(ckpt):
+    """A PreparerPool's workers give what the engine's own preparation gives (ids, the engine's
+    SamplingParams copy, texts) and its errors; a job past the time limit is a PrepareTimeout,
+    its worker is killed and replaced, and the pool serves on."""
+    import asyncio
+
+    from nanovllm.serve.async_engine import ChatPrompt
+    from nanovllm.serve.preparation import PreparerSpec, prepare_requests
+    from nanovllm.serve.preparer_pool import PreparerPool, PrepareTimeout
+
+    llm = make_llm(ckpt, **OPTIONS)
+    messages = [{"role": "user", "content": "hi"}]
+    good = [EngineRequest("Hello there", greedy(4, stop=["x"], bad_words=["ab"]), None, want_prompt_text=True),
+            EngineRequest(ChatPrompt(messages), greedy(3), None, fill_max_tokens=True),
+            EngineRequest(rand_ids(5, seed=1), None, None, want_prompt_text=True, tokenize_only=True)]
+    want = prepare_requests(llm, good)
+    pool = PreparerPool(1, timeout=2.0)
+    try:
+        pool.start(PreparerSpec.of(llm))
+        got = asyncio.run(pool.prepare(good))
+        assert [vars(g) for g in got] == [vars(w) for w in want]
+        assert got[0].params.bad_word_ids == want[0].params.bad_word_ids and got[0].params._frozen
+        with pytest.raises(ValueError, match="prompt 1: .*max_model_len"):
+            asyncio.run(pool.prepare([good[0], EngineRequest([1, 2], SamplingParams(max_tokens=10**6), None)]))
+        (first,) = pool.pids
+        slow = EngineRequest(ChatPrompt(messages, {"chat_template": SLOW_TEMPLATE}), greedy(2), None)
+        t = time.monotonic()
+        with pytest.raises(PrepareTimeout):
+            asyncio.run(pool.prepare([slow]))
+        assert time.monotonic() - t < 2.0 + 10
+        got = asyncio.run(asyncio.wait_for(pool.prepare(good), DEADLINE_S))  # (waits for the new worker)
+        assert [vars(g) for g in got] == [vars(w) for w in want] and pool.pids and first not in pool.pids
+    finally:
+        pool.stop()
+        llm.shutdown()

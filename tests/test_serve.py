@@ -41,13 +41,16 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.serve.server import ServerProcess  # noqa: E402
+from nanovllm.serve.launcher import ServerProcess  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCKS = 128
+PREPARE_TIMEOUT_S = 4.0
 # On the CPU also on a GPU machine: the offline engine it is compared with computes the same fp32 numbers.
 SERVER_ARGS = ["--device", "cpu", "--kvcache-block-size", str(BLOCK), "--num-kvcache-blocks", str(BLOCKS),
-               "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--log-level", "warning"]
+               "--max-num-seqs", "64", "--max-num-batched-tokens", "256", "--log-level", "warning",
+               # request chat templates (a test's template raises; another one runs too long)
+               "--trust-request-chat-template", "--prepare-timeout", str(PREPARE_TIMEOUT_S)]
 IGNORE_EOS = {"ignore_eos": True, "return_token_ids": True}
 DEADLINE_S = 60.0  # any single request
 
@@ -395,6 +398,87 @@ def test_bad_requests_through_the_client_and_the_server_keeps_serving(client, se
     wait_idle(server)
 
 
+# ---------------------------------------------------------------------------- what one request may carry
+MAX_ECHO = 1100  # errors.MAX_MESSAGE_CHARS and the note of what was cut
+LIMIT_BODIES = [
+    ({"prompt": "x", "stop": ["s%d" % i for i in range(33)]}, "at most 32 stop strings"),
+    ({"prompt": "x", "stop": "s" * 257}, "at most 256 characters"),
+    ({"prompt": "x", "bad_words": ["w%d" % i for i in range(129)]}, "at most 128 bad words"),
+    ({"prompt": "x", "bad_words": ["w" * 257]}, "at most 256 characters"),
+    ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1025)}}, "at most 1024 entries"),
+    ({"prompt": "x", "stop_token_ids": list(range(1025))}, "at most 1024"),
+    ({"prompt": "x" * (32 * 512 + 1)}, "characters is too long"),          # (the tiny model's max_model_len: 512)
+    ({"prompt": [1] * 513}, "longer than max_model_len"),
+    # a whole input is never echoed: 1,000 ids outside the vocabulary, 20,000 stop strings
+    ({"prompt": "x", "stop_token_ids": list(range(10**6, 10**6 + 1000))}, "vocabulary"),
+    ({"prompt": "x", "stop": ["s%d" % i for i in range(20000)]}, "at most 32 stop strings"),
+]
+
+
+@pytest.mark.parametrize("body,needle", LIMIT_BODIES, ids=[n for _, n in LIMIT_BODIES])
+def test_what_one_request_may_carry_is_bounded_with_a_short_400(server, ckpt, body, needle):
+    r = httpx.post(server.url + "/v1/completions", json={"model": ckpt, **body}, timeout=DEADLINE_S)
+    assert r.status_code == 400, r.text[:300]
+    message = r.json()["error"]["message"]
+    assert needle in message and len(message) <= MAX_ECHO, message[:300]
+
+
+def test_text_that_is_not_unicode_is_a_400_naming_it(server, ckpt):
+    """JSON may carry a lone surrogate, which no tokenizer takes: a 400 naming the field."""
+    for route, raw, needle in [("/v1/completions", b'{"prompt": "ab\\ud800c", "max_tokens": 2}', "prompt"),
+                               ("/v1/completions", b'{"prompt": "x", "stop": ["\\udfff"]}', "stop[0]"),
+                               ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}',
+                                "messages[0].content")]:
+        r = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"},
+                       timeout=DEADLINE_S)
+        assert r.status_code == 400, r.text
+        message = r.json()["error"]["message"]
+        assert needle in message and "surrogate" in message, message
+    wait_idle(server)
+
+
+# A chat template that would render for minutes (10^9 loop turns): runs in a preparer worker,
+# which the server kills after --prepare-timeout.
+SLOW_TEMPLATE = ("{% for i in range(1000) %}{% for j in range(1000) %}{% for k in range(1000) %}{% endfor %}"
+                 "{% endfor %}{% endfor %}hi")
+
+
+def test_a_chat_template_that_runs_too_long_is_a_400_and_others_are_served_meanwhile(server, client, ckpt):
+    """The template renders off the engine (other requests complete while it runs) and no longer
+    than the server's --prepare-timeout: a 400 naming the bound, and its worker process ends."""
+    workers = set(_children(server.proc.pid)) - {server.engine_pid}
+    done = threading.Event()
+    latencies = []
+
+    def others():
+        while not done.is_set() and len(latencies) < 200:
+            t = time.monotonic()
+            client.completions.create(model=ckpt, prompt=rand_ids(6, seed=len(latencies)), max_tokens=4,
+                                      temperature=0, extra_body=IGNORE_EOS)
+            latencies.append(time.monotonic() - t)
+
+    thread = threading.Thread(target=others)
+    thread.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(openai.BadRequestError, match="took longer than"):
+            client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=2,
+                                           extra_body={"chat_template_kwargs": {"chat_template": SLOW_TEMPLATE}})
+        took = time.monotonic() - t0
+    finally:
+        done.set()
+        thread.join(DEADLINE_S)
+    assert PREPARE_TIMEOUT_S <= took < PREPARE_TIMEOUT_S + 30
+    assert len(latencies) >= 3 and max(latencies) < PREPARE_TIMEOUT_S, latencies  # never waited for the template
+    deadline = time.monotonic() + 30
+    while workers <= set(p for p in _children(server.proc.pid) if _alive(p)):
+        assert time.monotonic() < deadline, "the worker rendering the template was not killed"
+        time.sleep(0.1)
+    out = client.chat.completions.create(model=ckpt, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    wait_idle(server)
+
+
 # ---------------------------------------------------------------------------- models, tokenize, api key
 def test_models_retrieve(client, ckpt):
     """GET /v1/models/{id}: the client path-quotes the id (a checkpoint path has slashes)."""
@@ -500,7 +584,7 @@ def test_an_api_key_guards_every_route_but_health(offline, ckpt):
     from fastapi.testclient import TestClient
 
     from nanovllm.serve.async_engine import EngineLoop
-    from nanovllm.serve.server import create_app
+    from nanovllm.serve.app import create_app
 
     for bad in (" ", "s3cret\n"):
         with pytest.raises(ValueError, match="api_key"):
@@ -540,7 +624,7 @@ def test_detokenize_without_a_tokenizer_is_a_400(ckpt):
     from fastapi.testclient import TestClient
 
     from nanovllm.serve.async_engine import EngineLoop
-    from nanovllm.serve.server import create_app
+    from nanovllm.serve.app import create_app
 
     llm = make_llm(ckpt, device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=16)
     try:
@@ -553,7 +637,7 @@ def test_detokenize_without_a_tokenizer_is_a_400(ckpt):
 
 
 def test_an_empty_api_key_is_refused_before_any_work(capsys):
-    from nanovllm.serve.server import main
+    from nanovllm.serve.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["/no/such/model", "--api-key", " "])
@@ -604,7 +688,7 @@ def test_stream_chunks_are_the_json_of_the_whole_chunk(include_usage):
     """Chunks encodes the head once and splices each choice in: the same JSON as encoding the
     whole chunk object."""
     from nanovllm.serve.protocol import CompletionRequest
-    from nanovllm.serve.server import Chunks
+    from nanovllm.serve.streaming import Chunks
 
     body = CompletionRequest(prompt="x", stream=True, stream_options={"include_usage": include_usage})
     head = {"id": "cmpl-1", "object": "text_completion", "created": 7, "model": "m \"q\""}
@@ -616,7 +700,7 @@ def test_stream_chunks_are_the_json_of_the_whole_chunk(include_usage):
 
 
 def test_every_config_field_is_a_flag():
-    from nanovllm.serve.server import build_parser, config_fields, llm_options
+    from nanovllm.serve.cli import build_parser, config_fields, llm_options
 
     parser = build_parser()
     flags = {a.dest: a for a in parser._actions}
@@ -634,7 +718,7 @@ def test_every_config_field_is_a_flag():
 def test_a_data_parallel_server_is_refused_before_any_work(flags, capsys):
     """The engine loop drives one in-process engine: the server says so at once, before it
     loads anything (the model path does not exist) or starts a replica."""
-    from nanovllm.serve.server import main
+    from nanovllm.serve.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["/no/such/model", *flags])

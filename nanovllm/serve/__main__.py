@@ -1,6 +1,6 @@
-"""`python -m nanovllm.serve MODEL [options]`: the OpenAI-compatible server (serve/server.py)."""
+"""`python -m nanovllm.serve MODEL [options]`: the OpenAI-compatible server (serve/cli.py)."""
 
-from nanovllm.serve.server import main
+from nanovllm.serve.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -1,8 +1,8 @@
 """The engine loop of a server: one thread owns an `LLM` and steps it while requests come and go.
 
 Other threads (the server's) never touch the engine: they put commands (add these requests,
-abort that one, stop) on a thread-safe queue that only the loop thread reads. The loop validates
-and adds requests, runs `LLMEngine.step()` whenever there is work (and blocks on the queue when
+abort that one, stop) on a thread-safe queue that only the loop thread reads. The loop adds
+requests (preparing those a server has not prepared already: preparation.py), runs `LLMEngine.step()` whenever there is work (and blocks on the queue when
 there is none), and hands every request's events to its `sink`, through `dispatch`: once per
 loop iteration, with all the events of that iteration in order, so a server can move them to its
 own thread in one hop (asyncio: `loop.call_soon_threadsafe`). While the loop runs it holds the
@@ -13,27 +13,22 @@ The offline path does not go through here: `LLM.generate` is unchanged.
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import queue
 import threading
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable
+import time
+from dataclasses import dataclass
+from typing import Callable
 
+from nanovllm.llm import LLM, DataParallelLLM
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.serve.preparation import ChatPrompt, Prepared, PreparerSpec, prepare_requests
 
-if TYPE_CHECKING:
-    from nanovllm.llm import LLM
+__all__ = ["Accepted", "ChatPrompt", "Delta", "EngineInfo", "EngineLoop", "EngineRequest", "EngineStats",
+           "EngineStopped", "Failed", "Finished", "call_sinks"]
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class ChatPrompt:
-    """A conversation to render through the chat template (as `LLM.chat` does)."""
-
-    messages: list
-    template_kwargs: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------- events
@@ -86,11 +81,14 @@ class EngineRequest:
     and its SamplingParams. `sink(event)` receives, in order: Accepted or Failed; then Deltas;
     then Finished, or Failed if the engine failed. `tokenize_only`: the prompt is only turned
     into token ids (and text, if asked): Accepted, then Finished, nothing generated (`params`
-    may be None). Fields other than these belong to the loop."""
+    may be None). `prepared`: the request prepared already (preparation.py; the loop then only
+    adds it). Fields other than these belong to the loop."""
 
     def __init__(self, prompt, params: SamplingParams | None, sink: Callable[[object], None],
-                 fill_max_tokens: bool = False, want_prompt_text: bool = False, tokenize_only: bool = False):
+                 fill_max_tokens: bool = False, want_prompt_text: bool = False, tokenize_only: bool = False,
+                 prepared: Prepared | None = None):
         self.prompt = prompt
+        self.prepared = prepared
         self.params = params
         self.sink = sink
         # fill_max_tokens: max_tokens becomes what the context and the KV cache leave after the
@@ -112,11 +110,14 @@ class EngineInfo:
 
     generation_defaults: dict  # generation_config.json's sampling defaults
     max_model_len: int
+    preparer: PreparerSpec  # what preparing a request off the engine needs
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The loop's view of the engine after its latest iteration (read from any thread)."""
+    """The loop's view of the engine after its latest iteration (read from any thread).
+    `progress_at`: when that iteration ended (time.monotonic(), one clock for the processes of a
+    machine): with requests in the engine, how long ago tells whether it is stuck."""
 
     num_kv_blocks: int
     free_kv_blocks: int
@@ -124,6 +125,11 @@ class EngineStats:
     waiting: int
     requests: int
     steps: int
+    progress_at: float
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting or self.requests)
 
 
 def call_sinks(items: list[tuple[EngineRequest, object]]) -> None:
@@ -150,16 +156,14 @@ class EngineLoop:
     stopped the loop, if one did (the engine is then unusable: a dead tensor-parallel worker).
     """
 
-    def __init__(self, llm: "LLM", dispatch: Callable[[list], None] = call_sinks,
+    def __init__(self, llm: LLM, dispatch: Callable[[list], None] = call_sinks,
                  on_stats: Callable[[EngineStats], None] | None = None):
-        from nanovllm.llm import DataParallelLLM
-
         if isinstance(llm, DataParallelLLM):
             raise ValueError(SINGLE_ENGINE_ONLY)
         self.llm = llm
         self.dispatch = dispatch
         self.on_stats = on_stats  # called with the new stats after an iteration that changed them but had no events
-        self.info = EngineInfo(dict(llm.generation_defaults), llm.config.max_model_len)
+        self.info = EngineInfo(dict(llm.generation_defaults), llm.config.max_model_len, PreparerSpec.of(llm))
         self.error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, EngineRequest] = {}  # seq id of every live sample -> its request
@@ -172,6 +176,11 @@ class EngineLoop:
     @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def heard_at(self) -> float:
+        """When the engine last answered: now, in this process (a frozen process has no one to ask)."""
+        return time.monotonic()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -244,59 +253,26 @@ class EngineLoop:
                 return True
 
     def _add(self, requests: list[EngineRequest]) -> None:
-        llm, prepared = self.llm, []
+        llm = self.llm
         try:
-            for i, r in enumerate(requests):
-                try:
-                    if isinstance(r.prompt, ChatPrompt):
-                        ids, text = llm.chat_prompt_ids(r.prompt.messages, **r.prompt.template_kwargs), None
-                    else:
-                        ids, text = llm._prompt(r.prompt)
-                    if r.want_prompt_text and text is None and llm.tokenizer is not None:
-                        text = llm.tokenizer.decode(ids)
-                    if r.tokenize_only:
-                        if r.want_prompt_text and text is None:
-                            raise ValueError("turning token ids into text needs a tokenizer (the engine was started "
-                                             "with skip_tokenizer_init)")
-                        prepared.append((r, ids, None, text))
-                        continue
-                    params = r.params
-                    if r.fill_max_tokens:
-                        params = copy.copy(params)  # (the caller's object may serve several prompts)
-                        params.max_tokens = max(1, self._room_after(len(ids)))
-                    params = llm.prepare_params(params)
-                    llm.check_fits(len(ids), params)
-                except (ValueError, TypeError, NotImplementedError) as e:
-                    raise type(e)(f"prompt {i}: {e}" if len(requests) > 1 else str(e)) from None
-                except Exception as e:  # noqa: BLE001 (the request's fault, e.g. a chat template's raise_exception)
-                    # Anything else preparing one request (the chat template raising jinja2's
-                    # TemplateError, a tokenizer error) refuses that request, not the engine.
-                    where = f"prompt {i}: " if len(requests) > 1 else ""
-                    raise ValueError(f"{where}{type(e).__name__}: {e}") from None
-                prepared.append((r, ids, params, text))
+            prepared = prepare_requests(llm, requests)  # (only those not prepared already)
         except (ValueError, TypeError, NotImplementedError) as e:
             for r in requests:
                 self._emit(r, Failed(e), last=True)
             return
-        for r, ids, params, text in prepared:
+        for r, p in zip(requests, prepared):
             if r.aborted:
                 r.done = True
                 continue
+            text = p.prompt_text if r.want_prompt_text else None
             if r.tokenize_only:
-                self._emit(r, Accepted(ids, text if r.want_prompt_text else None))
+                self._emit(r, Accepted(p.prompt_token_ids, text))
                 self._emit(r, Finished(0), last=True)
                 continue
-            r.seq = llm.add_request(ids, params, track_text=True, prompt=text)
+            r.seq = llm.add_request(p.prompt_token_ids, p.params, track_text=True, prompt=p.prompt_text)
             for sample in r.seq.samples:
                 self._active[sample.seq_id] = r
-            first = llm._texts(ids[:1])[0] if r.want_prompt_text and ids and llm.tokenizer is not None else None
-            self._emit(r, Accepted(ids, text if r.want_prompt_text else None, first))
-
-    def _room_after(self, num_prompt_tokens: int) -> int:
-        """The most tokens a request may generate after its prompt: up to max_model_len, and
-        within the whole KV cache (the last token's K/V is never written)."""
-        bm = self.llm.block_manager
-        return min(self.llm.config.max_model_len, bm.num_blocks * bm.block_size + 1) - num_prompt_tokens
+            self._emit(r, Accepted(p.prompt_token_ids, text, p.first_token_text))
 
     def _abort(self, r: EngineRequest) -> None:
         r.aborted = True
@@ -375,7 +351,8 @@ class EngineLoop:
 
     def _flush(self) -> None:
         stats = self._current_stats()
-        changed, self.stats = stats != self.stats, stats
+        changed = dataclasses.astuple(stats)[:-1] != dataclasses.astuple(self.stats)[:-1]  # (progress_at aside)
+        self.stats = stats
         try:
             if self._outbox:
                 items, self._outbox = self._outbox, []
@@ -388,4 +365,4 @@ class EngineLoop:
     def _current_stats(self) -> EngineStats:
         bm, sched = self.llm.block_manager, self.llm.scheduler
         return EngineStats(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting),
-                           len({id(r) for r in self._active.values()}), self._steps)
+                           len({id(r) for r in self._active.values()}), self._steps, time.monotonic())

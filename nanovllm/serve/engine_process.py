@@ -2,19 +2,23 @@
 
 In one process, the HTTP side (an asyncio thread formatting and writing one chunk per token per
 stream) and the engine thread take turns on one GIL: every step waits for the chunks of the
-last one. `EngineProcess` runs the `EngineLoop` (engine/async_engine.py) in a spawned child
+last one. `EngineProcess` runs the `EngineLoop` (async_engine.py) in a spawned child
 that builds the `LLM` itself; the parent keeps the requests and their sinks. Two pipes join them:
 
-    parent -> child   ("add", [(request id, prompt, params, fill_max_tokens, want_prompt_text)])
+    parent -> child   ("add", [(request id, prompt, params, fill_max_tokens, want_prompt_text,
+                               tokenize_only, Prepared or None)])  (a prepared one: no prompt, params)
                       ("abort", request id), ("abort_all", reason), ("stop", None)
     child -> parent   ("ready", EngineInfo, stats) or ("failed", exception) once, at start
                       ("events", stats, [(request id, event), ...])  one per loop iteration
                       ("stats", stats)                                 when only the stats changed
+                      ("alive", stats)                                 every HEARTBEAT_S otherwise
                       ("stopped", error or None)                       the loop has ended
 
 It has the loop's interface (`submit`, `abort`, `abort_all`, `stop`, `running`, `stats`, `error`,
 `info`, a settable `dispatch`), so the server drives either. The child ignores SIGINT / SIGTERM
 (the parent decides when it stops: "stop", or the command pipe closing when the parent dies).
+`heard_at` says when the child last spoke (its heartbeat: a stopped or frozen process falls
+silent), `on_death` is called when it ends without being told to.
 """
 
 from __future__ import annotations
@@ -28,12 +32,17 @@ import multiprocessing as mp
 import pickle
 import signal
 import threading
+import time
 from typing import Callable
 
+from nanovllm.llm import LLM
 from nanovllm.serve.async_engine import (EngineInfo, EngineLoop, EngineRequest, EngineStats, EngineStopped, Failed,
                                           Finished, call_sinks)
+from nanovllm.serve.errors import picklable
 
 logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 0.5  # how often an engine process with nothing else to say says it is alive
 
 
 class EngineProcess:
@@ -43,7 +52,8 @@ class EngineProcess:
     could not be built (a ValueError for a bad option, ...). `dispatch(items)` receives
     [(EngineRequest, event), ...] on a reader thread of this process, one batch per engine loop
     iteration, in order. `stop()` ends every request (each gets Failed), shuts the LLM down and
-    joins the child."""
+    joins the child. `on_death(error)`, called on the reader thread, hears of a child that died
+    or whose loop failed (not of one stopped by `stop()`)."""
 
     def __init__(self, model: str, options: dict, dispatch: Callable[[list], None] = call_sinks,
                  log_level: str = "WARNING", step_log: str | None = None):
@@ -52,6 +62,9 @@ class EngineProcess:
         self.info: EngineInfo | None = None
         self.stats: EngineStats | None = None
         self.error: BaseException | None = None
+        self.on_death: Callable[[BaseException], None] | None = None
+        self.heard_at = time.monotonic()
+        self._stopping = False
         self._requests: dict[int, EngineRequest] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
@@ -67,6 +80,10 @@ class EngineProcess:
     @property
     def running(self) -> bool:
         return self._proc is not None and not self._stopped.is_set()
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
         if self._proc is not None:
@@ -97,6 +114,7 @@ class EngineProcess:
             self._stopped.set()
             raise rest[0]
         self.info, self.stats = rest
+        self.heard_at = time.monotonic()
         self._reader = threading.Thread(target=self._read, name="nanovllm-engine-events", daemon=True)
         self._reader.start()
 
@@ -109,7 +127,9 @@ class EngineProcess:
             for r in requests:
                 r.request_id = next(self._ids)
                 self._requests[r.request_id] = r
-                batch.append((r.request_id, r.prompt, r.params, r.fill_max_tokens, r.want_prompt_text, r.tokenize_only))
+                ready = r.prepared is not None  # (then the child needs neither the prompt nor the params)
+                batch.append((r.request_id, None if ready else r.prompt, None if ready else r.params,
+                              r.fill_max_tokens, r.want_prompt_text, r.tokenize_only, r.prepared))
         try:
             self._send(("add", batch))
         except BaseException:  # (a prompt or params that do not pickle): nothing was queued
@@ -134,6 +154,7 @@ class EngineProcess:
         after `timeout` seconds)."""
         if self._proc is None:
             return
+        self._stopping = True
         self._send(("stop", None))
         self._proc.join(timeout)
         if self._proc.is_alive():
@@ -158,10 +179,11 @@ class EngineProcess:
         try:
             while True:
                 kind, *rest = self._events.recv()
+                self.heard_at = time.monotonic()
                 if kind == "events":
                     self.stats, batch = rest
                     self._deliver(batch)
-                elif kind == "stats":
+                elif kind in ("stats", "alive"):
                     self.stats = rest[0]
                 elif kind == "stopped":
                     error = rest[0]
@@ -183,6 +205,8 @@ class EngineProcess:
                 RuntimeError(f"the engine failed: {error!r}")
             if left:
                 self._dispatch([(r, Failed(failed)) for r in left])
+            if not self._stopping and self.on_death is not None:
+                self.on_death(error or RuntimeError("the engine process stopped by itself"))
 
     def _deliver(self, batch: list) -> None:
         items = []
@@ -218,12 +242,10 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str, st
             events.send(message)
 
     try:
-        from nanovllm.llm import LLM
-
         log = open(step_log, "w", buffering=1 << 16) if step_log else None
         llm = LLM(model, **options)
     except BaseException as e:  # noqa: BLE001 (the parent raises it)
-        send(("failed", _picklable(e)))
+        send(("failed", picklable(e)))
         return
     # What loading made (modules, tensors' Python objects, the tokenizer) lives as long as the
     # engine: frozen, a full collection while serving does not walk it (a pause every open stream
@@ -232,58 +254,75 @@ def _engine_main(model: str, options: dict, commands, events, log_level: str, st
     gc.freeze()
     if log is not None:
         llm.step_observers.append(lambda t: log.write(json.dumps(dataclasses.asdict(t)) + "\n"))
-    requests: dict[int, EngineRequest] = {}
+    child = _Child(llm, send)
+    try:
+        child.obey(commands)
+    finally:
+        child.loop.stop(timeout=None)
+        llm.shutdown()
+        if log is not None:
+            log.close()
+        send(("stopped", picklable(child.loop.error) if child.loop.error is not None else None))
 
-    def dispatch(items) -> None:
+
+class _Child:
+    """The child's side: the EngineLoop, the requests it knows by id, and the heartbeat."""
+
+    def __init__(self, llm: LLM, send: Callable[[object], None]):
+        self.send = send
+        self.requests: dict[int, EngineRequest] = {}
+        self.loop = EngineLoop(llm, self._dispatch, on_stats=self._said(lambda stats: ("stats", stats)))
+        self.said_at = time.monotonic()
+        send(("ready", self.loop.info, self.loop.stats))
+
+    def _said(self, message_of):
+        def say(*args):
+            self.said_at = time.monotonic()
+            self.send(message_of(*args))
+        return say
+
+    def _dispatch(self, items) -> None:
         batch = []
         for r, event in items:
             if isinstance(event, Failed):
-                event = Failed(_picklable(event.error))
+                event = Failed(picklable(event.error))
             batch.append((r.request_id, event))
             if r.done:
-                requests.pop(r.request_id, None)
-        send(("events", loop.stats, batch))
+                self.requests.pop(r.request_id, None)
+        self.said_at = time.monotonic()
+        self.send(("events", self.loop.stats, batch))
 
-    loop = EngineLoop(llm, dispatch, on_stats=lambda stats: send(("stats", stats)))
-    send(("ready", loop.info, loop.stats))
-    loop.start()
-    try:
-        while loop.running:
-            if not commands.poll(0.5):
+    def obey(self, commands) -> None:
+        """Run commands until "stop", the pipe closing or the loop ending; say "alive" when
+        nothing was said for HEARTBEAT_S (this thread, not the loop's: it still speaks while a
+        step runs, and falls silent only when the whole process does)."""
+        self.loop.start()
+        while self.loop.running:
+            if time.monotonic() - self.said_at >= HEARTBEAT_S:
+                self._said(lambda: ("alive", self.loop.stats))()
+            if not commands.poll(HEARTBEAT_S):
                 continue  # (and look again whether the loop is still running)
             try:
                 kind, arg = commands.recv()
             except EOFError:
-                break  # the server is gone
-            if kind == "add":
-                batch = []
-                for request_id, prompt, params, fill, want_text, tokenize_only in arg:
-                    r = EngineRequest(prompt, params, None, fill_max_tokens=fill, want_prompt_text=want_text,
-                                      tokenize_only=tokenize_only)
-                    r.request_id = request_id
-                    requests[request_id] = r
-                    batch.append(r)
-                loop.submit(batch)
-            elif kind == "abort":
-                r = requests.pop(arg, None)
-                if r is not None:
-                    loop.abort(r)
-            elif kind == "abort_all":
-                loop.abort_all(arg)
-            else:  # "stop"
-                break
-    finally:
-        loop.stop(timeout=None)
-        llm.shutdown()
-        if log is not None:
-            log.close()
-        send(("stopped", _picklable(loop.error) if loop.error is not None else None))
+                return  # the server is gone
+            if kind == "stop":
+                return
+            self._command(kind, arg)
 
-
-def _picklable(e: BaseException) -> BaseException:
-    """`e`, or a RuntimeError with its text when it would not survive the pipe."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001
-        return RuntimeError(f"{type(e).__name__}: {e}")
+    def _command(self, kind: str, arg) -> None:
+        if kind == "add":
+            batch = []
+            for request_id, prompt, params, fill, want_text, tokenize_only, prepared in arg:
+                r = EngineRequest(prompt, params, None, fill_max_tokens=fill, want_prompt_text=want_text,
+                                  tokenize_only=tokenize_only, prepared=prepared)
+                r.request_id = request_id
+                self.requests[request_id] = r
+                batch.append(r)
+            self.loop.submit(batch)
+        elif kind == "abort":
+            r = self.requests.pop(arg, None)
+            if r is not None:
+                self.loop.abort(r)
+        elif kind == "abort_all":
+            self.loop.abort_all(arg)

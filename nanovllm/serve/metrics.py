@@ -1,7 +1,7 @@
 """The OpenAI server's Prometheus metrics (GET /metrics), under vLLM's names, so that dashboards
 and alerts written for a vLLM server read a nano-vllm one unchanged.
 
-Counted in the server's process as each request's events pass through it (serve.py's Run):
+Counted in the server's process as each request's events pass through it (run.py's Run):
 prompt and generated tokens, finished requests by finish reason (sample 0's with n > 1; "abort"
 for a client that left),
 time to first token, the gaps between a sample's token batches (one per engine step: inter-token

@@ -4,7 +4,7 @@
 Request bodies take OpenAI's fields plus vLLM's extra sampling fields (what the official client
 sends through `extra_body`: top_k, min_p, repetition_penalty, min_tokens, ignore_eos, ...).
 Fields of the wrong type and unknown fields are refused (HTTP 400 naming them), never dropped.
-No HTTP here: serve.py is the server.
+No HTTP here: app.py and the route modules are the server.
 """
 
 from __future__ import annotations
@@ -170,6 +170,7 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: a template of the request's own (only a trusting server takes it)
 
     def check(self) -> None:
         if self.tools:
@@ -200,14 +201,15 @@ class TokenizeRequest(_Body):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
-        if self.chat_template_kwargs is not None and self.messages is None:
-            raise ValueError("chat_template_kwargs goes with messages")
+        if (self.chat_template_kwargs is not None or self.chat_template is not None) and self.messages is None:
+            raise ValueError("chat_template_kwargs and chat_template go with messages")
 
 
 class DetokenizeRequest(_Body):

@@ -1,0 +1,161 @@
+"""Request preparation: a request's prompt and SamplingParams turned into what the engine adds.
+
+Preparing is tokenizing (or rendering the chat template and tokenizing), checking the token ids,
+the engine's copy of the SamplingParams (bad words tokenized, logit_bias and logprob limits) and
+that the request fits the context and the KV cache. It is the same code as offline `generate`
+runs (`LLM`'s own methods). The server runs it in preparer workers (preparer_pool.py) on a
+`RequestPreparer`, so that the engine's process only steps; an in-process EngineLoop runs it on
+its LLM.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.engine import LLMEngine, load_tokenizer
+from nanovllm.llm import LLM
+from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class ChatPrompt:
+    """A conversation to render through the chat template (as `LLM.chat` does)."""
+
+    messages: list
+    template_kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class Prepared:
+    """A prepared request: its prompt's token ids, the engine's validated copy of its
+    SamplingParams (None when it is only tokenized), the prompt's text if it has one (or was
+    asked for), and the text of its first token (asked for by echo with logprobs)."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams | None
+    prompt_text: str | None
+    first_token_text: str | None = None
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    """The Config fields that preparing a request reads (the tokenizer's, and the limits that
+    prepare_params / check_fits check), under Config's names."""
+
+    model: str
+    tokenizer: str | None
+    tokenizer_mode: str
+    trust_remote_code: bool
+    revision: str | None
+    skip_tokenizer_init: bool
+    max_model_len: int
+    max_logprobs: int
+    max_num_seqs: int
+
+    @classmethod
+    def of(cls, config) -> "PrepareConfig":
+        return cls(*(getattr(config, f.name) for f in dataclasses.fields(cls)))
+
+
+@dataclass(frozen=True)
+class PreparerSpec:
+    """What preparing needs of an engine (picklable, for the workers): those Config fields, the
+    vocabulary size and the KV cache's size."""
+
+    config: PrepareConfig
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def of(cls, llm: LLM) -> "PreparerSpec":
+        bm = llm.block_manager
+        return cls(PrepareConfig.of(llm.config), llm.vocab_size, bm.num_blocks, bm.block_size)
+
+
+@dataclass(frozen=True)
+class KVSize:
+    """The size of an engine's KV cache (what check_fits reads of a block manager)."""
+
+    num_blocks: int
+    block_size: int
+    blocks_for = BlockManager.blocks_for
+
+
+class RequestPreparer:
+    """An engine's request checks without the engine: LLM's own methods (the code offline
+    generate runs) on the attributes they read, made from a PreparerSpec; the tokenizer is
+    loaded as the engine loads it."""
+
+    tokenize = LLMEngine.tokenize
+    prepare_params = LLMEngine.prepare_params
+    _bad_word_ids = LLMEngine._bad_word_ids
+    check_fits = LLMEngine.check_fits
+    _prompt = LLM._prompt
+    chat_prompt_ids = LLM.chat_prompt_ids
+    _render_chat = LLM._render_chat
+    _check_chat_template_kwargs = LLM._check_chat_template_kwargs
+    _texts = LLM._texts
+
+    def __init__(self, spec: PreparerSpec):
+        c = self.config = spec.config
+        self.vocab_size = spec.vocab_size
+        self.block_manager = KVSize(spec.num_blocks, spec.block_size)
+        self.tokenizer = None if c.skip_tokenizer_init else \
+            load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode, c.trust_remote_code, c.revision)
+        self._token_texts: dict[int, str] = {}
+
+
+def room_after(front, num_prompt_tokens: int) -> int:
+    """The most tokens a request may generate after its prompt: up to max_model_len, and
+    within the whole KV cache (the last token's K/V is never written)."""
+    bm = front.block_manager
+    return min(front.config.max_model_len, bm.num_blocks * bm.block_size + 1) - num_prompt_tokens
+
+
+def prepare_one(front, r) -> Prepared:
+    """Prepare request `r` (an EngineRequest, or anything with its fields: prompt, params,
+    fill_max_tokens, want_prompt_text, tokenize_only) on `front` (an LLM or a RequestPreparer)."""
+    if isinstance(r.prompt, ChatPrompt):
+        ids, text = front.chat_prompt_ids(r.prompt.messages, **r.prompt.template_kwargs), None
+    else:
+        ids, text = front._prompt(r.prompt)
+    if r.want_prompt_text and text is None and front.tokenizer is not None:
+        text = front.tokenizer.decode(ids)
+    if r.tokenize_only:
+        if r.want_prompt_text and text is None:
+            raise ValueError("turning token ids into text needs a tokenizer (the engine was started "
+                             "with skip_tokenizer_init)")
+        return Prepared(ids, None, text)
+    params = r.params
+    if r.fill_max_tokens:
+        params = copy.copy(params)  # (the caller's object may serve several prompts)
+        params.max_tokens = max(1, room_after(front, len(ids)))
+    params = front.prepare_params(params)
+    front.check_fits(len(ids), params)
+    first = front._texts(ids[:1])[0] if r.want_prompt_text and ids and front.tokenizer is not None else None
+    return Prepared(ids, params, text, first)
+
+
+def prepare_requests(front, requests: list) -> list[Prepared]:
+    """Every request prepared (one already prepared, with a `prepared` set, is kept), or the
+    first error, naming its prompt when there are several: ValueError / TypeError /
+    NotImplementedError. Anything else raised while preparing (a chat template's
+    raise_exception, a tokenizer error) is the request's fault: a ValueError naming it."""
+    out = []
+    for i, r in enumerate(requests):
+        done = getattr(r, "prepared", None)
+        if done is not None:
+            out.append(done)
+            continue
+        where = f"prompt {i}: " if len(requests) > 1 else ""
+        try:
+            out.append(prepare_one(front, r))
+        except (ValueError, TypeError, NotImplementedError) as e:
+            raise type(e)(f"{where}{e}") from None
+        except Exception as e:  # noqa: BLE001 (the request's fault, e.g. jinja2's TemplateError)
+            raise ValueError(f"{where}{type(e).__name__}: {e}") from None
+    return out
