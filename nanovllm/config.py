@@ -287,9 +287,6 @@ class Config:
         hf = load_hf_config(self.model)
         self.dtype = self._resolve_dtype(self.dtype, hf)
         self._resolve_features(hf, features or NoFeatures())
-        if self.parallel.distributed_executor_backend != "ray":  # a Ray front's replicas check on their own
-            check_model_fits(hf, self.dtype, self.quant is not None, self.device,
-                             self.parallel.tensor_parallel_size, self.parallel.data_parallel_size)
         self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype
         self._check_fp8_device()
         if self.max_model_len > hf.max_position_embeddings:  # RoPE would silently extrapolate
@@ -302,6 +299,9 @@ class Config:
             raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
                              + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
         self._check_gpu_count()
+        if self.parallel.distributed_executor_backend != "ray":  # a Ray front's replicas check on their own
+            check_model_fits(hf, self.dtype, self.quant is not None, self.device,
+                             self.parallel.tensor_parallel_size, self.parallel.data_parallel_size)
         self.hf_config = hf
         return self
 

@@ -7,7 +7,6 @@
 # cuBLASLt decode GEMMs, FP8 GEMMs, the fused KV store, fused all-reduce vs NCCL, prefill all-reduce overlap;
 # benchmarks/kernels/),
 # LOGPROBS_BENCH=K (the 0.6B bench again with every request asking for K logprobs: their cost),
-# FUSE_AB=1 (the 0.6B bench with the K/V store in a kernel of its own, then fused into q/k-norm + RoPE),
 # SERVE_BENCH=1 (benchmarks/serve_bench.py on Qwen3-0.6B, 64 streaming clients: throughput against offline,
 # TTFT / ITL, and the engine's step gaps by kind from the server's --step-log; SERVE_ARGS: more serve_bench flags,
 # e.g. "--closed-loop --profile \$OUT"),
@@ -35,13 +34,6 @@ done
 if [ -n "${LOGPROBS_BENCH:-}" ]; then
   timeout 300 python3 bench.py --dummy qwen3-0.6b --logprobs "$LOGPROBS_BENCH" ${BENCH_ARGS:-} \
     --json "$OUT/bench-qwen3-0.6b-logprobs.json" "$@" 2>&1 | tee "$OUT/bench-qwen3-0.6b-logprobs.log"
-fi
-
-if [ -n "${FUSE_AB:-}" ]; then  # A/B of the fused KV store, in one call
-  for f in 0 1; do
-    timeout 300 python3 bench.py --dummy qwen3-0.6b --latency --fuse-kv-store $f ${BENCH_ARGS:-} \
-      --json "$OUT/bench-qwen3-0.6b-fuse$f.json" "$@" 2>&1 | tee "$OUT/bench-qwen3-0.6b-fuse$f.log"
-  done
 fi
 
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
@@ -96,9 +88,8 @@ import json, os, sys
 out = sys.argv[1]
 print(f"{'model':<20}{'out tok/s':>11}{'total tok/s':>13}{'of floor':>10}{'of step floor':>15}{'cold s':>8}"
       f"{'bs1 ms/tok':>12}")
-optional = ("qwen3-0.6b-logprobs", "qwen3-0.6b-fuse0", "qwen3-0.6b-fuse1")
-for m in ("qwen3-0.6b", "qwen3-0.6b-logprobs", "qwen3-0.6b-fuse0", "qwen3-0.6b-fuse1", "qwen3-8b", "qwen3-8b-tp2",
-          "qwen3-8b-tp2-b"):
+optional = ("qwen3-0.6b-logprobs",)
+for m in ("qwen3-0.6b", "qwen3-0.6b-logprobs", "qwen3-8b", "qwen3-8b-tp2", "qwen3-8b-tp2-b"):
     f = os.path.join(out, f"bench-{m}.json")
     if not os.path.exists(f):
         if m not in optional:

@@ -83,8 +83,7 @@ class PrefillGraphStrategy:
         # K/V (the fused store) and the triton backend gives them the paged decode kernel. At
         # most 256 of them: every replay runs the kernel over all those rows (empty ones exit at
         # once), and a step with more decode rows is GPU-bound anyway, its host time hidden.
-        fused = runner.backend.name == "triton" and config.fuse_kv_store
-        decode_rows = min(config.max_num_seqs, tokens, 256) if fused else 0
+        decode_rows = min(config.max_num_seqs, tokens, 256) if runner.backend.name == "triton" else 0
         self.graphs = PrefillGraphs(runner.model, runner.attn_layers, tokens, config.hf_config.hidden_size,
                                     config.dtype, runner.device, pool=runner.graphs.pool, stream=runner.graphs.stream,
                                     decode_rows=decode_rows, decode_splits=runner.inputs.num_splits,
