@@ -196,7 +196,11 @@ def test_replica_dead_between_calls_fails_the_next_call(model_path):
             with pytest.raises(ReplicaFailed, match=f"replica 0 \\(pid {victim}\\)") as info:
                 llm.generate(prompts(), greedy(4), use_tqdm=False)
             assert time.monotonic() - t < 10
-            assert sorted(info.value.unfinished) == list(range(len(prompts())))
+            # The dead replica's prompts have no output; the live one may have finished its shard
+            # before the death was seen (how far it got depends on the machine's speed).
+            unfinished, outputs = info.value.unfinished, info.value.outputs
+            assert unfinished and sorted(unfinished) == [i for i, o in enumerate(outputs) if o is None]
+            assert all(len(o.outputs[0].token_ids) == 4 for o in outputs if o is not None)
         finally:
             llm.shutdown()
     assert no_children()
