@@ -1,4 +1,6 @@
-"""The data-parallel front: `DataParallelLLM` (llm.py) is this class mixed into `LLM`.
+"""The data-parallel front: `DataParallelLLM`, what `LLM(model, data_parallel_size=N, ...)` (or
+distributed_executor_backend="ray") makes, is this module's DataParallelFront mixed into `LLM`
+(data_parallel_llm; llm.py asks for it through nanovllm/wiring.py, so a plain LLM loads none of it).
 
 It keeps LLM's checks, chat template and outputs, in the caller's process, and sends each
 call's requests to N engine replicas: launch/data_parallel.py's `ReplicaSet`, which is this
@@ -8,7 +10,9 @@ cache of the smallest replica, and refuses the calls that would need an engine o
 
 from __future__ import annotations
 
-from nanovllm.wiring import replica_set
+import functools
+
+from nanovllm.launch.data_parallel import ReplicaSet
 from nanovllm.outputs import RequestOutput
 
 
@@ -19,7 +23,7 @@ class DataParallelFront:
     replica_class: type
 
     def __init__(self, model: str, **kwargs):
-        self.replicas = replica_set(self.replica_class, kwargs)
+        self.replicas = ReplicaSet(self.replica_class, kwargs)
         try:
             super().__init__(model, **self.replicas.front_kwargs)
         except BaseException:
@@ -61,3 +65,16 @@ class DataParallelFront:
                                   "in the replicas): use generate() or chat()")
 
     add_request = step = abort = has_unfinished = cancel_in_flight = _engine_only
+
+
+@functools.cache
+def data_parallel_llm(llm_class: type) -> type:
+    """DataParallelLLM: the front mixed into `llm_class` (LLM), made once: LLM's checks, chat
+    template and outputs here, each call's requests run by N replicas of `llm_class`."""
+
+    class DataParallelLLM(DataParallelFront, llm_class):
+        __doc__ = data_parallel_llm.__doc__
+        replica_class = llm_class  # what each replica runs (an ordinary engine of tensor_parallel_size GPUs)
+
+    DataParallelLLM.__module__ = __name__
+    return DataParallelLLM

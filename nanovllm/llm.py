@@ -12,13 +12,13 @@ from nanovllm.config import wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.limits import check_unicode, clip_repr
+from nanovllm.chat_template import check_conversation, check_template_kwargs
+from nanovllm.limits import clip_repr
 from nanovllm.core.sequence import Sequence, SequenceStatus
-from nanovllm.data_parallel_front import DataParallelFront
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
-__all__ = ["LLM", "DataParallelLLM", "StreamOutput"]
+__all__ = ["LLM", "StreamOutput"]
 
 # Keys of vLLM's prompt dicts (TextPrompt / TokensPrompt) for inputs nano-vllm has no use for.
 _UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
@@ -26,12 +26,13 @@ _UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs",
 
 
 class _FrontForOptions(type):
-    """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM, any
-    other `LLM(...)` an LLM: the one choice of front, made on the options before either is built."""
+    """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM
+    (data_parallel_front.py), any other `LLM(...)` an LLM: the one choice of front, made on the
+    options before either is built."""
 
     def __call__(cls, *args, **kwargs):
         if cls is LLM and wants_data_parallel(kwargs):
-            cls = DataParallelLLM
+            cls = wiring.data_parallel_llm(LLM)
         return type.__call__(cls, *args, **kwargs)
 
 
@@ -324,7 +325,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
             raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         for i, conv in enumerate(conversations):
-            _check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
+            check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
         self._check_chat_template_kwargs(chat_template_kwargs)
         prompts = [self._render_chat(conv, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
@@ -334,7 +335,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         it): the chat template with the generation prompt, tokenized without added special tokens."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
-        _check_conversation(messages, "messages")
+        check_conversation(messages, "messages")
         self._check_chat_template_kwargs(chat_template_kwargs)
         return self._render_chat(messages, chat_template_kwargs)
 
@@ -344,76 +345,4 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _check_chat_template_kwargs(self, kwargs: dict) -> None:
-        """A TypeError for keywords chat() sets itself, and for ones the chat template never
-        reads (Jinja would ignore a misspelt `enable_thinkng` or `sampling_param` silently)."""
-        taken = sorted(_CHAT_FIXED_KWARGS & kwargs.keys())
-        if taken:
-            raise TypeError(f"chat() got {', '.join(taken)}: it renders the template as text with the "
-                            "generation prompt itself")
-        if not kwargs.keys() - {"chat_template"}:
-            return  # nothing the template could fail to read; skip parsing it (milliseconds per chat request)
-        template = self.tokenizer.chat_template
-        given = kwargs.get("chat_template")  # a template's text, or the name of one of the tokenizer's
-        if given is not None:
-            template = template[given] if isinstance(template, dict) and given in template else given
-        used = _template_variables(template)
-        if used is None:
-            return  # no template, or one this check cannot parse: apply_chat_template decides
-        unknown = sorted(k for k in kwargs if k not in used and k != "chat_template")
-        if unknown:
-            options = sorted(used - _CHAT_TEMPLATE_BUILTINS)
-            raise TypeError(f"chat() got keyword arguments the chat template does not use: {', '.join(unknown)} "
-                            f"(template variables: {', '.join(options) or 'none'})")
-
-
-class DataParallelLLM(DataParallelFront, LLM):
-    """What `LLM(model, data_parallel_size=N, ...)` (or distributed_executor_backend="ray")
-    makes: LLM's checks, chat template and outputs here, each call's requests run by N engine
-    replicas (nanovllm/data_parallel_front.py)."""
-
-    replica_class = LLM  # what each replica runs (an ordinary engine of tensor_parallel_size GPUs)
-
-
-_CHAT_ROLES = ("system", "user", "assistant", "tool")
-# apply_chat_template arguments that chat() fixes (text out, generation prompt on).
-_CHAT_FIXED_KWARGS = frozenset({"conversation", "tokenize", "add_generation_prompt", "continue_final_message",
-                                "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding",
-                                "truncation", "max_length"})
-# Names every template sees from transformers, not options a caller would pass.
-_CHAT_TEMPLATE_BUILTINS = frozenset({"messages", "add_generation_prompt", "raise_exception", "strftime_now",
-                                     "bos_token", "eos_token", "unk_token", "pad_token"})
-
-
-def _check_conversation(conv, where: str) -> None:
-    """A clear error for a message the template would mangle or drop without a word (a
-    missing or non-text content renders as empty, an unknown role vanishes in Qwen3's)."""
-    if not isinstance(conv, (list, tuple)) or not conv:
-        raise TypeError(f"{where} must be a non-empty list of {{'role', 'content'}} dicts")
-    for j, m in enumerate(conv):
-        if not isinstance(m, dict):
-            raise TypeError(f"{where}, message {j}: must be a dict with 'role' and 'content', got {type(m).__name__}")
-        role = m.get("role")
-        if role not in _CHAT_ROLES:
-            raise ValueError(f"{where}, message {j}: role must be one of {', '.join(_CHAT_ROLES)}, "
-                             f"got {clip_repr(role)}")
-        content = m.get("content")
-        calls_tools = role == "assistant" and bool(m.get("tool_calls"))
-        if not isinstance(content, str) and not (calls_tools and content is None):
-            raise TypeError(f"{where}, message {j}: content must be a string, got {type(content).__name__}")
-        if isinstance(content, str):
-            check_unicode(content, f"{where}, message {j}: content")
-
-
-def _template_variables(template) -> set[str] | None:
-    """The variables a Jinja chat template reads (over all of them if the tokenizer has several
-    named ones), or None when there is no template or it does not parse here."""
-    if template is None:
-        return None
-    templates = template.values() if isinstance(template, dict) else [template]
-    try:
-        from jinja2 import Environment, meta
-
-        env = Environment(extensions=["jinja2.ext.loopcontrols"])
-        return set().union(*(meta.find_undeclared_variables(env.parse(t)) for t in templates))
-    except Exception:  # a template using transformers' own tags, say: no check rather than a false alarm
-        return None
+        check_template_kwargs(self.tokenizer.chat_template, kwargs)

@@ -12,7 +12,7 @@ them here and nowhere else.
 
 from __future__ import annotations
 
-# ---------------------------------------------------------------- executors, forward strategy, replicas
+# ---------------------------------------------------------------- executors, forward strategy, data parallelism
 
 
 def forward_strategy(config):
@@ -39,11 +39,12 @@ def start_executor(config):
     return start_launched_executor(config, strategy)
 
 
-def replica_set(replica_class, kwargs: dict):
-    """The replicas of a data-parallel LLM (launch/data_parallel.py's ReplicaSet), not started yet."""
-    from nanovllm.launch.data_parallel import ReplicaSet
+def data_parallel_llm(llm_class: type) -> type:
+    """The front of LLM(..., data_parallel_size=N) (or the Ray backend): data_parallel_front.py's
+    DataParallelLLM over `llm_class`, whose executor is launch/data_parallel.py's ReplicaSet."""
+    from nanovllm.data_parallel_front import data_parallel_llm as front
 
-    return ReplicaSet(replica_class, kwargs)
+    return front(llm_class)
 
 
 # ---------------------------------------------------------------- the model's features (Config.resolve)

@@ -1,13 +1,20 @@
 """The package's shape, checked on every CI run (the architecture issue's bounds): no import
 cycles between modules or between subpackages (imports inside functions included), core/ and
-model/ never importing features/, launch/ or serve/, core/model_runner.py at most 250 lines,
-no function but a @triton.jit kernel longer than 80 lines (docstring included), and
-LLMEngine.step() at most 25 lines, so that reading it shows the whole step."""
+model/ never importing features/, launch/ or serve/, imports inside functions only where they
+are the point (nanovllm/wiring.py) or reach an optional dependency (the Triton kernels), no
+function but a @triton.jit kernel longer than 60 lines (docstring included), no file over 400
+lines, no NANOVLLM_* environment switch but the API key, core/model_runner.py at most 250
+lines, LLMEngine.step() at most 25 lines (reading it shows the whole step), and what a plain
+generate loads."""
 
 from __future__ import annotations
 
 import ast
+import json
 import os
+import re
+import subprocess
+import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanovllm")
 
@@ -105,15 +112,92 @@ def test_model_runner_is_small():
         assert len(f.read().splitlines()) <= 250
 
 
-def test_no_function_longer_than_80_lines_but_kernels():
+def test_no_function_longer_than_60_lines_but_kernels():
     long = []
     for name, tree in modules().items():
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 kernel = any("jit" in ast.unparse(d) for d in node.decorator_list)
-                if not kernel and node.end_lineno - node.lineno + 1 > 80:
+                if not kernel and node.end_lineno - node.lineno + 1 > 60:
                     long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long
+    assert any(isinstance(n, ast.FunctionDef) for n in ast.walk(modules()["nanovllm.core.engine"]))  # (real)
+
+
+def source_files() -> dict[str, str]:
+    out = {}
+    for folder, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(folder, f)
+                out[os.path.relpath(path, os.path.dirname(ROOT))] = open(path).read()
+    return out
+
+
+def test_no_file_over_400_lines():
+    sizes = {path: len(src.splitlines()) for path, src in source_files().items()}
+    assert not {p: n for p, n in sizes.items() if n > 400}
+    assert sizes["nanovllm/core/engine.py"] > 100  # (the files are read)
+
+
+def test_no_environment_switch_but_the_api_key():
+    """Behaviour is chosen by LLM's options, never by a NANOVLLM_* variable (A/B switches leave
+    the package); the server's API key may come from the environment to keep it out of `ps`."""
+    names = {m for src in source_files().values() for m in re.findall(r"NANOVLLM_\w+", src)}
+    assert names == {"NANOVLLM_API_KEY"}, names
+
+
+def function_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) of the nanovllm imports made inside a function of `tree`."""
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nanovllm"):
+                    found.append((node.lineno, node.module))
+                elif isinstance(node, ast.Import):
+                    found += [(node.lineno, a.name) for a in node.names if a.name.startswith("nanovllm")]
+    return found
+
+
+def test_function_level_imports_only_where_they_are_the_point():
+    """nanovllm/wiring.py imports each feature when it is turned on (its purpose). Elsewhere an
+    import inside a function may only reach nanovllm/kernels/: Triton, an optional dependency
+    (Linux only), is imported by the CUDA path alone. Anything else hid a cycle or a feature."""
+    found = {name: function_level_imports(tree) for name, tree in modules().items()}
+    assert found["nanovllm.wiring"]  # (the check sees them)
+    hidden = {name: [(line, m) for line, m in imports if not m.startswith("nanovllm.kernels")]
+              for name, imports in found.items() if name != "nanovllm.wiring"}
+    assert not {name: imports for name, imports in hidden.items() if imports}
+
+
+# What a plain offline generate (tiny Qwen3 on the CPU, no options) loads of nanovllm, outside
+# kernels/: 7,930 lines at 5844497 (the architecture issue's measure), 6,334 at the restructure.
+# The issue's goal is 4,000; this bound may only go down.
+PLAIN_GENERATE_LINE_BUDGET = 6_400
+PLAIN_GENERATE = """
+import json, sys
+sys.path.insert(0, sys.argv[2])
+from nanovllm import LLM, SamplingParams
+import tiny_model
+path = tiny_model.make_tiny_qwen3(sys.argv[1])
+llm = LLM(path, device="cpu", kvcache_block_size=16, max_model_len=128, num_kvcache_blocks=32)
+out = llm.generate(["hello world"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 4
+print(json.dumps({n: m.__file__ for n, m in sys.modules.items() if n.startswith("nanovllm") and m.__file__}))
+"""
+
+
+def test_a_plain_generate_loads_no_feature_and_stays_within_its_line_budget(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", PLAIN_GENERATE, str(tmp_path / "ckpt"), os.path.dirname(__file__)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert "nanovllm.core.engine" in loaded and "nanovllm.model.decoder" in loaded
+    unwanted = sorted(n for n in loaded if n.split(".")[1:2] in (["features"], ["launch"], ["serve"]))
+    assert not unwanted, unwanted
+    lines = {n: len(open(f).read().splitlines()) for n, f in loaded.items() if not n.startswith("nanovllm.kernels")}
+    assert sum(lines.values()) <= PLAIN_GENERATE_LINE_BUDGET, sorted(lines.items(), key=lambda kv: -kv[1])[:10]
 
 
 def test_engine_step_reads_as_the_step():

@@ -1121,7 +1121,7 @@ def test_chat_bad_messages(llm, refs, bad):
 
 
 def test_chat_message_errors_name_the_message():
-    from nanovllm.llm import _check_conversation
+    from nanovllm.chat_template import check_conversation as _check_conversation
 
     with pytest.raises(ValueError, match=r"conversation 1, message 2: role must be one of .*'usr'"):
         _check_conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},

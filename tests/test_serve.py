@@ -728,10 +728,11 @@ def test_a_data_parallel_server_is_refused_before_any_work(flags, capsys):
 
 def test_the_engine_loop_refuses_a_data_parallel_llm():
     from nanovllm.serve.async_engine import EngineLoop
-    from nanovllm.llm import DataParallelLLM
+    from nanovllm.data_parallel_front import data_parallel_llm
+    from nanovllm.llm import LLM
 
     with pytest.raises(ValueError, match="drives one engine in this process"):
-        EngineLoop(object.__new__(DataParallelLLM))  # (no replicas started: the check comes first)
+        EngineLoop(object.__new__(data_parallel_llm(LLM)))  # (no replicas started: the check comes first)
 
 
 def test_serve_bench_runs_and_reports(ckpt, tmp_path):

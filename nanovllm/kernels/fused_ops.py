@@ -152,22 +152,10 @@ def rms_norm(
         a2 = addend.reshape(-1, hidden) if addend is not None else x2
         block = triton.next_power_of_2(hidden)
         _rms_norm_kernel[(rows,)](
-            x2,
-            x2.stride(0),
-            a2,
-            a2.stride(0),
-            r2,
-            r2.stride(0),
-            weight,
-            y,
+            x2, x2.stride(0), a2, a2.stride(0), r2, r2.stride(0), weight, y,
             res_out if res_out is not None else y,  # unused without a residual
-            hidden,
-            float(eps),
-            HAS_ADDEND=addend is not None,
-            HAS_RESIDUAL=residual is not None,
-            BLOCK=block,
-            num_warps=_num_warps(block),
-            enable_fp_fusion=False,
+            hidden, float(eps), HAS_ADDEND=addend is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=_num_warps(block), enable_fp_fusion=False,
         )
     return y if residual is None else (y, res_out)
 
@@ -212,12 +200,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows > 0:
         block = min(triton.next_power_of_2(d), 1024)
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2,
-            x2.stride(0),
-            y,
-            d,
-            BLOCK=block,
-            num_warps=_num_warps(block, max_warps=8),
-            enable_fp_fusion=False,
+            x2, x2.stride(0), y, d, BLOCK=block, num_warps=_num_warps(block, max_warps=8), enable_fp_fusion=False,
         )
     return y

@@ -131,6 +131,23 @@ def store_kvcache(
     bounds-checked against the cache: that would need a host sync. No host syncs at all, so
     this may be captured in a CUDA graph. N == 0 is a no-op.
     """
+    fp8 = _check_store_inputs(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+    n, num_kv_heads, head_dim = key.shape
+    if n == 0:
+        return
+    # The kernel indexes slot_mapping with a unit stride.
+    slot_mapping = slot_mapping.contiguous()
+    width = num_kv_heads * head_dim
+    _store_kvcache_kernel[(n,)](
+        key, key.stride(0), key.stride(1), value, value.stride(0), value.stride(1), k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else slot_mapping,  # unused without FP8
+        v_scale if fp8 else slot_mapping, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK=triton.next_power_of_2(width), FP8=fp8, num_warps=4 if width >= 512 else 1,
+    )
+
+
+def _check_store_inputs(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale) -> bool:
+    """store_kvcache's argument checks (see its docstring); whether the cache is FP8."""
     if key.dim() != 3 or value.dim() != 3:
         raise ValueError(
             f"key and value must be [N, num_kv_heads, head_dim], got {tuple(key.shape)} "
@@ -165,26 +182,4 @@ def store_kvcache(
         raise ValueError("key and value need a contiguous last dimension (stride(-1) == 1)")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    if n == 0:
-        return
-    # The kernel indexes slot_mapping with a unit stride.
-    slot_mapping = slot_mapping.contiguous()
-    width = num_kv_heads * head_dim
-    _store_kvcache_kernel[(n,)](
-        key,
-        key.stride(0),
-        key.stride(1),
-        value,
-        value.stride(0),
-        value.stride(1),
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k_scale if fp8 else slot_mapping,  # unused without FP8
-        v_scale if fp8 else slot_mapping,
-        NUM_KV_HEADS=num_kv_heads,
-        HEAD_DIM=head_dim,
-        BLOCK=triton.next_power_of_2(width),
-        FP8=fp8,
-        num_warps=4 if width >= 512 else 1,
-    )
+    return fp8

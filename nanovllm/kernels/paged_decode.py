@@ -251,14 +251,10 @@ def _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale,
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
-        raise ValueError(
-            f"block_tables must be [{batch}, max_blocks_per_seq], got {tuple(block_tables.shape)}"
-        )
+        raise ValueError(f"block_tables must be [{batch}, max_blocks_per_seq], got {tuple(block_tables.shape)}")
     if block_tables.dtype != torch.int32 or context_lens.dtype != torch.int32:
-        raise ValueError(
-            f"block_tables and context_lens must be int32, got {block_tables.dtype} and "
-            f"{context_lens.dtype}"
-        )
+        raise ValueError(f"block_tables and context_lens must be int32, got {block_tables.dtype} and "
+                         f"{context_lens.dtype}")
     if batch > 65535:  # the grid's second dimension
         raise ValueError(f"at most 65535 sequences per call, got {batch}")
     if context_lens.shape != (batch,):
@@ -341,11 +337,7 @@ def paged_decode_attention(
     tile, num_warps, num_stages = _launch_config(head_dim, q.element_size())
     # Splits beyond the table's capacity in tiles could never get tokens.
     num_splits = max(1, min(num_splits, triton.cdiv(max_blocks * block_size, tile)))
-    if num_splits > 1:
-        part_out = torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-        part_lse = torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=q.device)
-    else:
-        part_out = part_lse = out  # unused by the kernel
+    part_out, part_lse = _partials(out, num_splits)
     _paged_decode_split_kernel[(num_kv_heads * num_splits, batch)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         block_tables, block_tables.stride(0), context_lens, context_lens.stride(0),
@@ -358,9 +350,24 @@ def paged_decode_attention(
         FP16_DOT=fp8 and q.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
-        _paged_decode_merge_kernel[(batch, num_heads)](
-            part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
-            NUM_HEADS=num_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-            num_warps=4 if num_splits * head_dim >= 2048 else 2,
-        )
+        _merge_partials(part_out, part_lse, out, num_splits)
     return out
+
+
+def _partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split kernel's fp32 partial outputs [B, heads, splits, head_dim] and log-sum-exps
+    [B, heads, splits]; with one split it writes `out` directly (the two are then unused)."""
+    if num_splits == 1:
+        return out, out
+    batch, num_heads, head_dim = out.shape
+    return (torch.empty((batch, num_heads, num_splits, head_dim), dtype=torch.float32, device=out.device),
+            torch.empty((batch, num_heads, num_splits), dtype=torch.float32, device=out.device))
+
+
+def _merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, num_splits: int) -> None:
+    batch, num_heads, head_dim = out.shape
+    _paged_decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
+        NUM_HEADS=num_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
+        num_warps=4 if num_splits * head_dim >= 2048 else 2,
+    )

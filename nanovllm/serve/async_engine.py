@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from nanovllm.llm import LLM, DataParallelLLM
+from nanovllm.data_parallel_front import DataParallelFront
+from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.preparation import ChatPrompt, Prepared, PreparerSpec, prepare_requests
 
@@ -158,7 +159,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM, dispatch: Callable[[list], None] = call_sinks,
                  on_stats: Callable[[EngineStats], None] | None = None):
-        if isinstance(llm, DataParallelLLM):
+        if isinstance(llm, DataParallelFront):
             raise ValueError(SINGLE_ENGINE_ONLY)
         self.llm = llm
         self.dispatch = dispatch
