@@ -10,7 +10,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 NEW=$PWD
-BASE=$(cd "${AB_BASE:?AB_BASE must name the other side's folder}" && pwd)
+BASE=$(cd "${AB_BASE:?AB_BASE must name the folder of the other side}" && pwd)
 DEST=${OUT:-/tmp/gpu_ab}
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1
