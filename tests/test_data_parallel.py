@@ -10,7 +10,6 @@ import os
 import random
 import re
 import signal
-import threading
 import time
 
 import pytest
@@ -160,16 +159,25 @@ def test_killed_replica_raises_quickly_naming_it_and_lists_unfinished_prompts(mo
         victim = llm.replica_info[1]["pid"]
         killed = {}
 
-        def kill():
-            killed["at"] = time.monotonic()
-            os.kill(victim, signal.SIGKILL)
+        class KillAtFirstCompletion:
+            """The progress bar: the first completion (a short request) means the call is under way
+            while the long ones still run (400 tokens), whatever the machine's speed: kill then."""
 
-        # Long enough (2 x 6 requests of 400 tokens) that the kill lands mid-call.
-        timer = threading.Timer(1.0, kill)
+            def __init__(self, **_):
+                pass
+
+            def update(self, n):
+                if "at" not in killed:
+                    killed["at"] = time.monotonic()
+                    os.kill(victim, signal.SIGKILL)
+
+            def close(self):
+                pass
+
+        params = [greedy(2 if i % 2 else 400) for i in range(12)]
         with deadline(60, "a generate with a killed replica"):
-            timer.start()
             with pytest.raises(ReplicaFailed) as info:
-                llm.generate([[i + 1] * (i + 2) for i in range(12)], greedy(400), use_tqdm=False)
+                llm.generate([[i + 1] * (i + 2) for i in range(12)], params, use_tqdm=KillAtFirstCompletion)
         raised = time.monotonic() - killed["at"]
         assert raised < 30, f"raised {raised:.1f} s after the kill"
         e = info.value
