@@ -1,9 +1,10 @@
-"""Chat with a Qwen3 checkpoint through nano-vllm.
+"""Chat with a checkpoint through nano-vllm (Qwen3, Qwen2.5, Llama 3, Qwen3-MoE).
 
     python example.py --model /path/to/Qwen3-0.6B
 
 `--model` is a local checkpoint folder (config.json, *.safetensors, tokenizer files) or a Hub id
-that is downloaded when the machine is online.
+that is downloaded when the machine is online. Qwen3's thinking is turned off where the chat
+template has the switch (`enable_thinking`); other templates get no such keyword.
 """
 
 import argparse
@@ -11,6 +12,7 @@ import os
 import sys
 
 from nanovllm import LLM, SamplingParams
+from nanovllm.chat_template import template_variables
 
 
 def main(argv=None):
@@ -27,17 +29,22 @@ def main(argv=None):
     if not os.path.isdir(model) and model == parser.get_default("model"):
         model = "Qwen/Qwen3-0.6B"
     try:
-        llm = LLM(model, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp)
-    except FileNotFoundError as e:
+        run(model, args)
+    except (FileNotFoundError, ValueError, TypeError, NotImplementedError, RuntimeError) as e:
         sys.exit(f"error: {e}")
 
+
+def run(model: str, args) -> None:
+    llm = LLM(model, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tp)
     questions = ["introduce yourself", "list all prime numbers within 100"]
     conversations = [[{"role": "user", "content": q}] for q in questions]
     params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    reads = template_variables(llm.get_tokenizer().chat_template) or set()
+    template_kwargs = {"enable_thinking": False} if "enable_thinking" in reads else {}
     with llm:
-        outputs = llm.chat(conversations, params, enable_thinking=False)
+        outputs = llm.chat(conversations, params, chat_template_kwargs=template_kwargs)
     for question, out in zip(questions, outputs):
-        print(f"\nQ: {question!r}\nA: {out['text']!r}  [{out['finish_reason']}]")
+        print(f"\nQ: {question!r}\nA: {out.outputs[0].text!r}  [{out.outputs[0].finish_reason}]")
 
 
 if __name__ == "__main__":

@@ -42,11 +42,10 @@ class DataParallelFront:
         """Each replica's share of the last generate / chat (launch/data_parallel.ReplicaStats)."""
         return self.replicas.stats
 
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
-        """LLM.generate over the replicas: one RequestOutput per prompt, in input order, shared
+    def _run_requests(self, requests, use_tqdm) -> list[RequestOutput]:
+        """generate / chat over the replicas: one RequestOutput per prompt, in input order, shared
         out by expected work; one progress bar counts every replica's completions. A replica's
         failure raises ReplicaFailed (see launch/data_parallel.py)."""
-        requests = self._normalize(prompts, sampling_params)
         with self._exclusive():
             return self.replicas.generate(requests, self._rng, lambda total: self._progress_bar(use_tqdm, total))
 

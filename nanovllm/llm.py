@@ -12,8 +12,9 @@ from nanovllm.config import wants_data_parallel
 from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.chat_template import check_conversation, check_template_kwargs
+from nanovllm.chat_template import ChatOptions, check_conversation
 from nanovllm.limits import clip_repr
+from nanovllm.lora.request import check_no_lora
 from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -128,13 +129,18 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         return self.tokenize(text), text
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, sampling_params=None, use_tqdm=True) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list[RequestOutput]:
         """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
         fields; also a dict: out["text"], out["token_ids"], out["finish_reason"] read the first
         completion). Without sampling_params, the model's generation defaults apply
         (get_default_sampling_params). use_tqdm: show a progress bar; or, as in vLLM, a
-        callable that makes one from tqdm's keywords (total, desc, ...)."""
-        requests = self._normalize(prompts, sampling_params)
+        callable that makes one from tqdm's keywords (total, desc, ...). lora_request: None (LoRA
+        adapters are not supported yet)."""
+        check_no_lora(lora_request)
+        return self._run_requests(self._normalize(prompts, sampling_params), use_tqdm)
+
+    def _run_requests(self, requests, use_tqdm) -> list[RequestOutput]:
+        """The outputs of normalized (ids, params, text) requests, run to completion."""
         seqs = []
         # A signal handler's exception (Ctrl-C, a timeout) comes out at a step's end; the clean-up runs uncut.
         with self._exclusive(), deferred_interrupts():
@@ -313,12 +319,20 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                 # Every finished increment handed out has already forgotten its text state.
                 self._release(seqs)
 
-    def chat(self, messages, sampling_params=None, use_tqdm=True,
-             **chat_template_kwargs) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts) or to a list of
-        conversations, through the tokenizer's chat template. Extra keyword arguments go to the
-        template (e.g. Qwen3's `enable_thinking=False`); one the template never reads is an
-        error, not silently ignored."""
+    def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None, chat_template=None,
+             chat_template_content_format="auto", add_generation_prompt=True, continue_final_message=False,
+             tools=None, documents=None, chat_template_kwargs=None, mm_processor_kwargs=None,
+             **template_kwargs) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of {"role", "content"} dicts, content a
+        string or OpenAI's text parts) or to a list of them, through the chat template: vLLM's
+        signature (chat_template_content_format, add_generation_prompt, ... see ChatOptions).
+        The template's own variables go in `chat_template_kwargs` (e.g. Qwen3's
+        {"enable_thinking": False}); given as keywords of chat() itself they are merged in
+        (nano-vllm's earlier form). One the template never reads is a TypeError. Each output's
+        `prompt` is the rendered prompt."""
+        check_no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise NotImplementedError("mm_processor_kwargs: nano-vllm runs text models only")
         if self.tokenizer is None:
             raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -326,23 +340,24 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         for i, conv in enumerate(conversations):
             check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
-        self._check_chat_template_kwargs(chat_template_kwargs)
-        prompts = [self._render_chat(conv, chat_template_kwargs) for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        options = ChatOptions(chat_template, chat_template_content_format, add_generation_prompt,
+                              continue_final_message, tools, documents, {**(chat_template_kwargs or {}), **template_kwargs})
+        options.check(self.tokenizer.chat_template)
+        rendered = [self._render_chat(conv, options) for conv in conversations]
+        requests = self._normalize([{"prompt_token_ids": ids} for ids, _ in rendered], sampling_params)
+        return self._run_requests([(ids, p, text) for (ids, p, _), (_, text) in zip(requests, rendered)], use_tqdm)
 
     def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
         """The prompt tokens chat() generates from for one conversation (checked as chat() checks
-        it): the chat template with the generation prompt, tokenized without added special tokens."""
+        it; `chat_template` among the keywords picks the template): what the server renders."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
         check_conversation(messages, "messages")
-        self._check_chat_template_kwargs(chat_template_kwargs)
-        return self._render_chat(messages, chat_template_kwargs)
+        options = ChatOptions(template=chat_template_kwargs.pop("chat_template", None), kwargs=chat_template_kwargs)
+        options.check(self.tokenizer.chat_template)
+        return self._render_chat(messages, options)[0]
 
-    def _render_chat(self, conversation, chat_template_kwargs: dict) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True,
-                                                  **chat_template_kwargs)
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def _check_chat_template_kwargs(self, kwargs: dict) -> None:
-        check_template_kwargs(self.tokenizer.chat_template, kwargs)
+    def _render_chat(self, conversation, options: ChatOptions) -> tuple[list[int], str]:
+        return options.render(self.tokenizer, conversation)

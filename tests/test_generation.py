@@ -1126,8 +1126,12 @@ def test_chat_message_errors_name_the_message():
     with pytest.raises(ValueError, match=r"conversation 1, message 2: role must be one of .*'usr'"):
         _check_conversation([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
                              {"role": "usr", "content": "c"}], "conversation 1")
-    with pytest.raises(TypeError, match=r"messages, message 0: content must be a string, got list"):
-        _check_conversation([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "messages")
+    with pytest.raises(TypeError, match=r"messages, message 0: content must be a string or a list of text parts, got int"):
+        _check_conversation([{"role": "user", "content": 5}], "messages")
+    with pytest.raises(NotImplementedError, match=r"messages, message 0, part 1: content parts of type 'image_url'"):
+        _check_conversation([{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                          {"type": "image_url", "image_url": {"url": "x"}}]}], "messages")
+    _check_conversation([{"role": "user", "content": [{"type": "text", "text": "a"}]}], "messages")
     # An assistant turn that only calls tools may have no content.
     _check_conversation([{"role": "user", "content": "weather?"},
                          {"role": "assistant", "content": None, "tool_calls": [{"name": "w", "arguments": {}}]},
@@ -1138,7 +1142,7 @@ def test_chat_message_errors_name_the_message():
     ({"sampling_param": greedy(3)}, "sampling_param"),  # a typo of sampling_params
     ({"enable_thinkng": False}, "enable_thinkng"),
     ({"tokenize": True}, "tokenize"),
-    ({"add_generation_prompt": False}, "add_generation_prompt"),
+    ({"return_dict": True}, "return_dict"),
 ])
 def test_chat_keyword_arguments_the_template_does_not_read_are_refused(llm, refs, kwargs, name):
     with pytest.raises(TypeError, match=name):

@@ -97,7 +97,6 @@ class RequestPreparer:
     _prompt = LLM._prompt
     chat_prompt_ids = LLM.chat_prompt_ids
     _render_chat = LLM._render_chat
-    _check_chat_template_kwargs = LLM._check_chat_template_kwargs
     _texts = LLM._texts
 
     def __init__(self, spec: PreparerSpec):

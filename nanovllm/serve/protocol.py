@@ -148,7 +148,7 @@ class ChatMessage(_Body):
     def as_template_message(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "\n".join(part.text for part in content)  # (vLLM's string format, as LLM.chat)
         role = "system" if self.role == "developer" else self.role  # OpenAI's newer name for it
         out = {"role": role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id"):
