@@ -26,6 +26,7 @@ from nanovllm.model.fit import check_model_fits
 from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer, is_real
+from nanovllm.vllm_keywords import translate_vllm_keywords
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,11 @@ class Config:
     revision: str | None = None
     max_logprobs: int = 20
     generation_config: str = "auto"
+    # vLLM's: where a Hub checkpoint is downloaded (None: the Hub's cache); config.json entries
+    # to replace (a dict, nested dicts merged); whether to skip the engine's stats (get_metrics).
+    download_dir: str | None = None
+    hf_overrides: dict | None = None
+    disable_log_stats: bool = True
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
@@ -205,7 +211,9 @@ class Config:
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
         """Config from LLM's flat keywords (each feature's go to its sub-config); every unknown
-        keyword is named in one TypeError."""
+        keyword is named in one TypeError. vLLM's names and vLLM-only keywords are read first
+        (vllm_keywords.py)."""
+        kwargs = translate_vllm_keywords(kwargs)
         known = cls.option_names()
         unknown = sorted(set(kwargs) - set(known))
         if unknown:
@@ -260,7 +268,7 @@ class Config:
                              f"got {self.kvcache_block_size}")
         if self.tokenizer_mode not in TOKENIZER_MODES:
             raise ValueError(f"tokenizer_mode={clip_repr(self.tokenizer_mode)}: must be one of {TOKENIZER_MODES}")
-        for name in ("tokenizer", "revision"):
+        for name in ("tokenizer", "revision", "download_dir"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, (str, os.PathLike)):
                 raise ValueError(f"{name}={clip_repr(value)}: must be None or a string")
@@ -270,6 +278,11 @@ class Config:
                              "or a folder holding a generation_config.json")
         if self.device is not None and str(self.device) not in ("cpu", "cuda"):
             raise ValueError(f"device={clip_repr(self.device)}: must be None, 'cpu' or 'cuda'")
+        if callable(self.hf_overrides):
+            raise NotImplementedError("hf_overrides as a function is not supported: pass a dict of config.json entries")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"hf_overrides={clip_repr(self.hf_overrides)}: must be None or a dict")
+        checked("disable_log_stats", self.disable_log_stats, bool, "True or False")
 
     # ------------------------------------------------------------------ resolve (I/O)
     def resolve(self, features: ModelFeatures | None = None) -> "Config":
@@ -281,10 +294,10 @@ class Config:
             return self
         self.device = self._resolve_device(self.device)
         self._check_backend_on_device()
-        self.model = resolve_model_path(self.model, self.revision)
+        self.model = resolve_model_path(self.model, self.revision, cache_dir=self.download_dir)
         if self.tokenizer is not None and not self.skip_tokenizer_init:
-            self.tokenizer = resolve_model_path(self.tokenizer, self.revision, what="tokenizer")
-        hf = load_hf_config(self.model)
+            self.tokenizer = resolve_model_path(self.tokenizer, self.revision, "tokenizer", self.download_dir)
+        hf = load_hf_config(self.model, self.hf_overrides)
         self.dtype = self._resolve_dtype(self.dtype, hf)
         self._resolve_features(hf, features or NoFeatures())
         self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype

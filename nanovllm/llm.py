@@ -349,6 +349,11 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         requests = self._normalize([{"prompt_token_ids": ids} for ids, _ in rendered], sampling_params)
         return self._run_requests([(ids, p, text) for (ids, p, _), (_, text) in zip(requests, rendered)], use_tqdm)
 
+    def beam_search(self, prompts, params, *args, **kwargs):
+        """vLLM's LLM.beam_search: not implemented by nano-vllm yet (a clear error, before any work)."""
+        raise NotImplementedError("LLM.beam_search is not implemented by nano-vllm yet; use generate() with "
+                                  "SamplingParams(n=...) for several samples of a prompt")
+
     def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
         """The prompt tokens chat() generates from for one conversation (checked as chat() checks
         it; `chat_template` among the keywords picks the template): what the server renders."""

@@ -6,34 +6,15 @@ import copy
 import dataclasses
 import functools
 import math
-import numbers
 from dataclasses import dataclass
 
 import xxhash
 
 from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                              MAX_TOKEN_ID_ENTRIES, check_size, clip_repr)
-
-
-def is_integer(x) -> bool:
-    """An integer as callers pass them: int or numpy's integers, but not bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def as_token_ids(values) -> list[int] | None:
-    """A list or tuple of integers (int or numpy's, not bool) as a new list of Python ints, or
-    None if some element is not one. Plain ints are recognised in C (the set of the elements'
-    types), not by one isinstance per token (long prompts)."""
-    if set(map(type, values)) <= {int}:
-        return list(values)
-    if all(is_integer(t) for t in values):
-        return [int(t) for t in values]
-    return None
-
-
-def is_real(x) -> bool:
-    """A real number (int, float, numpy's), not bool."""
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+from nanovllm.values import as_token_ids, is_integer, is_real  # noqa: F401 (imported from here too)
+from nanovllm.vllm_params import (BeamSearchParams, RequestOutputKind,  # noqa: F401 (vLLM's import path)
+                                  StructuredOutputsParams)
 
 
 # vLLM SamplingParams fields that nano-vllm does not implement, with the value that asks for
@@ -51,6 +32,8 @@ NOT_IMPLEMENTED = {
 
 def _refuse_not_implemented(name: str, value) -> None:
     off = NOT_IMPLEMENTED[name]
+    if name == "output_kind" and value in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
+        return  # generate() returns final outputs either way (as vLLM's LLM)
     if value is off or (is_real(off) and is_real(value) and value == off):
         return
     raise NotImplementedError(f"SamplingParams.{name}={clip_repr(value)}: vLLM's {name} is not implemented by "

@@ -253,8 +253,10 @@ def test_llm_keywords_vllm_scripts_set(ckpt, tmp_path, llm):
             make_llm(ckpt, **bad)
     with pytest.raises(FileNotFoundError, match="tokenizer"):
         make_llm(bare, tokenizer=str(tmp_path / "missing"))
-    with pytest.raises(TypeError, match="swap_space"):
+    with pytest.raises(NotImplementedError, match="swap_space=4: nano-vllm preempts a request by recompute"):
         make_llm(ckpt, swap_space=4)
+    with pytest.raises(TypeError, match=r"unknown keyword argument\(s\): max_num_seq\. Known"):
+        make_llm(ckpt, max_num_seq=4)
 
 
 def test_reset_prefix_cache(llm):

@@ -12,9 +12,10 @@ from nanovllm.model import registry
 from nanovllm.sampling_params import is_integer
 
 
-def resolve_model_path(model: str, revision: str | None = None, what: str = "model") -> str:
+def resolve_model_path(model: str, revision: str | None = None, what: str = "model",
+                       cache_dir: str | None = None) -> str:
     """A local checkpoint folder, or a Hugging Face Hub id downloaded (at `revision`, a branch,
-    tag or commit) when the machine is online."""
+    tag or commit; into `cache_dir`, else the Hub's cache) when the machine is online."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"{what} must be a path or a Hub id, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
@@ -27,7 +28,7 @@ def resolve_model_path(model: str, revision: str | None = None, what: str = "mod
         import huggingface_hub  # an optional dependency
 
         try:
-            return huggingface_hub.snapshot_download(model, revision=revision,
+            return huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir,
                                                      allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
         except Exception as e:  # offline, unknown repo...
             raise FileNotFoundError(
@@ -48,16 +49,19 @@ def read_json(path: str) -> dict:
     return data
 
 
-def load_hf_config(path: str):
-    """The checkpoint's `config.json` as a transformers config, checked by its model family."""
+def load_hf_config(path: str, overrides: dict | None = None):
+    """The checkpoint's `config.json` as a transformers config, checked by its model family;
+    `overrides` (vLLM's hf_overrides) replace entries first, nested dicts merged."""
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
     # The registry picks the family (architectures), its transformers config class reads the
     # file, and the family refuses what it does not implement.
     raw = read_json(cfg_file)
+    for key, value in (overrides or {}).items():
+        raw[key] = {**raw[key], **value} if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
     check_sizes(raw)
-    return registry.load_hf_config(path, raw)
+    return registry.load_hf_config(path, raw, {key: raw[key] for key in overrides or {}})
 
 
 # config.json sizes that must be positive integers where given (a family may fall back from a 0).

@@ -51,14 +51,15 @@ def model_class(hf_config):
     return getattr(importlib.import_module(ARCHITECTURES[name].module), name)
 
 
-def load_hf_config(path: str, raw: dict):
-    """config.json (already parsed as `raw`) read by its family's transformers config class, then
-    checked by the family (`options_from_config`): an unknown architecture or an unsupported
-    option (sliding window, rope type, activation ...) is a ValueError before any weights load."""
+def load_hf_config(path: str, raw: dict, overrides: dict | None = None):
+    """config.json (already parsed as `raw`) read by its family's transformers config class, with
+    `overrides` replacing entries, then checked by the family (`options_from_config`): an unknown
+    architecture or an unsupported option (sliding window, rope type, activation ...) is a
+    ValueError before any weights load."""
     import transformers
 
     name = architecture_name(raw.get("architectures"), raw.get("model_type"), f"{path}/config.json")
-    config = getattr(transformers, ARCHITECTURES[name].config_class).from_pretrained(path)
+    config = getattr(transformers, ARCHITECTURES[name].config_class).from_pretrained(path, **(overrides or {}))
     model_class(config).options_from_config(config)
     return config
 

@@ -1,0 +1,44 @@
+"""vLLM's parameter classes that live beside SamplingParams in `vllm.sampling_params`, so that
+scripts import them from `nanovllm.sampling_params` as they do from vLLM. What nano-vllm does not
+run yet (beam search, structured outputs, streamed output kinds) is refused where it is used,
+with a NotImplementedError naming it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """What each output of a request holds: everything so far, only the new part, or only the
+    final result. LLM.generate and chat return final results whatever the kind (as vLLM's LLM
+    does); the engine's step API is what would honour DELTA."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam-search parameters (LLM.beam_search)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's constraints on a request's output (SamplingParams.structured_outputs): one of a
+    JSON schema, a regex, a list of choices, a grammar, or a structural tag."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
