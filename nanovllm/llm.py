@@ -95,9 +95,12 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
                 ids, text = self._prompt(prompt)
-                if id(p) not in prepared:
-                    prepared[id(p)] = self.prepare_params(p)
-                snap = prepared[id(p)]
+                if p.max_tokens is None:  # up to max_model_len: this prompt's own
+                    snap = self.prepare_params(self.with_max_tokens(p, len(ids)))
+                else:
+                    if id(p) not in prepared:
+                        prepared[id(p)] = self.prepare_params(p)
+                    snap = prepared[id(p)]
                 self.check_fits(len(ids), snap)
             except (ValueError, TypeError, NotImplementedError) as e:
                 raise type(e)(f"prompt {i}: {e}") from None
@@ -157,7 +160,8 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None) -> Sequence:
-        params = params if getattr(params, "_frozen", False) else self.prepare_params(params)
+        params = params if getattr(params, "_frozen", False) else \
+            self.prepare_params(self.with_max_tokens(params, len(prompt_ids)))
         # The features the request asks for, on first use: n > 1 and prompt-logprob planning in
         # the scheduler, penalties / bias / logprobs in the sampler.
         wiring.wire_scheduling(self, params)

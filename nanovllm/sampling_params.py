@@ -59,7 +59,7 @@ class SamplingParams:
     top_p: keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
     top_k: keep the k most likely tokens (-1 or 0 = off).
     min_p: drop tokens whose probability is below min_p times the top token's (0 = off).
-    max_tokens: the most tokens to generate (>= 1).
+    max_tokens: the most tokens to generate (>= 1); None: up to max_model_len (and the KV cache).
     min_tokens: EOS and `stop_token_ids` are suppressed until this many tokens exist.
     ignore_eos: keep generating after EOS (benchmarks).
     stop: strings that end generation when they appear in the output text; the stop string
@@ -102,7 +102,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    max_tokens: int = 64
+    max_tokens: int | None = 64
     min_tokens: int = 0
     ignore_eos: bool = False
     stop: str | list[str] | None = None
@@ -153,10 +153,10 @@ class SamplingParams:
         bias, allowed, words = self._check_token_lists()
         # Numbers are stored as Python's own (numpy's would reach the sampler's tensors).
         for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
-                           ("max_tokens", int), ("min_tokens", int), ("n", int), ("presence_penalty", float),
+                           ("min_tokens", int), ("n", int), ("presence_penalty", float),
                            ("frequency_penalty", float), ("repetition_penalty", float)):
             put(name, kind(getattr(self, name)))
-        for name in ("seed", "logprobs", "prompt_logprobs"):
+        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 put(name, int(getattr(self, name)))
         put("_stop_strings", stops)
@@ -183,11 +183,11 @@ class SamplingParams:
             bad("top_k", "must be -1 (off), 0 (off) or a positive integer")
         if not is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
             bad("min_p", "must be in [0, 1]")
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "must be an integer >= 1")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be None (up to max_model_len) or an integer >= 1")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             bad("min_tokens", "must be an integer >= 0")
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):

@@ -176,7 +176,6 @@ INVALID = [
     ("max_tokens", INF),
     ("max_tokens", True),
     ("max_tokens", "16"),
-    ("max_tokens", None),
     # min_tokens
     ("min_tokens", -1),
     ("min_tokens", 65),              # > max_tokens (64 by default)

@@ -106,3 +106,22 @@ def test_engine_args_check_at_construction(ckpt):
         EngineArgs(model=ckpt, max_num_seq=4)
     with pytest.raises(ValueError, match="max_num_seqs"):
         EngineArgs(model=ckpt, max_num_seqs=0)
+
+
+def test_max_tokens_none_generates_up_to_max_model_len(ckpt):
+    """vLLM's max_tokens=None: up to max_model_len (here also within the KV cache), per prompt."""
+    llm = make_llm(ckpt, max_model_len=48)
+    prompts = [[5] * 10, [7] * 30]
+    sp = SamplingParams(max_tokens=None, temperature=0, ignore_eos=True)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [38, 18]
+    assert all(o.outputs[0].finish_reason == "length" for o in outs) and sp.max_tokens is None
+    streamed = [s for s in llm.stream([prompts[1]], sp)]
+    assert sum(len(s.token_ids) for s in streamed) == 18
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=4, min_tokens=5)
+    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None
+    assert_idle(llm)
+    llm.shutdown()

@@ -94,6 +94,8 @@ class RequestPreparer:
     prepare_params = LLMEngine.prepare_params
     _bad_word_ids = LLMEngine._bad_word_ids
     check_fits = LLMEngine.check_fits
+    room_after = LLMEngine.room_after
+    with_max_tokens = LLMEngine.with_max_tokens
     _prompt = LLM._prompt
     chat_prompt_ids = LLM.chat_prompt_ids
     _render_chat = LLM._render_chat
@@ -106,13 +108,6 @@ class RequestPreparer:
         self.tokenizer = None if c.skip_tokenizer_init else \
             load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode, c.trust_remote_code, c.revision)
         self._token_texts: dict[int, str] = {}
-
-
-def room_after(front, num_prompt_tokens: int) -> int:
-    """The most tokens a request may generate after its prompt: up to max_model_len, and
-    within the whole KV cache (the last token's K/V is never written)."""
-    bm = front.block_manager
-    return min(front.config.max_model_len, bm.num_blocks * bm.block_size + 1) - num_prompt_tokens
 
 
 def prepare_one(front, r) -> Prepared:
@@ -132,8 +127,8 @@ def prepare_one(front, r) -> Prepared:
     params = r.params
     if r.fill_max_tokens:
         params = copy.copy(params)  # (the caller's object may serve several prompts)
-        params.max_tokens = max(1, room_after(front, len(ids)))
-    params = front.prepare_params(params)
+        params.max_tokens = max(1, front.room_after(len(ids)))
+    params = front.prepare_params(front.with_max_tokens(params, len(ids)))
     front.check_fits(len(ids), params)
     first = front._texts(ids[:1])[0] if r.want_prompt_text and ids and front.tokenizer is not None else None
     return Prepared(ids, params, text, first)
