@@ -52,6 +52,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
+        self._step_api = None  # llm_engine
         super().__init__(model, start_executor=self._start_executor, model_features=wiring,
                          **kwargs)
         wiring.wire_scheduling(self)  # mixed steps, when asked
@@ -352,6 +353,17 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         rendered = [self._render_chat(conv, options) for conv in conversations]
         requests = self._normalize([{"prompt_token_ids": ids} for ids, _ in rendered], sampling_params)
         return self._run_requests([(ids, p, text) for (ids, p, _), (_, text) in zip(requests, rendered)], use_tqdm)
+
+    # vLLM's step API class (llm_engine.py registers its LLMEngine here when imported, as the
+    # package's __init__ does): llm.py cannot import it, since it is built on LLM.
+    step_api_class: type | None = None
+
+    @property
+    def llm_engine(self):
+        """vLLM's step API over this LLM (llm_engine.py's LLMEngine), made at first use."""
+        if self._step_api is None:
+            self._step_api = LLM.step_api_class(self)
+        return self._step_api
 
     def beam_search(self, prompts, params, *args, **kwargs):
         """vLLM's LLM.beam_search: not implemented by nano-vllm yet (a clear error, before any work)."""

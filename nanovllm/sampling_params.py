@@ -13,8 +13,7 @@ import xxhash
 from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                              MAX_TOKEN_ID_ENTRIES, check_size, clip_repr)
 from nanovllm.values import as_token_ids, is_integer, is_real  # noqa: F401 (imported from here too)
-from nanovllm.vllm_params import (BeamSearchParams, RequestOutputKind,  # noqa: F401 (vLLM's import path)
-                                  StructuredOutputsParams)
+from nanovllm.vllm_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams  # noqa: F401
 
 
 # vLLM SamplingParams fields that nano-vllm does not implement, with the value that asks for
@@ -23,7 +22,7 @@ from nanovllm.vllm_params import (BeamSearchParams, RequestOutputKind,  # noqa: 
 NOT_IMPLEMENTED = {
     "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
     "logits_processors": None, "structured_outputs": None, "guided_decoding": None,
-    "truncate_prompt_tokens": None, "output_kind": None, "extra_args": None, "stream_interval": None,
+    "truncate_prompt_tokens": None, "extra_args": None, "stream_interval": None,
     "logprob_token_ids": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
     "flat_logprobs": False, "thinking_token_budget": None, "repetition_detection": None,
     "skip_reading_prefix_cache": None, "trace_decode_token_ids": None, "skip_clone": False,
@@ -32,8 +31,6 @@ NOT_IMPLEMENTED = {
 
 def _refuse_not_implemented(name: str, value) -> None:
     off = NOT_IMPLEMENTED[name]
-    if name == "output_kind" and value in (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY):
-        return  # generate() returns final outputs either way (as vLLM's LLM)
     if value is off or (is_real(off) and is_real(value) and value == off):
         return
     raise NotImplementedError(f"SamplingParams.{name}={clip_repr(value)}: vLLM's {name} is not implemented by "
@@ -88,7 +85,8 @@ class SamplingParams:
     include_stop_str_in_output: keep the stop string at the end of `text`.
     skip_special_tokens: leave special tokens out of `text`. spaces_between_special_tokens:
         passed to slow (Python) tokenizers' decode; fast tokenizers have no such option (as
-        in vLLM). detokenize: False leaves `text` empty (no stop strings then).
+        in vLLM). detokenize: False leaves `text` empty (no stop strings then). output_kind: what
+        the step API's outputs hold (llm_engine.py); generate / chat return final outputs whatever it is.
 
     Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
     validated at construction and again when a request is added, and the engine keeps its own
@@ -121,6 +119,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         self._validate()
@@ -189,6 +188,8 @@ class SamplingParams:
             bad("min_tokens", "must be an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):

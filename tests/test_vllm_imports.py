@@ -37,8 +37,9 @@ def test_request_output_kind_beam_search_and_structured_outputs_import_where_vll
     cumulative = llm.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0,
                                                         output_kind=RequestOutputKind.CUMULATIVE), use_tqdm=False)[0]
     assert final.outputs[0].token_ids == cumulative.outputs[0].token_ids and len(final.outputs[0].token_ids) == 3
-    with pytest.raises(NotImplementedError, match="output_kind"):
-        SamplingParams(output_kind=RequestOutputKind.DELTA)
+    assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA  # (step API)
+    with pytest.raises(ValueError, match="output_kind"):
+        SamplingParams(output_kind="delta")
     with pytest.raises(NotImplementedError, match="structured_outputs"):
         SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
     with pytest.raises(NotImplementedError, match="beam_search is not implemented"):

@@ -16,13 +16,12 @@ freed. When the engine dies, the server exits with code 1 (a supervisor restarts
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
-import typing
 
 from nanovllm.config import Config, wants_data_parallel
+from nanovllm.engine_args import add_option_flags, option_values
 from nanovllm.serve.app import create_app
 from nanovllm.serve.async_engine import SINGLE_ENGINE_ONLY
 from nanovllm.serve.engine_process import EngineProcess
@@ -64,17 +63,6 @@ OPTION_HELP = {
     "max_prefill_graph_tokens": "prefill-shaped steps of up to this many tokens replay piecewise CUDA graphs (0: none)",
 }
 SERVER_DEFAULTS = {"mixed_steps": True}
-
-
-def _flag_type(hint):
-    """How a flag's string becomes the option's value, from the Config field's type."""
-    kinds = [k for k in (typing.get_args(hint) or (hint,)) if k is not type(None)]
-    if str in kinds or not kinds:
-        return str
-    for kind in (int, float):
-        if kind in kinds:
-            return kind
-    return json.loads  # anything else (a list, a dict) as JSON
 
 
 def config_fields() -> dict[str, tuple[object, object]]:
@@ -133,22 +121,12 @@ def _add_connection_flags(group) -> None:
 
 
 def _add_llm_flags(group) -> None:
-    for name, (hint, default) in config_fields().items():
-        default = SERVER_DEFAULTS.get(name, default)
-        text = OPTION_HELP.get(name, f"LLM option {name} (see docs/api.md)") + f" [default: {default!r}]"
-        flag = "--" + name.replace("_", "-")
-        if hint is bool:
-            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                               help=text)
-        else:
-            group.add_argument(flag, dest=name, type=_flag_type(hint), default=argparse.SUPPRESS, help=text)
+    add_option_flags(group, SERVER_DEFAULTS, OPTION_HELP)
 
 
 def llm_options(args: argparse.Namespace) -> dict:
     """The LLM keyword arguments the flags give (the server's defaults for those not given)."""
-    names = set(config_fields())
-    options = {k: v for k, v in vars(args).items() if k in names}
-    return {**SERVER_DEFAULTS, **options}
+    return {**SERVER_DEFAULTS, **option_values(args)}
 
 
 def serve_options(args: argparse.Namespace) -> ServeOptions:
