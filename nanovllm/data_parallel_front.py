@@ -59,6 +59,10 @@ class DataParallelFront:
                                   "replicas would have to be interleaved; use generate() (or an LLM without "
                                   "data_parallel_size / the Ray backend for streaming)")
 
+    def get_metrics(self):
+        raise NotImplementedError("get_metrics() is not available with data parallelism: each replica keeps its "
+                                  "own statistics")
+
     def _engine_only(self, *args, **kwargs):
         raise NotImplementedError("a data-parallel LLM has no engine of its own in this process (its requests run "
                                   "in the replicas): use generate() or chat()")

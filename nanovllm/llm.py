@@ -9,14 +9,14 @@ from typing import Iterator
 
 import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
-from nanovllm.core.detokenizer import decode_tokens
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.chat_template import ChatOptions, check_conversation
 from nanovllm.limits import clip_repr
+from nanovllm.logprob_outputs import LogprobOutputs
 from nanovllm.lora.request import check_no_lora
 from nanovllm.core.sequence import Sequence, SequenceStatus
-from nanovllm.outputs import CompletionOutput, Logprob, RequestOutput, StreamOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
 __all__ = ["LLM", "StreamOutput"]
@@ -37,7 +37,7 @@ class _FrontForOptions(type):
         return type.__call__(cls, *args, **kwargs)
 
 
-class LLM(LLMEngine, metaclass=_FrontForOptions):
+class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
     """An offline engine for one model. See README for every keyword argument.
 
     >>> llm = LLM("/path/to/Qwen3-0.6B")
@@ -53,9 +53,11 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
         self._step_api = None  # llm_engine
+        self._stats_recorder = None
         super().__init__(model, start_executor=self._start_executor, model_features=wiring,
                          **kwargs)
         wiring.wire_scheduling(self)  # mixed steps, when asked
+        self._stats_recorder = wiring.stats_recorder(self)  # disable_log_stats=False
 
     def _start_executor(self, config):
         """What runs the model: this process, or tensor-parallel workers / torchrun (wiring.py)."""
@@ -167,7 +169,23 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         # the scheduler, penalties / bias / logprobs in the sampler.
         wiring.wire_scheduling(self, params)
         wiring.enable_logits_extensions(self.model_runner.sampler, params)
-        return super().add_request(prompt_ids, params, track_text, prompt)
+        seq = super().add_request(prompt_ids, params, track_text, prompt)
+        if self._stats_recorder is not None:
+            self._stats_recorder.arrived(seq)
+        return seq
+
+    def step(self):
+        result = super().step()
+        if self._stats_recorder is not None:
+            self._stats_recorder.observe(result.outputs)
+        return result
+
+    def get_metrics(self) -> list:
+        """vLLM's: the engine's counters, gauges and histograms (nanovllm/metrics.py) since it
+        started, under the server's names; needs LLM(..., disable_log_stats=False)."""
+        if self._stats_recorder is None:
+            raise RuntimeError("statistics are off: create the LLM with disable_log_stats=False to read get_metrics()")
+        return self._stats_recorder.metrics()
 
     def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
@@ -221,35 +239,11 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                        for s in seq.samples]
         return RequestOutput(seq.request_id, seq.prompt_text, seq.prompt_token_ids, self._prompt_logprobs(seq),
                              completions, all(s.finish_reason is not None for s in seq.samples),
-                             seq.num_cached_prompt_tokens or 0)
+                             seq.num_cached_prompt_tokens or 0, self.request_metrics(seq))
 
-    def _logprobs(self, seq: Sequence, entries, tokens) -> tuple[float | None, list | None]:
-        """(cumulative_logprob, logprobs) of a completion in vLLM's form, or (None, None)."""
-        if seq.logprobs is None:
-            return None, None
-        return seq.cumulative_logprob, [self._logprob_dict(e, t, seq.params) for e, t in zip(entries, tokens)]
-
-    def _prompt_logprobs(self, seq: Sequence):
-        if seq.prompt_logprobs is None:
-            return None
-        tokens = seq.prompt_token_ids[1:]
-        return [None] + [self._logprob_dict(e, t, seq.params) for e, t in zip(seq.prompt_logprobs, tokens)]
-
-    def _logprob_dict(self, entry: tuple, token: int, params: SamplingParams) -> dict[int, Logprob]:
-        """{token id: Logprob} of one position: the chosen (sampled or prompt) token first,
-        then the top ones (vLLM's layout: a chosen token among the top ones appears once)."""
-        logprob, rank, top_ids, top_lps = entry
-        texts = self._texts([token, *top_ids]) if params.detokenize and self.tokenizer is not None else None
-        out = {token: Logprob(logprob, rank, texts and texts[0])}
-        for j, (t, v) in enumerate(zip(top_ids, top_lps)):
-            out[t] = Logprob(v, j + 1, texts and texts[j + 1])
-        return out
-
-    def _texts(self, ids: list[int]) -> list[str]:
-        missing = [t for t in ids if t not in self._token_texts]
-        if missing:
-            self._token_texts.update(zip(missing, decode_tokens(self.tokenizer, missing)))
-        return [self._token_texts[t] for t in ids]
+    def request_metrics(self, seq: Sequence):
+        """A finished request's RequestMetrics (nanovllm/metrics.py) with statistics on, else None."""
+        return None if self._stats_recorder is None else self._stats_recorder.request_metrics(seq)
 
     @staticmethod
     def _progress_bar(use_tqdm, total: int):

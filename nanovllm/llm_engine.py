@@ -133,7 +133,8 @@ class LLMEngine:
         if not (delta and req.sent_prompt_logprobs):
             prompt_logprobs, req.sent_prompt_logprobs = self.llm._prompt_logprobs(seq), True
         return RequestOutput(seq.request_id, seq.prompt_text, seq.prompt_token_ids, prompt_logprobs, completions,
-                             finished, seq.num_cached_prompt_tokens or 0)
+                             finished, seq.num_cached_prompt_tokens or 0,
+                             self.llm.request_metrics(seq) if finished else None)
 
 
 LLM.step_api_class = LLMEngine  # LLM.llm_engine makes one of these

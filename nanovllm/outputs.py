@@ -59,7 +59,8 @@ class RequestOutput(dict):
     request_id: str, unique within the LLM; prompt: the prompt text (None for token-id prompts);
     prompt_token_ids; prompt_logprobs: PromptLogprobs or None; outputs: the n completions in
     sample order; finished: every completion has ended; num_cached_tokens: prompt tokens served
-    by the prefix cache when the request was first scheduled.
+    by the prefix cache when the request was first scheduled; metrics: its times (vLLM's
+    RequestMetrics) when the LLM keeps statistics (disable_log_stats=False), else None.
 
     As a dict (`out["text"]`, `out["token_ids"]`, `out["finish_reason"]`, `out["stop_reason"]`)
     it reads the first completion; `out["prompt_token_ids"]` the prompt's tokens.
@@ -67,8 +68,9 @@ class RequestOutput(dict):
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  prompt_logprobs: PromptLogprobs | None, outputs: list[CompletionOutput], finished: bool,
-                 num_cached_tokens: int | None = None):
+                 num_cached_tokens: int | None = None, metrics=None):
         super().__init__(_dict_form(outputs, prompt_token_ids))
+        self.metrics = metrics  # nanovllm.metrics.RequestMetrics with disable_log_stats=False, else None
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids

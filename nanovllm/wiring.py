@@ -129,3 +129,15 @@ def wire_scheduling(engine, params=None) -> None:
     for hook in wanted:
         if not any(isinstance(h, hook) for h in scheduler.hooks):
             scheduler.hooks.append(hook())
+
+
+def stats_recorder(engine):
+    """The statistics of LLM(disable_log_stats=False) (features/stats.py), following requests
+    through the scheduler; None by default (no cost)."""
+    if engine.config.disable_log_stats:
+        return None
+    from nanovllm.features.stats import StatsRecorder
+
+    recorder = StatsRecorder(engine)
+    engine.scheduler.hooks.append(recorder)
+    return recorder
