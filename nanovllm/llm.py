@@ -359,10 +359,14 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
             self._step_api = LLM.step_api_class(self)
         return self._step_api
 
-    def beam_search(self, prompts, params, *args, **kwargs):
-        """vLLM's LLM.beam_search: not implemented by nano-vllm yet (a clear error, before any work)."""
-        raise NotImplementedError("LLM.beam_search is not implemented by nano-vllm yet; use generate() with "
-                                  "SamplingParams(n=...) for several samples of a prompt")
+    def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None) -> list:
+        """vLLM's: the `params.beam_width` best continuations of each prompt (text, token ids or
+        a prompt dict), as BeamSearchOutputs (features/beam_search.py), best first."""
+        check_no_lora(lora_request)
+        wiring.check_beam_search_params(params)
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+        ids = [self._prompt(p)[0] for p in prompts]
+        return wiring.beam_search(self, ids, params)
 
     def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
         """The prompt tokens chat() generates from for one conversation (checked as chat() checks

@@ -141,3 +141,16 @@ def stats_recorder(engine):
     recorder = StatsRecorder(engine)
     engine.scheduler.hooks.append(recorder)
     return recorder
+
+
+def beam_search(llm, prompt_ids: list[list[int]], params):
+    """LLM.beam_search: features/beam_search.py, loaded at its first use."""
+    from nanovllm.features.beam_search import beam_search as search
+
+    return search(llm, prompt_ids, params)
+
+
+def check_beam_search_params(params) -> None:
+    from nanovllm.features.beam_search import check_params
+
+    check_params(params)

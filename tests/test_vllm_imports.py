@@ -42,8 +42,8 @@ def test_request_output_kind_beam_search_and_structured_outputs_import_where_vll
         SamplingParams(output_kind="delta")
     with pytest.raises(NotImplementedError, match="structured_outputs"):
         SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
-    with pytest.raises(NotImplementedError, match="beam_search is not implemented"):
-        llm.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=4))
+    out = llm.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))  # (test_beam_search)
+    assert len(out[0].sequences) == 2
     assert_idle(llm)
 
 
