@@ -49,7 +49,6 @@ class ModelRunner:
         """`forward_strategy`: how prefill steps may run other than eagerly (None: eagerly);
         `tp`: this rank's tensor-parallel group (the launcher's; None: a single rank)."""
         self.config = config
-        hf = config.hf_config
         t0 = time.perf_counter()
         self.device = torch.device("cuda", torch.cuda.current_device()) if config.device == "cuda" \
             else torch.device("cpu")

@@ -10,11 +10,16 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.model.attention import AttentionMetadata, host_to_device, prefill_metadata
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import ShardSampling
 
 
 @dataclass

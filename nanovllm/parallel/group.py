@@ -11,9 +11,14 @@ from __future__ import annotations
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from nanovllm.parallel.copy_engine import CopyEngineAllReduce
+    from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
 
 
 @dataclass(frozen=True)

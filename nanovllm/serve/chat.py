@@ -14,9 +14,9 @@ from starlette.background import BackgroundTask
 from nanovllm.serve.async_engine import ChatPrompt, EngineRequest
 from nanovllm.serve.errors import APIError, bad_request
 from nanovllm.serve.limits import check_messages, check_sampling
-from nanovllm.serve.protocol import ChatCompletionRequest, chat_logprobs, error_body, prompt_logprobs_json, usage
+from nanovllm.serve.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
 from nanovllm.serve.run import Run, flat
-from nanovllm.serve.streaming import Chunks, sse
+from nanovllm.serve.streaming import Chunks, sse_body
 
 UNTRUSTED_TEMPLATE = ("a chat template sent with the request is refused: this server renders only its model's own "
                       "(start it with --trust-request-chat-template to allow request templates)")
@@ -56,7 +56,7 @@ async def create_chat_completion(server, body: ChatCompletionRequest, http: Requ
             "model": server.name}
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        return StreamingResponse(_stream(run, body, head), media_type="text/event-stream",
+        return StreamingResponse(sse_body(_stream(run, body, head), run), media_type="text/event-stream",
                                  background=BackgroundTask(run.close))
     return await _json(run, body, head)
 
@@ -103,22 +103,16 @@ async def _stream(run: Run, body: ChatCompletionRequest, head: dict):
             c["token_ids"] = list(token_ids)
         return chunks.choice(c, tokens)
 
-    try:
-        yield "".join(choice(j, {"role": "assistant", "content": ""}) for j in range(body.n))
-        async for batch in run.batches():
-            parts = []
-            for _, d in batch:
-                tokens += len(d.token_ids)
-                logprobs = {"content": chat_logprobs(d.logprobs or [], k)} if k is not None else None
-                if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
-                    parts.append(choice(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
-                                        d.stop_reason, d.token_ids))
-            if parts:
-                yield "".join(parts)
-        if body.include_usage:
-            yield chunks.usage(tokens)
-    except APIError as e:
-        yield sse(error_body(e.message, e.type, e.param, e.code))
-    finally:
-        run.close()  # (closed at its first chunk, before batches() began: abort here)
-    yield sse("[DONE]")
+    yield "".join(choice(j, {"role": "assistant", "content": ""}) for j in range(body.n))
+    async for batch in run.batches():
+        parts = []
+        for _, d in batch:
+            tokens += len(d.token_ids)
+            logprobs = {"content": chat_logprobs(d.logprobs or [], k)} if k is not None else None
+            if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
+                parts.append(choice(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
+                                    d.stop_reason, d.token_ids))
+        if parts:
+            yield "".join(parts)
+    if body.include_usage:
+        yield chunks.usage(tokens)

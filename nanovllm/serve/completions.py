@@ -11,11 +11,11 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from nanovllm.serve.async_engine import EngineRequest
-from nanovllm.serve.errors import APIError, bad_request
+from nanovllm.serve.errors import bad_request
 from nanovllm.serve.limits import check_prompt, check_sampling
-from nanovllm.serve.protocol import CompletionRequest, LegacyLogprobs, error_body, prompt_logprobs_json, usage
+from nanovllm.serve.protocol import CompletionRequest, LegacyLogprobs, prompt_logprobs_json, usage
 from nanovllm.serve.run import Run, flat
-from nanovllm.serve.streaming import Chunks, sse
+from nanovllm.serve.streaming import Chunks, sse_body
 
 
 async def create_completion(server, body: CompletionRequest, http: Request):
@@ -38,7 +38,7 @@ async def create_completion(server, body: CompletionRequest, http: Request):
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": server.name}
     if body.stream:
-        return StreamingResponse(_stream(run, body, head), media_type="text/event-stream",
+        return StreamingResponse(sse_body(_stream(run, body, head), run), media_type="text/event-stream",
                                  background=BackgroundTask(run.close))  # (a stream never started)
     return await _json(run, body, head)
 
@@ -100,28 +100,22 @@ async def _stream(run: Run, body: CompletionRequest, head: dict):
             c["token_ids"] = list(token_ids)
         return chunks.choice(c, tokens)
 
-    try:
-        if body.echo:
-            yield "".join(choice(pi * n + j, text or "") for pi, text in enumerate(run.prompt_texts)
-                          for j in range(n))
-        async for batch in run.batches():
-            parts = []
-            for pi, d in batch:
-                index = pi * n + d.index
-                tokens += len(d.token_ids)
-                logprobs = None
-                if body.logprobs is not None:
-                    if index not in lps:
-                        lps[index] = LegacyLogprobs(body.logprobs)
-                    logprobs = lps[index].add(d.logprobs or [])
-                if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
-                    parts.append(choice(index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids))
-            if parts:
-                yield "".join(parts)  # (one write for all this stream's new chunks)
-        if body.include_usage:
-            yield chunks.usage(tokens)
-    except APIError as e:
-        yield sse(error_body(e.message, e.type, e.param, e.code))
-    finally:
-        run.close()  # (closed at its first chunk, before batches() began: abort here)
-    yield sse("[DONE]")
+    if body.echo:
+        yield "".join(choice(pi * n + j, text or "") for pi, text in enumerate(run.prompt_texts)
+                      for j in range(n))
+    async for batch in run.batches():
+        parts = []
+        for pi, d in batch:
+            index = pi * n + d.index
+            tokens += len(d.token_ids)
+            logprobs = None
+            if body.logprobs is not None:
+                if index not in lps:
+                    lps[index] = LegacyLogprobs(body.logprobs)
+                logprobs = lps[index].add(d.logprobs or [])
+            if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
+                parts.append(choice(index, d.text, logprobs, d.finish_reason, d.stop_reason, d.token_ids))
+        if parts:
+            yield "".join(parts)  # (one write for all this stream's new chunks)
+    if body.include_usage:
+        yield chunks.usage(tokens)

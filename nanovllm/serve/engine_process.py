@@ -29,7 +29,6 @@ import itertools
 import json
 import logging
 import multiprocessing as mp
-import pickle
 import signal
 import threading
 import time

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 
-from nanovllm.serve.protocol import usage
+from nanovllm.serve.errors import APIError
+from nanovllm.serve.protocol import error_body, usage
 
 
 def sse(data) -> str:
@@ -31,3 +32,17 @@ class Chunks:
     def usage(self, tokens: int) -> str:
         """The last chunk of a stream that asked for usage: no choices."""
         return sse({**self.head, "choices": [], "usage": usage(self.prompt_tokens, tokens)})
+
+
+async def sse_body(events, run):
+    """A stream's body: its chunks (`events`), an APIError raised meanwhile as an error event,
+    then `data: [DONE]`; the run is closed in any case, which aborts what is left of it (a client
+    that left, an error, or a stream closed at its first chunk, before its batches began)."""
+    try:
+        async for part in events:
+            yield part
+    except APIError as e:
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+    finally:
+        run.close()
+    yield sse("[DONE]")
