@@ -11,6 +11,7 @@ from fastapi import Request
 from nanovllm.serve.async_engine import Accepted, Delta, EngineRequest, EngineStopped, Failed, Finished
 from nanovllm.serve.errors import APIError, ClientGone, bad_request
 from nanovllm.serve.metrics import ServerMetrics
+from nanovllm.serve.preparation import is_small
 from nanovllm.serve.preparer_pool import PrepareTimeout
 
 logger = logging.getLogger(__name__)
@@ -70,9 +71,10 @@ class Run:
                     raise APIError(503, "the server is shutting down", "server_error") from None
 
     async def prepare(self) -> None:
-        """Prepare every request off the engine (nothing to do without a preparer): APIError 400
-        for a request the engine would refuse or whose preparation ran past the time limit."""
-        if self.preparer is None:
+        """Prepare the requests off the engine, unless all are small enough for the engine to
+        prepare itself (preparation.is_small; nothing to do without a preparer): APIError 400 for
+        a request the engine would refuse or whose preparation ran past the time limit."""
+        if self.preparer is None or all(is_small(r) for r in self.requests):
             return
         try:
             prepared = await self.preparer.prepare(self.requests)
