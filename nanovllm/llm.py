@@ -99,7 +99,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
             try:
                 ids, text = self._prompt(prompt)
                 if p.max_tokens is None:  # up to max_model_len: this prompt's own
-                    snap = self.prepare_params(self.with_max_tokens(p, len(ids)))
+                    snap = self.prepare_for_prompt(p, len(ids))
                 else:
                     if id(p) not in prepared:
                         prepared[id(p)] = self.prepare_params(p)
@@ -164,7 +164,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None) -> Sequence:
         params = params if getattr(params, "_frozen", False) else \
-            self.prepare_params(self.with_max_tokens(params, len(prompt_ids)))
+            self.prepare_for_prompt(params, len(prompt_ids))
         # The features the request asks for, on first use: n > 1 and prompt-logprob planning in
         # the scheduler, penalties / bias / logprobs in the sampler.
         wiring.wire_scheduling(self, params)
@@ -363,7 +363,6 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         """vLLM's: the `params.beam_width` best continuations of each prompt (text, token ids or
         a prompt dict), as BeamSearchOutputs (features/beam_search.py), best first."""
         check_no_lora(lora_request)
-        wiring.check_beam_search_params(params)
         prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
         ids = [self._prompt(p)[0] for p in prompts]
         return wiring.beam_search(self, ids, params)

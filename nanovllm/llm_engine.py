@@ -87,7 +87,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step: the outputs of the requests it advanced (see output_kind)."""
         results, _, _ = self.llm.step()
-        touched: list[str] = []
+        touched: dict[str, None] = {}  # the requests the step advanced, in order
         for o in results:
             rid = self._ids.get(o.seq.seq_id)
             if rid is None:
@@ -96,8 +96,7 @@ class LLMEngine:
             req.tokens[o.seq.sample_index] += o.new_token_ids
             req.texts[o.seq.sample_index] += o.text
             req.logprobs[o.seq.sample_index] += list(o.logprobs or ())
-            if rid not in touched:
-                touched.append(rid)
+            touched[rid] = None
             if o.finished:
                 self.llm.forget_text(o.seq)
         outputs = []

@@ -148,9 +148,3 @@ def beam_search(llm, prompt_ids: list[list[int]], params):
     from nanovllm.features.beam_search import beam_search as search
 
     return search(llm, prompt_ids, params)
-
-
-def check_beam_search_params(params) -> None:
-    from nanovllm.features.beam_search import check_params
-
-    check_params(params)

@@ -167,14 +167,13 @@ class LLMEngine:
         bm = self.block_manager
         return min(self.config.max_model_len, bm.num_blocks * bm.block_size + 1) - num_prompt_tokens
 
-    def with_max_tokens(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """`params` with max_tokens=None made what the prompt leaves (room_after, at least 1:
-        a prompt that leaves none fails check_fits); others as they are."""
-        if params.max_tokens is not None:
-            return params
-        params = params.clone()
-        params.max_tokens = max(1, self.room_after(num_prompt_tokens))
-        return params
+    def prepare_for_prompt(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """prepare_params, with max_tokens=None made what a prompt of this length leaves
+        (room_after, at least 1: a prompt that leaves none fails check_fits)."""
+        if params.max_tokens is None:
+            params = params.clone()
+            params.max_tokens = max(1, self.room_after(num_prompt_tokens))
+        return self.prepare_params(params)
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject a request that could never be served, before any work starts (`params` as
@@ -203,7 +202,7 @@ class LLMEngine:
         """Queue a validated request (see `tokenize` / `check_fits`); its Sequence, which for
         n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any."""
         params = params if getattr(params, "_frozen", False) else \
-            self.prepare_params(self.with_max_tokens(params, len(prompt_ids)))
+            self.prepare_for_prompt(params, len(prompt_ids))
         request_id = str(next(self._request_ids))
         seq = self._new_sample(prompt_ids, params, 0)
         seq.request_id, seq.prompt_text = request_id, prompt

@@ -52,7 +52,9 @@ def check_params(params: BeamSearchParams) -> None:
 
 
 def beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The beam search of each prompt (token ids) on `llm` (see the module docstring)."""
+    """The beam search of each prompt (token ids) on `llm` (see the module docstring); bad
+    `params` are refused before the first step."""
+    check_params(params)
     width, eos = params.beam_width, llm.eos_token_ids
     step_params = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature, ignore_eos=True)
     live = [[BeamSearchSequence(list(ids), num_prompt_tokens=len(ids))] for ids in prompt_ids]

@@ -95,7 +95,7 @@ class RequestPreparer:
     _bad_word_ids = LLMEngine._bad_word_ids
     check_fits = LLMEngine.check_fits
     room_after = LLMEngine.room_after
-    with_max_tokens = LLMEngine.with_max_tokens
+    prepare_for_prompt = LLMEngine.prepare_for_prompt
     _prompt = LLM._prompt
     chat_prompt_ids = LLM.chat_prompt_ids
     _render_chat = LLM._render_chat
@@ -128,7 +128,7 @@ def prepare_one(front, r) -> Prepared:
     if r.fill_max_tokens:
         params = copy.copy(params)  # (the caller's object may serve several prompts)
         params.max_tokens = max(1, front.room_after(len(ids)))
-    params = front.prepare_params(front.with_max_tokens(params, len(ids)))
+    params = front.prepare_for_prompt(params, len(ids))
     front.check_fits(len(ids), params)
     first = front._texts(ids[:1])[0] if r.want_prompt_text and ids and front.tokenizer is not None else None
     return Prepared(ids, params, text, first)
