@@ -206,6 +206,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
             for seq in seqs:
                 for sample in seq.samples:
                     self.forget_text(sample)
+                self.request_metrics(seq)  # (statistics on: drop its times)
             self._call_seqs = []
 
     def _clear_leftovers(self) -> None:

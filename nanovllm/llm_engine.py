@@ -82,6 +82,7 @@ class LLMEngine:
                 for sample in req.seq.samples:
                     self.llm.abort(sample)
                     self.llm.forget_text(sample)
+                self.llm.request_metrics(req.seq)  # (statistics on: drop its times)
                 self._forget(rid)
 
     def step(self) -> list[RequestOutput]:

@@ -106,3 +106,13 @@ def test_statistics_are_off_by_default(llm):
     assert out.metrics is None
     with pytest.raises(RuntimeError, match="disable_log_stats=False"):
         llm.get_metrics()
+
+
+def test_aborted_requests_leave_no_times_behind(ckpt):
+    llm = make_llm(ckpt, disable_log_stats=False)
+    engine = llm.llm_engine
+    engine.add_request("a", "Hello", SamplingParams(n=2, temperature=0.8, max_tokens=20))
+    engine.step()
+    engine.abort_request("a")
+    assert llm._stats_recorder.times == {}
+    llm.shutdown()
