@@ -15,7 +15,7 @@ for r in $(seq 1 "${REPEAT:-2}"); do
       --clients 64 --requests 256 --offline none --timeout 100 --startup-timeout 60 --out "$DEST/serve-$side-$r.json" \
       > /tmp/serve-$side-$r.log 2>&1) || echo "$side $r failed: $(tail -n 3 /tmp/serve-$side-$r.log)"
     [ -f "$DEST/serve-$side-$r.json" ] && python3 -c "import json,sys; s=json.load(open(sys.argv[1]))['server']; \
-print(sys.argv[2], round(s['output_tok_s']), 'tok/s; ITL p50/p99', round(s['itl_ms']['p50'], 2), round(s['itl_ms']['p99'], 2))" \
+print(sys.argv[2], round(s['output_tok_s']), 'tok/s; ITL p50/p99', round(s['itl_ms']['p50'], 2), round(s['itl_ms']['p99'], 2), 'TTFT p50', round(s['ttft_ms']['p50'], 1))" \
       "$DEST/serve-$side-$r.json" "$side-$r"
   done
 done
