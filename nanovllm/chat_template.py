@@ -1,7 +1,8 @@
 """How LLM.chat() turns a conversation into a prompt, in vLLM's terms: the checks of the messages
 (a template would mangle or drop a bad one without a word) and of the template's keyword
 arguments (Jinja would ignore a misspelt `enable_thinkng` silently), OpenAI's content parts, and
-the rendering through the tokenizer's chat template."""
+the rendering through the tokenizer's chat template. Loaded at the first chat (wiring.py): a
+plain generate needs none of it."""
 
 from __future__ import annotations
 
@@ -150,3 +151,33 @@ def check_template_kwargs(template, kwargs: dict, named: str | None = None) -> N
         options = sorted(used - _CHAT_TEMPLATE_BUILTINS)
         raise TypeError(f"chat() got keyword arguments the chat template does not use: {', '.join(unknown)} "
                         f"(template variables: {', '.join(options) or 'none'})")
+
+
+def chat_requests(front, messages, sampling_params, options: ChatOptions, mm_processor_kwargs=None) -> list:
+    """LLM.chat's requests: (token ids, checked params, rendered prompt) per conversation of
+    `messages` (one conversation, or a list of them), every one checked before any work."""
+    if mm_processor_kwargs:
+        raise NotImplementedError("mm_processor_kwargs: nano-vllm runs text models only")
+    if front.tokenizer is None:
+        raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
+    conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+    for i, conv in enumerate(conversations):
+        check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
+    options.check(front.tokenizer.chat_template)
+    rendered = [options.render(front.tokenizer, conv) for conv in conversations]
+    requests = front._normalize([{"prompt_token_ids": ids} for ids, _ in rendered], sampling_params)
+    return [(ids, p, text) for (ids, p, _), (_, text) in zip(requests, rendered)]
+
+
+def chat_prompt_ids(front, messages, chat_template_kwargs: dict) -> list[int]:
+    """The prompt tokens chat() generates from for one conversation (checked as chat() checks
+    it; `chat_template` among the keywords picks the template): what the server renders."""
+    if front.tokenizer is None:
+        raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
+    check_conversation(messages, "messages")
+    kwargs = dict(chat_template_kwargs)
+    options = ChatOptions(template=kwargs.pop("chat_template", None), kwargs=kwargs)
+    options.check(front.tokenizer.chat_template)
+    return options.render(front.tokenizer, messages)[0]

@@ -8,6 +8,7 @@ import json
 import typing
 
 from nanovllm.config import Config
+from nanovllm.llm import LLM
 
 
 def _flag_type(hint):
@@ -65,3 +66,7 @@ class EngineArgs:
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
         return cls(args.model, **option_values(args))
+
+    def create_llm(self) -> LLM:
+        """The LLM these arguments describe (what LLMEngine.from_engine_args runs on)."""
+        return LLM(self.model, **self.kwargs)

@@ -11,7 +11,6 @@ import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.chat_template import ChatOptions, check_conversation
 from nanovllm.limits import clip_repr
 from nanovllm.logprob_outputs import LogprobOutputs
 from nanovllm.lora.request import check_no_lora
@@ -331,33 +330,19 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         (nano-vllm's earlier form). One the template never reads is a TypeError. Each output's
         `prompt` is the rendered prompt."""
         check_no_lora(lora_request)
-        if mm_processor_kwargs:
-            raise NotImplementedError("mm_processor_kwargs: nano-vllm runs text models only")
-        if self.tokenizer is None:
-            raise ValueError("chat() needs a tokenizer (skip_tokenizer_init=True was given)")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise TypeError("messages must be a non-empty list of {'role', 'content'} dicts or of such lists")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        for i, conv in enumerate(conversations):
-            check_conversation(conv, f"conversation {i}" if len(conversations) > 1 else "messages")
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
-        options = ChatOptions(chat_template, chat_template_content_format, add_generation_prompt,
-                              continue_final_message, tools, documents, {**(chat_template_kwargs or {}), **template_kwargs})
-        options.check(self.tokenizer.chat_template)
-        rendered = [self._render_chat(conv, options) for conv in conversations]
-        requests = self._normalize([{"prompt_token_ids": ids} for ids, _ in rendered], sampling_params)
-        return self._run_requests([(ids, p, text) for (ids, p, _), (_, text) in zip(requests, rendered)], use_tqdm)
-
-    # vLLM's step API class (llm_engine.py registers its LLMEngine here when imported, as the
-    # package's __init__ does): llm.py cannot import it, since it is built on LLM.
-    step_api_class: type | None = None
+        options = dict(template=chat_template, content_format=chat_template_content_format,
+                       add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                       tools=tools, documents=documents, kwargs={**(chat_template_kwargs or {}), **template_kwargs})
+        requests = wiring.chat_requests(self, messages, sampling_params, options, mm_processor_kwargs)
+        return self._run_requests(requests, use_tqdm)
 
     @property
     def llm_engine(self):
         """vLLM's step API over this LLM (llm_engine.py's LLMEngine), made at first use."""
         if self._step_api is None:
-            self._step_api = LLM.step_api_class(self)
+            self._step_api = wiring.step_api(self)
         return self._step_api
 
     def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None) -> list:
@@ -371,12 +356,4 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
     def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
         """The prompt tokens chat() generates from for one conversation (checked as chat() checks
         it; `chat_template` among the keywords picks the template): what the server renders."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
-        check_conversation(messages, "messages")
-        options = ChatOptions(template=chat_template_kwargs.pop("chat_template", None), kwargs=chat_template_kwargs)
-        options.check(self.tokenizer.chat_template)
-        return self._render_chat(messages, options)[0]
-
-    def _render_chat(self, conversation, options: ChatOptions) -> tuple[list[int], str]:
-        return options.render(self.tokenizer, conversation)
+        return wiring.chat_prompt_ids(self, messages, chat_template_kwargs)

@@ -13,8 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanovllm.core.sequence import Sequence, SequenceStatus
-from nanovllm.engine_args import EngineArgs
-from nanovllm.llm import LLM
 from nanovllm.lora.request import check_no_lora
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import RequestOutputKind, SamplingParams
@@ -39,16 +37,18 @@ class _Request:
 
 
 class LLMEngine:
-    """vLLM's LLMEngine (see the module docstring) over `llm`."""
+    """vLLM's LLMEngine (see the module docstring) over `llm`, an LLM (llm.py loads this module
+    at the first LLM.llm_engine, through wiring.py: it does not import llm.py back)."""
 
-    def __init__(self, llm: LLM):
+    def __init__(self, llm):
         self.llm = llm
         self._requests: dict[str, _Request] = {}
         self._ids: dict[int, str] = {}  # seq id of every sample -> its request id
 
     @classmethod
-    def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(LLM(engine_args.model, **engine_args.kwargs))
+    def from_engine_args(cls, engine_args) -> "LLMEngine":
+        """The step API over a new LLM made from `engine_args` (an EngineArgs)."""
+        return cls(engine_args.create_llm())
 
     def get_tokenizer(self):
         return self.llm.get_tokenizer()
@@ -136,5 +136,3 @@ class LLMEngine:
                              finished, seq.num_cached_prompt_tokens or 0,
                              self.llm.request_metrics(seq) if finished else None)
 
-
-LLM.step_api_class = LLMEngine  # LLM.llm_engine makes one of these

@@ -148,3 +148,37 @@ def beam_search(llm, prompt_ids: list[list[int]], params):
     from nanovllm.features.beam_search import beam_search as search
 
     return search(llm, prompt_ids, params)
+
+
+# ---------------------------------------------------------------- front APIs a plain generate does not load
+
+
+def chat_requests(llm, messages, sampling_params, options: dict, mm_processor_kwargs=None) -> list:
+    """LLM.chat's checked requests (chat_template.py, loaded at the first chat)."""
+    from nanovllm.chat_template import ChatOptions, chat_requests as requests
+
+    return requests(llm, messages, sampling_params, ChatOptions(**options), mm_processor_kwargs)
+
+
+def chat_prompt_ids(front, messages, chat_template_kwargs: dict) -> list[int]:
+    """LLM.chat_prompt_ids (chat_template.py): the server's rendering of a conversation."""
+    from nanovllm.chat_template import chat_prompt_ids as prompt_ids
+
+    return prompt_ids(front, messages, chat_template_kwargs)
+
+
+def step_api(llm):
+    """LLM.llm_engine: vLLM's step API over `llm` (llm_engine.py), loaded at its first use."""
+    from nanovllm.llm_engine import LLMEngine
+
+    return LLMEngine(llm)
+
+
+def package_attribute(name: str):
+    """`nanovllm.LLMEngine` (vLLM's step API), loaded when first named: the package's __getattr__
+    asks here."""
+    if name == "LLMEngine":
+        from nanovllm.llm_engine import LLMEngine
+
+        return LLMEngine
+    raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")

@@ -98,7 +98,6 @@ class RequestPreparer:
     prepare_for_prompt = LLMEngine.prepare_for_prompt
     _prompt = LLM._prompt
     chat_prompt_ids = LLM.chat_prompt_ids
-    _render_chat = LLM._render_chat
     _texts = LLM._texts
 
     def __init__(self, spec: PreparerSpec):
