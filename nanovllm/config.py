@@ -193,6 +193,9 @@ class Config:
     download_dir: str | None = None
     hf_overrides: dict | None = None
     disable_log_stats: bool = True
+    # vLLM's: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}
+    # (features/speculative/options.py checks it in resolve(), before any weight loads).
+    speculative_config: dict | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
@@ -200,13 +203,14 @@ class Config:
     # Filled by resolve(): the checkpoint's transformers config; the linear layers' weight scheme
     # (model/quant.py's QuantScheme, or None); the KV cache's element type; the FP8 cache's scale
     # calibrator (calculate_kv_scales); the MoE block factory of a model with MoE layers
-    # (model/decoder.py's SparseMlpFactory). `quant` and the last two come from the features the
-    # front wires in (ModelFeatures).
+    # (model/decoder.py's SparseMlpFactory); the checked speculative_config. All but kv_dtype
+    # come from the features the front wires in (ModelFeatures).
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
     kv_calibrator: object = field(init=False, repr=False, default=None)
     sparse_mlp: object = field(init=False, repr=False, default=None)
+    speculation: object = field(init=False, repr=False, default=None)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -283,6 +287,8 @@ class Config:
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"hf_overrides={clip_repr(self.hf_overrides)}: must be None or a dict")
         checked("disable_log_stats", self.disable_log_stats, bool, "True or False")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise ValueError(f"speculative_config={clip_repr(self.speculative_config)}: must be None or a dict")
 
     # ------------------------------------------------------------------ resolve (I/O)
     def resolve(self, features: ModelFeatures | None = None) -> "Config":
@@ -324,6 +330,7 @@ class Config:
             self.quant.check_model(hf, self.parallel.tensor_parallel_size)
         self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
         self.sparse_mlp = features.sparse_mlp(registry.model_class(hf).options_from_config(hf))
+        self.speculation = features.speculation(self.speculative_config)
 
     def _check_backend_on_device(self) -> None:
         backend = self.attention_backend

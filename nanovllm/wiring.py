@@ -79,6 +79,15 @@ def sparse_mlp(decoder_options):
     return SparseMoeBlock.from_options
 
 
+def speculation(speculative_config: dict | None):
+    """LLM(speculative_config=...) checked (features/speculative/options.py), or None."""
+    if speculative_config is None:
+        return None
+    from nanovllm.features.speculative.options import SpeculativeOptions
+
+    return SpeculativeOptions.from_dict(speculative_config)
+
+
 # ---------------------------------------------------------------- logits extensions
 
 
@@ -108,7 +117,7 @@ def enable_logits_extensions(sampler, params) -> None:
 
 def wire_scheduling(engine, params=None) -> None:
     """The scheduling features (core/hooks.py) `engine` needs. At start-up (no `params`): mixed
-    steps when config.scheduling.mixed_steps asks. For a request's SamplingParams: parallel
+    steps when config.scheduling.mixed_steps asks, drafting when speculative_config does. For a request's SamplingParams: parallel
     sampling (n > 1) and prompt logprobs, registered once, by the first request that asks."""
     scheduler = engine.scheduler
     if params is None:
@@ -116,6 +125,11 @@ def wire_scheduling(engine, params=None) -> None:
             from nanovllm.features.mixed_steps import MixedSteps
 
             scheduler.policy = MixedSteps()
+        if engine.config.speculation is not None:
+            from nanovllm.features.speculative.drafting import Drafting
+
+            # First: the other hooks see the step as it will run.
+            scheduler.hooks.insert(0, Drafting(engine.config.speculation, engine.config.max_model_len))
         return
     wanted = []
     if params.n > 1:

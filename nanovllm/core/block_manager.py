@@ -225,12 +225,26 @@ class BlockManager:
         """True when the sequence has, or can get, a slot for its newest token."""
         return self.blocks_for(len(seq)) <= len(seq.block_table) or self.num_free_blocks > 0
 
-    def append_slot(self, seq: Sequence) -> None:
-        """Make sure the block table covers every token of the sequence (before a decode step)."""
-        while len(seq.block_table) < self.blocks_for(len(seq)):
+    def append_slot(self, seq: Sequence, extra: int = 0) -> None:
+        """Make sure the block table covers every token of the sequence (before a decode step),
+        and `extra` slots past them (drafted tokens; see can_append_drafts)."""
+        while len(seq.block_table) < self.blocks_for(len(seq) + extra):
             if not self.free_blocks:
                 raise RuntimeError("no free KV block (call can_append first)")
             seq.block_table.append(self._take_free())
+
+    def can_append_drafts(self, seq: Sequence, extra: int) -> bool:
+        """Whether the free blocks cover `extra` more slots past the sequence's tokens."""
+        return self.blocks_for(len(seq) + extra) - len(seq.block_table) <= self.num_free_blocks
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (taken for drafts that were rejected:
+        never committed, so nothing to forget but their slots)."""
+        while len(seq.block_table) > self.blocks_for(len(seq)):
+            block = self.blocks[seq.block_table.pop()]
+            block.ref_count = 0
+            block.forget()
+            self.free_blocks[block.block_id] = None
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""

@@ -103,7 +103,8 @@ class SchedulingHook(Protocol):
     """A feature that follows requests from their arrival through scheduling (n > 1 forks,
     prompt logprobs). Every method does nothing here: a feature subclasses this and overrides
     what it needs. Called for a request: `added` once, `reserve` at each admission; for every
-    step: `scheduled` once it is composed, `launched` once Scheduler.advance accounted for it."""
+    step: `scheduled` once it is composed, `launched` once Scheduler.advance accounted for it;
+    `verified` for each row whose drafts a resolved step verified."""
 
     def added(self, seq: Sequence, new_sample: Callable[[int], Sequence]) -> None:
         """A request arrived as `seq` (its sample 0); `new_sample(i)` makes its sample i."""
@@ -119,6 +120,10 @@ class SchedulingHook(Protocol):
 
     def launched(self, scheduler: Scheduler, batch: ScheduledBatch, max_model_len: int) -> None:
         """The step was launched and its sequences advanced (Scheduler.advance)."""
+
+    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A step verified `drafted` tokens drafted for `seq` (ScheduledBatch.drafts); the
+        first `accepted` were kept."""
 
 
 # ---------------------------------------------------------------- forward strategy (graphs)
@@ -164,6 +169,9 @@ class ModelFeatures(Protocol):
         """The MoE block factory (model/decoder.py's SparseMlpFactory) of a model whose
         DecoderOptions have MoE layers, or None."""
 
+    def speculation(self, speculative_config: dict | None):
+        """The checked options of LLM(speculative_config=...) (a SchedulingHook then drafts), or None."""
+
 
 class NoFeatures:
     """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
@@ -184,3 +192,7 @@ class NoFeatures:
     def sparse_mlp(self, decoder_options):
         if decoder_options.moe_layers:
             self._refuse("a mixture-of-experts model")
+
+    def speculation(self, speculative_config):
+        if speculative_config is not None:
+            self._refuse("speculative_config")

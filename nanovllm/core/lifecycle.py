@@ -184,7 +184,10 @@ class RequestLifecycle:
                     seq.prompt_logprobs.extend(entries)
         for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
             if seq.pending_row != i:
-                continue  # partial prompt chunk, or aborted
+                continue  # partial prompt chunk, aborted, or a row verifying a draft
+            if seq.drafts:
+                outputs.append(self._accept_drafted(seq, token_ids[i:i + 1 + len(seq.drafts)]))
+                continue
             seq.fill_pending_token(token_id)
             entry = None
             if seq.logprobs is not None:
@@ -201,6 +204,32 @@ class RequestLifecycle:
             outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason,
                                       None if entry is None else [entry]))
         return outputs
+
+    def _accept_drafted(self, seq: Sequence, sampled: list[int]) -> StepOutput:
+        """`seq`'s tokens from a step that verified its drafts: `sampled[j]` was drawn at the
+        position after draft j (its newest token for j = 0), with the noise a step without
+        drafts would have drawn there, so the tokens kept are exactly what plain decoding gives:
+        sampled[0], then sampled[j] for as long as each draft equals the token sampled before it.
+        Each is appended and checked by decide_finish in turn; the first that ends it is the last."""
+        drafts = seq.drafts
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+            accepted += 1
+        detok = self._detok.get(seq.seq_id)
+        new = []
+        for token_id in sampled[:accepted + 1]:
+            if new:
+                seq.token_ids.append(token_id)
+            else:
+                seq.fill_pending_token(token_id)
+            new.append(token_id)
+            finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
+            if finish is not None:
+                self.end(seq, *finish)
+                break
+        self.scheduler.verified(seq, len(new) - 1, len(drafts), accepted)
+        text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
+        return StepOutput(seq, new, text, seq.is_finished, seq.finish_reason)
 
     def end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.retire(seq)

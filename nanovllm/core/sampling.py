@@ -111,7 +111,7 @@ class TokenSampler:
         prompt_logits = None
         if step is not None and step.prompt_rows:
             logits, prompt_logits = logits[:n], logits[n:]
-        offsets = [len(s) for s in rows]
+        offsets = step.sample_offsets if step is not None and step.sample_offsets else [len(s) for s in rows]
         t, states = self.cached_tensors([s.seq_id for s in rows], offsets,
                                         lambda: self._build(rows, offsets, logits.shape[-1]))
         changes, lp_state = states if states is not None else ((), None)

@@ -18,7 +18,10 @@ class ScheduledBatch:
     nothing and sample from the logits of row `fork_rows[j]` (sampling row len(seqs) + j);
     `block_copies`, (src, dst) KV blocks to copy once the step has run; `prompt_rows`, packed
     positions whose logits are returned too, predicting `prompt_targets`, owned by
-    `prompt_owners` = (row, count, k) per sequence (StepInput's fields of the same names).
+    `prompt_owners` = (row, count, k) per sequence (StepInput's fields of the same names);
+    `drafts`, per sequence, tokens drafted after its newest one (speculative decoding), computed
+    in the step after it (num_new_tokens counts them) and verified by sampling every one of those
+    positions: such a sequence has 1 + len(drafts[i]) sampling rows.
     """
 
     seqs: list[Sequence]
@@ -31,6 +34,7 @@ class ScheduledBatch:
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
+    drafts: list[list[int]] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -38,8 +42,30 @@ class ScheduledBatch:
 
     @property
     def rows(self) -> list[Sequence]:
-        """The sequences that get a token from this step's sampling rows, in row order."""
-        return self.seqs + self.forks if self.forks else self.seqs
+        """The sequence of each of this step's sampling rows, in row order."""
+        seqs = self.seqs
+        if self.drafts:
+            seqs = [s for s, d in zip(seqs, self.drafts) for _ in range(1 + len(d))]
+        return seqs + self.forks if self.forks else seqs
+
+    def first_rows(self) -> list[int]:
+        """Each sequence's first sampling row (the one that samples its next token)."""
+        if not self.drafts:
+            return list(range(len(self.seqs)))
+        starts, row = [], 0
+        for d in self.drafts:
+            starts.append(row)
+            row += 1 + len(d)
+        return starts
+
+    def sample_offsets(self) -> list[int] | None:
+        """With drafts, the random-stream offset of every sampling row: the index of the token it
+        samples, as a step without drafts would sample it (so verification draws the same noise);
+        None without drafts (each row's offset is then its sequence's length)."""
+        if not self.drafts:
+            return None
+        offsets = [len(s) + j for s, d in zip(self.seqs, self.drafts) for j in range(1 + len(d))]
+        return offsets + [len(s) for s in self.forks]
 
 
 class Scheduler:
@@ -87,7 +113,8 @@ class Scheduler:
         if batch is not None:
             for hook in self.hooks:
                 hook.scheduled(self, batch)
-        return batch
+        # A hook may take every row out (speculative decoding: rows wait for their tokens).
+        return batch if batch is None or batch.seqs else None
 
     def _prompt_step(self) -> ScheduledBatch | None:
         seqs, counts = self.prompt_work(self.max_num_batched_tokens, admit=True)
@@ -108,7 +135,8 @@ class Scheduler:
                 seqs.append(seq)
                 counts.append(min(seq.num_uncomputed_tokens, budget))
                 budget -= counts[-1]
-        while admit and self.waiting and budget > 0 and self._admit(self.waiting[0]):
+        # (A preempted sequence whose drafts are still being verified waits for its tokens.)
+        while admit and self.waiting and budget > 0 and not self.waiting[0].drafts and self._admit(self.waiting[0]):
             seq = self.waiting.popleft()
             seqs.append(seq)
             counts.append(min(seq.num_uncomputed_tokens, budget))
@@ -144,7 +172,9 @@ class Scheduler:
         kept: list[Sequence] = []  # what goes back to the front of the queue, in its order
         while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
-            if seq.num_uncomputed_tokens > 1:  # a prompt being chunked (a policy mixing steps)
+            if seq.num_uncomputed_tokens > 1 or seq.drafts:
+                # A prompt being chunked (a policy mixing steps), or drafts the step in flight
+                # verifies: its tokens are known once that step resolves.
                 kept.append(seq)
             elif len(seq) <= len(seq.block_table) * bm.block_size:
                 scheduled.append(seq)  # the common case: the newest token fits its last block
@@ -199,16 +229,34 @@ class Scheduler:
         max_tokens or max_model_len with it is retired here (its finish reason is decided when
         the token arrives, core/lifecycle.py)."""
         block_size = self.block_manager.block_size
+        rows = batch.first_rows()
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # stopped by the previous step's token, found after this launch
-            seq.num_cached_tokens += n
+            drafts = batch.drafts[i] if batch.drafts else []
+            seq.num_cached_tokens += n - len(drafts)  # drafted tokens count once verified
             if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * block_size:
                 self.block_manager.commit(seq)  # a block just became full
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
-            seq.add_pending_token(i)
+            seq.add_pending_token(rows[i])
+            seq.drafts = drafts
             if seq.reached_length(max_model_len):
                 self.retire(seq)
         for hook in self.hooks:
             hook.launched(self, batch, max_model_len)
+
+    def verified(self, seq: Sequence, kept: int, drafted: int, accepted: int) -> None:
+        """The step in flight verified `seq`'s `drafted` drafts, `accepted` of them equal to the
+        tokens sampled, and its tokens are filled in: the K/V of the first `kept` drafts stay
+        (fewer than accepted when a token ended the request), the blocks taken for the rest go
+        back, and blocks that became full join the prefix cache."""
+        seq.drafts = []
+        for hook in self.hooks:
+            hook.verified(seq, drafted, accepted)
+        if seq.status != SequenceStatus.RUNNING:
+            return  # finished, or preempted meanwhile (its blocks are gone)
+        seq.num_cached_tokens += kept
+        self.block_manager.trim(seq)
+        if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * self.block_manager.block_size:
+            self.block_manager.commit(seq)

@@ -53,6 +53,9 @@ class Sequence:
         self.num_preemptions = 0
         # Row of the in-flight step that samples the last token (PENDING_TOKEN until then); -1: known.
         self.pending_row = -1
+        # Tokens drafted after the pending one (speculative decoding), which the step in flight
+        # verifies in the rows after pending_row; [] when it verifies none.
+        self.drafts: list[int] = []
         # The request's samples, itself first (n > 1: all of them); those still to fork from
         # this one, and the free blocks held for them (BlockManager.fork).
         self.samples: list[Sequence] = [self]
@@ -122,6 +125,7 @@ class Sequence:
         if self.has_pending_token:
             self.token_ids.pop()
             self.pending_row = -1
+        self.drafts = []
 
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark the request ended, once: a finish reason is never overwritten."""

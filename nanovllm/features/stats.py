@@ -9,8 +9,9 @@ import time
 from collections import Counter as Tally
 
 from nanovllm.core.hooks import SchedulingHook
+from nanovllm.features.speculative.drafting import draft_counts
 from nanovllm.metrics import (E2E_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS, Counter, Gauge, Histogram, Metric,
-                              RequestMetrics)
+                              RequestMetrics, Vector)
 
 
 class StatsRecorder(SchedulingHook):
@@ -75,4 +76,15 @@ class StatsRecorder(SchedulingHook):
                 *(Counter("vllm:request_success", {"finished_reason": r}, n) for r, n in sorted(self.success.items())),
                 Histogram.of("vllm:time_to_first_token_seconds", TTFT_BUCKETS, self.ttft),
                 Histogram.of("vllm:inter_token_latency_seconds", ITL_BUCKETS, self.itl),
-                Histogram.of("vllm:e2e_request_latency_seconds", E2E_BUCKETS, self.e2e)]
+                Histogram.of("vllm:e2e_request_latency_seconds", E2E_BUCKETS, self.e2e),
+                *self.speculation_metrics()]
+
+    def speculation_metrics(self) -> list[Metric]:
+        """vLLM's spec_decode counters, with speculative_config on (none otherwise)."""
+        c = draft_counts(self.engine.scheduler)
+        if c is None:
+            return []
+        return [Counter("vllm:spec_decode_num_drafts", {}, c.num_drafts),
+                Counter("vllm:spec_decode_num_draft_tokens", {}, c.num_draft_tokens),
+                Counter("vllm:spec_decode_num_accepted_tokens", {}, c.num_accepted_tokens),
+                Vector("vllm:spec_decode_num_accepted_tokens_per_pos", {}, list(c.accepted_per_position))]

@@ -108,12 +108,13 @@ class RowSampling:
 
     @classmethod
     def for_every_rank(cls, rows: list[Sequence], eos_token_ids: frozenset[int],
-                       prompt_logprobs: bool = False) -> RowSampling | None:
+                       prompt_logprobs: bool = False, offsets: list[int] | None = None) -> RowSampling | None:
         """Sampling on every rank for these rows, or None when rank 0 must sample the gathered
-        logits (see samples_on_every_rank)."""
+        logits (see samples_on_every_rank). `offsets`: StepInput.sample_offsets (drafts)."""
         if not samples_on_every_rank(rows, eos_token_ids, prompt_logprobs):
             return None
-        return cls([float(s.params.temperature) for s in rows], [s.seed for s in rows], [len(s) for s in rows])
+        return cls([float(s.params.temperature) for s in rows], [s.seed for s in rows],
+                   offsets or [len(s) for s in rows])
 
     def sample(self, sampler: TokenSampler, model, hidden: torch.Tensor) -> torch.Tensor:
         """The rows' tokens on every rank (also left in the sampler's device buffer)."""

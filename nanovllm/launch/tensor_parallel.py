@@ -126,7 +126,7 @@ class TensorParallelRunner:
         step.sync_prev = not self._tokens_on_every_rank
         rows = batch.rows
         if self.sample_on_every_rank:
-            step.sampling = RowSampling.for_every_rank(rows, eos_token_ids, bool(step.prompt_rows))
+            step.sampling = RowSampling.for_every_rank(rows, eos_token_ids, bool(step.prompt_rows), step.sample_offsets)
         self._tokens_on_every_rank = step.sampling is not None
         out = self._all_ranks("execute", step)
         if step.sampling is not None:

@@ -106,7 +106,7 @@ class ExternalLauncherRunner:
         step = StepInput.from_batch(batch)
         step.sync_prev = False  # every step leaves its tokens on every rank (below)
         rows = batch.rows
-        step.sampling = RowSampling.for_every_rank(rows, eos_token_ids, bool(step.prompt_rows))
+        step.sampling = RowSampling.for_every_rank(rows, eos_token_ids, bool(step.prompt_rows), step.sample_offsets)
         out = self.runner.execute(step)
         sampler = self.runner.sampler
         if step.sampling is not None:

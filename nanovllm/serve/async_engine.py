@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from nanovllm.data_parallel_front import DataParallelFront
+from nanovllm.features.speculative.drafting import draft_counts
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.preparation import ChatPrompt, Prepared, PreparerSpec, prepare_requests
@@ -126,6 +127,7 @@ class EngineStats:
     requests: int
     steps: int
     progress_at: float
+    drafts: tuple[int, int, int] = (0, 0, 0)  # speculative decoding: drafts, drafted and accepted tokens
 
     @property
     def busy(self) -> bool:
@@ -134,7 +136,8 @@ class EngineStats:
     def counts(self) -> tuple:
         """Everything but progress_at (what tells whether the stats changed; 50x cheaper than
         dataclasses.astuple, which the loop would pay every iteration)."""
-        return self.num_kv_blocks, self.free_kv_blocks, self.running, self.waiting, self.requests, self.steps
+        return self.num_kv_blocks, self.free_kv_blocks, self.running, self.waiting, self.requests, self.steps, \
+            self.drafts
 
 
 def call_sinks(items: list[tuple[EngineRequest, object]]) -> None:
@@ -369,5 +372,7 @@ class EngineLoop:
 
     def _current_stats(self) -> EngineStats:
         bm, sched = self.llm.block_manager, self.llm.scheduler
+        c = draft_counts(sched)
         return EngineStats(bm.num_blocks, bm.num_free_blocks, len(sched.running), len(sched.waiting),
-                           len({id(r) for r in self._active.values()}), self._steps, time.monotonic())
+                           len({id(r) for r in self._active.values()}), self._steps, time.monotonic(),
+                           (0, 0, 0) if c is None else (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens))

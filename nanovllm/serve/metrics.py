@@ -48,6 +48,11 @@ class ServerMetrics:
                               registry=r).labels(model_name)
         self._kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV cache blocks in use (0 to 1).", name,
                                registry=r).labels(model_name)
+        self._drafts = [Counter(f"vllm:spec_decode_{what}", help_text, name, registry=r).labels(model_name)
+                        for what, help_text in (("num_drafts", "Speculative decoding: verifications of drafts."),
+                                                ("num_draft_tokens", "Speculative decoding: drafted tokens."),
+                                                ("num_accepted_tokens", "Speculative decoding: accepted tokens."))]
+        self._drafts_seen = (0, 0, 0)
         self.model_name = model_name
 
     def request(self) -> "RequestTimes":
@@ -64,6 +69,9 @@ class ServerMetrics:
             self._running.set(stats.running)
             self._waiting.set(stats.waiting)
             self._kv_usage.set(1 - stats.free_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0)
+            for counter, now, seen in zip(self._drafts, stats.drafts, self._drafts_seen):
+                counter.inc(max(now - seen, 0))  # the engine's totals, as counter increments
+            self._drafts_seen = stats.drafts
         return generate_latest(self.registry)
 
 

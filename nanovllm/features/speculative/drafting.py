@@ -1,0 +1,125 @@
+"""Puts drafted tokens into the scheduler's decode steps (a SchedulingHook, core/hooks.py).
+
+A decode row whose newest token is known on the host (no token of it still on the device) and
+whose parameters sample from the plain distribution drafts up to k tokens; the step then runs
+prefill-shaped, each drafting row computing its newest token and its drafts, and the core
+samples every one of those positions and keeps the tokens that plain decoding would have made
+(core/lifecycle.py). Until that step resolves the row drafts nothing more (Sequence.drafts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from weakref import WeakKeyDictionary
+
+from nanovllm.core.hooks import SchedulingHook
+from nanovllm.features.speculative.ngram import propose_ngram
+from nanovllm.features.speculative.options import SpeculativeOptions
+
+
+@dataclass
+class DraftCounts:
+    """vLLM's spec_decode metrics: verifications of a draft (num_drafts), drafted tokens,
+    accepted ones, and accepted ones by draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position.extend([0] * (drafted - len(self.accepted_per_position)))
+        for j in range(accepted):
+            self.accepted_per_position[j] += 1
+
+
+def draft_counts(scheduler) -> DraftCounts | None:
+    """The counts of the Drafting hook among the scheduler's, or None without speculation."""
+    return next((h.counts for h in scheduler.hooks if isinstance(h, Drafting)), None)
+
+
+def may_draft(seq, pending_ok: bool = False) -> bool:
+    """Whether `seq`'s next tokens may be drafted: its newest token is on the host (or, with
+    `pending_ok`, will be) and its rows need nothing but the basic sampler (no penalties, bias,
+    logprobs)."""
+    p = seq.params
+    return ((pending_ok or not seq.has_pending_token) and not p.processes_logits and p.logprobs is None
+            and p.prompt_logprobs is None)
+
+
+class Drafting(SchedulingHook):
+    """Drafts for the decode rows of each step (see the module docstring).
+
+    With overlap scheduling a decode row's newest token is still on the device when the next
+    step is scheduled, so nothing can be drafted from it: while the batch is small enough to
+    draft, such a row sits out one step (the engine then resolves the step in flight, and the
+    row drafts in the next). A row whose proposals keep finding nothing backs off: it decodes
+    with overlap for 2, 4, ... 64 tokens before it sits out to try again."""
+
+    def __init__(self, options: SpeculativeOptions, max_model_len: int):
+        self.options = options
+        self.max_model_len = max_model_len
+        self._misses: WeakKeyDictionary = WeakKeyDictionary()  # Sequence -> proposals in a row that missed
+        self._retry_at: WeakKeyDictionary = WeakKeyDictionary()  # Sequence -> length at which to try again
+        self.counts = DraftCounts()
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        self.counts.add(drafted, accepted)
+
+    def _room(self, seq) -> int:
+        """Drafts that fit before the request's length limit (all k + 1 tokens could be kept)."""
+        limit = min(seq.num_prompt_tokens + seq.params.max_tokens, self.max_model_len)
+        return limit - len(seq) - 1
+
+    def _wants(self, seq, k: int) -> bool:
+        """Whether `seq` should draft (or sit out to draft) now."""
+        return min(k, self._room(seq)) >= 1 and len(seq) >= self._retry_at.get(seq, 0) \
+            and seq.num_completion_tokens >= seq.params.min_tokens and may_draft(seq, pending_ok=True)
+
+    def _propose(self, seq, k: int) -> list[int]:
+        o = self.options
+        d = propose_ngram(seq.token_ids, min(k, self._room(seq)), o.prompt_lookup_min, o.prompt_lookup_max)
+        misses = 0 if d else self._misses.get(seq, 0) + 1
+        self._misses[seq] = misses
+        if misses >= 2:
+            self._retry_at[seq] = len(seq) + 2 ** min(misses - 1, 6)
+        return d
+
+    def scheduled(self, scheduler, batch) -> None:
+        if batch.forks or batch.prompt_rows or batch.drafts is not None:
+            return  # (a prompt's first token: its rows are laid out for those)
+        rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
+                if n == 1 and s.num_uncomputed_tokens == 1]
+        k = self.options.drafts_per_row(len(rows))
+        if k < 1:
+            return
+        bm = scheduler.block_manager
+        drafts: list[list[int] | None] = [[] for _ in batch.seqs]
+        for i in rows:
+            seq = batch.seqs[i]
+            if not self._wants(seq, k):
+                continue
+            if seq.has_pending_token:
+                drafts[i] = None  # sits out this step
+                continue
+            d = self._propose(seq, k)
+            if d and bm.can_append_drafts(seq, len(d)):
+                bm.append_slot(seq, len(d))
+                drafts[i] = d
+        if any(d is None or d for d in drafts):
+            self._lay_out(batch, drafts)
+
+    @staticmethod
+    def _lay_out(batch, drafts: list[list[int] | None]) -> None:
+        """Rows sitting out leave; the drafting rows go first (the Triton backend gives trailing
+        one-token rows to its decode kernel), their drafts counted as new tokens; with any
+        drafts the step runs prefill-shaped."""
+        order = sorted((i for i, d in enumerate(drafts) if d is not None), key=lambda i: not drafts[i])
+        batch.seqs = [batch.seqs[i] for i in order]
+        batch.num_new_tokens = [batch.num_new_tokens[i] + len(drafts[i]) for i in order]
+        if any(drafts[i] for i in order):
+            batch.drafts = [drafts[i] for i in order]
+            batch.is_prefill = True

@@ -1,0 +1,23 @@
+"""Prompt-lookup drafting (vLLM's "ngram" method): the tokens that followed the latest n tokens
+where they occurred earlier in the request's prompt or output."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """Up to `k` tokens: for the longest n in [n_min, n_max] whose last n tokens occur earlier in
+    `tokens`, the tokens after their earliest such occurrence (vLLM's rule); [] without a match."""
+    if k < 1 or len(tokens) <= n_min:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(n_max, len(arr) - 1), n_min - 1, -1):
+        # Windows starting before the suffix itself, each followed by at least one token.
+        windows = sliding_window_view(arr[:-1], n)
+        hits = np.flatnonzero((windows == arr[-n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return arr[start:start + k].tolist()
+    return []

@@ -1,0 +1,241 @@
+"""Speculative decoding (`speculative_config`, features/speculative/) on CPU, float32, tiny Qwen3.
+
+The check is exactness: a verification step samples every drafted position with the noise a step
+without drafts draws there (the sampler's noise is a function of (seed, token index)), and keeps
+a draft only when it equals the token sampled before it. So, for every seed, greedy or sampled,
+the tokens must be *equal* to those of the same engine without speculation (which the other
+modules check against transformers), and equal per seed implies the output distribution is the
+target's exactly. Drafts come from the real prompt-lookup proposer and from an oracle that knows
+the plain engine's continuation and spoils some drafts, so that long runs of accepted drafts,
+rejections at every position and finishes inside a draft all happen.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers import assert_idle, greedy, hf_reference, make_llm, rand_ids  # noqa: E402
+
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.features.speculative import drafting  # noqa: E402
+from nanovllm.features.speculative.drafting import draft_counts  # noqa: E402
+from nanovllm.features.speculative.ngram import propose_ngram  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# Prompts that repeat themselves, so prompt lookup finds matches.
+PROMPTS = [rand_ids(6, 1) * 3, rand_ids(4, 2) * 4 + rand_ids(3, 3), rand_ids(9, 4) + rand_ids(2, 5) * 5]
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    return make_llm(ckpt)
+
+
+@pytest.fixture(scope="module")
+def spec(ckpt):
+    return make_llm(ckpt, speculative_config=NGRAM)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [list(c.token_ids) for o in outputs for c in o.outputs]
+
+
+class Oracle:
+    """Drafts the plain engine's own continuation of each prompt (`reference`: prompt tuple ->
+    completion; nothing for other prompts), spoiling the draft at position (proposal count % (k + 1)) so that every
+    rejection position occurs (k + 1: none spoilt)."""
+
+    def __init__(self, reference: dict[tuple, list[int]]):
+        self.reference, self.calls = reference, 0
+
+    def __call__(self, hook, seq, k):
+        prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
+        done = seq.num_completion_tokens
+        d = list(self.reference.get(prompt, [])[done:done + min(k, hook._room(seq))])
+        spoil = self.calls % (k + 1)
+        self.calls += 1
+        if spoil < len(d):
+            d[spoil] = (d[spoil] + 1) % 400
+        return d
+
+
+@pytest.fixture
+def oracle(monkeypatch, plain):
+    def install(prompts, params):
+        ref = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, plain.generate(prompts, params,
+                                                                                                use_tqdm=False))}
+        o = Oracle(ref)
+        monkeypatch.setattr(drafting.Drafting, "_propose", lambda self, seq, k: o(self, seq, k))
+        return o
+    return install
+
+
+# ---------------------------------------------------------------- options
+
+
+@pytest.mark.parametrize("config, error, match", [
+    ({"method": "nope", "num_speculative_tokens": 2}, ValueError, "method"),
+    ({"method": "ngram"}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, ValueError, "lookahead"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     ValueError, "prompt_lookup_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, ValueError, "draft"),
+    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, NotImplementedError, "eagle3"),
+    ("ngram", ValueError, "dict"),
+])
+def test_bad_speculative_config_is_a_clear_error(ckpt, plain, config, error, match):
+    with pytest.raises(error, match=match):
+        make_llm(ckpt, speculative_config=config)
+    assert tokens(plain.generate([PROMPTS[0]], greedy(4), use_tqdm=False))  # others unaffected
+
+
+def test_prompt_lookup_takes_the_longest_match_and_its_earliest_occurrence():
+    seq = [1, 2, 3, 9, 1, 2, 3, 8, 5, 2, 3]
+    assert propose_ngram(seq, 3, 1, 3) == [9, 1, 2]      # "2 3" (no "5 2 3" earlier): first after 1 2 3
+    assert propose_ngram(seq, 1, 1, 1) == [9]            # "3": earliest occurrence
+    assert propose_ngram([4, 5, 6, 7], 2, 1, 3) == []    # no repeat
+    assert propose_ngram([4, 5, 4], 5, 1, 2) == [5, 4]   # runs into the end: fewer than k
+    assert propose_ngram([7, 7, 7, 7], 2, 2, 2) == [7, 7]
+
+
+# ---------------------------------------------------------------- exactness
+
+
+def test_greedy_equals_plain_decoding_and_transformers(ckpt, plain, spec):
+    params = greedy(40)
+    want = tokens(plain.generate(PROMPTS, params, use_tqdm=False))
+    before = draft_counts(spec.scheduler).num_drafts
+    assert tokens(spec.generate(PROMPTS, params, use_tqdm=False)) == want
+    assert draft_counts(spec.scheduler).num_drafts > before  # prompt lookup drafted
+    assert want[0] == hf_reference(ckpt, PROMPTS[0], 40)
+    assert_idle(spec)
+
+
+@pytest.mark.parametrize("extra", [{}, {"top_p": 0.8, "top_k": 20}, {"min_p": 0.1, "temperature": 0.7}])
+def test_every_seed_samples_what_plain_decoding_samples(plain, spec, oracle, extra):
+    """Equal tokens for each of 24 seeds (and filters): the distribution is the target's."""
+    prompts = [PROMPTS[i % 3] for i in range(24)]
+    params = [SamplingParams(temperature=extra.get("temperature", 1.0), seed=s, max_tokens=24, ignore_eos=True,
+                             **{k: v for k, v in extra.items() if k != "temperature"}) for s in range(24)]
+    want = tokens(plain.generate(prompts, params, use_tqdm=False))
+    assert tokens(spec.generate(prompts, params, use_tqdm=False)) == want  # prompt lookup
+    o = oracle(prompts[:3], params[:3])  # the oracle knows seeds 0-2's continuations
+    counts = draft_counts(spec.scheduler)
+    accepted = counts.num_accepted_tokens
+    assert tokens(spec.generate(prompts[:3], params[:3], use_tqdm=False)) == want[:3]
+    assert o.calls and counts.num_accepted_tokens > accepted
+    assert_idle(spec)
+
+
+def test_oracle_drafts_are_accepted_and_rejected_at_every_position(plain, spec, oracle):
+    params = greedy(48)
+    o = oracle(PROMPTS, params)
+    c = draft_counts(spec.scheduler)
+    before = (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, list(c.accepted_per_position))
+    assert tokens(spec.generate(PROMPTS, params, use_tqdm=False)) == tokens(plain.generate(PROMPTS, params,
+                                                                                                use_tqdm=False))
+    drafts, drafted, accepted = (c.num_drafts - before[0], c.num_draft_tokens - before[1],
+                                 c.num_accepted_tokens - before[2])
+    # (the oracle spoils position 0, 1, 2, 3 or none in turn: about half the drafts are kept)
+    assert o.calls >= drafts > 0 and drafted >= accepted >= drafted // 3
+    per_pos = [a - (before[3][j] if j < len(before[3]) else 0) for j, a in enumerate(c.accepted_per_position)]
+    assert sum(per_pos) == accepted and all(n > 0 for n in per_pos[:4])
+    # Fewer verification steps than tokens: drafts saved steps.
+    assert drafts + sum(1 for _ in PROMPTS) < 3 * 48
+    assert_idle(spec)
+
+
+@pytest.mark.parametrize("finish", ["stop_token", "max_tokens", "stop_string"])
+def test_a_finish_inside_accepted_drafts_ends_there(plain, spec, oracle, finish):
+    ref = tokens(plain.generate(PROMPTS, greedy(40), use_tqdm=False))
+    kw = {"max_tokens": 40}
+    if finish == "stop_token":
+        kw["stop_token_ids"] = [ref[0][17]]
+    elif finish == "max_tokens":
+        kw["max_tokens"] = 19
+    else:
+        kw["stop"] = [plain.get_tokenizer().decode(ref[1][10:12])]
+    params = greedy(**kw)
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    oracle(PROMPTS, params)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    for w, g in zip(want, got):
+        assert (list(g.outputs[0].token_ids), g.outputs[0].text, g.outputs[0].finish_reason) == \
+            (list(w.outputs[0].token_ids), w.outputs[0].text, w.outputs[0].finish_reason)
+    assert_idle(spec)
+
+
+def test_prefix_cache_holds_only_accepted_tokens(ckpt, spec, oracle):
+    """A follow-up prompt made of a finished request's prompt and output hits the blocks that
+    request committed; had a rejected draft's K/V been committed, its greedy tokens would differ
+    from a run that computes everything."""
+    first = PROMPTS[0]
+    oracle([first], greedy(50))
+    out = tokens(spec.generate([first], greedy(50), use_tqdm=False))[0]
+    follow = first + out[:40]
+    exact = make_llm(ckpt, enable_prefix_caching=False)
+    want = tokens(exact.generate([follow], greedy(12), use_tqdm=False))
+    got = spec.generate([follow], greedy(12), use_tqdm=False)
+    assert got[0].num_cached_tokens >= 48 and tokens(got) == want
+
+
+def test_n_samples_preemption_and_mixed_steps_stay_exact(ckpt, oracle):
+    """n = 2, a KV cache so small that requests are preempted, and mixed steps (the server's
+    policy): equal to the same engine without drafts."""
+    kw = dict(num_kvcache_blocks=14, mixed_steps=True, max_num_batched_tokens=64)
+    base = make_llm(ckpt, **kw)
+    prompts = PROMPTS + [rand_ids(20, 9)]
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    want = tokens(base.generate(prompts, params, use_tqdm=False))
+    llm = make_llm(ckpt, speculative_config=NGRAM, **kw)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert base.scheduler.num_preemptions > 0 and llm.scheduler.num_preemptions > 0
+    assert draft_counts(llm.scheduler).num_drafts > 0
+    assert_idle(llm)
+
+
+def test_penalty_and_logprob_requests_beside_drafting_ones(plain, spec):
+    """Rows that need the sampler's extensions are not drafted; a batch mixing them with drafting
+    rows gives every request its plain-decoding tokens (and logprobs)."""
+    params = [greedy(24), SamplingParams(temperature=0.8, seed=3, max_tokens=24, repetition_penalty=1.3,
+                                         ignore_eos=True), greedy(24, logprobs=2)]
+    want = plain.generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert tokens(got) == tokens(want)
+    assert [e.keys() for e in got[2].outputs[0].logprobs] == [e.keys() for e in want[2].outputs[0].logprobs]
+
+
+def test_stream_adds_up_to_generate(spec, oracle):
+    params = greedy(30)
+    oracle(PROMPTS, params)
+    whole = spec.generate(PROMPTS, params, use_tqdm=False)
+    oracle(PROMPTS, params)
+    pieces = {i: ([], "") for i in range(len(PROMPTS))}
+    longest = 0
+    for inc in spec.stream(PROMPTS, params):
+        ids, text = pieces[inc.index]
+        pieces[inc.index] = (ids + list(inc.token_ids), text + inc.text)
+        longest = max(longest, len(inc.token_ids))
+    assert [pieces[i] for i in range(len(PROMPTS))] == [(list(o.outputs[0].token_ids), o.outputs[0].text)
+                                                        for o in whole]
+    assert longest > 1  # accepted drafts arrive as increments of several tokens
+
+
+def test_get_metrics_reports_vllms_spec_decode_counters(ckpt, oracle):
+    llm = make_llm(ckpt, speculative_config=NGRAM, disable_log_stats=False)
+    oracle(PROMPTS, greedy(30))
+    llm.generate(PROMPTS, greedy(30), use_tqdm=False)
+    m = {x.name: x for x in llm.get_metrics()}
+    drafts, drafted = m["vllm:spec_decode_num_drafts"].value, m["vllm:spec_decode_num_draft_tokens"].value
+    accepted = m["vllm:spec_decode_num_accepted_tokens"].value
+    assert 0 < drafts <= drafted and 0 < accepted <= drafted
+    assert sum(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == accepted
+    assert "vllm:spec_decode_num_drafts" not in {x.name for x in make_llm(ckpt, disable_log_stats=False).get_metrics()}
