@@ -663,6 +663,8 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...): "auto" or "fp8"')
     ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load time')
     ap.add_argument("--calculate-kv-scales", action="store_true", help="LLM(calculate_kv_scales=True)")
+    ap.add_argument("--speculative-config", type=json.loads, default=None,
+                    help='LLM(speculative_config=...) as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="memory bandwidth, B/s, of the floors (default: the H200's on CUDA; elsewhere no floors)")
     ap.add_argument("--compare", choices=["hf", "vllm"], action="append", default=[])
@@ -719,7 +721,8 @@ def load(path: str, args):
               custom_all_reduce=not args.nccl_all_reduce, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
-              calculate_kv_scales=args.calculate_kv_scales, **({"data_parallel_size": args.dp} if args.dp > 1 else {}))
+              calculate_kv_scales=args.calculate_kv_scales, speculative_config=args.speculative_config,
+              **({"data_parallel_size": args.dp} if args.dp > 1 else {}))
     cold_start = time.perf_counter() - t0
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False
@@ -768,7 +771,19 @@ def run_result(llm, args, name: str, seconds: float, floor: float | None, cold_s
             "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
             "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
             "logprobs": args.logprobs, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
-            "startup_s": llm.model_runner.startup_seconds}
+            "startup_s": llm.model_runner.startup_seconds, **speculation_fields(llm, args)}
+
+
+def speculation_fields(llm, args) -> dict:
+    """--speculative-config: the config and the mean accepted length (1 + accepted drafts per
+    verification) over the engine's life so far."""
+    if args.speculative_config is None:
+        return {}
+    from nanovllm.features.speculative.drafting import draft_counts
+
+    c = draft_counts(llm.scheduler)
+    length = round(1 + c.num_accepted_tokens / c.num_drafts, 3) if c is not None and c.num_drafts else None
+    return {"speculative_config": args.speculative_config, "mean_accepted_length": length}
 
 
 def batch1_latency(llm, prompts) -> float:

@@ -314,3 +314,24 @@ def test_dummy_real_shapes_run_bench_workload(shape):
     llm.shutdown()
     del llm
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_speculative_ngram_equals_plain_decoding_on_gpu(bf16_model, block_size):
+    """n-gram drafts verified on the GPU (Triton attention over the drafted positions, decode
+    graphs and prefill graphs around them) give plain decoding's tokens: greedy and seeded,
+    fp32 so that rounding cannot flip a token between the prefill-shaped and decode kernels."""
+    base = prompts_of([40, 7, 120, 33], seed=3)
+    prompts = [p[:12] * 4 for p in base] + base  # repeating ones: prompt lookup drafts
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=48, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}):
+        llm = LLM(bf16_model, dtype="float32", kvcache_block_size=block_size, speculative_config=spec)
+        runs[spec is None] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if spec is not None:
+            from nanovllm.features.speculative.drafting import draft_counts
+
+            assert draft_counts(llm.scheduler).num_drafts > 0
+        llm.shutdown()
+    assert runs[True] == runs[False]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import pytest
 
@@ -239,3 +240,37 @@ def test_get_metrics_reports_vllms_spec_decode_counters(ckpt, oracle):
     assert 0 < drafts <= drafted and 0 < accepted <= drafted
     assert sum(m["vllm:spec_decode_num_accepted_tokens_per_pos"].values) == accepted
     assert "vllm:spec_decode_num_drafts" not in {x.name for x in make_llm(ckpt, disable_log_stats=False).get_metrics()}
+
+
+def test_the_server_takes_speculative_config_and_exports_the_counters(ckpt, plain):
+    """`--speculative-config JSON` on the OpenAI server: the completion's tokens are plain
+    decoding's, and /metrics counts the drafts (vLLM's names)."""
+    import json
+
+    import httpx
+    import openai
+    from helpers import BLOCK
+
+    from nanovllm.serve.launcher import ServerProcess
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    args = ["--device", "cpu", "--kvcache-block-size", str(BLOCK), "--num-kvcache-blocks", "128",
+            "--log-level", "warning", "--speculative-config", json.dumps(NGRAM)]
+    server = ServerProcess(ckpt, args, timeout=180, cwd=root, env=env)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", timeout=60, max_retries=0)
+        # (PROMPTS[2]'s greedy continuation repeats a token: prompt lookup drafts it)
+        out = client.completions.create(model=ckpt, prompt=PROMPTS[2], max_tokens=40, temperature=0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.choices[0].token_ids == tokens(plain.generate([PROMPTS[2]], greedy(40), use_tqdm=False))[0]
+        deadline = time.monotonic() + 20  # the engine's figures reach the server after its next iteration
+        while True:
+            text = httpx.get(server.url + "/metrics", timeout=10).text
+            drafts = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")]
+            if (drafts and float(drafts[0].split()[-1]) > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert drafts and float(drafts[0].split()[-1]) > 0, text[-2000:]
+    finally:
+        server.stop(30)
