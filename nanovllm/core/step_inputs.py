@@ -32,10 +32,13 @@ class StepInput:
     that holds its last new token, or -1 to use token_ids (only a row that computes just its
     newest token has one: a decode row, also in a prefill-shaped step). The rarer extras, None
     when unused, are ScheduledBatch's: fork_rows, block_copies, prompt_rows (their logits rows
-    come last), prompt_targets, prompt_owners; and for drafted tokens (speculative decoding),
-    num_drafts[i], how many of sequence i's new tokens are drafts (each of its last
-    1 + num_drafts[i] positions is a sampling row), with every sampling row's offset
-    (ScheduledBatch.sample_offsets).
+    come last), prompt_targets, prompt_owners; and sample_offsets, each sampling row's noise
+    offset when a row verifies drafts (ScheduledBatch.sample_offsets).
+
+    A sequence verifying drafts (speculative decoding) is one entry per position: its newest
+    token and each draft, one token each, at consecutive positions over the same block table.
+    Each is a decode row to the attention (its context ends at its own position: the causal mask
+    between them), so a decode step with drafts replays the decode graphs like any other.
     """
 
     is_prefill: bool
@@ -50,16 +53,14 @@ class StepInput:
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
-    num_drafts: list[int] | None = None
     sample_offsets: list[int] | None = None
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
         seqs = batch.seqs
-        if batch.drafts:  # the drafts follow each sequence's newest token
-            tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n - len(d)] + d
-                      for s, n, d in zip(seqs, batch.num_new_tokens, batch.drafts)]
-        elif batch.is_prefill:
+        if batch.drafts:
+            return cls._with_drafts(batch)
+        if batch.is_prefill:
             tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]
                       for s, n in zip(seqs, batch.num_new_tokens)]
         else:
@@ -71,8 +72,28 @@ class StepInput:
         if batch.prompt_rows:
             step.prompt_rows, step.prompt_targets, step.prompt_owners = \
                 batch.prompt_rows, batch.prompt_targets, batch.prompt_owners
-        if batch.drafts:
-            step.num_drafts, step.sample_offsets = [len(d) for d in batch.drafts], batch.sample_offsets()
+        return step
+
+    @classmethod
+    def _with_drafts(cls, batch: ScheduledBatch) -> "StepInput":
+        """A step whose rows verify drafts: those rows one entry per position (see the class
+        docstring); no forks or prompt logprobs (the drafting hook leaves such steps alone)."""
+        tokens, starts, tables, src = [], [], [], []
+        for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+            start = s.num_cached_tokens
+            if not d:
+                tokens.append(s.token_ids[start:start + n] if batch.is_prefill else [s.token_ids[-1]])
+                starts.append(start)
+                tables.append(s.block_table)
+                src.append(s.pending_row)
+                continue
+            for j, token in enumerate([s.token_ids[start]] + d):
+                tokens.append([token])
+                starts.append(start + j)
+                tables.append(s.block_table)
+                src.append(-1)
+        step = cls(batch.is_prefill, tokens, starts, tables, src if any(r >= 0 for r in src) else None)
+        step.sample_offsets = batch.sample_offsets()
         return step
 
 
@@ -190,7 +211,7 @@ class StepInputs:
             src = np.full(int(cu_q[-1]), -1, dtype=np.int64)
             src[cu_q - 1] = step.src_rows
             ids = input_tokens(ids, self._to_device(src, torch.long))
-        return ids, self._to_device(positions, torch.long), meta, self._to_device(sampled_positions(cu_q, step), torch.long)
+        return ids, self._to_device(positions, torch.long), meta, self._to_device(cu_q - 1, torch.long)
 
     def decode(self, step: StepInput, padded_bs: int, input_tokens):
         """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of
@@ -221,12 +242,3 @@ class StepInputs:
             self._splits[key] = choose_num_splits(batch_size, self.num_kv_heads, width, num_sms=sms)
         return self._splits[key]
 
-
-def sampled_positions(cu_q: np.ndarray, step: StepInput) -> np.ndarray:
-    """The packed positions whose logits are sampled: each sequence's last token, or with
-    drafts (step.num_drafts) its last 1 + num_drafts[i] tokens."""
-    if not step.num_drafts:
-        return cu_q - 1
-    counts = 1 + np.asarray(step.num_drafts, dtype=np.int64)
-    firsts = np.repeat(cu_q - counts, counts)
-    return firsts + np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

@@ -1,10 +1,11 @@
 """Puts drafted tokens into the scheduler's decode steps (a SchedulingHook, core/hooks.py).
 
 A decode row whose newest token is known on the host (no token of it still on the device) and
-whose parameters sample from the plain distribution drafts up to k tokens; the step then runs
-prefill-shaped, each drafting row computing its newest token and its drafts, and the core
-samples every one of those positions and keeps the tokens that plain decoding would have made
-(core/lifecycle.py). Until that step resolves the row drafts nothing more (Sequence.drafts)."""
+whose parameters sample from the plain distribution drafts up to k tokens; in the step, the row
+computes its newest token and its drafts (one decode row each to the attention,
+core/step_inputs.py), the core samples every one of those positions and keeps the tokens that
+plain decoding would have made (core/lifecycle.py). Until that step resolves the row drafts
+nothing more (Sequence.drafts)."""
 
 from __future__ import annotations
 
@@ -93,7 +94,10 @@ class Drafting(SchedulingHook):
             return  # (a prompt's first token: its rows are laid out for those)
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if n == 1 and s.num_uncomputed_tokens == 1]
-        k = self.options.drafts_per_row(len(rows))
+        # Every drafted position is a sampling row: within max_num_seqs (the sampler's and the
+        # decode graphs' rows) and the step's token budget.
+        k = self.options.drafts_per_row(len(rows), min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
+                                        - (len(batch.seqs) - len(rows)))
         if k < 1:
             return
         bm = scheduler.block_manager
@@ -114,12 +118,9 @@ class Drafting(SchedulingHook):
 
     @staticmethod
     def _lay_out(batch, drafts: list[list[int] | None]) -> None:
-        """Rows sitting out leave; the drafting rows go first (the Triton backend gives trailing
-        one-token rows to its decode kernel), their drafts counted as new tokens; with any
-        drafts the step runs prefill-shaped."""
-        order = sorted((i for i, d in enumerate(drafts) if d is not None), key=lambda i: not drafts[i])
-        batch.seqs = [batch.seqs[i] for i in order]
-        batch.num_new_tokens = [batch.num_new_tokens[i] + len(drafts[i]) for i in order]
-        if any(drafts[i] for i in order):
-            batch.drafts = [drafts[i] for i in order]
-            batch.is_prefill = True
+        """Rows sitting out leave the step; the drafts of the others count as new tokens."""
+        kept = [i for i, d in enumerate(drafts) if d is not None]
+        batch.seqs = [batch.seqs[i] for i in kept]
+        batch.num_new_tokens = [batch.num_new_tokens[i] + len(drafts[i]) for i in kept]
+        if any(drafts[i] for i in kept):
+            batch.drafts = [drafts[i] for i in kept]

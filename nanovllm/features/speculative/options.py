@@ -70,9 +70,11 @@ class SpeculativeOptions:
         disable = _positive(options, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         return cls(method, k, low, high, disable)
 
-    def drafts_per_row(self, num_rows: int) -> int:
+    def drafts_per_row(self, num_rows: int, max_rows: int) -> int:
         """How many tokens each of `num_rows` decode rows may draft this step: k at small batch,
-        fewer as rows x (1 + drafts) reaches DRAFT_TOKEN_BUDGET, none past disable_by_batch_size."""
+        fewer as rows x (1 + drafts) reaches DRAFT_TOKEN_BUDGET or `max_rows` (the sampling rows a
+        step may have), none past disable_by_batch_size."""
         if num_rows > self.disable_by_batch_size:
             return 0
-        return max(0, min(self.num_speculative_tokens, DRAFT_TOKEN_BUDGET // max(num_rows, 1) - 1))
+        budget = min(DRAFT_TOKEN_BUDGET, max_rows)
+        return max(0, min(self.num_speculative_tokens, budget // max(num_rows, 1) - 1))
