@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import tiny_model as tm  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
+from nanovllm.features.speculative.drafting import draft_counts  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -330,8 +331,6 @@ def test_speculative_ngram_equals_plain_decoding_on_gpu(bf16_model, block_size):
         llm = LLM(bf16_model, dtype="float32", kvcache_block_size=block_size, speculative_config=spec)
         runs[spec is None] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
         if spec is not None:
-            from nanovllm.features.speculative.drafting import draft_counts
-
             assert draft_counts(llm.scheduler).num_drafts > 0
         llm.shutdown()
     assert runs[True] == runs[False]

@@ -16,6 +16,7 @@ import tiny_model as tm  # noqa: E402
 
 from nanovllm import LLM, SamplingParams  # noqa: E402
 from nanovllm.features.logits.penalties import Penalties  # noqa: E402
+from nanovllm.features.speculative.drafting import draft_counts  # noqa: E402
 from nanovllm.launch import shard_sampling  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -843,4 +844,23 @@ def test_tp2_on_two_gpus_every_family_through_the_fused_all_reduce(tmp_path, nam
     assert res["fused_tokens"] == res["nccl_tokens"]
     assert res["err"] <= 1.25 * res["tp1_err"] + 1e-3 and res["err"] < 0.1, res
     assert res["agree"] > 0.9, res["agree"]
+    assert no_children()
+
+
+@pytest.mark.parametrize("every_rank", [True, False])
+def test_tp2_speculative_ngram_equals_tp1_plain_decoding(model_path, every_rank):
+    """Drafted positions sampled on every rank from vocabulary shards (or by rank 0 on gathered
+    logits) with each position's own noise offset: TP=2 with n-gram drafts gives TP=1's tokens,
+    greedy and seeded."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)] * 2
+    kw = dict(kvcache_block_size=16, num_kvcache_blocks=64)
+    with LLM(model_path, **kw) as llm:
+        ref = tokens(llm.generate(prompts()[:4], params, use_tqdm=False))
+    with LLM(model_path, tensor_parallel_size=2, speculative_config=spec, **kw) as llm:
+        llm.model_runner.sample_on_every_rank = every_rank
+        out = tokens(llm.generate(prompts()[:4], params, use_tqdm=False))
+        assert draft_counts(llm.scheduler).num_drafts > 0
+    assert out == ref
     assert no_children()
