@@ -203,15 +203,20 @@ def test_n_samples_preemption_and_mixed_steps_stay_exact(ckpt, oracle):
     assert_idle(llm)
 
 
-def test_penalty_and_logprob_requests_beside_drafting_ones(plain, spec):
-    """Rows that need the sampler's extensions are not drafted; a batch mixing them with drafting
-    rows gives every request its plain-decoding tokens (and logprobs)."""
+def test_penalty_and_logprob_requests_beside_drafting_ones(plain, spec, oracle):
+    """Rows with penalties are not drafted; rows asking for logprobs are, and get the target's
+    logprobs of every accepted token (those of plain decoding); a batch mixing them with plain
+    drafting rows gives every request its plain-decoding tokens."""
     params = [greedy(24), SamplingParams(temperature=0.8, seed=3, max_tokens=24, repetition_penalty=1.3,
                                          ignore_eos=True), greedy(24, logprobs=2)]
     want = plain.generate(PROMPTS, params, use_tqdm=False)
+    o = oracle(PROMPTS, params)
     got = spec.generate(PROMPTS, params, use_tqdm=False)
-    assert tokens(got) == tokens(want)
-    assert [e.keys() for e in got[2].outputs[0].logprobs] == [e.keys() for e in want[2].outputs[0].logprobs]
+    assert tokens(got) == tokens(want) and o.calls
+    for w, g in zip(want[2].outputs[0].logprobs, got[2].outputs[0].logprobs):
+        assert w.keys() == g.keys()
+        assert all(abs(w[t].logprob - g[t].logprob) < 1e-4 and w[t].rank == g[t].rank for t in w)
+    assert abs(got[2].outputs[0].cumulative_logprob - want[2].outputs[0].cumulative_logprob) < 1e-3
 
 
 def test_stream_adds_up_to_generate(spec, oracle):

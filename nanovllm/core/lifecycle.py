@@ -186,7 +186,7 @@ class RequestLifecycle:
             if seq.pending_row != i:
                 continue  # partial prompt chunk, aborted, or a row verifying a draft
             if seq.drafts:
-                outputs.append(self._accept_drafted(seq, token_ids[i:i + 1 + len(seq.drafts)]))
+                outputs.append(self._accept_drafted(seq, token_ids[i:i + 1 + len(seq.drafts)], sample_lps, i))
                 continue
             seq.fill_pending_token(token_id)
             entry = None
@@ -205,31 +205,36 @@ class RequestLifecycle:
                                       None if entry is None else [entry]))
         return outputs
 
-    def _accept_drafted(self, seq: Sequence, sampled: list[int]) -> StepOutput:
-        """`seq`'s tokens from a step that verified its drafts: `sampled[j]` was drawn at the
-        position after draft j (its newest token for j = 0), with the noise a step without
-        drafts would have drawn there, so the tokens kept are exactly what plain decoding gives:
-        sampled[0], then sampled[j] for as long as each draft equals the token sampled before it.
-        Each is appended and checked by decide_finish in turn; the first that ends it is the last."""
+    def _accept_drafted(self, seq: Sequence, sampled: list[int], sample_lps: dict | None, row: int) -> StepOutput:
+        """`seq`'s tokens from a step that verified its drafts: `sampled[j]` (sampling row
+        `row + j`) was drawn at the position after draft j (its newest token for j = 0), with the
+        noise a step without drafts would have drawn there, so the tokens kept are exactly what
+        plain decoding gives: sampled[0], then sampled[j] for as long as each draft equals the
+        token sampled before it, each with its row's logprobs (the target's). Each is appended
+        and checked by decide_finish in turn; the first that ends the request is the last."""
         drafts = seq.drafts
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
             accepted += 1
         detok = self._detok.get(seq.seq_id)
-        new = []
-        for token_id in sampled[:accepted + 1]:
+        new, entries = [], []
+        for j, token_id in enumerate(sampled[:accepted + 1]):
             if new:
                 seq.token_ids.append(token_id)
             else:
                 seq.fill_pending_token(token_id)
             new.append(token_id)
+            if seq.logprobs is not None:
+                entries.append(sample_lps[row + j])
+                seq.logprobs.append(entries[-1])
+                seq.cumulative_logprob += entries[-1][0]
             finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
             if finish is not None:
                 self.end(seq, *finish)
                 break
         self.scheduler.verified(seq, len(new) - 1, len(drafts), accepted)
         text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
-        return StepOutput(seq, new, text, seq.is_finished, seq.finish_reason)
+        return StepOutput(seq, new, text, seq.is_finished, seq.finish_reason, entries or None)
 
     def end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.retire(seq)

@@ -44,11 +44,11 @@ def draft_counts(scheduler) -> DraftCounts | None:
 
 def may_draft(seq, pending_ok: bool = False) -> bool:
     """Whether `seq`'s next tokens may be drafted: its newest token is on the host (or, with
-    `pending_ok`, will be) and its rows need nothing but the basic sampler (no penalties, bias,
-    logprobs)."""
+    `pending_ok`, will be) and its logits are not processed (penalties, bias, bad words,
+    allowed ids read the tokens before each position, which differ from drafted position to
+    drafted position). Logprobs are read per sampling row: those rows draft."""
     p = seq.params
-    return ((pending_ok or not seq.has_pending_token) and not p.processes_logits and p.logprobs is None
-            and p.prompt_logprobs is None)
+    return (pending_ok or not seq.has_pending_token) and not p.processes_logits
 
 
 class Drafting(SchedulingHook):
