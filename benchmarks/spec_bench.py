@@ -72,14 +72,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dummy", choices=sorted(DUMMY_CONFIGS), required=True)
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--draft", choices=sorted(DUMMY_CONFIGS),
+                    help="the draft_model method with this dummy model as the draft (default: n-gram)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json")
     args = ap.parse_args()
     path = os.path.join(HERE, DUMMY_CONFIGS[args.dummy])
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    if args.draft:  # (dummy weights for the draft too: the same seed and shapes draft the target's tokens)
+        spec = {"method": "draft_model", "model": os.path.join(HERE, DUMMY_CONFIGS[args.draft]),
+                "num_speculative_tokens": args.k}
     plain, drafted = run(path, None, args.batches, args.tokens), run(path, spec, args.batches, args.tokens)
-    print(f"{args.dummy}, n-gram k={args.k}")
+    print(f"{args.dummy}, {spec['method']} {args.draft or ''} k={args.k}")
     print(f"{'workload':<16}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'accepted len':>14}")
     for key in plain:
         p, s = plain[key], drafted[key]
@@ -87,7 +92,8 @@ def main() -> None:
               f"{p['ms_per_token'] / s['ms_per_token']:>9.2f}{str(s.get('mean_accepted_length')):>14}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"model": args.dummy, "k": args.k, "plain": plain, "ngram": drafted}, f, indent=1)
+            json.dump({"model": args.dummy, "k": args.k, "speculative_config": spec, "plain": plain,
+                       "speculative": drafted}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -330,7 +330,7 @@ class Config:
             self.quant.check_model(hf, self.parallel.tensor_parallel_size)
         self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
         self.sparse_mlp = features.sparse_mlp(registry.model_class(hf).options_from_config(hf))
-        self.speculation = features.speculation(self.speculative_config)
+        self.speculation = features.speculation(self.speculative_config, hf, self.parallel.tensor_parallel_size)
 
     def _check_backend_on_device(self) -> None:
         backend = self.attention_backend

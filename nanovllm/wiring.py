@@ -79,13 +79,13 @@ def sparse_mlp(decoder_options):
     return SparseMoeBlock.from_options
 
 
-def speculation(speculative_config: dict | None):
-    """LLM(speculative_config=...) checked (features/speculative/options.py), or None."""
+def speculation(speculative_config: dict | None, hf_config, tensor_parallel_size: int = 1):
+    """LLM(speculative_config=...) checked against the model (features/speculative/options.py), or None."""
     if speculative_config is None:
         return None
     from nanovllm.features.speculative.options import SpeculativeOptions
 
-    return SpeculativeOptions.from_dict(speculative_config)
+    return SpeculativeOptions.from_dict(speculative_config, hf_config, tensor_parallel_size)
 
 
 # ---------------------------------------------------------------- logits extensions
@@ -126,10 +126,10 @@ def wire_scheduling(engine, params=None) -> None:
 
             scheduler.policy = MixedSteps()
         if engine.config.speculation is not None:
-            from nanovllm.features.speculative.drafting import Drafting
+            from nanovllm.features.speculative.proposers import drafting_hook
 
             # First: the other hooks see the step as it will run.
-            scheduler.hooks.insert(0, Drafting(engine.config.speculation, engine.config.max_model_len))
+            scheduler.hooks.insert(0, drafting_hook(engine))
         return
     wanted = []
     if params.n > 1:

@@ -334,3 +334,20 @@ def test_speculative_ngram_equals_plain_decoding_on_gpu(bf16_model, block_size):
             assert draft_counts(llm.scheduler).num_drafts > 0
         llm.shutdown()
     assert runs[True] == runs[False]
+
+
+def test_speculative_draft_model_equals_plain_decoding_on_gpu(bf16_model):
+    """A draft model (here the target itself: greedy drafts all accepted) in the engine's blocks
+    on the GPU, its catch-up prefills and per-position decode rows beside the target's graphs:
+    plain decoding's tokens, greedy and seeded (fp32)."""
+    prompts = prompts_of([40, 7, 120, 33], seed=4)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = {}
+    for spec in (None, {"method": "draft_model", "model": bf16_model, "num_speculative_tokens": 3}):
+        llm = LLM(bf16_model, dtype="float32", kvcache_block_size=16, speculative_config=spec)
+        runs[spec is None] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        if spec is not None:
+            assert draft_counts(llm.scheduler).num_accepted_tokens > 0
+        llm.shutdown()
+    assert runs[True] == runs[False]

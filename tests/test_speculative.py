@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from helpers import assert_idle, greedy, hf_reference, make_llm, rand_ids  # noqa: E402
 
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.features.speculative import drafting  # noqa: E402
 from nanovllm.features.speculative.drafting import draft_counts  # noqa: E402
-from nanovllm.features.speculative.ngram import propose_ngram  # noqa: E402
+from nanovllm.features.speculative.ngram import NgramProposer, propose_ngram  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -56,10 +55,10 @@ class Oracle:
     def __init__(self, reference: dict[tuple, list[int]]):
         self.reference, self.calls = reference, 0
 
-    def __call__(self, hook, seq, k):
+    def __call__(self, seq, k):
         prompt = tuple(seq.token_ids[:seq.num_prompt_tokens])
         done = seq.num_completion_tokens
-        d = list(self.reference.get(prompt, [])[done:done + min(k, hook._room(seq))])
+        d = list(self.reference.get(prompt, [])[done:done + k])
         spoil = self.calls % (k + 1)
         self.calls += 1
         if spoil < len(d):
@@ -73,7 +72,7 @@ def oracle(monkeypatch, plain):
         ref = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, plain.generate(prompts, params,
                                                                                                 use_tqdm=False))}
         o = Oracle(ref)
-        monkeypatch.setattr(drafting.Drafting, "_propose", lambda self, seq, k: o(self, seq, k))
+        monkeypatch.setattr(NgramProposer, "propose_one", lambda self, seq, k: o(seq, k))
         return o
     return install
 
@@ -90,6 +89,9 @@ def oracle(monkeypatch, plain):
      ValueError, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, ValueError, "draft"),
     ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, NotImplementedError, "eagle3"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, ValueError, "needs 'model'"),
+    ({"method": "draft_model", "model": "/no/such/folder", "num_speculative_tokens": 2}, FileNotFoundError,
+     "no/such/folder"),
     ("ngram", ValueError, "dict"),
 ])
 def test_bad_speculative_config_is_a_clear_error(ckpt, plain, config, error, match):
@@ -279,3 +281,58 @@ def test_the_server_takes_speculative_config_and_exports_the_counters(ckpt, plai
         assert drafts and float(drafts[0].split()[-1]) > 0, text[-2000:]
     finally:
         server.stop(30)
+
+
+# ---------------------------------------------------------------- draft model
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A draft with the target's vocabulary and shapes but other weights: it mostly misses."""
+    import tiny_model as tm
+
+    return tm.make_tiny_qwen3(tmp_path_factory.mktemp("draft"), seed=5, num_layers=1)
+
+
+def draft_config(path, k=3):
+    return {"method": "draft_model", "model": path, "num_speculative_tokens": k}
+
+
+def test_a_draft_model_that_is_the_target_drafts_every_greedy_token(ckpt, plain):
+    llm = make_llm(ckpt, speculative_config=draft_config(ckpt))
+    want = tokens(plain.generate(PROMPTS, greedy(40), use_tqdm=False))
+    assert tokens(llm.generate(PROMPTS, greedy(40), use_tqdm=False)) == want
+    c = draft_counts(llm.scheduler)
+    assert c.num_drafts > 0 and c.num_accepted_tokens == c.num_draft_tokens  # greedy drafts of the same model
+    seeded = [SamplingParams(temperature=0.9, seed=s, max_tokens=30, ignore_eos=True) for s in range(3)]
+    assert tokens(llm.generate(PROMPTS, seeded, use_tqdm=False)) == tokens(plain.generate(PROMPTS, seeded,
+                                                                                            use_tqdm=False))
+    assert 0 < c.num_accepted_tokens < c.num_draft_tokens
+    assert_idle(llm)
+
+
+def test_another_draft_model_preemption_n2_and_prefix_hits_stay_exact(ckpt, other_draft):
+    """A draft that mostly misses, a cache so small that requests are preempted (the draft then
+    recomputes its K/V), n = 2, mixed steps, and a second run hitting the prefix cache (whose
+    blocks carry the target's K/V only): equal to the same engine without drafts."""
+    kw = dict(num_kvcache_blocks=14, mixed_steps=True, max_num_batched_tokens=64)
+    base = make_llm(ckpt, **kw)
+    prompts = PROMPTS + [rand_ids(20, 9)]
+    params = SamplingParams(n=2, temperature=0.9, seed=11, max_tokens=30, ignore_eos=True)
+    want = tokens(base.generate(prompts, params, use_tqdm=False))
+    llm = make_llm(ckpt, speculative_config=draft_config(other_draft, 2), **kw)
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert tokens(llm.generate(prompts, params, use_tqdm=False)) == want
+    assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_prefix_hit_tokens > 0
+    assert draft_counts(llm.scheduler).num_drafts > 0
+    assert_idle(llm)
+
+
+def test_a_draft_with_another_vocabulary_or_tensor_parallelism_is_refused(ckpt, tmp_path):
+    import tiny_model as tm
+
+    wrong = tm.make_tiny_qwen3(tmp_path / "wrong", vocab_size=700)
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_llm(ckpt, speculative_config=draft_config(wrong))
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        make_llm(ckpt, tensor_parallel_size=2, speculative_config=draft_config(ckpt))

@@ -153,6 +153,17 @@ class ForwardStrategy(Protocol):
 # sparse MLP).
 
 
+class Speculation(Protocol):
+    """What the core asks of speculative decoding's options (Config.speculation): the share of
+    the KV budget a draft model takes, whose K/V live in the engine's blocks beside the model's."""
+
+    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
+        """The draft model's K/V bytes per block (0 without one)."""
+
+    def weight_bytes(self, dtype) -> int:
+        """About what the draft model's weights take (0 without one)."""
+
+
 class ModelFeatures(Protocol):
     """What Config.resolve asks of the features the front wires in (nanovllm/wiring.py): each
     answer is an object the model runner plugs into a hook of model/, or None when the model and
@@ -169,8 +180,9 @@ class ModelFeatures(Protocol):
         """The MoE block factory (model/decoder.py's SparseMlpFactory) of a model whose
         DecoderOptions have MoE layers, or None."""
 
-    def speculation(self, speculative_config: dict | None):
-        """The checked options of LLM(speculative_config=...) (a SchedulingHook then drafts), or None."""
+    def speculation(self, speculative_config: dict | None, hf_config, tensor_parallel_size: int) -> Speculation | None:
+        """The checked options of LLM(speculative_config=...) for this (target) model and
+        parallelism, or None; a SchedulingHook then drafts."""
 
 
 class NoFeatures:
@@ -193,6 +205,6 @@ class NoFeatures:
         if decoder_options.moe_layers:
             self._refuse("a mixture-of-experts model")
 
-    def speculation(self, speculative_config):
+    def speculation(self, speculative_config, hf_config, tensor_parallel_size):
         if speculative_config is not None:
             self._refuse("speculative_config")

@@ -56,13 +56,18 @@ def blocks_that_fit(config, spec: KVCacheSpec, model, device: torch.device, max_
     prefill step the forward strategy replays as graphs, 0 for none)."""
     if config.num_kvcache_blocks > 0:
         return config.num_kvcache_blocks
+    # A draft model (speculative decoding) keeps its K/V in the same blocks: charge both.
+    draft = config.speculation
+    per_block = spec.bytes_per_block + (draft.kv_bytes_per_block(spec.block_size, config.dtype) if draft else 0)
     if device.type == "cpu":
-        return max(CPU_KV_CACHE_BYTES // spec.bytes_per_block, max_blocks_per_seq)
-    return blocks_from_gpu_budget(config, spec, model, device, sampling_rank, other_bytes, graph_tokens)
+        return max(CPU_KV_CACHE_BYTES // per_block, max_blocks_per_seq)
+    # (The draft's weights and graphs, loaded after the model's cache: 10% over its weights.)
+    other_bytes += int(1.1 * draft.weight_bytes(config.dtype)) if draft else 0
+    return blocks_from_gpu_budget(config, spec, model, device, sampling_rank, other_bytes, graph_tokens, per_block)
 
 
 def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.device, sampling_rank: bool,
-                           other_bytes: int = 0, graph_tokens: int = 0) -> int:
+                           other_bytes: int = 0, graph_tokens: int = 0, per_block: int = 0) -> int:
     """KV blocks that fit in gpu_memory_utilization of the GPU, counting only our own use.
 
     Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
@@ -100,7 +105,7 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     held = base + other_bytes
     budget = total * config.gpu_memory_utilization - held - prefill_peak - decode_peak
     headroom = free - prefill_peak - decode_peak - (256 << 20)
-    return int(min(budget, headroom) // spec.bytes_per_block)
+    return int(min(budget, headroom) // (per_block or spec.bytes_per_block))
 
 
 @torch.inference_mode()

@@ -10,11 +10,22 @@ nothing more (Sequence.drafts)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from nanovllm.core.hooks import SchedulingHook
-from nanovllm.features.speculative.ngram import propose_ngram
 from nanovllm.features.speculative.options import SpeculativeOptions
+
+
+class Proposer(Protocol):
+    """Where drafts come from (one implementation per method: ngram.py, draft_model.py)."""
+
+    def propose(self, seqs: list, ks: list[int], block_manager) -> list[list[int]]:
+        """Up to ks[i] drafted tokens after each sequence's newest one, with the KV slots they
+        need taken from `block_manager` (none for a sequence whose slots do not fit)."""
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        """The step in flight kept the first `accepted` of `seq`'s `drafted` drafts."""
 
 
 @dataclass
@@ -58,10 +69,12 @@ class Drafting(SchedulingHook):
     step is scheduled, so nothing can be drafted from it: while the batch is small enough to
     draft, such a row sits out one step (the engine then resolves the step in flight, and the
     row drafts in the next). A row whose proposals keep finding nothing backs off: it decodes
-    with overlap for 2, 4, ... 64 tokens before it sits out to try again."""
+    with overlap for 2, 4, ... 64 tokens before it sits out to try again. `proposer` drafts
+    (Proposer: prompt lookup or a draft model)."""
 
-    def __init__(self, options: SpeculativeOptions, max_model_len: int):
+    def __init__(self, options: SpeculativeOptions, proposer: Proposer, max_model_len: int):
         self.options = options
+        self.proposer = proposer
         self.max_model_len = max_model_len
         self._misses: WeakKeyDictionary = WeakKeyDictionary()  # Sequence -> proposals in a row that missed
         self._retry_at: WeakKeyDictionary = WeakKeyDictionary()  # Sequence -> length at which to try again
@@ -69,6 +82,7 @@ class Drafting(SchedulingHook):
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
         self.counts.add(drafted, accepted)
+        self.proposer.verified(seq, drafted, accepted)
 
     def _room(self, seq) -> int:
         """Drafts that fit before the request's length limit (all k + 1 tokens could be kept)."""
@@ -80,14 +94,12 @@ class Drafting(SchedulingHook):
         return min(k, self._room(seq)) >= 1 and len(seq) >= self._retry_at.get(seq, 0) \
             and seq.num_completion_tokens >= seq.params.min_tokens and may_draft(seq, pending_ok=True)
 
-    def _propose(self, seq, k: int) -> list[int]:
-        o = self.options
-        d = propose_ngram(seq.token_ids, min(k, self._room(seq)), o.prompt_lookup_min, o.prompt_lookup_max)
-        misses = 0 if d else self._misses.get(seq, 0) + 1
+    def _note(self, seq, drafts: list[int]) -> None:
+        """A proposal that found nothing is a miss; misses in a row back off (class docstring)."""
+        misses = 0 if drafts else self._misses.get(seq, 0) + 1
         self._misses[seq] = misses
         if misses >= 2:
             self._retry_at[seq] = len(seq) + 2 ** min(misses - 1, 6)
-        return d
 
     def scheduled(self, scheduler, batch) -> None:
         if batch.forks or batch.prompt_rows or batch.drafts is not None:
@@ -100,19 +112,20 @@ class Drafting(SchedulingHook):
                                         - (len(batch.seqs) - len(rows)))
         if k < 1:
             return
-        bm = scheduler.block_manager
         drafts: list[list[int] | None] = [[] for _ in batch.seqs]
+        known = []
         for i in rows:
             seq = batch.seqs[i]
-            if not self._wants(seq, k):
-                continue
-            if seq.has_pending_token:
-                drafts[i] = None  # sits out this step
-                continue
-            d = self._propose(seq, k)
-            if d and bm.can_append_drafts(seq, len(d)):
-                bm.append_slot(seq, len(d))
-                drafts[i] = d
+            if self._wants(seq, k):
+                if seq.has_pending_token:
+                    drafts[i] = None  # sits out this step
+                else:
+                    known.append(i)
+        seqs = [batch.seqs[i] for i in known]
+        proposed = self.proposer.propose(seqs, [min(k, self._room(s)) for s in seqs], scheduler.block_manager)
+        for i, seq, d in zip(known, seqs, proposed):
+            self._note(seq, d)
+            drafts[i] = d
         if any(d is None or d for d in drafts):
             self._lay_out(batch, drafts)
 

@@ -21,3 +21,27 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
             start = int(hits[0]) + n
             return arr[start:start + k].tolist()
     return []
+
+
+class NgramProposer:
+    """The "ngram" method's Proposer (drafting.py): prompt lookup on the host."""
+
+    def __init__(self, n_min: int, n_max: int):
+        self.n_min, self.n_max = n_min, n_max
+
+    def propose_one(self, seq, k: int) -> list[int]:
+        return propose_ngram(seq.token_ids, k, self.n_min, self.n_max)
+
+    def propose(self, seqs: list, ks: list[int], block_manager) -> list[list[int]]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            d = self.propose_one(seq, k)
+            if d and block_manager.can_append_drafts(seq, len(d)):
+                block_manager.append_slot(seq, len(d))
+                out.append(d)
+            else:
+                out.append([])
+        return out
+
+    def verified(self, seq, drafted: int, accepted: int) -> None:
+        pass  # nothing kept per request

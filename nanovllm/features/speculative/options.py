@@ -5,11 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanovllm.limits import clip_repr
+from nanovllm.model.checkpoint import load_hf_config, resolve_model_path
 from nanovllm.values import is_integer
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # vLLM methods that nano-vllm does not run (yet): named in the error.
-NOT_IMPLEMENTED = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp")
+NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp")
 KEYS = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                   "draft_tensor_parallel_size", "disable_by_batch_size"})
 # Decode rows above which no step drafts: a verification step runs the prefill path (no decode
@@ -32,30 +33,28 @@ def _positive(options: dict, key: str, default=None) -> int | None:
 @dataclass(frozen=True)
 class SpeculativeOptions:
     """The checked options: method, num_speculative_tokens (k, the most drafts per row and
-    step), the n-gram sizes prompt lookup matches (longest first), and disable_by_batch_size."""
+    step), the n-gram sizes prompt lookup matches (longest first), disable_by_batch_size, and
+    for "draft_model" the draft's folder and transformers config."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int
     prompt_lookup_max: int
     disable_by_batch_size: int
+    model: str | None = None
+    draft_config: object = None
 
     @classmethod
-    def from_dict(cls, options) -> "SpeculativeOptions":
+    def from_dict(cls, options, target_config=None, tensor_parallel_size: int = 1) -> "SpeculativeOptions":
+        """Checked `options`; `target_config` (the target's transformers config) for a draft
+        model's vocabulary (reads the draft's config.json, never its weights)."""
         if not isinstance(options, dict):
             raise ValueError(f"speculative_config={clip_repr(options)}: must be a dict of vLLM's keys")
         unknown = sorted(set(options) - KEYS)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(map(repr, unknown))}; known: "
                              f"{', '.join(sorted(KEYS))}")
-        method = options.get("method")
-        if method is None and options.get("model") in ("ngram", "[ngram]"):
-            method = "ngram"  # vLLM's older spelling
-        if method in NOT_IMPLEMENTED:
-            raise NotImplementedError(f"speculative_config['method']={method!r} is not supported by nano-vllm yet; "
-                                      f"supported: {', '.join(METHODS)}")
-        if method not in METHODS:
-            raise ValueError(f"speculative_config['method']={clip_repr(method)}: must be one of {', '.join(METHODS)}")
+        method = _method(options)
         k = _positive(options, "num_speculative_tokens")
         if k is None:
             raise ValueError("speculative_config needs 'num_speculative_tokens' (an integer >= 1)")
@@ -63,12 +62,17 @@ class SpeculativeOptions:
         low, high = low or high or 5, high or low or 5  # vLLM's: one given sets both; default 5
         if low > high:
             raise ValueError(f"speculative_config: prompt_lookup_min={low} is above prompt_lookup_max={high}")
-        tp = _positive(options, "draft_tensor_parallel_size", 1)
-        if tp != 1:
-            raise ValueError("speculative_config['draft_tensor_parallel_size'] applies to a draft model; "
-                             "the 'ngram' method has none")
+        if _positive(options, "draft_tensor_parallel_size", 1) != 1:
+            raise ValueError("speculative_config['draft_tensor_parallel_size']: only 1 is supported (the draft "
+                             "runs on the first GPU)" if method == "draft_model" else
+                             "speculative_config['draft_tensor_parallel_size'] applies to a draft model; the "
+                             "'ngram' method has none")
         disable = _positive(options, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
-        return cls(method, k, low, high, disable)
+        model, draft = _draft(options, method, target_config)
+        if draft is not None and tensor_parallel_size != 1:
+            raise NotImplementedError("speculative_config: a draft model with tensor_parallel_size > 1 is not "
+                                      "supported yet (the 'ngram' method is)")
+        return cls(method, k, low, high, disable, model, draft)
 
     def drafts_per_row(self, num_rows: int, max_rows: int) -> int:
         """How many tokens each of `num_rows` decode rows may draft this step: k at small batch,
@@ -78,3 +82,52 @@ class SpeculativeOptions:
             return 0
         budget = min(DRAFT_TOKEN_BUDGET, max_rows)
         return max(0, min(self.num_speculative_tokens, budget // max(num_rows, 1) - 1))
+
+    def kv_bytes_per_block(self, block_size: int, dtype) -> int:
+        """What a draft model's K/V take per block of the engine's cache (0 without one)."""
+        c = self.draft_config
+        if c is None:
+            return 0
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim * dtype.itemsize
+
+    def weight_bytes(self, dtype) -> int:
+        """About what a draft model's weights take (0 without one): embeddings, LM head unless
+        tied, and per layer the attention and MLP projections."""
+        c = self.draft_config
+        if c is None:
+            return 0
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        h, q, kv = c.hidden_size, c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size
+        vocab = c.vocab_size * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
+        return (vocab + c.num_hidden_layers * layer) * dtype.itemsize
+
+
+def _method(options: dict) -> str:
+    method = options.get("method")
+    if method is None and options.get("model") in ("ngram", "[ngram]"):
+        method = "ngram"  # vLLM's older spelling
+    elif method is None and options.get("model") is not None:
+        method = "draft_model"  # a checkpoint without a method: a draft model
+    if method in NOT_IMPLEMENTED:
+        raise NotImplementedError(f"speculative_config['method']={method!r} is not supported by nano-vllm yet; "
+                                  f"supported: {', '.join(METHODS)}")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config['method']={clip_repr(method)}: must be one of {', '.join(METHODS)}")
+    return method
+
+
+def _draft(options: dict, method: str, target_config) -> tuple[str | None, object]:
+    """(the draft's folder, its transformers config) for "draft_model", checked against the target."""
+    if method != "draft_model":
+        return None, None
+    model = options.get("model")
+    if not isinstance(model, str) or not model:
+        raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft checkpoint's folder")
+    path = resolve_model_path(model, what="speculative_config['model']")
+    draft = load_hf_config(path)
+    if target_config is not None and draft.vocab_size != target_config.vocab_size:
+        raise ValueError(f"speculative_config['model']: the draft's vocabulary ({draft.vocab_size} tokens) is not "
+                         f"the target's ({target_config.vocab_size}): drafted ids would mean other tokens")
+    return path, draft
