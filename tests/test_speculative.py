@@ -336,3 +336,16 @@ def test_a_draft_with_another_vocabulary_or_tensor_parallelism_is_refused(ckpt, 
         make_llm(ckpt, speculative_config=draft_config(wrong))
     with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
         make_llm(ckpt, tensor_parallel_size=2, speculative_config=draft_config(ckpt))
+
+
+def test_the_kv_budget_charges_the_drafts_share_of_each_block(ckpt):
+    """On the CPU the cache has a fixed budget (1 GiB): a draft as large as the target keeps as
+    many bytes per block, so the engine gets half the blocks."""
+    from nanovllm import LLM
+
+    plain = LLM(ckpt, kvcache_block_size=16)
+    spec = LLM(ckpt, kvcache_block_size=16, speculative_config=draft_config(ckpt))
+    assert spec.block_manager.num_blocks == plain.block_manager.num_blocks // 2
+    assert spec.scheduler.hooks[0].proposer.runner.num_blocks == spec.block_manager.num_blocks
+    plain.shutdown()
+    spec.shutdown()

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from nanovllm.limits import clip_repr
 from nanovllm.model.checkpoint import load_hf_config, resolve_model_path
+from nanovllm.model.registry import model_class
 from nanovllm.values import is_integer
 
 METHODS = ("ngram", "draft_model")
@@ -85,23 +86,20 @@ class SpeculativeOptions:
 
     def kv_bytes_per_block(self, block_size: int, dtype) -> int:
         """What a draft model's K/V take per block of the engine's cache (0 without one)."""
-        c = self.draft_config
-        if c is None:
+        if self.draft_config is None:
             return 0
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * head_dim * dtype.itemsize
+        o = model_class(self.draft_config).options_from_config(self.draft_config)
+        return 2 * o.num_layers * block_size * o.num_kv_heads * o.head_dim * dtype.itemsize
 
     def weight_bytes(self, dtype) -> int:
         """About what a draft model's weights take (0 without one): embeddings, LM head unless
-        tied, and per layer the attention and MLP projections."""
-        c = self.draft_config
-        if c is None:
+        tied, and per layer the attention and (dense) MLP projections."""
+        if self.draft_config is None:
             return 0
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        h, q, kv = c.hidden_size, c.num_attention_heads * head_dim, c.num_key_value_heads * head_dim
-        layer = h * (q + 2 * kv) + q * h + 3 * h * c.intermediate_size
-        vocab = c.vocab_size * h * (1 if getattr(c, "tie_word_embeddings", False) else 2)
-        return (vocab + c.num_hidden_layers * layer) * dtype.itemsize
+        o = model_class(self.draft_config).options_from_config(self.draft_config)
+        h, q, kv = o.hidden_size, o.num_heads * o.head_dim, o.num_kv_heads * o.head_dim
+        layer = h * (q + 2 * kv) + q * h + 3 * h * o.intermediate_size
+        return (o.vocab_size * h * (1 if o.tie_word_embeddings else 2) + o.num_layers * layer) * dtype.itemsize
 
 
 def _method(options: dict) -> str:
