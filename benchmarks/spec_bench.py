@@ -74,7 +74,10 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--draft", choices=sorted(DUMMY_CONFIGS),
                     help="the draft_model method with this dummy model as the draft (default: n-gram)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--synthetic", type=float, metavar="RATE",
+                    help="rejection_sample_method 'synthetic': each draft kept with this probability (random "
+                         "weights accept nothing; the tokens are then not the model's)")
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--json")
     args = ap.parse_args()
@@ -83,8 +86,11 @@ def main() -> None:
     if args.draft:  # (dummy weights for the draft too: the same seed and shapes draft the target's tokens)
         spec = {"method": "draft_model", "model": os.path.join(HERE, DUMMY_CONFIGS[args.draft]),
                 "num_speculative_tokens": args.k}
+    if args.synthetic is not None:
+        spec |= {"rejection_sample_method": "synthetic", "synthetic_acceptance_rate": args.synthetic}
     plain, drafted = run(path, None, args.batches, args.tokens), run(path, spec, args.batches, args.tokens)
-    print(f"{args.dummy}, {spec['method']} {args.draft or ''} k={args.k}")
+    print(f"{args.dummy}, {spec['method']} {args.draft or ''} k={args.k}"
+          + (f", synthetic acceptance {args.synthetic}" if args.synthetic is not None else ""))
     print(f"{'workload':<16}{'plain ms/tok':>14}{'spec ms/tok':>13}{'speedup':>9}{'accepted len':>14}")
     for key in plain:
         p, s = plain[key], drafted[key]

@@ -373,7 +373,7 @@ def make_tiny_model(
         raise ValueError(f"unsupported dtype {dtype}")
     if vocab_size is None:
         vocab_size = _default_vocab_size()
-    if vocab_size < TOKENIZER_VOCAB_SIZE:
+    if with_tokenizer and vocab_size < TOKENIZER_VOCAB_SIZE:
         raise ValueError(f"vocab_size {vocab_size} < tokenizer size {TOKENIZER_VOCAB_SIZE}")
     if num_heads % num_kv_heads:
         raise ValueError("num_heads must be a multiple of num_kv_heads")
@@ -382,6 +382,8 @@ def make_tiny_model(
     path.mkdir(parents=True, exist_ok=True)
     ids = special_token_ids()
     eot, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
+    if vocab_size <= max(eot, im_end):  # (a tiny vocabulary without a tokenizer: its last id is EOS)
+        eot = im_end = vocab_size - 1
     rope = {"rope_type": "default", "rope_theta": float(rope_theta)}
     if rope_scaling:
         rope = {**rope_scaling, "rope_theta": float(rope_theta)}

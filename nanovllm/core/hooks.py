@@ -126,6 +126,14 @@ class SchedulingHook(Protocol):
         first `accepted` were kept."""
 
 
+class DraftAcceptance(Protocol):
+    """How many of a row's drafts a verification keeps (RequestLifecycle.acceptance). The core's
+    rule, without one: while each draft equals the token sampled before it (lossless). Another
+    rule is for measurements only (a synthetic acceptance rate: features/speculative/)."""
+
+    def accepted(self, seq: Sequence, drafts: list[int], sampled: list[int]) -> int: ...
+
+
 # ---------------------------------------------------------------- forward strategy (graphs)
 
 

@@ -149,6 +149,7 @@ class RequestLifecycle:
         self.release = release
         self._detok: dict[int, IncrementalDetokenizer] = {}
         self._streamed: set[int] = set()  # requests whose text increments someone reads
+        self.acceptance = None  # DraftAcceptance (core/hooks.py), or None: the lossless rule
 
     def add(self, seq: Sequence, track_text: bool = False) -> None:
         """Queue a validated request (its sample 0, whose `samples` are all of them);
@@ -211,14 +212,18 @@ class RequestLifecycle:
         noise a step without drafts would have drawn there, so the tokens kept are exactly what
         plain decoding gives: sampled[0], then sampled[j] for as long as each draft equals the
         token sampled before it, each with its row's logprobs (the target's). Each is appended
-        and checked by decide_finish in turn; the first that ends the request is the last."""
+        and checked by decide_finish in turn; the first that ends the request is the last.
+        (`self.acceptance`, for measurements, may keep drafts that differ: then they are kept.)"""
         drafts = seq.drafts
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
-            accepted += 1
+        if self.acceptance is not None:
+            accepted = self.acceptance.accepted(seq, drafts, sampled)
+        else:
+            while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+                accepted += 1
         detok = self._detok.get(seq.seq_id)
         new, entries = [], []
-        for j, token_id in enumerate(sampled[:accepted + 1]):
+        for j, token_id in enumerate(drafts[:accepted] + sampled[accepted:accepted + 1]):
             if new:
                 seq.token_ids.append(token_id)
             else:

@@ -26,11 +26,14 @@ def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int
 class NgramProposer:
     """The "ngram" method's Proposer (drafting.py): prompt lookup on the host."""
 
-    def __init__(self, n_min: int, n_max: int):
-        self.n_min, self.n_max = n_min, n_max
+    def __init__(self, n_min: int, n_max: int, pad: bool = False):
+        """`pad`: always k drafts, the lookup's then copies of the newest token (synthetic
+        acceptance keeps drafts whatever they are)."""
+        self.n_min, self.n_max, self.pad = n_min, n_max, pad
 
     def propose_one(self, seq, k: int) -> list[int]:
-        return propose_ngram(seq.token_ids, k, self.n_min, self.n_max)
+        d = propose_ngram(seq.token_ids, k, self.n_min, self.n_max)
+        return d + [seq.token_ids[-1]] * (k - len(d)) if self.pad else d
 
     def propose(self, seqs: list, ks: list[int], block_manager) -> list[list[int]]:
         out = []

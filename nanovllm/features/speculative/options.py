@@ -7,13 +7,15 @@ from dataclasses import dataclass
 from nanovllm.limits import clip_repr
 from nanovllm.model.checkpoint import load_hf_config, resolve_model_path
 from nanovllm.model.registry import model_class
-from nanovllm.values import is_integer
+from nanovllm.values import is_integer, is_real
 
 METHODS = ("ngram", "draft_model")
 # vLLM methods that nano-vllm does not run (yet): named in the error.
 NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp")
 KEYS = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                  "draft_tensor_parallel_size", "disable_by_batch_size"})
+                  "draft_tensor_parallel_size", "disable_by_batch_size", "rejection_sample_method",
+                  "synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length"})
+SYNTHETIC_KEYS = ("synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length")
 # Decode rows above which no step drafts: a verification step runs the prefill path (no decode
 # CUDA graph, no overlap with the host), which pays only while steps are bound by the weights.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
@@ -44,6 +46,9 @@ class SpeculativeOptions:
     disable_by_batch_size: int
     model: str | None = None
     draft_config: object = None
+    # rejection_sample_method="synthetic" (benchmarks on random weights, which accept nothing):
+    # the probability that draft j is kept given drafts 0..j-1 were, per position; None: lossless.
+    synthetic_rates: tuple[float, ...] | None = None
 
     @classmethod
     def from_dict(cls, options, target_config=None, tensor_parallel_size: int = 1) -> "SpeculativeOptions":
@@ -73,7 +78,7 @@ class SpeculativeOptions:
         if draft is not None and tensor_parallel_size != 1:
             raise NotImplementedError("speculative_config: a draft model with tensor_parallel_size > 1 is not "
                                       "supported yet (the 'ngram' method is)")
-        return cls(method, k, low, high, disable, model, draft)
+        return cls(method, k, low, high, disable, model, draft, synthetic_rates(options, k))
 
     def drafts_per_row(self, num_rows: int, max_rows: int) -> int:
         """How many tokens each of `num_rows` decode rows may draft this step: k at small batch,
@@ -129,3 +134,38 @@ def _draft(options: dict, method: str, target_config) -> tuple[str | None, objec
         raise ValueError(f"speculative_config['model']: the draft's vocabulary ({draft.vocab_size} tokens) is not "
                          f"the target's ({target_config.vocab_size}): drafted ids would mean other tokens")
     return path, draft
+
+
+def synthetic_rates(options: dict, k: int) -> tuple[float, ...] | None:
+    """The conditional keep probability per draft position for rejection_sample_method
+    "synthetic", from exactly one of: `synthetic_acceptance_rate` (the same at every position),
+    vLLM's `synthetic_acceptance_rates` (unconditional: the chance that the first j + 1 drafts
+    are all kept, non-increasing) or `synthetic_acceptance_length` (mean tokens per verification,
+    in [1, k + 1]: as many drafts always kept as it allows, the next one by the remainder)."""
+    method = options.get("rejection_sample_method", "standard")
+    given = [key for key in SYNTHETIC_KEYS if options.get(key) is not None]
+    if method not in ("standard", "synthetic"):
+        raise ValueError(f"speculative_config['rejection_sample_method']={clip_repr(method)}: must be "
+                         f"'standard' or 'synthetic'")
+    if method == "standard":
+        if given:
+            raise ValueError(f"speculative_config[{given[0]!r}] needs rejection_sample_method='synthetic'")
+        return None
+    if len(given) != 1:
+        raise ValueError("rejection_sample_method='synthetic' needs exactly one of " + ", ".join(SYNTHETIC_KEYS))
+    value = options[given[0]]
+    if given[0] == "synthetic_acceptance_rate":
+        if not is_real(value) or not 0.0 <= value <= 1.0:
+            raise ValueError(f"speculative_config['synthetic_acceptance_rate']={clip_repr(value)}: must be in [0, 1]")
+        return (float(value),) * k
+    if given[0] == "synthetic_acceptance_length":
+        if not is_real(value) or not 1.0 <= value <= k + 1:
+            raise ValueError(f"speculative_config['synthetic_acceptance_length']={clip_repr(value)}: must be in "
+                             f"[1, {k + 1}]")
+        full = int(value - 1)
+        value = ([1.0] * full + [value - 1 - full] + [0.0] * k)[:k]
+    if not isinstance(value, (list, tuple)) or len(value) != k or not all(is_real(r) and 0 <= r <= 1 for r in value) \
+            or any(b > a for a, b in zip(value, value[1:])):
+        raise ValueError(f"speculative_config['synthetic_acceptance_rates']={clip_repr(value)}: must be {k} "
+                         f"non-increasing numbers in [0, 1]")
+    return tuple(0.0 if prev == 0 else min(1.0, r / prev) for prev, r in zip((1.0, *value[:-1]), value))

@@ -5,6 +5,7 @@ from __future__ import annotations
 from nanovllm.features.speculative.draft_model import DraftModelProposer
 from nanovllm.features.speculative.drafting import Drafting
 from nanovllm.features.speculative.ngram import NgramProposer
+from nanovllm.features.speculative.synthetic import SyntheticAcceptance
 
 
 def drafting_hook(engine) -> Drafting:
@@ -12,6 +13,9 @@ def drafting_hook(engine) -> Drafting:
     options, config = engine.config.speculation, engine.config
     if options.method == "draft_model":
         proposer = DraftModelProposer(options, config, engine.model_runner.num_blocks)
-    else:
-        proposer = NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max)
+    else:  # (synthetic acceptance: always k drafts, whatever the lookup finds)
+        proposer = NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max,
+                                 pad=options.synthetic_rates is not None)
+    if options.synthetic_rates is not None:
+        engine.requests.acceptance = SyntheticAcceptance(options.synthetic_rates)
     return Drafting(options, proposer, config.max_model_len)
