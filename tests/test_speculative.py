@@ -434,3 +434,50 @@ def test_synthetic_acceptance_keeps_drafts_at_the_asked_rate(ckpt, config, keep)
 def test_bad_synthetic_settings_are_clear_errors(ckpt, extra, match):
     with pytest.raises(ValueError, match=match):
         make_llm(ckpt, speculative_config={"method": "ngram", "num_speculative_tokens": 2, **extra})
+
+
+# ---------------------------------------------------------------- review regressions
+
+
+@pytest.fixture
+def always_draft(monkeypatch):
+    """Every row that may draft drafts k copies of its newest token (lookup or not)."""
+    monkeypatch.setattr(NgramProposer, "propose_one", lambda self, seq, k: [seq.token_ids[-1]] * k)
+
+
+def test_a_step_that_forks_or_plans_prompt_logprobs_beside_drafting_rows(ckpt, always_draft):
+    """Mixed steps: a request arrives (n = 2, or with prompt logprobs) while others draft; its
+    prompt's last step forks its samples / returns all its prompt logprobs, as without drafts.
+    A prompt whose last chunk is one token after a prefix hit is not taken for a decode row."""
+    kw = dict(mixed_steps=True, max_num_batched_tokens=32)
+    base, llm = make_llm(ckpt, **kw), make_llm(ckpt, speculative_config=NGRAM, **kw)
+    long = rand_ids(90, 8)
+    for params in (SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=12, ignore_eos=True),
+                   greedy(12, prompt_logprobs=1)):
+        prompts, ps = PROMPTS + [long], [greedy(40)] * 3 + [params]
+        want, got = base.generate(prompts, ps, use_tqdm=False), llm.generate(prompts, ps, use_tqdm=False)
+        assert tokens(got) == tokens(want)
+        assert [len(o.prompt_logprobs or []) for o in got] == [len(o.prompt_logprobs or []) for o in want]
+    prompt, params = rand_ids(33, 7), SamplingParams(n=2, temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)
+    for engine in (base, llm):
+        engine.generate([prompt], greedy(2), use_tqdm=False)  # the prefix cache holds 32 of its 33 tokens
+    assert tokens(llm.generate([prompt], params, use_tqdm=False)) == tokens(base.generate([prompt], params,
+                                                                                             use_tqdm=False))
+    assert draft_counts(llm.scheduler).num_drafts > 0
+    assert_idle(llm)
+
+
+def test_draft_model_catch_up_longer_than_max_num_seqs(ckpt):
+    """A request that ran undrafted for a while (the batch was above disable_by_batch_size)
+    catches up on more tokens than the draft's decode buffers hold rows: in parts."""
+    llm = make_llm(ckpt, max_num_seqs=8, speculative_config={**draft_config(ckpt), "disable_by_batch_size": 1})
+    first = llm.add_request(rand_ids(10, 1), greedy(60))
+    for _ in range(6):
+        llm.step()
+    llm.add_request(rand_ids(10, 2), greedy(30))  # two rows: no drafts while both run
+    while llm.has_unfinished():
+        llm.step()
+    assert first.completion_token_ids == tokens(make_llm(ckpt).generate([rand_ids(10, 1)], greedy(60),
+                                                                         use_tqdm=False))[0]
+    assert draft_counts(llm.scheduler).num_accepted_tokens > 0
+    assert_idle(llm)

@@ -61,13 +61,16 @@ def blocks_that_fit(config, spec: KVCacheSpec, model, device: torch.device, max_
     per_block = spec.bytes_per_block + (draft.kv_bytes_per_block(spec.block_size, config.dtype) if draft else 0)
     if device.type == "cpu":
         return max(CPU_KV_CACHE_BYTES // per_block, max_blocks_per_seq)
-    # (The draft's weights and graphs, loaded after the model's cache: 10% over its weights.)
-    other_bytes += int(1.1 * draft.weight_bytes(config.dtype)) if draft else 0
-    return blocks_from_gpu_budget(config, spec, model, device, sampling_rank, other_bytes, graph_tokens, per_block)
+    # The draft's weights, graphs and catch-up activations come after the model's cache: reserved
+    # as 25% over its weights, out of the budget and of the free memory.
+    later = int(1.25 * draft.weight_bytes(config.dtype)) if draft else 0
+    return blocks_from_gpu_budget(config, spec, model, device, sampling_rank, other_bytes, graph_tokens, per_block,
+                                  later)
 
 
 def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.device, sampling_rank: bool,
-                           other_bytes: int = 0, graph_tokens: int = 0, per_block: int = 0) -> int:
+                           other_bytes: int = 0, graph_tokens: int = 0, per_block: int = 0,
+                           later_bytes: int = 0) -> int:
     """KV blocks that fit in gpu_memory_utilization of the GPU, counting only our own use.
 
     Our use = weights + the activation peak of a warm-up prefill at max_num_batched_tokens
@@ -103,8 +106,8 @@ def blocks_from_gpu_budget(config, spec: KVCacheSpec, model, device: torch.devic
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     held = base + other_bytes
-    budget = total * config.gpu_memory_utilization - held - prefill_peak - decode_peak
-    headroom = free - prefill_peak - decode_peak - (256 << 20)
+    budget = total * config.gpu_memory_utilization - held - prefill_peak - decode_peak - later_bytes
+    headroom = free - prefill_peak - decode_peak - later_bytes - (256 << 20)
     return int(min(budget, headroom) // (per_block or spec.bytes_per_block))
 
 

@@ -78,6 +78,8 @@ class StepInput:
     def _with_drafts(cls, batch: ScheduledBatch) -> "StepInput":
         """A step whose rows verify drafts: those rows one entry per position (see the class
         docstring); no forks or prompt logprobs (the drafting hook leaves such steps alone)."""
+        if batch.forks or batch.prompt_rows:
+            raise RuntimeError("internal error: a step with drafts also forks samples or plans prompt logprobs")
         tokens, starts, tables, src = [], [], [], []
         for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             start = s.num_cached_tokens

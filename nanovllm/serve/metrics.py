@@ -13,6 +13,7 @@ its own: two apps in one process (the tests) never share a counter.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -53,6 +54,7 @@ class ServerMetrics:
                                                 ("num_draft_tokens", "Speculative decoding: drafted tokens."),
                                                 ("num_accepted_tokens", "Speculative decoding: accepted tokens."))]
         self._drafts_seen = (0, 0, 0)
+        self._scrape = threading.Lock()  # two scrapes at once must not both add the same increments
         self.model_name = model_name
 
     def request(self) -> "RequestTimes":
@@ -69,9 +71,10 @@ class ServerMetrics:
             self._running.set(stats.running)
             self._waiting.set(stats.waiting)
             self._kv_usage.set(1 - stats.free_kv_blocks / stats.num_kv_blocks if stats.num_kv_blocks else 0.0)
-            for counter, now, seen in zip(self._drafts, stats.drafts, self._drafts_seen):
-                counter.inc(max(now - seen, 0))  # the engine's totals, as counter increments
-            self._drafts_seen = stats.drafts
+            with self._scrape:
+                for counter, now, seen in zip(self._drafts, stats.drafts, self._drafts_seen):
+                    counter.inc(max(now - seen, 0))  # the engine's totals, as counter increments
+                self._drafts_seen = stats.drafts
         return generate_latest(self.registry)
 
 

@@ -46,11 +46,16 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def _next_tokens(self, steps: list[StepInput]) -> list[int]:
-        """The draft's greedy token after the last entry of each step's rows, in order."""
-        out = []
+        """The draft's greedy token after each row of the steps, in order; a decode step of more
+        rows than the runner's buffers hold (max_num_seqs) runs in parts."""
+        out, rows = [], self.runner.config.max_num_seqs
         for step in steps:
-            if step.token_ids:
-                out.extend(self.runner.execute(step).argmax(dim=-1).tolist())
+            parts = [step] if step.is_prefill else [
+                StepInput(False, step.token_ids[i:i + rows], step.start_pos[i:i + rows], step.block_tables[i:i + rows])
+                for i in range(0, len(step.token_ids), rows)]
+            for part in parts:
+                if part.token_ids:
+                    out.extend(self.runner.execute(part).argmax(dim=-1).tolist())
         return out
 
     def _catch_up(self, seqs: list) -> list[int]:
@@ -94,7 +99,7 @@ class DraftModelProposer:
                 drafts[n].append(token)
         for s in drafted:
             self._computed[s] = (s.num_preemptions, len(s))
-            self._proposed[s] = len(s)
+            self._proposed[s] = (s.num_preemptions, len(s))
         out = [[] for _ in seqs]
         for n, i in enumerate(live):
             out[i] = drafts[n]
@@ -102,6 +107,7 @@ class DraftModelProposer:
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
         """The draft's K/V of the first min(accepted, drafted - 1) drafts are of kept tokens."""
-        length = self._proposed.pop(seq, None)
-        if length is not None:
-            self._computed[seq] = (seq.num_preemptions, length + min(accepted, drafted - 1))
+        proposed = self._proposed.pop(seq, None)
+        if proposed is not None:  # (under the preemption count of the proposal: a later one voids it)
+            preemptions, length = proposed
+            self._computed[seq] = (preemptions, length + min(accepted, drafted - 1))

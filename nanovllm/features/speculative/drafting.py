@@ -62,6 +62,14 @@ def may_draft(seq, pending_ok: bool = False) -> bool:
     return (pending_ok or not seq.has_pending_token) and not p.processes_logits
 
 
+def _lays_out_prompt(seq) -> bool:
+    """Whether a step with `seq` may fork its samples (n > 1) or plan its prompt logprobs: the
+    hooks that do so run after this one and lay out rows of their own, so such a step drafts
+    nothing."""
+    return bool(seq.pending_forks) or (seq.params.prompt_logprobs is not None
+                                       and seq.num_cached_tokens < seq.num_prompt_tokens)
+
+
 class Drafting(SchedulingHook):
     """Drafts for the decode rows of each step (see the module docstring).
 
@@ -102,14 +110,15 @@ class Drafting(SchedulingHook):
             self._retry_at[seq] = len(seq) + 2 ** min(misses - 1, 6)
 
     def scheduled(self, scheduler, batch) -> None:
-        if batch.forks or batch.prompt_rows or batch.drafts is not None:
-            return  # (a prompt's first token: its rows are laid out for those)
+        if batch.forks or batch.prompt_rows or batch.drafts is not None or any(map(_lays_out_prompt, batch.seqs)):
+            return  # a prompt's last step: forks and prompt logprobs lay out its rows (later hooks)
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
-                if n == 1 and s.num_uncomputed_tokens == 1]
-        # Every drafted position is a sampling row: within max_num_seqs (the sampler's and the
-        # decode graphs' rows) and the step's token budget.
-        k = self.options.drafts_per_row(len(rows), min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens)
-                                        - (len(batch.seqs) - len(rows)))
+                if n == 1 and s.num_uncomputed_tokens == 1 and s.num_cached_tokens >= s.num_prompt_tokens]
+        # Every drafted position is a sampling row and a token: within max_num_seqs (the sampler's
+        # and the decode graphs' rows) and max_num_batched_tokens, beside the step's other rows.
+        others = len(batch.seqs) - len(rows)
+        room = min(scheduler.max_num_seqs - others, scheduler.max_num_batched_tokens - (batch.num_tokens - len(rows)))
+        k = self.options.drafts_per_row(len(rows), room)
         if k < 1:
             return
         drafts: list[list[int] | None] = [[] for _ in batch.seqs]
