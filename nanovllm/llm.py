@@ -165,9 +165,10 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
         # The features the request asks for, on first use: n > 1 and prompt-logprob planning in
-        # the scheduler, penalties / bias / logprobs in the sampler.
+        # the scheduler, penalties / bias / logprobs in the sampler, streamed text / stop strings.
         wiring.wire_scheduling(self, params)
         wiring.enable_logits_extensions(self.model_runner.sampler, params)
+        wiring.enable_text_tracking(self.requests, params, track_text)
         seq = super().add_request(prompt_ids, params, track_text, prompt)
         if self._stats_recorder is not None:
             self._stats_recorder.arrived(seq)

@@ -112,6 +112,15 @@ def enable_logits_extensions(sampler, params) -> None:
         sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
 
 
+def enable_text_tracking(requests, params, track_text: bool) -> None:
+    """Text tracking (features/text_tracking.py: streamed text, stop strings) on `requests` (the
+    RequestLifecycle), once, at the first request that streams or has stop strings."""
+    if requests.track_text is None and (track_text or params.stop_strings):
+        from nanovllm.features.text_tracking import track_text as factory
+
+        requests.track_text = factory
+
+
 # ---------------------------------------------------------------- scheduling
 
 

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nanovllm.core.detokenizer import IncrementalDetokenizer, StopMatcher, detokenize, detokenize_continuation
+from nanovllm.core.detokenizer import detokenize, detokenize_continuation
+from nanovllm.features.text_tracking import IncrementalDetokenizer, StopMatcher
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small vocabulary: common words merge into single tokens while most CJK characters and all

@@ -134,6 +134,31 @@ class DraftAcceptance(Protocol):
     def accepted(self, seq: Sequence, drafts: list[int], sampled: list[int]) -> int: ...
 
 
+# ---------------------------------------------------------------- text tracking
+# RequestLifecycle (core/lifecycle.py) makes a TextTracker per sample of a request that streams
+# its text or has stop strings, through the factory the front wires in (features/text_tracking.py).
+
+
+class TextTracker(Protocol):
+    """A request's output text as its tokens arrive: increments to stream, stop strings found."""
+
+    text: str  # everything so far (the final text once finished)
+    stop_string: str | None  # the stop string that ended the request, if one did
+
+    def add(self, token_ids: list[int]) -> bool:
+        """Decode newly arrived tokens; True when a stop string appeared."""
+
+    def finish(self) -> bool:
+        """The request ends: flush the text held back; True when that completes a stop string."""
+
+    def pop_delta(self, finished: bool) -> str:
+        """The text that became stable since the last call (all of it once `finished`)."""
+
+
+# TextTracker factory: (tokenizer, prompt token ids, SamplingParams) -> TextTracker.
+TextTrackerFactory = Callable[..., TextTracker]
+
+
 # ---------------------------------------------------------------- forward strategy (graphs)
 
 

@@ -13,7 +13,8 @@ import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from nanovllm.core.detokenizer import IncrementalDetokenizer, detokenize_continuation
+from nanovllm.core.detokenizer import detokenize_continuation
+from nanovllm.core.hooks import TextTracker, TextTrackerFactory
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
 
@@ -91,7 +92,7 @@ def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -
 
 
 def decide_finish(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
-                  detok: IncrementalDetokenizer | None = None) -> tuple[str, int | str | None] | None:
+                  detok: TextTracker | None = None) -> tuple[str, int | str | None] | None:
     """Whether the token just filled in ends `seq`, and why: (finish_reason, stop_reason) or None.
 
     The only place a finish is decided (besides an abort). In order: a stop token (a stop id, or
@@ -147,7 +148,8 @@ class RequestLifecycle:
         self.max_model_len = max_model_len
         # release(seq): the request ended; drop its per-request sampler state (penalty counts).
         self.release = release
-        self._detok: dict[int, IncrementalDetokenizer] = {}
+        self._detok: dict[int, TextTracker] = {}
+        self.track_text: TextTrackerFactory | None = None  # the front wires it in (stream, stop strings)
         self._streamed: set[int] = set()  # requests whose text increments someone reads
         self.acceptance = None  # DraftAcceptance (core/hooks.py), or None: the lossless rule
 
@@ -157,11 +159,10 @@ class RequestLifecycle:
         self.scheduler.add(seq)
         p = seq.params
         if (track_text or p.stop_strings) and self.tokenizer is not None and p.detokenize:
+            if self.track_text is None:
+                raise ValueError("streamed text and stop strings need the text tracking that LLM wires in")
             for sample in seq.samples:
-                self._detok[sample.seq_id] = IncrementalDetokenizer(
-                    self.tokenizer, sample.prompt_token_ids, p.stop_strings, p.skip_special_tokens,
-                    include_stop=p.include_stop_str_in_output,
-                    spaces_between_special_tokens=p.spaces_between_special_tokens)
+                self._detok[sample.seq_id] = self.track_text(self.tokenizer, sample.prompt_token_ids, p)
                 if track_text:
                     self._streamed.add(sample.seq_id)
 
