@@ -190,10 +190,14 @@ class BlockManager:
     def release_reserved(self, seq: Sequence) -> None:
         """Give back the blocks reserved for `seq` that it did not take."""
         while seq.reserved_blocks:
-            block = self.blocks[seq.reserved_blocks.pop()]
-            block.ref_count = 0
-            block.forget()
-            self.free_blocks[block.block_id] = None
+            self._give_back(seq.reserved_blocks.pop())
+
+    def _give_back(self, block_id: int) -> None:
+        """Free a block its one holder never filled (reserved, or taken for rejected drafts)."""
+        block = self.blocks[block_id]
+        block.ref_count = 0
+        block.forget()
+        self.free_blocks[block_id] = None
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; False, changing nothing, while a request holds blocks."""
@@ -227,24 +231,25 @@ class BlockManager:
 
     def append_slot(self, seq: Sequence, extra: int = 0) -> None:
         """Make sure the block table covers every token of the sequence (before a decode step),
-        and `extra` slots past them (drafted tokens; see can_append_drafts)."""
+        and `extra` slots past them."""
         while len(seq.block_table) < self.blocks_for(len(seq) + extra):
             if not self.free_blocks:
                 raise RuntimeError("no free KV block (call can_append first)")
             seq.block_table.append(self._take_free())
 
-    def can_append_drafts(self, seq: Sequence, extra: int) -> bool:
-        """Whether the free blocks cover `extra` more slots past the sequence's tokens."""
-        return self.blocks_for(len(seq) + extra) - len(seq.block_table) <= self.num_free_blocks
+    def take_draft_slots(self, seq: Sequence, n: int) -> bool:
+        """Slots for `n` drafted tokens past the sequence's tokens, if the free blocks hold them
+        (True); else nothing is taken (False)."""
+        if self.blocks_for(len(seq) + n) - len(seq.block_table) > self.num_free_blocks:
+            return False
+        self.append_slot(seq, n)
+        return True
 
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past the sequence's tokens (taken for drafts that were rejected:
         never committed, so nothing to forget but their slots)."""
         while len(seq.block_table) > self.blocks_for(len(seq)):
-            block = self.blocks[seq.block_table.pop()]
-            block.ref_count = 0
-            block.forget()
-            self.free_blocks[block.block_id] = None
+            self._give_back(seq.block_table.pop())
 
     def commit(self, seq: Sequence) -> None:
         """Register the sequence's full, computed blocks in the prefix cache."""

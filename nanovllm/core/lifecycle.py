@@ -191,21 +191,25 @@ class RequestLifecycle:
                 outputs.append(self._accept_drafted(seq, token_ids[i:i + 1 + len(seq.drafts)], sample_lps, i))
                 continue
             seq.fill_pending_token(token_id)
-            entry = None
-            if seq.logprobs is not None:
-                if sample_lps is None or i not in sample_lps:
-                    raise RuntimeError(f"internal error: no logprobs for row {i} ({seq})")
-                entry = sample_lps[i]
-                seq.logprobs.append(entry)
-                seq.cumulative_logprob += entry[0]
-            detok = self._detok.get(seq.seq_id)
-            finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
-            if finish is not None:
-                self.end(seq, *finish)
+            detok, entries = self._detok.get(seq.seq_id), []
+            self._take(seq, token_id, sample_lps, i, detok, entries)
             text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
-            outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason,
-                                      None if entry is None else [entry]))
+            outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason, entries or None))
         return outputs
+
+    def _take(self, seq: Sequence, token_id: int, sample_lps: dict | None, row: int, detok, entries: list) -> bool:
+        """Account for `seq`'s token just filled in, sampled in `row`: its logprob entry (kept in
+        `entries` too) when the request asks for them, then the finish rule; whether it ended."""
+        if seq.logprobs is not None:
+            if sample_lps is None or row not in sample_lps:
+                raise RuntimeError(f"internal error: no logprobs for row {row} ({seq})")
+            entries.append(sample_lps[row])
+            seq.logprobs.append(sample_lps[row])
+            seq.cumulative_logprob += sample_lps[row][0]
+        finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
+        if finish is not None:
+            self.end(seq, *finish)
+        return finish is not None
 
     def _accept_drafted(self, seq: Sequence, sampled: list[int], sample_lps: dict | None, row: int) -> StepOutput:
         """`seq`'s tokens from a step that verified its drafts: `sampled[j]` (sampling row
@@ -230,13 +234,7 @@ class RequestLifecycle:
             else:
                 seq.fill_pending_token(token_id)
             new.append(token_id)
-            if seq.logprobs is not None:
-                entries.append(sample_lps[row + j])
-                seq.logprobs.append(entries[-1])
-                seq.cumulative_logprob += entries[-1][0]
-            finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
-            if finish is not None:
-                self.end(seq, *finish)
+            if self._take(seq, token_id, sample_lps, row + j, detok, entries):
                 break
         self.scheduler.verified(seq, len(new) - 1, len(drafts), accepted)
         text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""

@@ -229,7 +229,7 @@ class Scheduler:
         max_tokens or max_model_len with it is retired here (its finish reason is decided when
         the token arrives, core/lifecycle.py)."""
         block_size = self.block_manager.block_size
-        rows = batch.first_rows()
+        rows = batch.first_rows() if batch.drafts else None
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             if seq.status != SequenceStatus.RUNNING:
                 continue  # stopped by the previous step's token, found after this launch
@@ -239,7 +239,7 @@ class Scheduler:
                 self.block_manager.commit(seq)  # a block just became full
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
-            seq.add_pending_token(rows[i])
+            seq.add_pending_token(rows[i] if rows else i)
             seq.drafts = drafts
             if seq.reached_length(max_model_len):
                 self.retire(seq)

@@ -243,4 +243,3 @@ class StepInputs:
             sms = torch.cuda.get_device_properties(self.device).multi_processor_count
             self._splits[key] = choose_num_splits(batch_size, self.num_kv_heads, width, num_sms=sms)
         return self._splits[key]
-

@@ -86,8 +86,7 @@ class DraftModelProposer:
     def propose(self, seqs: list, ks: list[int], block_manager) -> list[list[int]]:
         live = []
         for i, (s, k) in enumerate(zip(seqs, ks)):
-            if block_manager.can_append_drafts(s, k):  # (checked one by one: each takes blocks)
-                block_manager.append_slot(s, k)  # the draft's K/V of its drafts go there too
+            if block_manager.take_draft_slots(s, k):  # the draft's K/V of its drafts go there too
                 live.append(i)
         drafted = [seqs[i] for i in live]
         drafts = [[t] for t in self._catch_up(drafted)] if drafted else []

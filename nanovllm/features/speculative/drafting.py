@@ -53,15 +53,6 @@ def draft_counts(scheduler) -> DraftCounts | None:
     return next((h.counts for h in scheduler.hooks if isinstance(h, Drafting)), None)
 
 
-def may_draft(seq, pending_ok: bool = False) -> bool:
-    """Whether `seq`'s next tokens may be drafted: its newest token is on the host (or, with
-    `pending_ok`, will be) and its logits are not processed (penalties, bias, bad words,
-    allowed ids read the tokens before each position, which differ from drafted position to
-    drafted position). Logprobs are read per sampling row: those rows draft."""
-    p = seq.params
-    return (pending_ok or not seq.has_pending_token) and not p.processes_logits
-
-
 def _lays_out_prompt(seq) -> bool:
     """Whether a step with `seq` may fork its samples (n > 1) or plan its prompt logprobs: the
     hooks that do so run after this one and lay out rows of their own, so such a step drafts
@@ -98,9 +89,12 @@ class Drafting(SchedulingHook):
         return limit - len(seq) - 1
 
     def _wants(self, seq, k: int) -> bool:
-        """Whether `seq` should draft (or sit out to draft) now."""
+        """Whether `seq` should draft (or sit out to draft) now: room left, not backing off,
+        min_tokens reached, and logits not processed (penalties, bias, bad words, allowed ids
+        read the tokens before each position, which differ from drafted position to drafted
+        position; logprobs are read per sampling row: those rows draft)."""
         return min(k, self._room(seq)) >= 1 and len(seq) >= self._retry_at.get(seq, 0) \
-            and seq.num_completion_tokens >= seq.params.min_tokens and may_draft(seq, pending_ok=True)
+            and seq.num_completion_tokens >= seq.params.min_tokens and not seq.params.processes_logits
 
     def _note(self, seq, drafts: list[int]) -> None:
         """A proposal that found nothing is a miss; misses in a row back off (class docstring)."""
@@ -110,8 +104,8 @@ class Drafting(SchedulingHook):
             self._retry_at[seq] = len(seq) + 2 ** min(misses - 1, 6)
 
     def scheduled(self, scheduler, batch) -> None:
-        if batch.forks or batch.prompt_rows or batch.drafts is not None or any(map(_lays_out_prompt, batch.seqs)):
-            return  # a prompt's last step: forks and prompt logprobs lay out its rows (later hooks)
+        if batch.forks or batch.prompt_rows or batch.drafts is not None:
+            return
         rows = [i for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))
                 if n == 1 and s.num_uncomputed_tokens == 1 and s.num_cached_tokens >= s.num_prompt_tokens]
         # Every drafted position is a sampling row and a token: within max_num_seqs (the sampler's
@@ -119,8 +113,8 @@ class Drafting(SchedulingHook):
         others = len(batch.seqs) - len(rows)
         room = min(scheduler.max_num_seqs - others, scheduler.max_num_batched_tokens - (batch.num_tokens - len(rows)))
         k = self.options.drafts_per_row(len(rows), room)
-        if k < 1:
-            return
+        if k < 1 or any(map(_lays_out_prompt, batch.seqs)):
+            return  # (a prompt's last step: forks and prompt logprobs lay out its rows, later hooks)
         drafts: list[list[int] | None] = [[] for _ in batch.seqs]
         known = []
         for i in rows:

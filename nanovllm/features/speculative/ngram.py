@@ -39,8 +39,7 @@ class NgramProposer:
         out = []
         for seq, k in zip(seqs, ks):
             d = self.propose_one(seq, k)
-            if d and block_manager.can_append_drafts(seq, len(d)):
-                block_manager.append_slot(seq, len(d))
+            if d and block_manager.take_draft_slots(seq, len(d)):
                 out.append(d)
             else:
                 out.append([])
