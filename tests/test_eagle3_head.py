@@ -127,3 +127,29 @@ def test_a_tensor_the_head_does_not_have_is_named(tmp_path):
         head = Eagle3Head(Eagle3Config.from_folder(str(tmp_path / "h")), max_positions=64)
     with pytest.raises(ValueError, match="layers.0.extra.weight"):
         load_head(head, str(tmp_path / "h"))
+
+
+def test_the_decoder_keeps_the_residual_stream_entering_the_aux_layers(tmp_path):
+    """What EAGLE-3 reads from the target: the inputs of the aux layers, equal to transformers'
+    hidden_states[i] (the input of layer i) on the same float32 weights."""
+    import sys, os  # noqa: E401
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import tiny_model as tm
+
+    from nanovllm import LLM
+
+    path = tm.make_tiny_qwen3(tmp_path / "t", num_layers=4)
+    llm = LLM(path, kvcache_block_size=16, num_kvcache_blocks=16)
+    model = llm.model_runner.model.model
+    model.capture_layer_inputs((0, 2, 3))
+    ids = list(range(5, 17))
+    llm.model_runner.score(ids)  # one prefill of the sequence, no cache
+    hf = tm.load_hf_model(path)
+    with torch.inference_mode():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    want = torch.cat([states[i][0] for i in (0, 2, 3)], dim=-1)
+    assert model.aux.shape == (12, 3 * 64) and torch.allclose(model.aux, want, atol=1e-5), \
+        (model.aux - want).abs().max()
+    with pytest.raises(ValueError, match="outside"):
+        model.capture_layer_inputs((4,))
