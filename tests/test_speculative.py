@@ -88,7 +88,7 @@ def oracle(monkeypatch, plain):
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      ValueError, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, ValueError, "draft"),
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, NotImplementedError, "eagle3"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, NotImplementedError, "eagle"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, ValueError, "needs 'model'"),
     ({"method": "draft_model", "model": "/no/such/folder", "num_speculative_tokens": 2}, FileNotFoundError,
      "no/such/folder"),

@@ -47,6 +47,8 @@ class DecodeGraphs:
         self.sizes = graph_batch_sizes(max_bs)
         self.hidden = torch.zeros(max_bs, hidden_size, dtype=dtype, device=inputs.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # Batch size -> the (positions, metadata) its graph reads: after a replay, the step's.
+        self.inputs_of: dict[int, tuple] = {}
         self.inputs = inputs
         self.pool = None  # the graphs' memory pool and capture stream (the prefill graphs use both)
         self.stream = torch.cuda.Stream()
@@ -70,6 +72,7 @@ class DecodeGraphs:
                 self.hidden[:bs] = forward(input_tokens(ids, src), pos, meta)
             self.pool = graph.pool() if self.pool is None else self.pool
             self.graphs[bs] = graph
+            self.inputs_of[bs] = (pos, meta)
             torch.cuda.synchronize()
 
     def batch_size_for(self, n: int) -> int | None:

@@ -196,6 +196,20 @@ class Speculation(Protocol):
     def weight_bytes(self, dtype) -> int:
         """About what the draft model's weights take (0 without one)."""
 
+    def prepare_model(self, model, max_tokens: int) -> None:
+        """Called on the built model before the KV budget is measured and the graphs captured
+        (both then count what it adds), for steps of up to `max_tokens` tokens: EAGLE-3 has the
+        decoder keep three layers' inputs for its head (features/speculative/layer_inputs.py)."""
+
+
+class AfterSampling(Protocol):
+    """Runs after each step's sampling is queued (ModelRunner.after_sampling, one process),
+    before the host has the tokens: the step's inputs (ModelRunner.forward_inputs), the hidden
+    states the model kept and the sampled tokens (TokenSampler.prev_tokens) are still on the
+    device. EAGLE-3's head (features/speculative/eagle3.py) reads them there."""
+
+    def after_sampling(self, runner, batch: ScheduledBatch, step) -> None: ...
+
 
 class ModelFeatures(Protocol):
     """What Config.resolve asks of the features the front wires in (nanovllm/wiring.py): each

@@ -22,7 +22,7 @@ import torch
 
 from nanovllm.config import Config
 from nanovllm.core.cuda_graphs import DecodeGraphs
-from nanovllm.core.hooks import ForwardStrategy
+from nanovllm.core.hooks import AfterSampling, ForwardStrategy
 from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
@@ -55,6 +55,10 @@ class ModelRunner:
         self.tp = tp if tp is not None else TPGroup()
         self.world_size, self.rank = self.tp.size, self.tp.rank
         self.model = self._build_model()
+        if config.speculation is not None:
+            config.speculation.prepare_model(self.model, max(config.max_num_batched_tokens, config.max_num_seqs))
+        self.after_sampling: list[AfterSampling] = []
+        self.forward_inputs = None  # (positions, metadata) of the last forward, for after_sampling
         t_weights = time.perf_counter()
 
         self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
@@ -133,7 +137,10 @@ class ModelRunner:
         """Queue one step and its sampling on the device; the tokens arrive via the result."""
         step = StepInput.from_batch(batch)
         logits = self.execute(step)
-        return self.sampler.sample(logits, batch.rows, eos_token_ids, step=step)
+        pending = self.sampler.sample(logits, batch.rows, eos_token_ids, step=step)
+        for hook in self.after_sampling:
+            hook.after_sampling(self, batch, step)
+        return pending
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> torch.Tensor | None:
@@ -151,6 +158,7 @@ class ModelRunner:
                 every = strategy.run_prefill(ids, pos, meta)
             else:
                 every = self.model(ids, pos, meta)
+            self.forward_inputs = (pos, meta)
             hidden = every[last]
             if not step.prompt_rows:
                 every = None  # (free it before the LM head, as before prompt logprobs existed)
@@ -158,9 +166,12 @@ class ModelRunner:
             n = len(step.token_ids)
             graph_bs = self.graphs.batch_size_for(n) if self.graphs is not None else None
             if graph_bs is None:
-                hidden = self.model(*self.inputs.decode(step, n, self.sampler.input_tokens))
+                ids, pos, meta = self.inputs.decode(step, n, self.sampler.input_tokens)
+                hidden = self.model(ids, pos, meta)
+                self.forward_inputs = (pos, meta)
             else:
                 hidden = self.graphs.replay(step, graph_bs)
+                self.forward_inputs = self.graphs.inputs_of[graph_bs]
         if step.fork_rows or step.prompt_rows:
             hidden = self._extra_rows(hidden, step, every)
         if step.block_copies:

@@ -292,29 +292,12 @@ class DecoderModel(nn.Module):
                                  opts.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(opts, i, rotary, sparse_mlp) for i in range(opts.num_layers))
         self.norm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
-        # EAGLE-3 (wip): the residual stream entering these layers, kept by each forward in `aux`
-        # ([tokens, len(aux_layers) x hidden], in this order); see capture_layer_inputs.
-        self.aux_layers: tuple[int, ...] = ()
-        self.aux: torch.Tensor | None = None
-
-    def capture_layer_inputs(self, layers: tuple[int, ...]) -> None:
-        """Keep the residual stream entering `layers` (0: the embeddings) in `aux` at every
-        forward. One rank only: under tensor parallelism a layer's output is a partial sum there."""
-        if current_tp_group().size > 1:
-            raise NotImplementedError("capturing layer inputs with tensor parallelism (partial sums per rank)")
-        if any(not 0 <= i < len(self.layers) for i in layers):
-            raise ValueError(f"layers {layers} outside 0..{len(self.layers) - 1}")
-        self.aux_layers = tuple(layers)
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
-        residual, kept = None, []
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                kept.append(hidden if residual is None else hidden + residual)
+        residual = None
+        for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)
-        if kept:
-            self.aux = torch.cat(kept, dim=-1)
         hidden, _ = self.norm(hidden, residual, all_reduce=True)
         return hidden
 

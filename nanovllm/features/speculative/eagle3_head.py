@@ -6,9 +6,7 @@ embedding of token t + 1 and, for its first draft step, `fc` of the target's res
 three layers for position t (the inputs of layers 2, L / 2 and L - 3 by default, concatenated
 in that order); later steps feed back its own output before the final norm. Its logits cover a
 draft vocabulary; `d2t` maps a draft id to the target's (target = draft + d2t[draft]).
-
-Not wired in yet (wip): the target must capture those hidden states, and the runner must give
-them to the head; see the issue's notes.
+eagle3.py runs it as a Proposer.
 """
 
 from __future__ import annotations
@@ -52,6 +50,8 @@ class Eagle3Config:
             raw = json.load(f)
         speculators = "transformer_layer_config" in raw
         layer = raw["transformer_layer_config"] if speculators else raw
+        if layer.get("num_hidden_layers", 1) != 1:
+            raise ValueError(f"{layer['num_hidden_layers']} layers: an EAGLE-3 head has one")
         head_dim = layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"]
         opts = DecoderOptions(
             vocab_size=layer["vocab_size"], hidden_size=layer["hidden_size"], num_layers=1,
@@ -86,15 +86,18 @@ class Eagle3Head(nn.Module):
         self.lm_head = ReplicatedLinear(h, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
 
-    def forward(self, token_ids, positions, hidden, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """(target token ids [T], the layer's output before the final norm [T, H]) for the tokens
-        `token_ids` (token t + 1 at position t) and `hidden`: the target's three hidden states
-        [T, 3 x target hidden] (first step) or the head's previous output [T, H]."""
+    def forward(self, token_ids, positions, hidden, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer's output before the final norm [T, H] for the tokens `token_ids` (token
+        t + 1 at position t) and `hidden`: the target's three hidden states [T, 3 x target
+        hidden] (first step) or the head's previous output [T, H]."""
         if hidden.shape[-1] != self.config.layer.hidden_size:
             hidden = self.fc(hidden)
-        out = self.layers[0](positions, self.embed_tokens(token_ids), hidden, meta)
+        return self.layers[0](positions, self.embed_tokens(token_ids), hidden, meta)
+
+    def draft_tokens(self, out: torch.Tensor) -> torch.Tensor:
+        """The greedy draft (a target token id) after each row of the forward's output."""
         draft = self.lm_head(self.norm(out)).argmax(dim=-1)
-        return draft + self.d2t[draft], out
+        return draft + self.d2t[draft]
 
 
 class _Eagle3Layer(nn.Module):
@@ -122,20 +125,28 @@ _PACKED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": (
 
 
 def load_head(head: Eagle3Head, path: str, target_embedding: torch.Tensor | None = None) -> None:
-    """Load a head checkpoint folder into `head`; without `embed_tokens` in it, the target's
-    embedding (`target_embedding`) is used, as vLLM and the EAGLE repo do."""
+    """Load a head checkpoint folder into `head`. `target_embedding` (the target's, when its
+    shape fits) replaces the head's embedding, as in vLLM (heads are trained on the target's,
+    frozen; SGLang's and the EAGLE repo's files leave it out)."""
     params = dict(head.named_parameters())
     seen = set()
     for file in sorted(f for f in os.listdir(path) if f.endswith(".safetensors")):
         with safe_open(os.path.join(path, file), "pt") as f:
             for name in f.keys():
-                _load_tensor(head, params, name.replace("midlayer.", "layers.0."), f.get_tensor(name))
-                seen.add(name.replace("midlayer.", "layers.0."))
-    if "embed_tokens.weight" not in seen:
-        if target_embedding is None:
-            raise ValueError(f"{path}: the head has no embed_tokens and no target embedding was given")
-        head.embed_tokens.weight.data.copy_(target_embedding)
+                local = name.replace("midlayer.", "layers.0.")
+                if not (local == "embed_tokens.weight" and target_embedding is not None):
+                    _load_tensor(head, params, local, f.get_tensor(name))
+                seen.add(local)
+    if target_embedding is not None:
+        share_embedding(head, target_embedding)
+    elif "embed_tokens.weight" not in seen:
+        raise ValueError(f"{path}: the head has no embed_tokens and the target's does not fit it")
     head.layers[0].norm_before_residual = head.config.norm_before_residual
+
+
+def share_embedding(head: Eagle3Head, target_embedding: torch.Tensor) -> None:
+    """The head reads the target's embedding tensor itself (no copy)."""
+    head.embed_tokens.weight = torch.nn.Parameter(target_embedding, requires_grad=False)
 
 
 def _load_tensor(head: Eagle3Head, params: dict, name: str, tensor: torch.Tensor) -> None:

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from nanovllm.features.speculative.eagle3_head import Eagle3Config, default_aux_layers
+from nanovllm.features.speculative.layer_inputs import LayerInputs
 from nanovllm.limits import clip_repr
 from nanovllm.model.checkpoint import load_hf_config, resolve_model_path
 from nanovllm.model.registry import model_class
 from nanovllm.values import is_integer, is_real
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle3")
 # vLLM methods that nano-vllm does not run (yet): named in the error.
-NOT_IMPLEMENTED = ("eagle", "eagle3", "medusa", "mlp_speculator", "deepseek_mtp", "mtp")
+NOT_IMPLEMENTED = ("eagle", "medusa", "mlp_speculator", "deepseek_mtp", "mtp")
 KEYS = frozenset({"method", "model", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
                   "draft_tensor_parallel_size", "disable_by_batch_size", "rejection_sample_method",
                   "synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length"})
 SYNTHETIC_KEYS = ("synthetic_acceptance_rate", "synthetic_acceptance_rates", "synthetic_acceptance_length")
-# Decode rows above which no step drafts: a verification step runs the prefill path (no decode
-# CUDA graph, no overlap with the host), which pays only while steps are bound by the weights.
+# Decode rows above which no step drafts: a drafting row gives up overlap with the host (it waits
+# for its newest token) and verification multiplies its rows, which pays only while steps are
+# bound by reading the weights.
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 # At most this many tokens (rows x (1 + drafts)) in a drafting step: fewer drafts per row as the
 # batch grows, so a verification step stays about as cheap as a decode step.
@@ -37,7 +40,7 @@ def _positive(options: dict, key: str, default=None) -> int | None:
 class SpeculativeOptions:
     """The checked options: method, num_speculative_tokens (k, the most drafts per row and
     step), the n-gram sizes prompt lookup matches (longest first), disable_by_batch_size, and
-    for "draft_model" the draft's folder and transformers config."""
+    the draft's folder and config: "draft_model"'s transformers config, "eagle3"'s Eagle3Config."""
 
     method: str
     num_speculative_tokens: int
@@ -76,8 +79,8 @@ class SpeculativeOptions:
         disable = _positive(options, "disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         model, draft = _draft(options, method, target_config)
         if draft is not None and tensor_parallel_size != 1:
-            raise NotImplementedError("speculative_config: a draft model with tensor_parallel_size > 1 is not "
-                                      "supported yet (the 'ngram' method is)")
+            raise NotImplementedError(f"speculative_config: method {method!r} with tensor_parallel_size > 1 is not "
+                                      f"supported yet (the 'ngram' method is)")
         return cls(method, k, low, high, disable, model, draft, synthetic_rates(options, k))
 
     def drafts_per_row(self, num_rows: int, max_rows: int) -> int:
@@ -90,21 +93,37 @@ class SpeculativeOptions:
         return max(0, min(self.num_speculative_tokens, budget // max(num_rows, 1) - 1))
 
     def kv_bytes_per_block(self, block_size: int, dtype) -> int:
-        """What a draft model's K/V take per block of the engine's cache (0 without one)."""
-        if self.draft_config is None:
-            return 0
-        o = model_class(self.draft_config).options_from_config(self.draft_config)
-        return 2 * o.num_layers * block_size * o.num_kv_heads * o.head_dim * dtype.itemsize
+        """What the draft's K/V take per block of the engine's cache (0 without a draft)."""
+        o = self._draft_options()
+        return 0 if o is None else 2 * o.num_layers * block_size * o.num_kv_heads * o.head_dim * dtype.itemsize
 
     def weight_bytes(self, dtype) -> int:
-        """About what a draft model's weights take (0 without one): embeddings, LM head unless
-        tied, and per layer the attention and (dense) MLP projections."""
-        if self.draft_config is None:
+        """About what the draft's weights take (0 without one): embeddings (an EAGLE-3 head reads
+        the target's), LM head unless tied, and per layer the attention and MLP projections (an
+        EAGLE-3 head's attention reads 2 x hidden, and its fc 3 x the target's hidden)."""
+        o = self._draft_options()
+        if o is None:
             return 0
-        o = model_class(self.draft_config).options_from_config(self.draft_config)
         h, q, kv = o.hidden_size, o.num_heads * o.head_dim, o.num_kv_heads * o.head_dim
+        if self.method == "eagle3":
+            head = self.draft_config
+            return (2 * h * (q + 2 * kv) + q * h + 3 * h * o.intermediate_size + 3 * head.target_hidden_size * h
+                    + head.draft_vocab_size * h) * dtype.itemsize
         layer = h * (q + 2 * kv) + q * h + 3 * h * o.intermediate_size
         return (o.vocab_size * h * (1 if o.tie_word_embeddings else 2) + o.num_layers * layer) * dtype.itemsize
+
+    def prepare_model(self, model, max_tokens: int) -> None:
+        """An EAGLE-3 head reads the inputs of three target layers: the model keeps them."""
+        if self.method == "eagle3":
+            model.layer_inputs = LayerInputs(model.model, self.draft_config.aux_layers, max_tokens)
+
+    def _draft_options(self):
+        """The draft's DecoderOptions (an EAGLE-3 head's one layer), or None without a draft."""
+        if self.draft_config is None:
+            return None
+        if self.method == "eagle3":
+            return self.draft_config.layer
+        return model_class(self.draft_config).options_from_config(self.draft_config)
 
 
 def _method(options: dict) -> str:
@@ -122,18 +141,43 @@ def _method(options: dict) -> str:
 
 
 def _draft(options: dict, method: str, target_config) -> tuple[str | None, object]:
-    """(the draft's folder, its transformers config) for "draft_model", checked against the target."""
-    if method != "draft_model":
+    """(the draft's folder, its config) for "draft_model" and "eagle3", checked against the target."""
+    if method == "ngram":
         return None, None
     model = options.get("model")
     if not isinstance(model, str) or not model:
-        raise ValueError("speculative_config: method 'draft_model' needs 'model', the draft checkpoint's folder")
+        raise ValueError(f"speculative_config: method {method!r} needs 'model', the draft checkpoint's folder")
     path = resolve_model_path(model, what="speculative_config['model']")
+    if method == "eagle3":
+        return path, _eagle3_head(path, target_config)
     draft = load_hf_config(path)
     if target_config is not None and draft.vocab_size != target_config.vocab_size:
         raise ValueError(f"speculative_config['model']: the draft's vocabulary ({draft.vocab_size} tokens) is not "
                          f"the target's ({target_config.vocab_size}): drafted ids would mean other tokens")
     return path, draft
+
+
+def _eagle3_head(path: str, target_config) -> Eagle3Config:
+    """An EAGLE-3 head's config (config.json only), checked against the target's."""
+    try:
+        head = Eagle3Config.from_folder(path)
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"speculative_config['model']={path!r}: not an EAGLE-3 head's config.json "
+                         f"({type(e).__name__}: {e})") from e
+    if target_config is None:
+        return head
+    checks = (("vocabulary", head.layer.vocab_size, target_config.vocab_size),
+              ("target hidden size", head.target_hidden_size, target_config.hidden_size))
+    for what, got, want in checks:
+        if got != want:
+            raise ValueError(f"speculative_config['model']: the EAGLE-3 head's {what} ({got}) is not the "
+                             f"target's ({want})")
+    num = target_config.num_hidden_layers
+    layers = head.aux_layers or default_aux_layers(num)
+    if len(layers) != 3 or not all(0 <= i < num for i in layers):
+        raise ValueError(f"speculative_config['model']: the EAGLE-3 head would read the inputs of target layers "
+                         f"{list(layers)}; the target has {num} (3 of 0..{num - 1} expected)")
+    return replace(head, aux_layers=tuple(layers))
 
 
 def synthetic_rates(options: dict, k: int) -> tuple[float, ...] | None:
