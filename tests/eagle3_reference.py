@@ -73,7 +73,7 @@ def rms(x, w, eps=1e-6):
 
 def rope(x, pos, head_dim: int):
     half = head_dim // 2
-    inv = 1.0 / 10000.0 ** (torch.arange(half, dtype=torch.float32) * 2 / head_dim)
+    inv = 1.0 / 10000.0 ** (torch.arange(half, dtype=torch.float32, device=x.device) * 2 / head_dim)
     ang = pos[:, None].float() * inv[None]
     cos, sin = ang.cos()[:, None], ang.sin()[:, None]
     a, b = x[..., :half], x[..., half:]
@@ -91,11 +91,11 @@ def head_forward(t: dict, prefix: str, embed, ids, hidden, norm_before_residual:
     q = (x @ w["self_attn.q_proj.weight"].T).view(n, s.heads, s.head_dim)
     k = (x @ w["self_attn.k_proj.weight"].T).view(n, s.kv_heads, s.head_dim)
     v = (x @ w["self_attn.v_proj.weight"].T).view(n, s.kv_heads, s.head_dim)
-    pos = torch.arange(n)
+    pos = torch.arange(n, device=x.device)
     q, k = rope(q, pos, s.head_dim), rope(k, pos, s.head_dim)
     k, v = k.repeat_interleave(s.heads // s.kv_heads, 1), v.repeat_interleave(s.heads // s.kv_heads, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(s.head_dim)
-    scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool), 1), float("-inf"))
+    scores = scores.masked_fill(torch.triu(torch.ones(n, n, dtype=torch.bool, device=x.device), 1), float("-inf"))
     attn = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, s.heads * s.head_dim)
     out = (normed if norm_before_residual else hidden) + attn @ w["self_attn.o_proj.weight"].T
     mlp_in = rms(out, w["post_attention_layernorm.weight"])
@@ -118,7 +118,7 @@ def reference_drafts(t: dict, prefix: str, embed, tokens: list[int], aux, k: int
     hidden = aux[:len(tokens) - 1] @ t["fc.weight"].T
     drafts = []
     for _ in range(k):
-        out = head_forward(t, prefix, embed, torch.tensor(ids), hidden, norm_before_residual, shape)
+        out = head_forward(t, prefix, embed, torch.tensor(ids, device=aux.device), hidden, norm_before_residual, shape)
         drafts.append(int(draft_ids(t, out[-1:])[0]))
         ids.append(drafts[-1])
         hidden = torch.cat([hidden, out[-1:]])

@@ -351,3 +351,45 @@ def test_speculative_draft_model_equals_plain_decoding_on_gpu(bf16_model):
             assert draft_counts(llm.scheduler).num_accepted_tokens > 0
         llm.shutdown()
     assert runs[True] == runs[False]
+
+
+def test_speculative_eagle3_on_gpu(bf16_model, tmp_path, monkeypatch):
+    """An EAGLE-3 head on the GPU (fp32): its drafts are EAGLE-3's (against the plain-torch
+    reference on transformers' hidden states: the decode and prefill graphs must write the layer
+    inputs it reads; at least 95% of proposals equal, kernels differ from the reference only by
+    rounding, which can flip a near-tied argmax), and the tokens are plain decoding's."""
+    from eagle3_reference import HeadShape, reference_drafts, write_head
+
+    from nanovllm.features.speculative.eagle3 import Eagle3Proposer
+
+    vocab = tm.load_hf_model(bf16_model).config.vocab_size
+    shape = HeadShape(hidden=256, heads=8, kv_heads=2, head_dim=64, intermediate=512, vocab=vocab, draft_vocab=64,
+                      target_hidden=256)
+    tensors = write_head(tmp_path / "head", "speculators", seed=1, shape=shape, aux_ids=(0, 1, 2))
+    calls = []
+    propose = Eagle3Proposer.propose
+
+    def record(self, seqs, ks, block_manager):
+        out = propose(self, seqs, ks, block_manager)
+        calls.extend((list(s.token_ids), k, d) for s, k, d in zip(seqs, ks, out) if d)
+        return out
+    monkeypatch.setattr(Eagle3Proposer, "propose", record)
+    prompts = prompts_of([40, 7, 300, 33], seed=5)
+    params = [SamplingParams(temperature=0 if i % 2 else 0.9, seed=i, max_tokens=40, ignore_eos=True)
+              for i in range(len(prompts))]
+    runs = {}
+    for spec in (None, {"method": "eagle3", "model": str(tmp_path / "head"), "num_speculative_tokens": 3}):
+        llm = LLM(bf16_model, dtype="float32", kvcache_block_size=16, speculative_config=spec)
+        runs[spec is None] = [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert runs[True] == runs[False] and len(calls) >= 40
+    hf = tm.load_hf_model(bf16_model, dtype=torch.float32, device="cuda")
+    embed = hf.model.embed_tokens.weight.detach()
+    cuda = {k: v.cuda() for k, v in tensors.items()}
+    same = 0
+    for seq, k, drafts in calls[:60]:
+        with torch.no_grad():
+            states = hf(torch.tensor([seq], device="cuda"), output_hidden_states=True).hidden_states
+        aux = torch.cat([states[i][0] for i in (0, 1, 2)], dim=-1)
+        same += drafts == reference_drafts(cuda, "layers.0.", embed, seq, aux, k, True, shape)
+    assert same >= 0.95 * min(len(calls), 60), (same, len(calls))
