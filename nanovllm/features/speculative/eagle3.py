@@ -24,6 +24,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 import torch
 
+from nanovllm.core.cuda_graphs import DecodeGraphs
 from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache
 from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.features.speculative.eagle3_head import Eagle3Head, load_head
@@ -49,6 +50,24 @@ class Eagle3Proposer:
                                  runner.backend.name, attn.num_kv_heads)
         # Sequence -> (head outputs [rows, H], first drafts [rows], position of row 0, preemptions)
         self._rows: WeakKeyDictionary = WeakKeyDictionary()
+        self.graphs = None
+        if runner.graphs is not None:  # (CUDA with graphs: the head's draft steps replay too)
+            self._capture_graphs(min(config.max_num_seqs, self.max_rows))
+
+    def _capture_graphs(self, max_bs: int) -> None:
+        """Graphs of one head draft step (its forward and greedy draft) per batch size: eagerly a
+        step launches ~25 small kernels, whose host time at batch 1 exceeds the GPU's. Inputs go
+        through the fixed buffers below and the decode buffers of `inputs`."""
+        h, dtype = self.head.config.layer.hidden_size, self.config.dtype
+        self._tokens_in = torch.zeros(max_bs, dtype=torch.long, device=self.device)
+        self._hidden_in = torch.zeros(max_bs, h, dtype=dtype, device=self.device)
+        self._drafts_out = torch.zeros(max_bs, dtype=torch.long, device=self.device)
+
+        def step(ids, positions, meta):
+            out = self.head(ids, positions, self._hidden_in[:len(ids)], meta)
+            self._drafts_out[:len(ids)] = self.head.draft_tokens(out)
+            return out
+        self.graphs = DecodeGraphs(step, self.inputs, lambda ids, src: self._tokens_in[:len(ids)], max_bs, h, dtype)
 
     # ------------------------------------------------------------------ after each target step
     @torch.inference_mode()
@@ -110,8 +129,7 @@ class Eagle3Proposer:
                 index = self._index(keep)
                 hidden, token = hidden.index_select(0, index), token.index_select(0, index)
                 going = [going[m] for m in keep]
-            hidden = self._decode_step([seqs[live[n]] for n in going], j, token, hidden)
-            token = self.head.draft_tokens(hidden)
+            hidden, token = self._decode_step([seqs[live[n]] for n in going], j, token, hidden)
             steps.append((going, token))
         host = iter(torch.cat([t for _, t in steps]).tolist())  # (the one wait for the device)
         for going, _ in steps:
@@ -119,12 +137,20 @@ class Eagle3Proposer:
                 out[live[n]].append(next(host))
         return out
 
-    def _decode_step(self, seqs: list, j: int, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """Head step j for `seqs`: draft j at position len(seq) - 2 + j, after `hidden`."""
-        starts = [len(s) - 2 + j for s in seqs]
-        step = StepInput(False, [[0]] * len(seqs), starts, [s.block_table for s in seqs])
-        _, positions, meta = self.inputs.decode(step, len(seqs), lambda ids, src: ids)
-        return self.head(tokens, positions, hidden, meta)
+    def _decode_step(self, seqs: list, j: int, tokens: torch.Tensor, hidden: torch.Tensor):
+        """Head step j for `seqs`: draft j at position len(seq) - 2 + j, after `hidden`; the
+        head's outputs and the next drafts."""
+        n = len(seqs)
+        step = StepInput(False, [[0]] * n, [len(s) - 2 + j for s in seqs], [s.block_table for s in seqs])
+        bs = self.graphs.batch_size_for(n) if self.graphs is not None else None
+        if bs is None:
+            _, positions, meta = self.inputs.decode(step, n, lambda ids, src: ids)
+            out = self.head(tokens, positions, hidden, meta)
+            return out, self.head.draft_tokens(out)
+        self._tokens_in[:n].copy_(tokens)
+        self._hidden_in[:n].copy_(hidden)
+        out = self.graphs.replay(step, bs)
+        return out.clone(), self._drafts_out[:n].clone()  # (the next replay overwrites both)
 
     def verified(self, seq, drafted: int, accepted: int) -> None:
         """Nothing to do: the step's own rows (after_sampling) say where the sequence is."""
