@@ -169,12 +169,19 @@ def roofline_floor(hf_config, prompts, max_tokens, dtype_bytes: int, bandwidth: 
     return (kv_reads * kv_per_token + weights) / bandwidth
 
 
+def quantization_name(quant) -> str | None:
+    """"fp8-block", "fp8-tensor", or the INT4 scheme's description."""
+    return None if quant is None else f"fp8-{quant.scheme}" if hasattr(quant, "scheme") else str(quant)
+
+
 def weight_element_bytes(llm) -> tuple[int, float]:
     """(KV cache bytes per element, decoder linear weights' bytes per element) of an engine."""
     cfg = llm.config
     quant = cfg.quant
     if quant is None:
         linear = cfg.dtype.itemsize
+    elif hasattr(quant, "bytes_per_weight"):  # INT4: half a byte and the group's scale and zero point
+        linear = quant.bytes_per_weight(cfg.dtype.itemsize, cfg.hf_config.hidden_size)
     elif quant.scheme == "block":
         linear = 1 + 4 / (128 * 128)  # an fp32 scale per 128x128 block
     else:
@@ -553,7 +560,7 @@ def floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor
 def step_floor_report(llm, timeline: StepTimeline, args, seconds: float, memory_floor: float) -> dict:
     """The per-step floor part of floor_report."""
     kv_bytes, linear_bytes = weight_element_bytes(llm)
-    fp8_weights = llm.config.quant is not None
+    fp8_weights = llm.config.quant is not None and hasattr(llm.config.quant, "scheme")  # (INT4 multiplies in 16 bits)
     kw = dict(kv_bytes=kv_bytes, linear_bytes=linear_bytes,
               linear_peak_flops=args.peak_flops_fp8 if fp8_weights else args.peak_flops)
     dtype_bytes = llm.config.dtype.itemsize
@@ -661,7 +668,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...): "auto" or "fp8"')
-    ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load time')
+    ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load '
+                    'time; "gptq" / "awq" with --dummy: random INT4 weights of the real shapes')
     ap.add_argument("--calculate-kv-scales", action="store_true", help="LLM(calculate_kv_scales=True)")
     ap.add_argument("--speculative-config", type=json.loads, default=None,
                     help='LLM(speculative_config=...) as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'')
@@ -766,7 +774,7 @@ def run_result(llm, args, name: str, seconds: float, floor: float | None, cold_s
             "cold_start_s": round(cold_start, 2),
             "preemptions": llm.scheduler.num_preemptions, "kv_blocks": llm.block_manager.num_blocks,
             "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
-            "quantization": None if llm.config.quant is None else f"fp8-{llm.config.quant.scheme}",
+            "quantization": quantization_name(llm.config.quant),
             "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
             "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
             "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,

@@ -327,7 +327,7 @@ class Config:
     def _resolve_features(self, hf, features: ModelFeatures) -> None:
         self.quant = features.quantization_scheme(getattr(hf, "quantization_config", None), self.quantization.method)
         if self.quant is not None:
-            self.quant.check_model(hf, self.parallel.tensor_parallel_size)
+            self.quant.check_model(hf, self.parallel.tensor_parallel_size, self.load_format)
         self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
         self.sparse_mlp = features.sparse_mlp(registry.model_class(hf).options_from_config(hf))
         self.speculation = features.speculation(self.speculative_config, hf, self.parallel.tensor_parallel_size)

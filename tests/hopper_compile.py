@@ -185,6 +185,15 @@ def _filtered_sampling(dtype, top_k=True, top_p=True, min_p=True, scale=True, ro
                            rounds=rounds)
 
 
+def _w4a16(m, group_size):
+    from nanovllm.kernels.w4a16 import w4a16_matmul
+
+    k, n = 4096, 6144
+    qweight = torch.zeros(k // 8, n, dtype=torch.int32)
+    scales = torch.ones(k // group_size, n).to(BF16)
+    w4a16_matmul(torch.randn(m, k).to(BF16), qweight, scales, scales, group_size, num_sms=132)
+
+
 SCENARIOS = {
     "paged_decode_bf16": lambda: _paged_decode(BF16, 1),
     "paged_decode_bf16_splits": lambda: _paged_decode(BF16, 3),
@@ -203,6 +212,9 @@ SCENARIOS = {
     # Many routed slots: the chunked alignment kernels, and the GEMM tiles of large batches.
     "fused_moe_bf16_prefill": lambda: _fused_moe(False, tokens=2048, experts=128, k=8),
     "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
+    # INT4 weights: split-K with atomic fp32 sums (decode), plain tiles (prefill), group 32.
+    "w4a16_decode": lambda: _w4a16(1, 128),
+    "w4a16_prefill_g32": lambda: _w4a16(300, 32),
     "sampling_bf16": lambda: _sampling(BF16),
     "sampling_fp32": lambda: _sampling(torch.float32),
     # Every launch of filtered_sample_triton: round 0, a chunked round and the last (looping) decide.

@@ -228,8 +228,8 @@ def test_tp2_equals_tp1_with_fp8_weights_and_kv(ckpts):
 
 # ------------------------------------------------------------------ 5. bad input
 @pytest.mark.parametrize("qc,match", [
-    ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method='gptq'"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 3}, "bits=3"),  # (4-bit GPTQ / AWQ load: tests/test_int4.py)
     ({**QWEN_FP8_CONFIG, "weight_block_size": [64, 64]}, r"weight_block_size=\[64, 64\]"),
     ({**QWEN_FP8_CONFIG, "fmt": "e5m2"}, "fmt='e5m2'"),
     ({**QWEN_FP8_CONFIG, "activation_scheme": "static"}, "activation_scheme='static'"),
@@ -250,7 +250,8 @@ def test_unsupported_checkpoint_quantization_is_named(ckpts, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("kw,match", [
-    (dict(quantization="awq"), "quantization='awq' is not supported"),
+    (dict(quantization="awq"), "not awq-quantized"),
+    (dict(quantization="awq_marlin"), "quantization='awq_marlin' is not supported"),
     (dict(quantization="int3"), "quantization='int3' is unknown"),
     (dict(kv_cache_dtype="fp8_e5m2"), "kv_cache_dtype='fp8_e5m2'"),
     (dict(calculate_kv_scales=True), "needs kv_cache_dtype='fp8'"),

@@ -44,8 +44,8 @@ class LinearMethod(QuantMethod, Protocol):
 class QuantScheme(Protocol):
     """A resolved quantization scheme (e.g. features/quantization/fp8.py's Fp8Config)."""
 
-    def check_model(self, hf_config, tp: int) -> None:
-        """A ValueError, before any weight loads, for a model this scheme cannot store."""
+    def check_model(self, hf_config, tp: int, load_format: str) -> None:
+        """A ValueError, before any weight loads, for a model (or load_format) this scheme cannot store."""
 
     def method_for(self, kind: str, name: str) -> QuantMethod | None:
         """The method of the module `name` of this `quant_kind`, or None to keep it 16-bit."""

@@ -1,6 +1,8 @@
 """Quantized weight schemes, one module each (`fp8.py`: FP8 weights; `fp8_ops.py`: its arithmetic
 in plain torch and the dispatchers to the kernels of nanovllm/kernels/fp8_gemm.py; `fp8_moe.py`:
-FP8 MoE experts; `fp8_kv.py`: the FP8 KV cache's options and scale calibration).
+FP8 MoE experts; `fp8_kv.py`: the FP8 KV cache's options and scale calibration; `int4.py`: INT4
+weight-only GPTQ / AWQ / compressed-tensors checkpoints, `int4_formats.py` and `int4_loading.py`
+their storage, nanovllm/kernels/w4a16.py their GEMM).
 
 Each scheme registers under its quantization name in model/quant.py's `SCHEMES`, the linear-method
 hook it plugs into. `resolve_quantization` turns what the user asked for (`LLM(quantization=...)`)
@@ -11,15 +13,18 @@ error, before any weight loads.
 from __future__ import annotations
 
 from nanovllm.features.quantization.fp8 import Fp8Config
+from nanovllm.features.quantization.int4 import Int4Config
 from nanovllm.model.quant import SCHEMES, register_scheme
 
 # Methods vLLM knows that nano-vllm does not run: named in the error instead of "unknown".
-_KNOWN_ELSEWHERE = ("awq", "awq_marlin", "gptq", "gptq_marlin", "marlin", "bitsandbytes", "compressed-tensors",
-                    "compressed_tensors", "modelopt", "modelopt_fp4", "fbgemm_fp8", "gguf", "hqq", "mxfp4",
+_KNOWN_ELSEWHERE = ("awq_marlin", "gptq_marlin", "marlin", "bitsandbytes", "compressed_tensors", "modelopt", "modelopt_fp4", "fbgemm_fp8", "gguf", "hqq", "mxfp4",
                     "torchao", "experts_int8", "deepspeedfp", "tpu_int8", "quark", "moe_wna16", "eetq", "aqlm")
 
 
 register_scheme("fp8", Fp8Config.resolve)
+register_scheme("gptq", Int4Config.gptq)
+register_scheme("awq", Int4Config.awq)
+register_scheme("compressed-tensors", Int4Config.compressed_tensors)
 
 
 def resolve_quantization(checkpoint_config, requested: str | None):
@@ -41,6 +46,6 @@ def resolve_quantization(checkpoint_config, requested: str | None):
         method = checkpoint_config.get("quant_method")
         if method not in SCHEMES:
             raise ValueError(f"the checkpoint is quantized with quant_method={method!r}, which nano-vllm does not "
-                             f"load; supported: FP8 (quant_method 'fp8', Qwen's block format)")
+                             f"load; supported: {supported}")
         return SCHEMES[method](checkpoint_config)
     return None if requested is None else SCHEMES[requested](None)

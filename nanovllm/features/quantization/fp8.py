@@ -68,7 +68,7 @@ class Fp8Config:
         """The checkpoint's block scheme, or (None) quantization at load time."""
         return cls.online() if checkpoint_config is None else cls.from_checkpoint(checkpoint_config)
 
-    def check_model(self, hf_config, tp: int) -> None:
+    def check_model(self, hf_config, tp: int, load_format: str = "auto") -> None:
         """A ValueError, before any weight loads, when a tensor-parallel shard or a packed part
         (q / k of qkv, gate of gate_up) would not be whole 128-blocks of the checkpoint's scales,
         or (either scheme: FP8 experts are always in 128x128 blocks) when a rank's share of the

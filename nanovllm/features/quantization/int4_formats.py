@@ -1,0 +1,91 @@
+"""The three INT4 weight-only checkpoint formats, as stored, and their conversion to one layout.
+
+Every format stores 4-bit integers q in [0, 15] eight to an int32 (value j of a word in bits
+4j..4j+3, but AWQ's order below), with per-group scales s and zero points z over `group_size`
+consecutive input features (one group for "channel" / group_size -1): w = (q - z) * s.
+
+- GPTQ (AutoGPTQ / GPTQModel): `qweight` int32 [in / 8, out] (packed along the input),
+  `qzeros` int32 [groups, out / 8] (packed along the output), `scales` [groups, out], `g_idx`
+  int32 [in] (each input feature's group; with desc_act not in order). checkpoint_format "gptq"
+  (v1) stores z - 1 in qzeros, "gptq_v2" stores z.
+- AWQ (AutoAWQ, version "gemm"): `qweight` int32 [in, out / 8] and `qzeros` int32 [groups, out / 8],
+  both packed along the output in the order 0, 2, 4, 6, 1, 3, 5, 7 (word nibble i holds output
+  column ORDER[i] of its eight), `scales` [groups, out].
+- compressed-tensors "pack-quantized" (llm-compressor's W4A16): `weight_packed` int32
+  [out, in / 8] (packed along the input), `weight_scale` [out, groups], values stored + 8 (the
+  signed range [-8, 7] made unsigned); asymmetric schemes add `weight_zero_point` int32
+  [out / 8, groups] (packed along the output, also + 8), symmetric ones mean z = 8;
+  `weight_shape` [2] = (out, in); `weight_g_idx` [in] with an activation order.
+
+The layout the kernels read (Int4Weights): q packed along the input as GPTQ's qweight [in / 8, out]
+with groups in order (an act-order checkpoint's input features are sorted by group, and the
+activations permuted to match: `perm`), scales and zero points [groups, out] in the model's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # output column held by each nibble of an AWQ word
+_NATURAL = tuple(range(8))
+
+
+def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = _NATURAL) -> torch.Tensor:
+    """int32 words -> their eight 4-bit values (int32, 0..15), `dim` growing 8-fold; value e of a
+    word's eight comes from the nibble that `order` gives it (order[nibble] = e)."""
+    shifts = torch.tensor([4 * order.index(e) for e in range(8)], dtype=torch.int32, device=packed.device)
+    words = packed.to(torch.int32).unsqueeze(dim + 1)
+    view = [1] * words.dim()
+    view[dim + 1] = 8
+    values = (words >> shifts.view(view)) & 0xF
+    shape = list(packed.shape)
+    shape[dim] *= 8
+    return values.reshape(shape)
+
+
+def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
+    """The inverse of unpack_int4 in the natural order: eight values (0..15) per int32 word."""
+    shape = list(values.shape)
+    shape[dim : dim + 1] = [shape[dim] // 8, 8]
+    v = values.to(torch.int32).reshape(shape)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=values.device)
+    view = [1] * v.dim()
+    view[dim + 1] = 8
+    return (v << shifts.view(view)).sum(dim=dim + 1, dtype=torch.int32)
+
+
+@dataclass
+class Int4Weights:
+    """One linear layer's (this rank's) weights in the kernels' layout (module docstring)."""
+
+    qweight: torch.Tensor  # int32 [in / 8, out]
+    scales: torch.Tensor  # [groups, out]
+    zeros: torch.Tensor  # [groups, out], integer-valued
+    group_size: int
+    perm: torch.Tensor | None  # long [in]: activations' columns in group order, None when in order
+
+
+def to_kernel_layout(q: torch.Tensor, scales, zeros, g_idx: torch.Tensor | None, group_size: int,
+                     dtype: torch.dtype) -> Int4Weights:
+    """From unpacked values q [in, out], scales / zeros [groups, out] and each input feature's
+    group (None: in order): sorted by group when they are not, packed along the input."""
+    perm = None
+    if g_idx is not None:
+        g_idx = g_idx.to(torch.long)
+        in_order = torch.arange(q.shape[0], device=q.device) // group_size
+        if not torch.equal(g_idx, in_order):
+            perm = torch.argsort(g_idx, stable=True)
+            if not torch.equal(g_idx[perm], in_order):
+                raise ValueError("g_idx does not give every group exactly group_size input features")
+            q = q[perm]
+    return Int4Weights(pack_int4(q, 0), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), group_size,
+                       perm)
+
+
+def dequantize(w: Int4Weights) -> torch.Tensor:
+    """The weight [in, out] in fp32 (rows in group order: apply `perm` to the activations)."""
+    q = unpack_int4(w.qweight, 0).float()
+    groups = torch.arange(q.shape[0], device=q.device) // w.group_size
+    return (q - w.zeros.float()[groups]) * w.scales.float()[groups]
