@@ -393,3 +393,45 @@ def test_speculative_eagle3_on_gpu(bf16_model, tmp_path, monkeypatch):
         aux = torch.cat([states[i][0] for i in (0, 1, 2)], dim=-1)
         same += drafts == reference_drafts(cuda, "layers.0.", embed, seq, aux, k, True, shape)
     assert same >= 0.95 * min(len(calls), 60), (same, len(calls))
+
+
+@pytest.mark.parametrize("m", [1, 16, 64, 300])
+def test_w4a16_kernel_on_gpu(m):
+    """kernels/w4a16.py compiled for the GPU, bf16 activations, against its fp32 arithmetic
+    (dequantized weight, TF32 off): bf16 inputs and tensor-core products in bf16 with fp32 sums
+    give a relative error of a few 1e-3 on sums of 4096 products; the bound is 1e-2."""
+    from nanovllm.features.quantization.int4_formats import dequantize, Int4Weights
+    from nanovllm.kernels.w4a16 import w4a16_matmul
+
+    k, n, group = 4096, 1536, 128
+    g = torch.Generator(device="cuda").manual_seed(m)
+    w = Int4Weights(torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, device="cuda").to(torch.int32),
+                    (torch.rand(k // group, n, generator=g, device="cuda") * 0.004).to(torch.bfloat16),
+                    torch.randint(0, 16, (k // group, n), generator=g, device="cuda").to(torch.bfloat16), group, None)
+    x = torch.randn(m, k, generator=g, device="cuda").to(torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda")
+    out.copy_(w4a16_matmul(x, w.qweight, w.scales, w.zeros, group))
+    ref = x.float() @ dequantize(w)
+    assert ((out - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+def test_int4_checkpoint_on_gpu(bf16_model, tmp_path):
+    """A GPTQ (act order) and an AWQ checkpoint made in the test, on the GPU with its graphs:
+    teacher-forced logits within 1e-2 (relative) of the same engine on the dequantized 16-bit
+    weights (the kernel's bf16 products against cuBLAS's), and greedy decoding runs."""
+    from int4_checkpoints import quantized_checkpoint
+
+    for fmt, group, sym, act_order in (("gptq_v2", 64, False, True), ("awq", 128, False, False)):
+        int4, dense = quantized_checkpoint(bf16_model, tmp_path / fmt, fmt, group, sym, act_order)
+        seq = prompts_of([200], seed=2)[0]
+        logits = {}
+        for path in (int4, dense):
+            llm = LLM(path, kvcache_block_size=16, max_model_len=1024)
+            logits[path] = llm.model_runner.score(seq)
+            if path == int4:
+                out = llm.generate([seq[:20]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                                   use_tqdm=False)
+                assert len(out[0]["token_ids"]) == 16
+            llm.shutdown()
+        err = (logits[int4] - logits[dense]).norm() / logits[dense].norm()
+        assert err < 1e-2, (fmt, err.item())

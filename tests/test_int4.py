@@ -1,9 +1,7 @@
 """INT4 weight-only checkpoints (features/quantization/int4*.py, kernels/w4a16.py) on CPU, float32.
 
-The checkpoints are made here: random tiny Qwen3 weights quantized in groups (min / max, round
-to nearest) and packed by this module's own packers, written from each format's description
-(GPTQ v1 / v2 with and without an activation order, AWQ's interleaved nibbles, compressed-
-tensors' pack-quantized, symmetric and not). The reference is transformers on the *dequantized*
+The checkpoints are made in the test (int4_checkpoints.py: random tiny Qwen3 weights quantized
+and packed from each format's description). The reference is transformers on the *dequantized*
 weights: greedy tokens must be equal. The unpacking is also checked layer by layer against the
 dequantized weights, and the Triton kernel (interpreter) against the same arithmetic in torch.
 """
@@ -16,118 +14,14 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tiny_model as tm  # noqa: E402
 from helpers import greedy, make_llm, rand_ids  # noqa: E402
+from int4_checkpoints import quantized_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-AWQ_NIBBLE_COLUMN = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ: nibble i of a word holds column AWQ_NIBBLE_COLUMN[i]
-
-
-def to_int32(words: torch.Tensor) -> torch.Tensor:
-    """int64 words in [0, 2^32) as the int32 of the same bits."""
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def pack_rows(q: torch.Tensor) -> torch.Tensor:
-    """[R, C] values 0..15 -> [R / 8, C]: row 8i + j of a column in bits 4j of word i."""
-    q = q.long().reshape(q.shape[0] // 8, 8, q.shape[1])
-    return to_int32(sum(q[:, j] << (4 * j) for j in range(8)))
-
-
-def pack_cols(q: torch.Tensor, nibble_column=tuple(range(8))) -> torch.Tensor:
-    """[R, C] values 0..15 -> [R, C / 8]: nibble i of word c holds column 8c + nibble_column[i]."""
-    q = q.long().reshape(q.shape[0], q.shape[1] // 8, 8)
-    return to_int32(sum(q[:, :, nibble_column[i]] << (4 * i) for i in range(8)))
-
-
-def quantize(w: torch.Tensor, group: int, sym: bool, order: torch.Tensor | None = None):
-    """w [out, in] -> (q [in, out] 0..15, z [groups, out], s [groups, out], each input feature's
-    group, dequantized w [out, in]). Groups run over `order` (an activation order) if given."""
-    out_f, in_f = w.shape
-    group = in_f if group == -1 else group
-    order = torch.arange(in_f) if order is None else order
-    g_idx = torch.empty(in_f, dtype=torch.long)
-    g_idx[order] = torch.arange(in_f) // group
-    wt = w.t()  # [in, out]
-    n_groups = in_f // group
-    s, z = torch.empty(n_groups, out_f), torch.empty(n_groups, out_f)
-    for g in range(n_groups):
-        rows = wt[g_idx == g]
-        if sym:
-            s[g] = rows.abs().amax(0).clamp(min=1e-6) / 7.5
-            z[g] = 8
-        else:
-            lo, hi = rows.amin(0), rows.amax(0)
-            s[g] = ((hi - lo) / 15).clamp(min=1e-6)
-            z[g] = torch.round(-lo / s[g]).clamp(0, 15)
-    s = s.half().float()  # (the checkpoints store fp16 scales)
-    q = torch.clamp(torch.round(wt / s[g_idx]) + z[g_idx], 0, 15)
-    deq = ((q - z[g_idx]) * s[g_idx]).t().contiguous()
-    return q.to(torch.int32), z, s, g_idx, deq
-
-
-def encode(fmt: str, q, z, s, g_idx, sym: bool, act_order: bool) -> dict[str, torch.Tensor]:
-    """One layer's stored tensors (names after the module prefix) in `fmt`."""
-    if fmt in ("gptq", "gptq_v2"):
-        return {"qweight": pack_rows(q), "qzeros": pack_cols((z - (1 if fmt == "gptq" else 0)).long()),
-                "scales": s.half(), "g_idx": g_idx.to(torch.int32)}
-    if fmt == "awq":
-        return {"qweight": pack_cols(q, AWQ_NIBBLE_COLUMN), "qzeros": pack_cols(z.long(), AWQ_NIBBLE_COLUMN),
-                "scales": s.half()}
-    out = {"weight_packed": pack_cols(q.t()), "weight_scale": s.t().contiguous().half(),
-           "weight_shape": torch.tensor([q.shape[1], q.shape[0]], dtype=torch.int64)}
-    if not sym:  # stored + 8 from the signed range, i.e. z itself; packed along the output
-        out["weight_zero_point"] = pack_rows(z.t().contiguous())
-    if act_order:
-        out["weight_g_idx"] = g_idx.to(torch.int32)
-    return out
-
-
-def quant_config(fmt: str, group: int, sym: bool, act_order: bool) -> dict:
-    if fmt.startswith("gptq"):
-        return {"quant_method": "gptq", "bits": 4, "group_size": group, "sym": sym, "desc_act": act_order,
-                "checkpoint_format": "gptq" if fmt == "gptq" else "gptq_v2"}
-    if fmt == "awq":
-        return {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"}
-    weights = {"num_bits": 4, "type": "int", "symmetric": sym, "strategy": "group" if group > 0 else "channel",
-               "group_size": group if group > 0 else None, "actorder": "group" if act_order else None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None}}}
-
-
-def quantized_checkpoint(src: str, dst, fmt: str, group: int, sym: bool, act_order: bool) -> tuple[str, str]:
-    """(the INT4 checkpoint, a 16-bit copy holding its dequantized weights) of `src`."""
-    import shutil
-
-    tensors = load_file(os.path.join(src, "model.safetensors"))
-    quant, deq = dict(tensors), dict(tensors)
-    gen = torch.Generator().manual_seed(len(fmt) + group)
-    for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
-        w = tensors[name].float()
-        order = torch.randperm(w.shape[1], generator=gen) if act_order else None
-        q, z, s, g_idx, d = quantize(w, group, sym, order)
-        prefix = name[: -len(".weight")]
-        del quant[name]
-        quant.update({f"{prefix}.{k}": v for k, v in encode(fmt, q, z, s, g_idx, sym, act_order).items()})
-        deq[name] = d
-    paths = []
-    for folder, weights, qc in ((dst / "int4", quant, quant_config(fmt, group, sym, act_order)),
-                                (dst / "dequantized", deq, None)):
-        shutil.copytree(src, folder)
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(folder / "model.safetensors"))
-        if qc is not None:
-            config = json.loads((folder / "config.json").read_text())
-            config["quantization_config"] = qc
-            (folder / "config.json").write_text(json.dumps(config))
-        paths.append(str(folder))
-    return paths[0], paths[1]
-
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):

@@ -64,9 +64,10 @@ def _config(m: int, n: int, k: int, block_k: int, num_sms: int) -> tuple[int, in
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, num_sms: int | None = None) -> torch.Tensor:
+                 group_size: int, num_sms: int | None = None, config: tuple | None = None) -> torch.Tensor:
     """x [..., K] (fp16 / bf16 / fp32, contiguous rows) @ the unpacked weight [K, N] -> [..., N]
-    in x's dtype. `group_size` must be a multiple of 32 dividing K (or K itself)."""
+    in x's dtype. `group_size` must be a multiple of 32 dividing K (or K itself). `config`:
+    (BLOCK_M, BLOCK_N, splits, num_warps) instead of _config's (benchmarks)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[-1] != k or scales.shape != zeros.shape or scales.shape[1] != n:
         raise ValueError(f"w4a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
@@ -80,7 +81,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     m = x2.shape[0]
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    block_m, block_n, splits, warps = _config(m, n, k, block_k, num_sms)
+    block_m, block_n, splits, warps = config or _config(m, n, k, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)
     out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if splits > 1 else \

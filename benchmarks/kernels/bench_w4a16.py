@@ -1,0 +1,80 @@
+"""The W4A16 GEMM (kernels/w4a16.py) against bf16 F.linear on Qwen3-8B's decoder GEMMs, timed from
+CUDA graphs (benchmarks/kernels/timing.py), with the bandwidth it reaches.
+
+    PYTHONPATH=. python3 benchmarks/kernels/bench_w4a16.py [--m 1,16,64,256] [--sweep]
+
+Per GEMM (K x N) and M: microseconds of bf16 and of INT4 (group 128), the bytes the INT4 GEMM must
+move (0.5 byte per weight, a bf16 scale and zero point per group and column, x and out) over its
+time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
+arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
+--sweep, a few tile configs per shape (BLOCK_M, BLOCK_N, splits, warps) and the best one.
+Writes $OUT/w4a16.json when $OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
+from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
+from nanovllm.kernels.w4a16 import w4a16_matmul
+
+GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
+BANDWIDTH = 4.3e12
+
+
+def weights(k: int, n: int, group: int, gen) -> Int4Weights:
+    q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=gen, device="cuda", dtype=torch.int64).to(torch.int32)
+    s = (torch.rand(k // group, n, generator=gen, device="cuda") * 0.004).to(torch.bfloat16)
+    z = torch.randint(0, 16, (k // group, n), generator=gen, device="cuda").to(torch.bfloat16)
+    return Int4Weights(q, s, z, group, None)
+
+
+def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
+    w = weights(k, n, 128, gen)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
+    dense = dequantize(w).to(torch.bfloat16).t().contiguous()
+    ref = x.float() @ dequantize(w)
+    out = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
+    us_bf16 = cuda_graph_us(lambda: F.linear(x, dense), median=True)
+    us = cuda_graph_us(lambda: w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128), median=True)
+    moved = k * n / 2 + 2 * (k // 128) * n * 2 + 2 * m * (k + n)
+    result = {"gemm": name, "k": k, "n": n, "m": m, "bf16_us": round(us_bf16, 2), "int4_us": round(us, 2),
+              "speedup": round(us_bf16 / us, 2), "gb_s": round(moved / us / 1e3, 1),
+              "of_bandwidth": round(moved / us / 1e-6 / BANDWIDTH, 3), "rel_err": err, "ok": err < 1e-2}
+    if sweep:
+        best = None
+        for cfg in [(16, bn, sp, 4) for bn in (32, 64, 128) for sp in (1, 2, 4, 8, 16)] if m <= 16 else \
+                [(bm, bn, 1, wp) for bm in (16, 32, 64) for bn in (64, 128) for wp in (4, 8)]:
+            t = cuda_graph_us(lambda: w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128, config=cfg), median=True)
+            best = min(best or (t, cfg), (t, cfg))
+        result["best_us"], result["best_config"] = round(best[0], 2), best[1]
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--m", default="1,16,64,256")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows = [row(name, k, n, int(m), args.sweep, gen) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
+    print(f"{'gemm':<8}{'M':>5}{'bf16 us':>9}{'int4 us':>9}{'x':>6}{'GB/s':>8}{'of BW':>7}  check")
+    for r in rows:
+        extra = f"  best {r['best_us']} {r['best_config']}" if "best_us" in r else ""
+        print(f"{r['gemm']:<8}{r['m']:>5}{r['bf16_us']:>9}{r['int4_us']:>9}{r['speedup']:>6}{r['gb_s']:>8}"
+              f"{r['of_bandwidth']:>7}  {'ok' if r['ok'] else 'WRONG'}{extra}")
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "w4a16.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
