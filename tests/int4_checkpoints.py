@@ -94,9 +94,14 @@ def quantized_checkpoint(src: str, dst, fmt: str, group: int, sym: bool, act_ord
     tensors = load_file(os.path.join(src, "model.safetensors"))
     quant, deq = dict(tensors), dict(tensors)
     gen = torch.Generator().manual_seed(len(fmt) + group)
+    orders = {}  # projections of one input share its activation order (as GPTQ's, from the input's Hessian)
     for name in [n for n in tensors if n.endswith(".weight") and n.split(".")[-2] in LINEARS]:
         w = tensors[name].float()
-        order = torch.randperm(w.shape[1], generator=gen) if act_order else None
+        shared = name.rsplit(".", 2)[0] + {"k_proj": "q_proj", "v_proj": "q_proj", "up_proj": "gate_proj"}.get(
+            name.split(".")[-2], name.split(".")[-2])
+        if act_order and shared not in orders:
+            orders[shared] = torch.randperm(w.shape[1], generator=gen)
+        order = orders.get(shared)
         q, z, s, g_idx, d = quantize(w, group, sym, order)
         prefix = name[: -len(".weight")]
         del quant[name]

@@ -28,9 +28,10 @@ def base(tmp_path_factory):
     return tm.make_tiny_qwen3(tmp_path_factory.mktemp("int4_base"), num_layers=2, seed=3)
 
 
-CASES = [("gptq", 32, True, False), ("gptq_v2", 64, False, True), ("gptq", -1, True, False),
-         ("awq", 32, False, False), ("compressed-tensors", 32, True, False),
-         ("compressed-tensors", -1, False, False), ("compressed-tensors", 64, True, True)]
+# (act orders in groups of 32: every projection's input features reordered over 2-4 groups)
+CASES = [("gptq", 32, True, False), ("gptq_v2", 32, False, True), ("gptq", -1, True, False),
+         ("gptq", 64, False, True), ("awq", 32, False, False), ("compressed-tensors", 32, True, False),
+         ("compressed-tensors", -1, False, False), ("compressed-tensors", 32, True, True)]
 
 
 @pytest.mark.parametrize("fmt, group, sym, act_order", CASES)
@@ -91,8 +92,22 @@ def test_unsupported_settings_are_refused_before_loading(base, tmp_path, qc, err
         make_llm(str(folder))
 
 
+def test_packed_projections_with_different_act_orders_are_refused(base, tmp_path):
+    """q / k / v (and gate / up) read one input, so GPTQ gives them one order; a checkpoint whose
+    k_proj has another cannot share the packed layer's and is named."""
+    from safetensors.torch import load_file, save_file
+
+    int4, _ = quantized_checkpoint(base, tmp_path, "gptq_v2", 32, False, True)
+    tensors = load_file(os.path.join(int4, "model.safetensors"))
+    name = "model.layers.0.self_attn.k_proj.g_idx"
+    tensors[name] = tensors[name].flip(0).contiguous()
+    save_file(tensors, os.path.join(int4, "model.safetensors"))
+    with pytest.raises(ValueError, match="activation order differs"):
+        make_llm(int4)
+
+
 def test_act_order_with_tensor_parallelism_and_moe_are_refused(base, tmp_path):
-    int4, _ = quantized_checkpoint(base, tmp_path, "gptq_v2", 64, False, True)
+    int4, _ = quantized_checkpoint(base, tmp_path, "gptq_v2", 32, False, True)
     with pytest.raises(ValueError, match="activation order"):
         make_llm(int4, tensor_parallel_size=2)
     moe = tm.make_tiny_qwen3_moe(tmp_path / "moe")

@@ -52,6 +52,17 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stri
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
+
+
 def _config(m: int, n: int, k: int, block_k: int, num_sms: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, splits, num_warps): decode-sized M splits K until about two programs
     per SM run; larger M takes wider tiles and no split."""
@@ -80,7 +91,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         x2 = x2.contiguous()
     m = x2.shape[0]
     if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+        num_sms = _sm_count(x.device)
     block_m, block_n, splits, warps = config or _config(m, n, k, block_k, num_sms)
     k_per_split = triton.cdiv(triton.cdiv(k, splits), block_k) * block_k
     splits = triton.cdiv(k, k_per_split)

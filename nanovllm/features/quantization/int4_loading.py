@@ -88,6 +88,12 @@ def load_part(layer, spec: TensorSpec, param, loaded: torch.Tensor, name: str, s
     if loaded.is_floating_point() != data.is_floating_point():
         raise ValueError(f"{name}: checkpoint tensor is {loaded.dtype}, expected {data.dtype} (config.json's "
                          f"quantization_config and the tensors disagree)")
+    if spec.role == "g_idx" and shard is not None:  # one input order for the parts packed together
+        parts = param.__dict__.setdefault("loaded_parts", set())
+        if parts and not torch.equal(data, loaded.to(data.device, data.dtype)):
+            raise ValueError(f"{name}: its activation order differs from the other projections packed with it "
+                             f"(they read the same input, so GPTQ orders them alike)")
+        parts.add(shard)
     data.copy_(loaded)
 
 
