@@ -7,7 +7,7 @@ Per GEMM (K x N) and M: microseconds of bf16 and of INT4 (group 128), the bytes 
 move (0.5 byte per weight, a bf16 scale and zero point per group and column, x and out) over its
 time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
 arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
---sweep, a few tile configs per shape (BLOCK_M, BLOCK_N, splits, warps) and the best one.
+--sweep, a few tile configs per shape (BLOCK_M, BLOCK_N, BLOCK_K, splits, warps) and the best one.
 Writes $OUT/w4a16.json when $OUT is set.
 """
 
@@ -50,8 +50,8 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
               "of_bandwidth": round(moved / us / 1e-6 / BANDWIDTH, 3), "rel_err": err, "ok": err < 1e-2}
     if sweep:
         best = None
-        for cfg in [(16, bn, sp, 4) for bn in (32, 64, 128) for sp in (1, 2, 4, 8, 16)] if m <= 16 else \
-                [(bm, bn, 1, wp) for bm in (16, 32, 64) for bn in (64, 128) for wp in (4, 8)]:
+        for cfg in [(16, bn, bk, sp, 4) for bn in (64, 128) for bk in (128, 256) for sp in (4, 8, 16)] \
+                if m <= 16 else [(bm, bn, 128, 1, wp) for bm in (64, 128) for bn in (64, 128) for wp in (4, 8)]:
             t = cuda_graph_us(lambda: w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128, config=cfg), median=True)
             best = min(best or (t, cfg), (t, cfg))
         result["best_us"], result["best_config"] = round(best[0], 2), best[1]

@@ -18,7 +18,7 @@ from torch import nn
 
 from nanovllm.features.quantization.int4_formats import dequantize, pack_int4
 from nanovllm.features.quantization.int4_loading import CONVERTERS, load_part, tensor_specs
-from nanovllm.kernels.w4a16 import w4a16_matmul
+from nanovllm.kernels.w4a16 import can_run, w4a16_matmul
 
 
 def _ignored(qc: dict, *keys: str) -> tuple[str, ...]:
@@ -187,8 +187,8 @@ class Int4Linear:
         w = layer.int4
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
-        if x.is_cuda:
+        if x.is_cuda and can_run(x.shape[-1], w.group_size):
             y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size)
-        else:  # the same arithmetic in plain torch (CPU)
+        else:  # the same arithmetic in plain torch (the CPU; a K the kernel does not tile)
             y = (x.float() @ dequantize(w)).to(x.dtype)
         return y if bias is None else y + bias
