@@ -212,8 +212,9 @@ SCENARIOS = {
     # Many routed slots: the chunked alignment kernels, and the GEMM tiles of large batches.
     "fused_moe_bf16_prefill": lambda: _fused_moe(False, tokens=2048, experts=128, k=8),
     "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
-    # INT4 weights: split-K with atomic fp32 sums (decode), plain tiles (prefill), group 32.
+    # INT4 weights: the GEMV (decode), split-K tiles with atomic fp32 sums, plain tiles (prefill, group 32).
     "w4a16_decode": lambda: _w4a16(1, 128),
+    "w4a16_split_k": lambda: _w4a16(16, 128),
     "w4a16_prefill_g32": lambda: _w4a16(300, 32),
     "sampling_bf16": lambda: _sampling(BF16),
     "sampling_fp32": lambda: _sampling(torch.float32),

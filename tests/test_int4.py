@@ -53,14 +53,18 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
     assert torch.allclose(w, want, atol=1e-6, rtol=1e-5), (w - want).abs().max()
 
 
-@pytest.mark.parametrize("m, group, k, config", [(1, 64, 1024, None), (5, 32, 512, None), (70, 128, 256, None),
-                                                 (3, 128, 512, (16, 32, 128, 2, 4))])
+@pytest.mark.parametrize("m, group, k, config", [
+    (1, 64, 1024, None), (3, 256, 512, "gemv"), (4, 32, 480, "gemv"),  # GEMV: a tile over 8 groups; K not in whole tiles
+    (5, 32, 512, None), (70, 128, 256, None), (3, 128, 512, "tiles")])  # tiles: split-K 4 and 2; plain tiles
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
-    """kernels/w4a16.py under the Triton interpreter (fp32): split-K with atomic sums at small M
-    (4 and 2 splits here), plain tiles above 64 rows. The same products summed in another
-    order: within 1e-4. The output is a fresh tensor each call (poisoned buffers do not apply)."""
+    """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
+    groups per step, a masked last step), tensor-core tiles with split-K (atomic sums) at small M
+    and plain tiles above 64 rows. The same products summed in another order: within 1e-4. The
+    output is a fresh tensor each call (poisoned buffers do not apply)."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-    from nanovllm.kernels.w4a16 import w4a16_matmul
+    from nanovllm.kernels.w4a16 import Gemv, Tiles, w4a16_matmul
+
+    config = {"gemv": Gemv(16, 32, 4), "tiles": Tiles(16, 32, 128, 2, 4, 2), None: None}[config]
 
     n = 96
     g = torch.Generator().manual_seed(m)

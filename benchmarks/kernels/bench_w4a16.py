@@ -7,7 +7,7 @@ Per GEMM (K x N) and M: microseconds of bf16 and of INT4 (group 128), the bytes 
 move (0.5 byte per weight, a bf16 scale and zero point per group and column, x and out) over its
 time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
 arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
---sweep, a few tile configs per shape (BLOCK_M, BLOCK_N, BLOCK_K, splits, warps) and the best one.
+--sweep, a few launches per shape (kernels/w4a16.py's Gemv or Tiles) and the best one.
 Writes $OUT/w4a16.json when $OUT is set.
 """
 
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-from nanovllm.kernels.w4a16 import w4a16_matmul
+from nanovllm.kernels.w4a16 import GEMV_MAX_M, Gemv, Tiles, w4a16_matmul
 
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 BANDWIDTH = 4.3e12
@@ -33,6 +33,15 @@ def weights(k: int, n: int, group: int, gen) -> Int4Weights:
     s = (torch.rand(k // group, n, generator=gen, device="cuda") * 0.004).to(torch.bfloat16)
     z = torch.randint(0, 16, (k // group, n), generator=gen, device="cuda").to(torch.bfloat16)
     return Int4Weights(q, s, z, group, None)
+
+
+def candidates(m: int) -> list:
+    if m <= GEMV_MAX_M:
+        return [Gemv(bn, bw, wp) for bn in (8, 16, 32) for bw in (128, 256) for wp in (4, 8)]
+    if m <= 64:
+        return [Tiles(min(64, max(16, m)), bn, 128, sp, 4, 3) for bn in (64, 128) for sp in (1, 4, 8)]
+    return [Tiles(bm, bn, 64, 1, wp, st) for bm, bn in ((128, 128), (128, 256), (64, 128))
+            for wp in (4, 8) for st in (3, 4)]
 
 
 def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
@@ -50,8 +59,7 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
               "of_bandwidth": round(moved / us / 1e-6 / BANDWIDTH, 3), "rel_err": err, "ok": err < 1e-2}
     if sweep:
         best = None
-        for cfg in [(16, bn, bk, sp, 4) for bn in (64, 128) for bk in (128, 256) for sp in (4, 8, 16)] \
-                if m <= 16 else [(bm, bn, 128, 1, wp) for bm in (64, 128) for bn in (64, 128) for wp in (4, 8)]:
+        for cfg in candidates(m):
             t = cuda_graph_us(lambda: w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128, config=cfg), median=True)
             best = min(best or (t, cfg), (t, cfg))
         result["best_us"], result["best_config"] = round(best[0], 2), best[1]

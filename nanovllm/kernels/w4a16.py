@@ -2,24 +2,89 @@
 to an int32 along K (qweight [K / 8, N]; value j of a word in bits 4j..4j+3) with per-group
 scales s and zero points z [K / group_size, N]: W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n].
 
-The weights are unpacked in registers, never reshaped: a tile loads its [BLOCK_K / 8, BLOCK_N]
-words once, with one scale and zero-point row per word row (a word's eight rows share a group),
-and for each of the eight nibbles j makes the rows 8i + j: q * s - z * s in fp32 (one FMA a
-weight), which meet the matching columns of x in a tensor-core product of depth BLOCK_K / 8. A
-decode-sized M reads each weight once, so the kernel is bound by the 0.5 byte per weight: deep
-tiles and split-K (partial sums added atomically in fp32) keep enough bytes in flight at M = 1.
-Larger M shares each unpacked tile among 128 rows.
+Unpacking without integer-to-float conversions (a quarter-rate instruction that would cap the
+kernel near half the memory bandwidth): a nibble moved to bits 16..19 and OR-ed into the bits of
+128.0 is the float 128 + q, exactly (the float's ulp at 128 is 2^-16 = bit 16's weight). Then one
+FMA makes (128 + q) * s - (128 + z) * s = (q - z) * s, exactly: (128 + z) * s and (q - z) * s
+have at most 16 significant bits, so the weight equals the dequantized one rounded once, as a
+16-bit checkpoint of it would hold.
+
+Two kernels:
+- M <= 4 (decode): a GEMV on the FMA units. Each program owns a few output columns over the
+  whole K (no split-K, so no atomics and no zeroing or casting kernels around it) and streams
+  8 KiB of words a step; a tile spans several groups (a scale row per word row). Per weight: a
+  shift, an AND-OR, the dequantizing FMA and one FMA per row of x, bound by the 0.5 byte read.
+- M > 4: tensor-core tiles. Each K-tile lies in one group (BLOCK_K divides the group size), so a
+  scale and zero row per tile; the unpacked [BLOCK_K, BLOCK_N] tile meets x's [BLOCK_M, BLOCK_K]
+  in tl.dot. Up to 64 rows split K (fp32 partial sums added atomically) to fill the SMs.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+GEMV_MAX_M = 4
+
+
+class Gemv(NamedTuple):
+    block_n: int  # output columns per program
+    block_w: int  # words (8 K-rows each) per step
+    warps: int
+
+
+class Tiles(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    splits: int  # K split into this many programs per tile (atomic fp32 sums when > 1)
+    warps: int
+    stages: int
+
 
 @triton.jit
-def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_om, k_per_split,
+def _nibble(words, J: tl.constexpr):
+    """Nibble J of each word as the float 128 + q (module docstring)."""
+    if J < 4:
+        t = words << (16 - 4 * J)
+    elif J == 4:
+        t = words
+    else:
+        t = words >> (4 * J - 16)
+    return ((t & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, BLOCK_W)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    acc = tl.zeros((BLOCK_M, BLOCK_W, BLOCK_N), dtype=tl.float32)
+    for w0 in range(0, K // 8, BLOCK_W):
+        rows = w0 + offs_w  # word rows: K-rows 8 * rows + j
+        in_k = rows < K // 8
+        mask = in_k[:, None] & mask_n[None, :]
+        words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+        sz = (rows * 8 // GROUP)[:, None] * N + offs_n[None, :]
+        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+        c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
+        for j in tl.static_range(8):
+            w = tl.fma(_nibble(words, j), s, -c)  # (q - z) * s
+            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + (rows * 8 + j)[None, :],
+                         mask=mask_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+            acc += xj[:, :, None] * w[None, :, :]
+    out = tl.sum(acc, axis=1)
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _tiles_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_om, k_per_split,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   ATOMIC: tl.constexpr):
     pid = tl.program_id(0)
@@ -27,21 +92,20 @@ def _w4a16_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_
     pid_m, pid_n = pid // num_n, pid % num_n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_K // 8)  # the tile's words along K: word i holds rows 8i .. 8i + 7
+    offs_k = tl.arange(0, BLOCK_K)
+    shifts = ((offs_k % 8) * 4)[:, None]
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = tl.program_id(1) * k_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        words = tl.load(qw_ptr + (k0 // 8 + offs_w)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        # Rows 8i .. 8i + 7 share a group (GROUP is a multiple of 8): one scale / zero row per word row.
-        sz = ((k0 + 8 * offs_w) // GROUP)[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + sz, mask=mask_n[None, :], other=0.0).to(tl.float32)
-        zs = tl.load(z_ptr + sz, mask=mask_n[None, :], other=0.0).to(tl.float32) * s
-        for j in tl.static_range(8):  # rows 8i + j of the tile: a [BLOCK_K / 8]-deep product each
-            w = ((words >> (4 * j)) & 0xF).to(tl.float32) * s - zs
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + 8 * offs_w + j)[None, :], mask=mask_m[:, None],
-                        other=0.0)
-            acc += tl.dot(x, w.to(x.dtype))
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
+        # Eight K-rows read each word (from L1); nibble (k % 8) of it is row k's.
+        words = tl.load(qw_ptr + ((k0 + offs_k) // 8)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
+        g = k0 // GROUP  # the whole tile lies in this group
+        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        c = (tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] + 128.0) * s
+        q = ((((words >> shifts) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+        acc = tl.dot(x, tl.fma(q, s, -c).to(x.dtype), acc)
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
@@ -61,26 +125,40 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[device]
 
 
-def _config(m: int, n: int, k: int, num_sms: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, splits, num_warps). Decode-sized M is bound by reading the
-    weights: 256-deep tiles (8 KiB of words per load) and K split until about four programs per
-    SM keep enough bytes in flight. Larger M shares each unpacked tile among more rows."""
-    block_k = 256 if k % 256 == 0 else 128
+def _pow2_divisor(g: int, cap: int) -> int:
+    """The largest power of two <= cap that divides g."""
+    b = cap
+    while g % b:
+        b //= 2
+    return b
+
+
+def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Gemv | Tiles:
+    """The launch for an [m, k] x [k, n] product. GEMV: columns per program so that there are
+    about four programs per SM, 2,048 words (8 KiB) a step. Tiles: decode-sized M is bound by
+    the weights' bytes, so K splits until about four programs per SM; above 64 rows 128-row
+    tiles share each unpacked weight tile among more rows."""
+    if m <= GEMV_MAX_M:
+        block_n = 8
+        while block_n < 64 and triton.cdiv(n, block_n * 2) >= 4 * num_sms:
+            block_n *= 2
+        return Gemv(block_n, min(2048 // block_n, triton.next_power_of_2(k // 8)), 4)
+    block_k = _pow2_divisor(group, 128)
     if m <= 16:
         block_m, block_n, warps, per_sm = 16, 64, 4, 4
     elif m <= 64:
-        block_m, block_n, warps, per_sm, block_k = 64, 64, 4, 2, 128
+        block_m, block_n, warps, per_sm = 64, 64, 4, 2
     else:
-        return 128, 128, 128, 1, 8
+        return Tiles(128, 128, _pow2_divisor(group, 64), 1, 8, 3)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return block_m, block_n, block_k, max(1, min(triton.cdiv(per_sm * num_sms, tiles), k // block_k)), warps
+    return Tiles(block_m, block_n, block_k, max(1, min(triton.cdiv(per_sm * num_sms, tiles), k // block_k)), warps, 3)
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, num_sms: int | None = None, config: tuple | None = None) -> torch.Tensor:
-    """x [..., K] (fp16 / bf16 / fp32) @ the unpacked weight [K, N] -> [..., N] in x's dtype. K
-    must be a multiple of 128 and `group_size` a multiple of 8 dividing K (supported: can_run).
-    `config`: (BLOCK_M, BLOCK_N, BLOCK_K, splits, num_warps) instead of _config's (benchmarks)."""
+                 group_size: int, num_sms: int | None = None, config: Gemv | Tiles | None = None) -> torch.Tensor:
+    """x [..., K] (fp16 / bf16; fp32 under the interpreter) @ the unpacked weight [K, N] ->
+    [..., N] in x's dtype; `can_run` says which shapes it takes. `config`: a launch instead of
+    `choose`'s (benchmarks; a Tiles config's block_k must divide the group size)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[-1] != k or scales.shape != zeros.shape or scales.shape[1] != n or not can_run(k, group_size):
         raise ValueError(f"w4a16_matmul: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
@@ -89,20 +167,34 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    block_m, block_n, block_k, splits, warps = config or _config(m, n, k, num_sms or _sm_count(x.device))
-    k_per_split = triton.cdiv(k // block_k, splits) * block_k
-    splits = triton.cdiv(k, k_per_split)
-    if k % k_per_split:  # (every split whole tiles: the kernel has no mask along K)
-        k_per_split, splits = block_k, k // block_k
-    out = torch.zeros(m, n, dtype=torch.float32, device=x.device) if splits > 1 else \
-        torch.empty(m, n, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n), splits)
-    _w4a16_kernel[grid](x2, qweight, scales, zeros, out, m, n, x2.stride(0), out.stride(0), k_per_split,
-                        GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ATOMIC=splits > 1,
-                        num_warps=warps, num_stages=3)
+    cfg = config or choose(m, n, k, group_size, num_sms or _sm_count(x.device))
+    if isinstance(cfg, Gemv):
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        block_m = min(GEMV_MAX_M, triton.next_power_of_2(m))
+        _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
+            x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), GROUP=group_size,
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.warps)
+    else:
+        out = _tiles(x2, qweight, scales, zeros, group_size, cfg)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
 
 
+def _tiles(x2, qweight, scales, zeros, group_size: int, cfg: Tiles) -> torch.Tensor:
+    m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
+    k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    if k % k_per_split:  # (every split whole tiles: the kernel has no mask along K)
+        k_per_split, splits = cfg.block_k, k // cfg.block_k
+    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
+        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
+    _tiles_kernel[grid](x2, qweight, scales, zeros, out, m, n, x2.stride(0), out.stride(0), k_per_split,
+                        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                        ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
+
+
 def can_run(k: int, group_size: int) -> bool:
-    """Whether the kernel takes a weight of K input features in groups of `group_size`."""
-    return k % 128 == 0 and group_size % 8 == 0 and k % group_size == 0
+    """Whether the kernels take a weight of K input features in groups of `group_size` (a tile
+    of at least 32 K-rows inside one group)."""
+    return k % 32 == 0 and group_size % 32 == 0 and k % group_size == 0

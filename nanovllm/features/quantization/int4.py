@@ -187,8 +187,8 @@ class Int4Linear:
         w = layer.int4
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
-        if x.is_cuda and can_run(x.shape[-1], w.group_size):
+        if x.is_cuda and x.dtype != torch.float32 and can_run(x.shape[-1], w.group_size):
             y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size)
-        else:  # the same arithmetic in plain torch (the CPU; a K the kernel does not tile)
+        else:  # the same arithmetic in plain torch (the CPU, fp32, a K the kernels do not tile)
             y = (x.float() @ dequantize(w)).to(x.dtype)
         return y if bias is None else y + bias
