@@ -34,6 +34,7 @@ class Gemv(NamedTuple):
     block_n: int  # output columns per program
     block_w: int  # words (8 K-rows each) per step
     warps: int
+    prefetch: bool = True
 
 
 class Tiles(NamedTuple):
@@ -43,6 +44,7 @@ class Tiles(NamedTuple):
     splits: int  # K split into this many programs per tile (atomic fp32 sums when > 1)
     warps: int
     stages: int
+    prefetch: bool = True
 
 
 @triton.jit
@@ -58,35 +60,63 @@ def _nibble(words, J: tl.constexpr):
 
 
 @triton.jit
+def _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, w0, offs_w, offs_n, mask_n, GROUP: tl.constexpr):
+    """One step's words [BLOCK_W, BLOCK_N] with each word row's scale s and (128 + z) * s."""
+    rows = w0 + offs_w
+    mask = (rows < K // 8)[:, None] & mask_n[None, :]
+    words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
+    sz = (rows * 8 // GROUP)[:, None] * N + offs_n[None, :]
+    s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+    c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
+    return words, s, c
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                 PREFETCH: tl.constexpr):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, BLOCK_W)
     mask_n, mask_m = offs_n < N, offs_m < M
     acc = tl.zeros((BLOCK_M, BLOCK_W, BLOCK_N), dtype=tl.float32)
+    words, s, c = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, 0, offs_w, offs_n, mask_n, GROUP)
     for w0 in range(0, K // 8, BLOCK_W):
+        if PREFETCH:  # the next step's loads in flight while this one computes
+            nxt = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, w0 + BLOCK_W, offs_w, offs_n, mask_n, GROUP)
+        else:
+            words, s, c = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, w0, offs_w, offs_n, mask_n, GROUP)
         rows = w0 + offs_w  # word rows: K-rows 8 * rows + j
-        in_k = rows < K // 8
-        mask = in_k[:, None] & mask_n[None, :]
-        words = tl.load(qw_ptr + rows[:, None] * N + offs_n[None, :], mask=mask, other=0)
-        sz = (rows * 8 // GROUP)[:, None] * N + offs_n[None, :]
-        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-        c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
+        xmask = mask_m[:, None] & (rows < K // 8)[None, :]
         for j in tl.static_range(8):
             w = tl.fma(_nibble(words, j), s, -c)  # (q - z) * s
-            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + (rows * 8 + j)[None, :],
-                         mask=mask_m[:, None] & in_k[None, :], other=0.0).to(tl.float32)
+            xj = tl.load(x_ptr + offs_m[:, None] * stride_xm + (rows * 8 + j)[None, :], mask=xmask,
+                         other=0.0).to(tl.float32)
             acc += xj[:, :, None] * w[None, :, :]
+        if PREFETCH:
+            words, s, c = nxt
     out = tl.sum(acc, axis=1)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _tiles_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_om, k_per_split,
+def _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl.constexpr):
+    """One K-tile's words [BLOCK_K, BLOCK_N] (eight K-rows read each word, from L1; row k's value
+    is nibble k % 8) with the tile's scale row s and (128 + z) * s (the tile lies in one group)."""
+    in_k = (k0 + offs_k) < K
+    words = tl.load(qw_ptr + ((k0 + offs_k) // 8)[:, None] * N + offs_n[None, :],
+                    mask=in_k[:, None] & mask_n[None, :], other=0)
+    g = tl.minimum(k0, K - 1) // GROUP  # (a prefetch past the end reads the last group, unused)
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = (tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] + 128.0) * s
+    return words, s, c
+
+
+@triton.jit
+def _tiles_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ATOMIC: tl.constexpr):
+                  ATOMIC: tl.constexpr, PREFETCH: tl.constexpr):
     pid = tl.program_id(0)
     num_n = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n, pid % num_n
@@ -97,15 +127,17 @@ def _tiles_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, stride_xm, stride_
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = tl.program_id(1) * k_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    words, s, c = _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k_start, offs_k, offs_n, mask_n, GROUP)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        if PREFETCH:  # the next tile's words in flight while this one computes
+            nxt = _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0 + BLOCK_K, offs_k, offs_n, mask_n, GROUP)
+        else:
+            words, s, c = _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        # Eight K-rows read each word (from L1); nibble (k % 8) of it is row k's.
-        words = tl.load(qw_ptr + ((k0 + offs_k) // 8)[:, None] * N + offs_n[None, :], mask=mask_n[None, :], other=0)
-        g = k0 // GROUP  # the whole tile lies in this group
-        s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        c = (tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] + 128.0) * s
         q = ((((words >> shifts) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
         acc = tl.dot(x, tl.fma(q, s, -c).to(x.dtype), acc)
+        if PREFETCH:
+            words, s, c = nxt
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if ATOMIC:
@@ -173,7 +205,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         block_m = min(GEMV_MAX_M, triton.next_power_of_2(m))
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
             x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), GROUP=group_size,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.warps)
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, PREFETCH=cfg.prefetch, num_warps=cfg.warps)
     else:
         out = _tiles(x2, qweight, scales, zeros, group_size, cfg)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
@@ -188,9 +220,9 @@ def _tiles(x2, qweight, scales, zeros, group_size: int, cfg: Tiles) -> torch.Ten
     out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
         torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    _tiles_kernel[grid](x2, qweight, scales, zeros, out, m, n, x2.stride(0), out.stride(0), k_per_split,
+    _tiles_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split,
                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                        ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
+                        ATOMIC=splits > 1, PREFETCH=cfg.prefetch, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
 
 
