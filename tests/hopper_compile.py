@@ -212,10 +212,11 @@ SCENARIOS = {
     # Many routed slots: the chunked alignment kernels, and the GEMM tiles of large batches.
     "fused_moe_bf16_prefill": lambda: _fused_moe(False, tokens=2048, experts=128, k=8),
     "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
-    # INT4 weights: the GEMV (decode), split-K tiles with atomic fp32 sums, plain tiles (prefill, group 32).
+    # INT4 weights: the GEMV (decode), split-K tiles with atomic fp32 sums (group 32), the
+    # dequantizing kernel of large batches.
     "w4a16_decode": lambda: _w4a16(1, 128),
-    "w4a16_split_k": lambda: _w4a16(16, 128),
-    "w4a16_prefill_g32": lambda: _w4a16(300, 32),
+    "w4a16_split_k_g32": lambda: _w4a16(64, 32),
+    "w4a16_prefill": lambda: _w4a16(300, 128),
     "sampling_bf16": lambda: _sampling(BF16),
     "sampling_fp32": lambda: _sampling(torch.float32),
     # Every launch of filtered_sample_triton: round 0, a chunked round and the last (looping) decide.

@@ -55,16 +55,18 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
 
 @pytest.mark.parametrize("m, group, k, config", [
     (1, 64, 1024, None), (3, 256, 512, "gemv"), (4, 32, 480, "gemv"),  # GEMV: a tile over 8 groups; K not in whole tiles
-    (5, 32, 512, None), (70, 128, 256, None), (3, 128, 512, "tiles")])  # tiles: split-K 4 and 2; plain tiles
+    (5, 32, 512, None), (70, 128, 256, None), (3, 128, 512, "tiles"),  # tiles: split-K 4, 2, 2
+    (130, 64, 256, None), (3, 32, 480, "dequant")])  # the weight dequantized, then a matmul
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
-    groups per step, a masked last step), tensor-core tiles with split-K (atomic sums) at small M
-    and plain tiles above 64 rows. The same products summed in another order: within 1e-4. The
-    output is a fresh tensor each call (poisoned buffers do not apply)."""
+    groups per step, a masked last step), tensor-core tiles with split-K (atomic sums), and from
+    128 rows the dequantizing kernel (into a NaN-poisoned workspace) and a matmul. The same
+    products summed in another order: within 1e-4."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-    from nanovllm.kernels.w4a16 import Gemv, Tiles, w4a16_matmul
+    from nanovllm.kernels.w4a16 import Dequant, Gemv, Tiles, w4a16_matmul
 
-    config = {"gemv": Gemv(16, 32, 4), "tiles": Tiles(16, 32, 128, 2, 4, 2), None: None}[config]
+    config = {"gemv": Gemv(16, 32, 4), "tiles": Tiles(16, 32, 128, 2, 4, 2), "dequant": Dequant(4, 32), None: None}[
+        config]
 
     n = 96
     g = torch.Generator().manual_seed(m)
@@ -72,7 +74,8 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
                     torch.rand(k // group, n, generator=g) * 0.01, torch.randint(0, 16, (k // group, n), generator=g)
                     .float(), group, None)
     x = torch.randn(m, k, generator=g)
-    got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, group, config=config)
+    workspace = torch.full((k * n + 5,), float("nan"))
+    got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, group, config=config, workspace=workspace)
     want = x @ dequantize(w)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-from nanovllm.kernels.w4a16 import GEMV_MAX_M, Gemv, Tiles, w4a16_matmul
+from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Tiles, w4a16_matmul
 
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 BANDWIDTH = 4.3e12
@@ -39,12 +39,11 @@ def weights(k: int, n: int, group: int, gen) -> Int4Weights:
 
 def candidates(m: int) -> list:
     if m <= GEMV_MAX_M:
-        return [Gemv(bn, bw, wp, pf) for bn in (8, 16, 32) for bw in (128, 256) for wp in (4, 8) for pf in (1, 0)]
+        return [Gemv(bn, bw, wp) for bn in (8, 16, 32) for bw in (64, 128, 256) for wp in (4, 8)]
     if m <= 64:
-        return [Tiles(min(64, max(16, m)), bn, 128, sp, 4, 3, pf) for bn in (64, 128) for sp in (1, 4, 8)
-                for pf in (1, 0)]
-    return [Tiles(bm, bn, 64, 1, wp, 3, pf) for bm, bn in ((128, 128), (128, 256), (64, 128)) for wp in (4, 8)
-            for pf in (1, 0)]
+        tiles = [Tiles(min(64, max(16, m)), bn, 128, sp, 4, 3) for bn in (64, 128) for sp in (1, 4, 8)]
+        return tiles + [Gemv(bn, bw, 4, 16) for bn, bw in ((8, 32), (16, 32), (8, 64), (32, 16))] if m <= 16 else tiles
+    return [Dequant()] + [Tiles(bm, bn, 64, 1, wp, 3) for bm, bn in ((128, 128), (64, 128)) for wp in (4, 8)]
 
 
 def rotating(make, nbytes: int):
@@ -78,7 +77,8 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
                 continue
         best = min(timed)
         result["best_us"], result["best_config"] = round(best[0], 2), tuple(best[1])
-        result["best_without_prefetch_us"] = round(min(t for t, c in timed if not c.prefetch), 2)
+        result["best_per_kind"] = {type(c).__name__: round(min(t for t, c2 in timed if type(c2) is type(c)), 2)
+                                   for _, c in timed}
     return result
 
 
@@ -92,8 +92,7 @@ def main() -> None:
     rows = [row(name, k, n, int(m), args.sweep, gen) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
     print(f"{'gemm':<8}{'M':>5}{'bf16 us':>9}{'int4 us':>9}{'x':>6}{'GB/s':>8}{'of BW':>7}  check")
     for r in rows:
-        extra = f"  best {r['best_us']} {r['best_config']} (no prefetch {r['best_without_prefetch_us']})" \
-            if "best_us" in r else ""
+        extra = f"  best {r['best_us']} {r['best_config']} {r['best_per_kind']}" if "best_us" in r else ""
         print(f"{r['gemm']:<8}{r['m']:>5}{r['bf16_us']:>9}{r['int4_us']:>9}{r['speedup']:>6}{r['gb_s']:>8}"
               f"{r['of_bandwidth']:>7}  {'ok' if r['ok'] else 'WRONG'}{extra}")
     if os.environ.get("OUT"):

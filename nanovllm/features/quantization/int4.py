@@ -11,7 +11,7 @@ activation order under tensor parallelism, MoE experts (not yet).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -28,6 +28,24 @@ def _ignored(qc: dict, *keys: str) -> tuple[str, ...]:
     return ()
 
 
+class DequantWorkspace:
+    """One buffer for the weight that large batches dequantize before cuBLAS multiplies it
+    (kernels/w4a16.py, Dequant): layers run one after another, so a buffer as large as the
+    largest layer serves them all. Grown as layers finish loading, so the engine's memory
+    profile counts it and no CUDA graph capture allocates it."""
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def reserve(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        buf = self.buffers.get((dtype, device))
+        if buf is None or buf.numel() < numel:
+            self.buffers[(dtype, device)] = torch.empty(numel, dtype=dtype, device=device)
+
+    def get(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        return self.buffers.get((dtype, device))
+
+
 @dataclass(frozen=True)
 class Int4Config:
     """An INT4 checkpoint's scheme (a model/quant.py QuantScheme): its format, group size (-1:
@@ -41,6 +59,7 @@ class Int4Config:
     v1_zeros: bool = False
     ignored: tuple[str, ...] = ()
     dummy: bool = False  # asked for by name without a checkpoint in the format: random weights only
+    workspace: DequantWorkspace = field(default_factory=DequantWorkspace, compare=False, repr=False)
 
     @classmethod
     def gptq(cls, qc: dict | None) -> "Int4Config":
@@ -181,14 +200,17 @@ class Int4Linear:
         for spec in self._specs(layer):
             loaded[spec.role] = getattr(layer, spec.name).data
             delattr(layer, spec.name)
-        layer.int4 = CONVERTERS[self.config.format](loaded, self.config, layer.int4_dtype)
+        layer.int4 = w = CONVERTERS[self.config.format](loaded, self.config, layer.int4_dtype)
+        if w.qweight.is_cuda:
+            self.config.workspace.reserve(w.qweight.numel() * 8, layer.int4_dtype, w.qweight.device)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.int4
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
         if x.is_cuda and x.dtype != torch.float32 and can_run(x.shape[-1], w.group_size):
-            y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size)
+            y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size,
+                             workspace=self.config.workspace.get(x.dtype, x.device))
         else:  # the same arithmetic in plain torch (the CPU, fp32, a K the kernels do not tile)
             y = (x.float() @ dequantize(w)).to(x.dtype)
         return y if bias is None else y + bias
