@@ -39,7 +39,8 @@ def weights(k: int, n: int, group: int, gen) -> Int4Weights:
 
 def candidates(m: int) -> list:
     if m <= GEMV_MAX_M:
-        return [Gemv(bn, bw, wp) for bn in (8, 16, 32) for bw in (64, 128, 256) for wp in (4, 8)]
+        return [Gemv(bn, bw, wp, 4, pf, fa) for bn, bw in ((8, 128), (8, 256), (16, 128), (16, 256), (32, 64), (32, 128))
+                for wp in (4, 8) for pf in (1, 0) for fa in (1, 0)]
     if m <= 64:
         tiles = [Tiles(min(64, max(16, m)), bn, 128, sp, 4, 3) for bn in (64, 128) for sp in (1, 4, 8)]
         return tiles + [Gemv(bn, bw, 4, 16) for bn, bw in ((8, 32), (16, 32), (8, 64), (32, 16))] if m <= 16 else tiles
@@ -77,8 +78,9 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
                 continue
         best = min(timed)
         result["best_us"], result["best_config"] = round(best[0], 2), tuple(best[1])
-        result["best_per_kind"] = {type(c).__name__: round(min(t for t, c2 in timed if type(c2) is type(c)), 2)
-                                   for _, c in timed}
+        kind = lambda c: type(c).__name__ + ("" if getattr(c, "prefetch", True) else "-noprefetch") + (  # noqa: E731
+            "" if getattr(c, "factored", True) else "-128q")
+        result["best_per_kind"] = {kind(c): round(min(t for t, c2 in timed if kind(c2) == kind(c)), 2) for _, c in timed}
     return result
 
 

@@ -36,6 +36,8 @@ class Gemv(NamedTuple):
     block_w: int  # words (8 K-rows each) per step
     warps: int
     block_m: int = GEMV_MAX_M  # rows of x per program (at most)
+    prefetch: bool = True
+    factored: bool = True
 
 
 class Dequant(NamedTuple):
@@ -66,25 +68,61 @@ def _nibble(words, J: tl.constexpr):
 
 
 @triton.jit
+def _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, rows, n3, GROUP: tl.constexpr):
+    """Word rows `rows` of the GEMV's columns: the words, each one's scale and zero point."""
+    mask = (rows < K // 8) & (n3 < N)
+    words = tl.load(qw_ptr + rows * N + n3, mask=mask, other=0)
+    sz = (rows * 8 // GROUP) * N + n3  # each word row's group (a step spans several)
+    s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32)
+    return words, s, z
+
+
+@triton.jit
+def _scaled_nibble(words, high, J: tl.constexpr):
+    """q * 2^(4J) of nibbles 0..4 in place, q * 2^(4J - 16) of 5..7 from `high` (words >> 16):
+    OR-ed into 2^23's bits the nibble is the float 2^23 + q * 2^sh, exactly; minus 2^23."""
+    if J < 5:
+        t = words & (0xF << (4 * J))
+    else:
+        t = high & (0xF << (4 * J - 16))
+    return (t | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+                 GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                 PREFETCH: tl.constexpr, FACTORED: tl.constexpr):
     # Every tensor lives in one 3-D layout [rows of x, word rows, columns], where broadcasting is
     # free: a 2-D words tile met with a 3-D product would cross shared memory at every nibble.
     m3 = (tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M))[:, None, None]
     w3 = tl.arange(0, BLOCK_W)[None, :, None]
     n3 = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[None, None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_W, BLOCK_N), dtype=tl.float32)
+    words, s, z = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, w3, n3, GROUP)
     for w0 in range(0, K // 8, BLOCK_W):
         rows = w0 + w3  # word rows: K-rows 8 * rows + j
-        mask = (rows < K // 8) & (n3 < N)
-        words = tl.load(qw_ptr + rows * N + n3, mask=mask, other=0)
-        sz = (rows * 8 // GROUP) * N + n3  # each word row's group (a step spans several)
-        s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-        c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
+        if PREFETCH:  # the next step's words in flight while this one computes
+            nxt = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, rows + BLOCK_W, n3, GROUP)
+        else:
+            words, s, z = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, rows, n3, GROUP)
         xmask = (m3 < M) & (rows < K // 8)
-        for j in tl.static_range(8):
-            xj = tl.load(x_ptr + m3 * stride_xm + rows * 8 + j, mask=xmask, other=0.0).to(tl.float32)
-            acc += xj * tl.fma(_nibble(words, j), s, -c)  # x * (q - z) * s
+        if FACTORED:  # per word: sum_j q_j x_j, then (that - z * sum_j x_j) * s
+            high = words >> 16
+            part = tl.zeros((BLOCK_M, BLOCK_W, BLOCK_N), dtype=tl.float32)
+            xsum = tl.zeros((BLOCK_M, BLOCK_W, 1), dtype=tl.float32)
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + m3 * stride_xm + rows * 8 + j, mask=xmask, other=0.0).to(tl.float32)
+                xsum += xj
+                part += _scaled_nibble(words, high, j) * (xj * (1.0 / (1 << (4 * j if j < 5 else 4 * j - 16))))
+            acc += tl.fma(-z, xsum, part) * s
+        else:
+            c = (z + 128.0) * s
+            for j in tl.static_range(8):
+                xj = tl.load(x_ptr + m3 * stride_xm + rows * 8 + j, mask=xmask, other=0.0).to(tl.float32)
+                acc += xj * tl.fma(_nibble(words, j), s, -c)  # x * (q - z) * s
+        if PREFETCH:
+            words, s, z = nxt
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
@@ -213,7 +251,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         block_m = min(cfg.block_m, triton.next_power_of_2(m))
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](
             x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), GROUP=group_size,
-            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, num_warps=cfg.warps)
+            BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, PREFETCH=cfg.prefetch, FACTORED=cfg.factored,
+            num_warps=cfg.warps)
     elif isinstance(cfg, Dequant):
         w = workspace[: k * n].view(k, n) if workspace is not None else torch.empty(k, n, dtype=x.dtype,
                                                                                      device=x.device)
