@@ -9,14 +9,19 @@ FMA makes (128 + q) * s - (128 + z) * s = (q - z) * s, exactly: (128 + z) * s an
 have at most 16 significant bits, so the weight equals the dequantized one rounded once, as a
 16-bit checkpoint of it would hold.
 
-Two kernels:
-- M <= 4 (decode): a GEMV on the FMA units. Each program owns a few output columns over the
-  whole K (no split-K, so no atomics and no zeroing or casting kernels around it) and streams
-  8 KiB of words a step; a tile spans several groups (a scale row per word row). Per weight: a
-  shift, an AND-OR, the dequantizing FMA and one FMA per row of x, bound by the 0.5 byte read.
-- M > 4: tensor-core tiles. Each K-tile lies in one group (BLOCK_K divides the group size), so a
-  scale and zero row per tile; the unpacked [BLOCK_K, BLOCK_N] tile meets x's [BLOCK_M, BLOCK_K]
-  in tl.dot. Up to 64 rows split K (fp32 partial sums added atomically) to fill the SMs.
+Three launches (`choose` picks one by M):
+- Gemv, M <= 4 (decode): a GEMV on the FMA units. Each program owns a few output columns over
+  the whole K (no split-K, so no atomics and no zeroing or casting kernels around it); a tile
+  spans several groups (a scale row per word row). PREFETCH issues the next step's loads before
+  this step's arithmetic, so a warp always has bytes in flight. FACTORED (one row of x) sums
+  q_j * x_j per word with the nibble OR-ed in place into 2^23's bits (minus 2^23: no shifts) and
+  applies the scale once per word: (sum - z * sum x) * s, about 6 instructions a weight.
+- Tiles, 4 < M < 128: tensor-core tiles. Each K-tile lies in one group (BLOCK_K divides the
+  group size), so a scale and zero row per tile; the unpacked [BLOCK_K, BLOCK_N] tile meets x's
+  [BLOCK_M, BLOCK_K] in tl.dot. Decode-sized M splits K (fp32 partial sums added atomically).
+- Dequant, M >= 128: the weight is unpacked into a 16-bit workspace and cuBLAS multiplies (the
+  product is compute-bound there, and cuBLAS's tiles beat ours 2-5x; vLLM's AWQ path does the
+  same above 256 tokens).
 """
 
 from __future__ import annotations
@@ -36,8 +41,8 @@ class Gemv(NamedTuple):
     block_w: int  # words (8 K-rows each) per step
     warps: int
     block_m: int = GEMV_MAX_M  # rows of x per program (at most)
-    prefetch: bool = True
-    factored: bool = True
+    prefetch: bool = True  # the next step's loads issued before this step's arithmetic
+    factored: bool = True  # one row: scales applied per word (fewer instructions, more registers)
 
 
 class Dequant(NamedTuple):
@@ -208,15 +213,14 @@ def _pow2_divisor(g: int, cap: int) -> int:
 
 
 def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Gemv | Tiles | Dequant:
-    """The launch for an [m, k] x [k, n] product. GEMV: columns per program so that there are
-    about four programs per SM, 2,048 words (8 KiB) a step. Tiles: decode-sized M is bound by
-    the weights' bytes, so K splits until about four programs per SM; above 64 rows 128-row
-    tiles share each unpacked weight tile among more rows."""
-    if m <= GEMV_MAX_M:
-        block_n = 8
-        while block_n < 64 and triton.cdiv(n, block_n * 2) >= 4 * num_sms:
-            block_n *= 2
-        return Gemv(block_n, min(2048 // block_n, triton.next_power_of_2(k // 8)), 4)
+    """The launch for an [m, k] x [k, n] product. Gemv: the tiles that measured best on the H200
+    for Qwen3-8B's shapes (wide N: 32 columns x 64 words; deep K: 8 x 256; else 16 x 128), one
+    row factored and prefetched, 2-4 rows neither (their registers would spill). Tiles:
+    decode-sized M is bound by the weights' bytes, so K splits until about four programs per SM;
+    above 16 rows 64-row tiles share each unpacked weight tile among more rows. Dequant from 128."""
+    if m <= GEMV_MAX_M:  # measured with benchmarks/kernels/bench_w4a16.py
+        block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 and m == 1 else (16, 128)
+        return Gemv(block_n, block_w, 8 if m == 1 or n < 16384 else 4, GEMV_MAX_M, m == 1, m == 1)
     if m >= DEQUANT_MIN_M:
         return Dequant()
     block_k = _pow2_divisor(group, 128)
