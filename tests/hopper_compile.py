@@ -194,6 +194,21 @@ def _w4a16(m, group_size):
     w4a16_matmul(torch.randn(m, k).to(BF16), qweight, scales, scales, group_size, num_sms=132)
 
 
+def _fused_moe_int4(tokens, permuted, experts=8, k=2):
+    from nanovllm.kernels.fused_moe_int4 import Int4Stack, fused_moe_int4
+
+    hidden, inter, group = 256, 128, 128
+
+    def stack(k_in, n):
+        scales = torch.ones(experts, k_in // group, n).to(BF16)
+        perm = torch.zeros(experts, k_in, dtype=torch.int32) if permuted else None
+        return Int4Stack(torch.zeros(experts, k_in // 8, n, dtype=torch.int32), scales, scales, group, perm)
+
+    ids = torch.randint(0, experts, (tokens, k), dtype=torch.int32)
+    fused_moe_int4(torch.randn(tokens, hidden).to(BF16), stack(hidden, 2 * inter), stack(inter, hidden),
+                   torch.full((tokens, k), 0.5), ids)
+
+
 SCENARIOS = {
     "paged_decode_bf16": lambda: _paged_decode(BF16, 1),
     "paged_decode_bf16_splits": lambda: _paged_decode(BF16, 3),
@@ -217,6 +232,9 @@ SCENARIOS = {
     "w4a16_decode": lambda: _w4a16(1, 128),
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),
     "w4a16_prefill": lambda: _w4a16(300, 128),
+    # INT4 experts: decode's blocks, and larger ones with act-order perms.
+    "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
+    "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),
     "sampling_bf16": lambda: _sampling(BF16),
     "sampling_fp32": lambda: _sampling(torch.float32),
     # Every launch of filtered_sample_triton: round 0, a chunked round and the last (looping) decide.

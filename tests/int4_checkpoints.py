@@ -118,3 +118,21 @@ def quantized_checkpoint(src: str, dst, fmt: str, group: int, sym: bool, act_ord
             (folder / "config.json").write_text(json.dumps(config))
         paths.append(str(folder))
     return paths[0], paths[1]
+
+
+def logit_errors_on_gpu(int4: str, dense: str, seq: list[int]) -> dict[str, float]:
+    """The INT4 engine's and the 16-bit engine's teacher-forced logits on `seq` against the fp32
+    engine on the dequantized checkpoint (relative norms), CUDA graphs on; the INT4 engine also
+    decodes 16 greedy tokens."""
+    from nanovllm import LLM, SamplingParams
+
+    logits = {}
+    for name, path, dtype in (("int4", int4, None), ("dense", dense, None), ("fp32", dense, "float32")):
+        llm = LLM(path, kvcache_block_size=16, max_model_len=1024, **({"dtype": dtype} if dtype else {}))
+        logits[name] = llm.model_runner.score(seq).float()
+        if name == "int4":
+            out = llm.generate([seq[:20]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)
+            assert len(out[0]["token_ids"]) == 16
+        llm.shutdown()
+    return {k: ((logits[k] - logits["fp32"]).norm() / logits["fp32"].norm()).item() for k in ("int4", "dense")}

@@ -421,19 +421,9 @@ def test_int4_checkpoint_on_gpu(bf16_model, tmp_path):
     engine on that checkpoint the INT4 engine's teacher-forced logits may differ only as much as
     the 16-bit engine's do (bf16 activations; sums in another order): within twice its relative
     error + 1e-3 (a wrong nibble, scale or order gives errors of order 1). Greedy decoding runs."""
-    from int4_checkpoints import quantized_checkpoint
+    from int4_checkpoints import logit_errors_on_gpu, quantized_checkpoint
 
     for fmt, group, sym, act_order in (("gptq_v2", 64, False, True), ("awq", 128, False, False)):
         int4, dense = quantized_checkpoint(bf16_model, tmp_path / fmt, fmt, group, sym, act_order)
-        seq = prompts_of([200], seed=2)[0]
-        logits = {}
-        for name, path, dtype in (("int4", int4, None), ("dense", dense, None), ("fp32", dense, "float32")):
-            llm = LLM(path, kvcache_block_size=16, max_model_len=1024, **({"dtype": dtype} if dtype else {}))
-            logits[name] = llm.model_runner.score(seq).float()
-            if name == "int4":
-                out = llm.generate([seq[:20]], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
-                                   use_tqdm=False)
-                assert len(out[0]["token_ids"]) == 16
-            llm.shutdown()
-        err = {k: ((logits[k] - logits["fp32"]).norm() / logits["fp32"].norm()).item() for k in ("int4", "dense")}
+        err = logit_errors_on_gpu(int4, dense, prompts_of([200], seed=2)[0])
         assert err["int4"] < 2 * err["dense"] + 1e-3, (fmt, err)

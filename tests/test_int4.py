@@ -115,10 +115,7 @@ def test_packed_projections_with_different_act_orders_are_refused(base, tmp_path
         make_llm(int4)
 
 
-def test_act_order_with_tensor_parallelism_and_moe_are_refused(base, tmp_path):
+def test_act_order_with_tensor_parallelism_is_refused(base, tmp_path):
     int4, _ = quantized_checkpoint(base, tmp_path, "gptq_v2", 32, False, True)
     with pytest.raises(ValueError, match="activation order"):
         make_llm(int4, tensor_parallel_size=2)
-    moe = tm.make_tiny_qwen3_moe(tmp_path / "moe")
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
-        make_llm(moe, quantization="gptq", load_format="dummy")

@@ -151,7 +151,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, BL
 
 
 @triton.jit
-def _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl.constexpr):
+def tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl.constexpr):
     """One K-tile's words [BLOCK_K, BLOCK_N] (eight K-rows read each word, from L1; row k's value
     is nibble k % 8) with the tile's scale row s and (128 + z) * s (the tile lies in one group)."""
     in_k = (k0 + offs_k) < K
@@ -177,10 +177,10 @@ def _tiles_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stri
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = tl.program_id(1) * k_per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    words, s, c = _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k_start, offs_k, offs_n, mask_n, GROUP)
+    words, s, c = tile_step(qw_ptr, s_ptr, z_ptr, N, K, k_start, offs_k, offs_n, mask_n, GROUP)
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         # The next tile's words in flight while this one computes (1.3x at 64 rows on the H200).
-        nxt = _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0 + BLOCK_K, offs_k, offs_n, mask_n, GROUP)
+        nxt = tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0 + BLOCK_K, offs_k, offs_n, mask_n, GROUP)
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
         q = ((((words >> shifts) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
         acc = tl.dot(x, tl.fma(q, s, -c).to(x.dtype), acc)

@@ -15,13 +15,13 @@ from nanovllm.model.quant import init_dummy_quantized
 
 
 # MoE experts: the Hub stores one tensor per expert and projection, transformers' in-memory (and,
-# in some versions, saved) form stacks all experts of a projection in one 3-D tensor. FP8
-# checkpoints add a block-scale tensor beside each weight (`weight_scale_inv`; fused:
-# `<part>_scale_inv`), which loads into the stacked parameter's `_scale_inv` sibling.
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)"
-                            r"\.(?P<kind>weight(?:_scale_inv)?)$")
+# in some versions, saved) form stacks all experts of a projection in one 3-D tensor. Beside or
+# instead of `weight`, FP8 checkpoints have `weight_scale_inv` (fused: `<part>_scale_inv`), INT4
+# ones `qweight`, `scales`, ...: they load into the stacked parameter's siblings (`w13_qweight`).
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>\w+)$")
 _FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
 _SCALE = "_scale_inv"
+_KIND_SUFFIX = {"weight": "", "weight" + _SCALE: _SCALE}  # a per-expert tensor's kind -> the parameter's suffix
 
 
 def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
@@ -35,7 +35,7 @@ def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
     m = _EXPERT_TENSOR.match(name)
     if m and m["part"] in experts:
         part, shard = experts[m["part"]]
-        pname = f"{m['prefix']}.{part}" + (_SCALE if m["kind"] != "weight" else "")
+        pname = f"{m['prefix']}.{part}" + _KIND_SUFFIX.get(m["kind"], f"_{m['kind']}")
         if pname in params:
             return pname, params[pname], (int(m["expert"]), shard)
     m = _FUSED_EXPERT_TENSOR.match(name)
@@ -47,18 +47,18 @@ def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
 
 
 def _expert_names(pname: str, param, experts: dict) -> set[str] | None:
-    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13", or its
-    block scales "<p>.experts.w13_scale_inv"), else None."""
-    prefix, _, part = pname.rpartition(".")
+    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13", its block
+    scales "<p>.experts.w13_scale_inv", an INT4 tensor "<p>.experts.w13_qweight"), else None."""
+    prefix, _, name = pname.rpartition(".")
     if not prefix.endswith(".experts"):
         return None
-    kind = "weight"
-    if part.endswith(_SCALE):
-        part, kind = part[:-len(_SCALE)], "weight" + _SCALE
-    parts = [ckpt for ckpt, (ours, _) in experts.items() if ours == part]
-    if not parts:
-        return None
-    return {f"{prefix}.{e}.{ckpt}.{kind}" for e in range(param.shape[0]) for ckpt in parts}
+    for ckpt_part, (ours, _) in experts.items():
+        suffix = name[len(ours):] if name.startswith(ours) else "?"  # "", "_scale_inv", "_qweight", ...
+        kind = {v: k for k, v in _KIND_SUFFIX.items()}.get(suffix, suffix[1:] if suffix[:1] == "_" else None)
+        if kind is not None:
+            parts = [ckpt for ckpt, (p, _) in experts.items() if p == ours]
+            return {f"{prefix}.{e}.{ckpt}.{kind}" for e in range(param.shape[0]) for ckpt in parts}
+    return None
 
 
 def _resolve(params: dict, mapping: dict, name: str):

@@ -6,7 +6,8 @@ The scheme comes from config.json's quantization_config (or `LLM(quantization="g
 with load_format="dummy": random packed weights of the real shapes, for benchmarks). The LM
 head, embeddings, norms and the modules a config leaves out stay in 16 bits. Settings without a
 kernel are refused before any weight loads: other bit widths, AWQ without zero points, an
-activation order under tensor parallelism, MoE experts (not yet).
+activation order under tensor parallelism, experts or TP shards that cut a group. MoE
+experts load through int4_moe.py.
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nanovllm.features.quantization.int4_formats import dequantize, pack_int4
-from nanovllm.features.quantization.int4_loading import CONVERTERS, load_part, tensor_specs
+from nanovllm.features.quantization.int4_formats import dequantize
+from nanovllm.features.quantization.int4_loading import CONVERTERS, fill_dummy, load_part, tensor_specs
+from nanovllm.features.quantization.int4_moe import Int4Experts
 from nanovllm.kernels.w4a16 import can_run, w4a16_matmul
 
 
@@ -110,7 +112,7 @@ class Int4Config:
             raise ValueError(f"quantization={self.format!r} with a checkpoint that is not {self.format}-quantized (no "
                              f"quantization_config): only load_format='dummy' (random packed weights) can run it")
         if getattr(hf_config, "num_experts", 0):
-            raise NotImplementedError(f"{self.format} INT4 mixture-of-experts models are not supported yet")
+            self._check_experts(hf_config, tp)
         if self.desc_act and tp > 1:
             raise ValueError(f"{self.format}: an activation order (desc_act / actorder) with tensor_parallel_size > 1 "
                              f"is not supported (a rank's input features would not hold whole groups)")
@@ -121,11 +123,19 @@ class Int4Config:
                     raise ValueError(f"{self.format}: {what} = {n} over tensor_parallel_size={tp} cuts a "
                                      f"{self.group_size}-feature group")
 
+    def _check_experts(self, hf_config, tp: int) -> None:
+        """The fused kernel's tiles: 32 input features at least, inside one group."""
+        n = hf_config.moe_intermediate_size // tp
+        for what, k in (("hidden_size", hf_config.hidden_size), (f"moe_intermediate_size over tp={tp}", n)):
+            if k % 32 or (self.group_size > 0 and k % self.group_size):
+                raise ValueError(f"{self.format} INT4 experts: {what} = {k} is not whole groups of "
+                                 f"{max(self.group_size, 32)} input features")
+
     def method_for(self, kind: str, name: str):
         dotted = f".{name}."
-        if kind != "linear" or any(i and (f".{i}." in dotted or name.startswith(i)) for i in self.ignored):
+        if any(i and (f".{i}." in dotted or name.startswith(i)) for i in self.ignored):
             return None
-        return Int4Linear(self)
+        return Int4Linear(self) if kind == "linear" else Int4Experts(self) if kind == "experts" else None
 
     def bytes_per_weight(self, dtype_bytes: int, in_features: int) -> float:
         """Bytes a step reads per weight: half a byte, and a scale and a zero point per group."""
@@ -179,20 +189,8 @@ class Int4Linear:
             setattr(layer, spec.name, param)
 
     def init_dummy(self, layer, gen: torch.Generator) -> None:
-        """Random 4-bit values, zero points 8 and scales giving weights of about N(0, 0.02)."""
-        c = self.config
         for spec in self._specs(layer):
-            p = getattr(layer, spec.name).data
-            if spec.role == "q":  # (any 32 bits are eight valid 4-bit values)
-                p.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, device=p.device, dtype=torch.int64))
-            elif spec.role == "z":
-                p.fill_(int(pack_int4(torch.full((8,), 7 if c.v1_zeros else 8), 0)))
-            elif spec.role == "s":
-                p.fill_(0.02 / 4.6)  # uniform 4-bit values around 8 have a standard deviation of ~4.6
-            elif spec.role == "g_idx":
-                p.copy_(torch.arange(p.numel(), device=p.device) // (c.group_size if c.group_size > 0 else p.numel()))
-            elif spec.role == "shape":
-                p.copy_(torch.tensor(layer.int4_full_shape, device=p.device))
+            fill_dummy(getattr(layer, spec.name).data, spec.role, self.config, layer.int4_full_shape, gen)
 
     def after_loading(self, layer) -> None:
         """The loaded tensors -> the kernels' layout (int4_formats.Int4Weights) in `layer.int4`."""

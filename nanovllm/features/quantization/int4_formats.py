@@ -85,7 +85,8 @@ def to_kernel_layout(q: torch.Tensor, scales, zeros, g_idx: torch.Tensor | None,
 
 
 def dequantize(w: Int4Weights) -> torch.Tensor:
-    """The weight [in, out] in fp32 (rows in group order: apply `perm` to the activations)."""
-    q = unpack_int4(w.qweight, 0).float()
-    groups = torch.arange(q.shape[0], device=q.device) // w.group_size
-    return (q - w.zeros.float()[groups]) * w.scales.float()[groups]
+    """The weight [in, out] in fp32 (rows in group order: apply `perm` to the activations); a
+    stack of experts' ([E, in / 8, out] words) gives [E, in, out]."""
+    q = unpack_int4(w.qweight, w.qweight.dim() - 2).float()
+    groups = torch.arange(q.shape[-2], device=q.device) // w.group_size
+    return (q - w.zeros.float()[..., groups, :]) * w.scales.float()[..., groups, :]

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.features.quantization.int4_formats import AWQ_ORDER, Int4Weights, to_kernel_layout, unpack_int4
+from nanovllm.features.quantization.int4_formats import AWQ_ORDER, Int4Weights, pack_int4, to_kernel_layout, unpack_int4
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,22 @@ def load_part(layer, spec: TensorSpec, param, loaded: torch.Tensor, name: str, s
                              f"(they read the same input, so GPTQ orders them alike)")
         parts.add(shard)
     data.copy_(loaded)
+
+
+def fill_dummy(p: torch.Tensor, role: str, c, full_shape: tuple[int, int], gen: torch.Generator) -> None:
+    """Random weights of a stored tensor (any leading dimensions, e.g. experts): random 4-bit
+    values, zero points 8 and scales giving weights of about N(0, 0.02)."""
+    if role == "q":  # (any 32 bits are eight valid 4-bit values)
+        p.copy_(torch.randint(-2**31, 2**31 - 1, p.shape, generator=gen, device=p.device, dtype=torch.int64))
+    elif role == "z":
+        p.fill_(int(pack_int4(torch.full((8,), 7 if c.v1_zeros else 8), 0)))
+    elif role == "s":
+        p.fill_(0.02 / 4.6)  # uniform 4-bit values around 8 have a standard deviation of ~4.6
+    elif role == "g_idx":
+        k = p.shape[-1]
+        p.copy_((torch.arange(k, device=p.device) // (c.group_size if c.group_size > 0 else k)).expand_as(p))
+    elif role == "shape":
+        p.copy_(torch.tensor(full_shape, device=p.device).expand_as(p))
 
 
 def _check(loaded: torch.Tensor, dim: int, size: int, name: str) -> None:
