@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_int4}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
-[ -z "${SKIP_TESTS:-}" ] && timeout 200 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_int4_moe.py -k "w4a16 or int4" 2>&1 | tail -15 > "$OUT/tests.log"
+[ -z "${SKIP_TESTS:-}" ] && timeout 320 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_int4_moe.py -k "w4a16 or int4" 2>&1 | tail -15 > "$OUT/tests.log"
 [ -z "${SKIP_KERNELS:-}" ] && OUT="$OUT" timeout 200 python3 benchmarks/kernels/bench_w4a16.py ${SWEEP:+--sweep} > "$OUT/kernels.log" 2>&1
 if [ -z "${SKIP_BENCH:-}" ]; then
   [ -z "${SKIP_BF16:-}" ] && timeout 150 python3 bench.py --dummy qwen3-8b --latency --json "$OUT/bench-bf16.json" \
