@@ -160,6 +160,11 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
             self._call_seqs = []
             return outputs
 
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        p = super().prepare_params(params)
+        wiring.enable_structured_outputs(self, p)  # the constraint compiled (and checked) up front
+        return p
+
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None) -> Sequence:
         params = params if getattr(params, "_frozen", False) else \

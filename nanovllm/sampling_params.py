@@ -21,7 +21,7 @@ from nanovllm.vllm_params import BeamSearchParams, RequestOutputKind, Structured
 # script that relies on one must not run silently without it.
 NOT_IMPLEMENTED = {
     "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-    "logits_processors": None, "structured_outputs": None, "guided_decoding": None,
+    "logits_processors": None, "guided_decoding": None,
     "truncate_prompt_tokens": None, "extra_args": None, "stream_interval": None,
     "logprob_token_ids": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
     "flat_logprobs": False, "thinking_token_budget": None, "repetition_detection": None,
@@ -87,6 +87,7 @@ class SamplingParams:
         passed to slow (Python) tokenizers' decode; fast tokenizers have no such option (as
         in vLLM). detokenize: False leaves `text` empty (no stop strings then). output_kind: what
         the step API's outputs hold (llm_engine.py); generate / chat return final outputs whatever it is.
+    structured_outputs: a StructuredOutputsParams (JSON schema, regex, choices, grammar) to follow.
 
     Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
     validated at construction and again when a request is added, and the engine keeps its own
@@ -120,6 +121,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
         self._validate()
@@ -165,7 +167,8 @@ class SamplingParams:
         put("_bad_words", words)
         put("_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0)
-        put("_processes_logits", self._uses_penalties or bias is not None or allowed is not None or bool(words))
+        put("_processes_logits", self._uses_penalties or bias is not None or allowed is not None or bool(words)
+            or self.structured_outputs is not None)
         put("_checked", True)
 
     def _check_numbers(self) -> None:
@@ -190,6 +193,8 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
+        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
+            bad("structured_outputs", "must be a StructuredOutputsParams or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
@@ -345,7 +350,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the logits are changed before temperature and the filters (penalties,
-        logit_bias, allowed_token_ids, bad_words): the sampler then needs this row's whole
+        logit_bias, allowed_token_ids, bad_words, structured outputs): the sampler then needs this row's whole
         vocabulary, and the row's own device state for penalties."""
         return self._normalised("_processes_logits")
 

@@ -1,7 +1,5 @@
 """vLLM's parameter classes that live beside SamplingParams in `vllm.sampling_params`, so that
-scripts import them from `nanovllm.sampling_params` as they do from vLLM. What nano-vllm does not
-run yet (beam search, structured outputs, streamed output kinds) is refused where it is used,
-with a NotImplementedError naming it."""
+scripts import them from `nanovllm.sampling_params` as they do from vLLM."""
 
 from __future__ import annotations
 
@@ -34,7 +32,9 @@ class BeamSearchParams:
 @dataclass
 class StructuredOutputsParams:
     """vLLM's constraints on a request's output (SamplingParams.structured_outputs): one of a
-    JSON schema, a regex, a list of choices, a grammar, or a structural tag."""
+    JSON schema (dict or JSON text), a regex, a list of choices, an EBNF grammar, any JSON
+    object, or an xgrammar structural tag (features/structured/). disable_any_whitespace: JSON
+    without free whitespace between tokens. The other fields are vLLM's, accepted as given."""
 
     json: str | dict | None = None
     regex: str | None = None
@@ -42,3 +42,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     json_object: bool | None = None
     structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None

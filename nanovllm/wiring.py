@@ -112,6 +112,15 @@ def enable_logits_extensions(sampler, params) -> None:
         sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
 
 
+def enable_structured_outputs(engine, params) -> None:
+    """A request's structured_outputs checked and compiled (ValueError before any work), with
+    the mask extension on rank 0's sampler (features/structured/masks.py), registered once."""
+    if params.structured_outputs is not None:
+        from nanovllm.features.structured.masks import StructuredOutputs
+
+        StructuredOutputs.on(engine).grammars.compile(params.structured_outputs)
+
+
 def enable_text_tracking(requests, params, track_text: bool) -> None:
     """Text tracking (features/text_tracking.py: streamed text, stop strings) on `requests` (the
     RequestLifecycle), once, at the first request that streams or has stop strings."""

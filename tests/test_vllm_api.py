@@ -304,7 +304,7 @@ def test_unknown_and_unimplemented_fields():
     sp = SamplingParams()
     with pytest.raises(AttributeError, match="temprature"):
         sp.temprature = 0.5
-    for name in ("best_of", "logits_processors", "structured_outputs", "guided_decoding",
+    for name in ("best_of", "logits_processors", "guided_decoding",
                  "truncate_prompt_tokens", "use_beam_search"):
         value = {"best_of": 2, "use_beam_search": True}.get(name, object())
         with pytest.raises(NotImplementedError, match=name):

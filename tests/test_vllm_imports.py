@@ -4,6 +4,7 @@ engine keywords are read with their meaning or refused with the reason, before a
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -40,8 +41,10 @@ def test_request_output_kind_beam_search_and_structured_outputs_import_where_vll
     assert SamplingParams(output_kind=RequestOutputKind.DELTA).output_kind is RequestOutputKind.DELTA  # (step API)
     with pytest.raises(ValueError, match="output_kind"):
         SamplingParams(output_kind="delta")
-    with pytest.raises(NotImplementedError, match="structured_outputs"):
-        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    if importlib.util.find_spec("xgrammar"):  # (tests/test_structured_outputs.py)
+        choice = llm.generate(["Hello"], SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
+                              use_tqdm=False)[0]
+        assert choice.outputs[0].text in ("yes", "no")
     out = llm.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=4, ignore_eos=True))  # (test_beam_search)
     assert len(out[0].sequences) == 2
     assert_idle(llm)

@@ -77,6 +77,7 @@ class TokenSampler:
         self._host = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=self.pin) for _ in range(2)]
         self._events = [torch.cuda.Event() if self.pin else None for _ in range(2)]
         self._flip = 0
+        self._last: PendingTokens | None = None  # the last published step's tokens
         self._cache = None  # (key, SamplingTensors, extension states | None) of the last step
 
     def add_extension(self, ext: LogitsExtension) -> None:
@@ -167,7 +168,12 @@ class TokenSampler:
         host[:n].copy_(self.prev_tokens[:n], non_blocking=self.pin)
         if event is not None:
             event.record()
-        return PendingTokens(host, n, event, check, logprobs)
+        self._last = PendingTokens(host, n, event, check, logprobs)
+        return self._last
+
+    def published(self) -> list[int]:
+        """The last published step's tokens on the host (waits for that step only)."""
+        return self._last.result() if self._last is not None else []
 
     def cached_tensors(self, key, offsets: list[int], build):
         """`build()` -> (SamplingTensors, extras), or the last step's with new offsets when `key`

@@ -1,0 +1,137 @@
+"""The per-step token mask of structured outputs: a LogitsExtension (core/hooks.py) that keeps
+every constrained row's next token inside its grammar; rows without a constraint pay nothing.
+
+Each constrained sequence has an xgrammar matcher that has accepted its output so far. A step's
+mask needs the row's newest token, which overlap scheduling may still hold on the device: the
+sampler's last published host copy has it (`published()`, which waits for that step only).
+While the device runs this step's forward pass, the host advances the matchers and fills the
+bitmask (32 tokens a word, xgrammar's batch filler on several threads); the mask then travels
+to the device and sets the forbidden logits to -inf before the filters and the draw.
+
+A finished output (the grammar complete) allows only the stop tokens, so the row ends on EOS.
+Rows with a constraint do not draft (speculative decoding skips rows that process logits).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nanovllm.core.sequence import Sequence
+from nanovllm.features.structured.grammars import Grammars, xgr
+from nanovllm.model.attention import host_to_device
+
+logger = logging.getLogger(__name__)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: logits[rows[i], t] = -inf where bit t % 32 of bitmask[i, t // 32] is 0.
+    logits fp32 [R, V]; bitmask int32 [len(rows), ceil(V / 32)] on logits' device."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)[:, :logits.shape[1]]
+    logits[rows] = logits[rows].masked_fill_(~allowed, float("-inf"))
+
+
+@dataclass
+class _Matcher:
+    matcher: object  # xgr.GrammarMatcher
+    consumed: int = 0  # output tokens it has accepted
+    broken: bool = False  # a token it refused was sampled (logged once; the row runs unconstrained)
+
+
+@dataclass
+class MaskRows:
+    """A batch's constrained rows: their sequences, batch row numbers (host and device) and a
+    pinned host bitmask."""
+
+    seqs: list[Sequence]
+    where: list[int]
+    rows: torch.Tensor
+    host: torch.Tensor
+    copied: object = None  # the CUDA event after the last copy of `host` (refilled only once it is done)
+
+
+class StructuredOutputs:
+    """LogitsExtension: the grammar mask, first of the extensions (before allowed ids, bias and
+    penalties, as vLLM applies it). `published()`: the sampler's last step's tokens on the host."""
+
+    order = 0
+
+    def __init__(self, grammars: Grammars, device: torch.device, pin: bool, published):
+        self.grammars, self.device, self.pin, self.published = grammars, device, pin, published
+        self.batch = xgr.BatchGrammarMatcher()
+        self.matchers: dict[int, _Matcher] = {}
+
+    @classmethod
+    def on(cls, engine) -> "StructuredOutputs":
+        """The extension registered on `engine`'s (rank 0's) sampler, made at the first use."""
+        sampler = engine.model_runner.sampler
+        ext = next((e for e in sampler.extensions if isinstance(e, cls)), None)
+        if ext is None:
+            grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+            ext = cls(grammars, sampler.device, sampler.pin, sampler.published)
+            sampler.add_extension(ext)
+        return ext
+
+    def applies(self, params) -> bool:
+        return params.structured_outputs is not None
+
+    def build(self, rows: list[Sequence], where: list[int], vocab_size: int) -> MaskRows:
+        host = xgr.allocate_token_bitmask(len(where), vocab_size)
+        if self.pin:
+            host = host.pin_memory()
+        return MaskRows([rows[i] for i in where], where, host_to_device(where, torch.long, self.device, self.pin),
+                        host)
+
+    def _matcher(self, seq: Sequence) -> _Matcher:
+        m = self.matchers.get(seq.seq_id)
+        if m is None:
+            compiled = self.grammars.compile(seq.params.structured_outputs)
+            m = self.matchers[seq.seq_id] = _Matcher(xgr.GrammarMatcher(compiled))
+        return m
+
+    def _advance(self, seq: Sequence, m: _Matcher, last: list) -> None:
+        """Feed the matcher the output tokens it has not seen (the newest maybe on its way)."""
+        out = seq.completion_token_ids
+        if m.consumed >= len(out) or m.broken:
+            return
+        new = list(out[m.consumed:])
+        if seq.has_pending_token:
+            if not last:
+                last.extend(self.published())
+            new[-1] = last[seq.pending_row]
+        for token in new:
+            if not m.matcher.accept_token(token):
+                m.broken = True
+                logger.warning("request %s: token %d does not fit its structured_outputs grammar; its output is "
+                               "no longer constrained", seq.seq_id, token)
+                break
+        m.consumed = len(out)
+
+    def transform(self, logits: torch.Tensor, state: MaskRows) -> None:
+        last: list[int] = []
+        matchers, indices = [], []
+        if state.copied is not None:
+            state.copied.synchronize()
+        for j, seq in enumerate(state.seqs):
+            m = self._matcher(seq)
+            self._advance(seq, m, last)
+            if m.broken or m.matcher.is_terminated():  # (terminated: EOS sampled, the row is ending)
+                state.host[j].fill_(-1)  # every token allowed
+            else:
+                matchers.append(m.matcher)
+                indices.append(j)
+        if matchers:
+            self.batch.batch_fill_next_token_bitmask(matchers, state.host, indices)
+        apply_bitmask(logits, state.rows, state.host.to(self.device, non_blocking=self.pin))
+        if self.pin:
+            state.copied = torch.cuda.Event()
+            state.copied.record()
+
+    def observe(self, state: MaskRows, tokens: torch.Tensor) -> None:
+        pass  # the matchers read the tokens from the host at the next step
+
+    def release(self, seq: Sequence) -> None:
+        self.matchers.pop(seq.seq_id, None)

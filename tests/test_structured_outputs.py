@@ -1,0 +1,150 @@
+"""Structured outputs (features/structured/) on CPU: a tiny random Qwen3 with a byte-level BPE
+tokenizer (tests/tiny_model.py), so any JSON can be spelled. Outputs are checked by independent
+readers: `json` + `jsonschema` for schemas, `re.fullmatch` for regexes; random weights write
+whatever the mask allows, so every path of the grammars gets exercised."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import tiny_model as tm  # noqa: E402
+from helpers import make_llm, rand_ids  # noqa: E402
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+from nanovllm import SamplingParams  # noqa: E402
+from nanovllm.features.structured.masks import apply_bitmask  # noqa: E402
+from nanovllm.sampling_params import StructuredOutputsParams as S  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                      "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {  # nested objects, bounded arrays, enums, an optional field
+        "user": {"type": "object", "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                                                   "role": {"enum": ["admin", "guest"]}},
+                 "required": ["id", "role"]},
+        "scores": {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5},
+                   "minItems": 1, "maxItems": 4},
+        "note": {"type": "string", "maxLength": 5}},
+     "required": ["user", "scores"]},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 3},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"const": "point"},
+                                      "tag": {"type": ["string", "null"], "maxLength": 4}},
+     "required": ["ok", "kind", "tag"]},
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    return make_llm(tm.make_tiny_qwen3(tmp_path_factory.mktemp("structured"), num_layers=2, seed=11))
+
+
+def parse(text: str):
+    """JSON as Python reads it, but for raw control characters in strings: xgrammar's rule for
+    length-bounded strings ([^"\\\r\n]{0,n}) lets them through, which strict JSON forbids."""
+    return json.loads(text, strict=False)
+
+
+def texts(llm, prompts, **kw):
+    kw.setdefault("max_tokens", 160)
+    outs = llm.generate(prompts, SamplingParams(**kw), use_tqdm=False)
+    return [(c.text, c.finish_reason) for o in outs for c in o.outputs]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_json_schema_outputs_parse_and_validate(llm, schema):
+    so = S(json=json.dumps(schema), disable_any_whitespace=True)
+    for text, reason in texts(llm, ["a", "bcd", "efgh ij"], temperature=1.0, seed=3, structured_outputs=so):
+        assert reason == "stop", text  # the grammar was completed, then EOS (the only token allowed)
+        jsonschema.validate(parse(text), schema)
+
+
+def test_regex_choice_and_any_json_object(llm):
+    for text, _ in texts(llm, ["x", "yz"], temperature=1.0, seed=5,
+                         structured_outputs=S(regex=r"[a-z]{2,4}-\d{3}( ok)?")):
+        assert re.fullmatch(r"[a-z]{2,4}-\d{3}( ok)?", text), text
+    choices = ["red", "green", "blue sky"]
+    for text, _ in texts(llm, ["x", "yz", "pq"], temperature=1.0, seed=6, structured_outputs=S(choice=choices)):
+        assert text in choices
+    grammar = 'root ::= "(" digit ("," digit)* ")"\ndigit ::= [0-9]'
+    for text, _ in texts(llm, ["q"], temperature=1.0, seed=2, structured_outputs=S(grammar=grammar)):
+        assert re.fullmatch(r"\(\d(,\d)*\)", text), text
+    for text, reason in texts(llm, ["x"], temperature=1.0, seed=8, max_tokens=300,
+                              structured_outputs=S(json_object=True, disable_any_whitespace=True)):
+        assert reason == "length" or isinstance(parse(text), dict), text
+
+
+def test_constrained_rows_leave_the_others_unchanged(llm):
+    """In one batch: greedy unconstrained rows get the tokens they get alone; constrained rows
+    still fit; n = 2 samples of a constrained request each fit on their own."""
+    prompts = [rand_ids(7, i) for i in range(3)]
+    alone = [list(o.outputs[0].token_ids) for o in
+             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)]
+    so = S(json=SCHEMAS[0], disable_any_whitespace=True)
+    mixed = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(structured_outputs=so, max_tokens=80, n=2),
+             SamplingParams(temperature=0, max_tokens=12), SamplingParams(structured_outputs=so, max_tokens=80, seed=4)]
+    outs = llm.generate([prompts[0], prompts[1], prompts[2], prompts[1]], mixed, use_tqdm=False)
+    assert [list(outs[i].outputs[0].token_ids) for i in (0, 2)] == [alone[0], alone[2]]
+    for o in (outs[1], outs[3]):
+        for c in o.outputs:
+            jsonschema.validate(parse(c.text), SCHEMAS[0])
+    # Seeded: the same tokens whatever the batch around it.
+    again = llm.generate([prompts[1]], SamplingParams(structured_outputs=so, max_tokens=80, seed=4), use_tqdm=False)
+    assert again[0].outputs[0].token_ids == outs[3].outputs[0].token_ids
+
+
+def test_preemption_keeps_the_matcher_in_step(tmp_path):
+    """A KV cache too small for every request at once: requests are preempted and recomputed
+    mid-output, and their outputs still fit (the matcher follows the kept tokens)."""
+    llm = make_llm(tm.make_tiny_qwen3(tmp_path / "m", num_layers=2, seed=12), num_kvcache_blocks=12, max_num_seqs=8)
+    so = S(json=SCHEMAS[1], disable_any_whitespace=True)
+    prompts = [rand_ids(30, i) for i in range(6)]
+    for text, reason in texts(llm, prompts, temperature=1.0, seed=1, structured_outputs=so, max_tokens=90):
+        assert reason == "stop", text
+        jsonschema.validate(parse(text), SCHEMAS[1])
+    assert llm.scheduler.num_preemptions > 0, "the test meant to force preemption but none happened"
+
+
+@pytest.mark.parametrize("so, match", [
+    (S(json='{"type": "objekt"}'), "structured_outputs.json: .*objekt"),
+    (S(json="{not json"), "not valid JSON"),
+    (S(regex="(ab"), "structured_outputs.regex: .*parenthesis"),
+    (S(grammar="root ::= missing"), "structured_outputs.grammar: .*missing"),
+    (S(choice=[]), "non-empty list"),
+    (S(regex="a", choice=["a"]), "exactly one of"),
+    (S(), "exactly one of"),
+])
+def test_bad_constraints_are_refused_before_any_work(llm, so, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(["x", "y"], [SamplingParams(), SamplingParams(structured_outputs=so)], use_tqdm=False)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"json": {}})
+    assert texts(llm, ["x"], temperature=0, max_tokens=3)[0][1] == "length"  # the engine still runs
+
+
+def test_apply_bitmask_against_a_loop():
+    """The mask kernel in plain torch against a per-token loop; fresh random bits each run."""
+    gen = torch.Generator()
+    seed = gen.seed()
+    vocab, rows = 77, torch.tensor([0, 2, 3])
+    bits = torch.randint(-2**31, 2**31 - 1, (3, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    logits = torch.randn(4, vocab, generator=gen)
+    want = logits.clone()
+    for i, r in enumerate(rows.tolist()):
+        for t in range(vocab):
+            if not (int(bits[i, t // 32]) >> (t % 32)) & 1:
+                want[r, t] = float("-inf")
+    apply_bitmask(logits, rows, bits)
+    assert torch.equal(logits, want), seed
