@@ -178,6 +178,8 @@ def is_small(r) -> bool:
     else:
         return False  # (a prompt dict, or anything else: the workers check it)
     p = r.params
+    if p is not None and p.structured_outputs is not None:
+        return True  # its grammar is compiled (and checked) by the engine's compiler, cached there
     if size > SMALL_PROMPT or p is None:
         return size <= SMALL_PROMPT
     stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or ())

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from nanovllm.outputs import Logprob
-from nanovllm.sampling_params import SamplingParams
+from nanovllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class _Body(BaseModel):
@@ -59,6 +59,16 @@ class _Sampling(_Body):
     return_token_ids: bool | None = False
     # vLLM's: the logprob of every prompt token after the first, and this many top ones beside it
     prompt_logprobs: int | None = None
+    # Constraints on the output (features/structured/): OpenAI's response_format, vLLM's
+    # structured_outputs (StructuredOutputsParams' fields) and the guided_* names it had before
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted: xgrammar serves every constraint
+    guided_whitespace_pattern: str | None = None
 
     def sampling_params(self, defaults: dict, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -78,7 +88,27 @@ class _Sampling(_Body):
             value = getattr(self, name)
             if value is not None:
                 kw[name] = value
-        return SamplingParams(n=self.n, max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs, **kw)
+        return SamplingParams(n=self.n, max_tokens=1 if max_tokens is None else max_tokens, logprobs=logprobs,
+                              structured_outputs=self.constraint(), **kw)
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The one output constraint the request gives, in any of its three forms, or None."""
+        given = {}
+        if self.structured_outputs is not None:
+            given["structured_outputs"] = StructuredOutputsParams(**self.structured_outputs)
+        legacy = {k: getattr(self, f"guided_{k}") for k in ("json", "regex", "choice", "grammar")
+                  if getattr(self, f"guided_{k}") is not None}
+        if legacy:
+            given["guided_" + "/".join(legacy)] = StructuredOutputsParams(**legacy)
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            given["response_format"] = _response_format(rf)
+        if len(given) > 1:
+            raise ValueError(f"give one output constraint, not {' and '.join(given)}")
+        so = next(iter(given.values()), None)
+        if so is not None and (self.guided_whitespace_pattern or so.whitespace_pattern):
+            raise ValueError("whitespace_pattern is not supported (xgrammar): use disable_any_whitespace")
+        return so
 
     @property
     def include_usage(self) -> bool:
@@ -87,6 +117,19 @@ class _Sampling(_Body):
     @property
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _response_format(rf: dict) -> StructuredOutputsParams:
+    """OpenAI's {"type": "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema",
+    "strict"}} as a constraint."""
+    if rf.get("type") == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if rf.get("type") == "json_schema":
+        spec = rf.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return StructuredOutputsParams(json=spec["schema"])
+    raise ValueError(f"response_format type {rf.get('type')!r} is not one of 'text', 'json_object', 'json_schema'")
 
 
 class CompletionRequest(_Sampling):
@@ -166,7 +209,6 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -177,8 +219,6 @@ class ChatCompletionRequest(_Sampling):
             raise ValueError("tools are not supported")
         if self.tool_choice not in (None, "none"):
             raise ValueError("tool_choice is not supported")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise ValueError("response_format other than {'type': 'text'} is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if not self.messages:
