@@ -173,11 +173,11 @@ def chat_requests(front, messages, sampling_params, options: ChatOptions, mm_pro
 
 def chat_prompt_ids(front, messages, chat_template_kwargs: dict) -> list[int]:
     """The prompt tokens chat() generates from for one conversation (checked as chat() checks
-    it; `chat_template` among the keywords picks the template): what the server renders."""
+    it; keywords `chat_template` and `tools` as chat()'s): what the server renders."""
     if front.tokenizer is None:
         raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
     check_conversation(messages, "messages")
     kwargs = dict(chat_template_kwargs)
-    options = ChatOptions(template=kwargs.pop("chat_template", None), kwargs=kwargs)
+    options = ChatOptions(template=kwargs.pop("chat_template", None), tools=kwargs.pop("tools", None), kwargs=kwargs)
     options.check(front.tokenizer.chat_template)
     return options.render(front.tokenizer, messages)[0]

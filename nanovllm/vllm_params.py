@@ -4,7 +4,7 @@ scripts import them from `nanovllm.sampling_params` as they do from vLLM."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 class RequestOutputKind(enum.Enum):
@@ -46,3 +46,5 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
     whitespace_pattern: str | None = None
+    # The tag ending the reasoning, after which the constraint applies (the server's --reasoning-parser)
+    _reasoning_end: str | None = field(default=None, init=False, repr=False)

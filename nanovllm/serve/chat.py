@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from starlette.background import BackgroundTask
 
 from nanovllm.serve.async_engine import ChatPrompt, EngineRequest
+from nanovllm.serve.chat_outputs import ChatTools, ChoiceText
 from nanovllm.serve.errors import APIError, bad_request
 from nanovllm.serve.limits import check_messages, check_sampling
 from nanovllm.serve.protocol import ChatCompletionRequest, chat_logprobs, prompt_logprobs_json, usage
@@ -43,9 +44,12 @@ async def create_chat_completion(server, body: ChatCompletionRequest, http: Requ
     try:
         body.check()
         check_sampling(body)
-        prompt = chat_prompt(body.messages, body.chat_template_kwargs, body.chat_template,
+        tools = ChatTools.of(body, server.options.tool_call_parser, server.options.reasoning_parser)
+        template_kwargs = {**(body.chat_template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
+        prompt = chat_prompt(body.messages, template_kwargs, body.chat_template,
                              server.options.trust_request_chat_template, server.engine.info.max_model_len)
         params = body.sampling_params(server.defaults, body.output_limit, body.num_logprobs)
+        params.structured_outputs = tools.constraint(body)
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(e) from None
     run = Run(server.engine, server.preparer, http,
@@ -56,12 +60,12 @@ async def create_chat_completion(server, body: ChatCompletionRequest, http: Requ
             "model": server.name}
     if body.stream:
         head["object"] = "chat.completion.chunk"
-        return StreamingResponse(sse_body(_stream(run, body, head), run), media_type="text/event-stream",
+        return StreamingResponse(sse_body(_stream(run, body, head, tools), run), media_type="text/event-stream",
                                  background=BackgroundTask(run.close))
-    return await _json(run, body, head)
+    return await _json(run, body, head, tools)
 
 
-async def _json(run: Run, body: ChatCompletionRequest, head: dict) -> dict:
+async def _json(run: Run, body: ChatCompletionRequest, head: dict, tools: ChatTools) -> dict:
     k = body.num_logprobs
     choices = [{"index": j, "message": {"role": "assistant", "content": ""},
                 "logprobs": {"content": []} if k is not None else None, "finish_reason": None, "stop_reason": None}
@@ -84,16 +88,19 @@ async def _json(run: Run, body: ChatCompletionRequest, head: dict) -> dict:
         if d.finish_reason is not None:
             c["finish_reason"], c["stop_reason"] = d.finish_reason, d.stop_reason
     for c, t in zip(choices, texts):
-        c["message"]["content"] = "".join(t)
+        text = ChoiceText(tools)
+        c["message"] = text.message("".join(t))
+        c["finish_reason"] = text.finish_reason(c["finish_reason"])
     out = {**head, "choices": choices, "usage": usage(len(run.prompt_ids[0]), tokens)}
     if body.prompt_logprobs is not None:  # (vLLM's place for them: the response, not a choice)
         out["prompt_logprobs"] = prompt_logprobs_json(prompt_lps, body.prompt_logprobs)
     return out
 
 
-async def _stream(run: Run, body: ChatCompletionRequest, head: dict):
+async def _stream(run: Run, body: ChatCompletionRequest, head: dict, tools: ChatTools):
     k, tokens = body.num_logprobs, 0
     chunks = Chunks(head, body, len(run.prompt_ids[0]))
+    texts = [ChoiceText(tools) for _ in range(body.n)]
 
     def choice(index, delta, logprobs=None, finish=None, stop=None, token_ids=()):
         c = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
@@ -109,9 +116,13 @@ async def _stream(run: Run, body: ChatCompletionRequest, head: dict):
         for _, d in batch:
             tokens += len(d.token_ids)
             logprobs = {"content": chat_logprobs(d.logprobs or [], k)} if k is not None else None
-            if d.text or d.finish_reason is not None or logprobs is not None or body.return_token_ids:
-                parts.append(choice(d.index, {"content": d.text} if d.text else {}, logprobs, d.finish_reason,
-                                    d.stop_reason, d.token_ids))
+            text, finish = texts[d.index], d.finish_reason
+            delta = text.delta(d.text) if d.text else {}
+            if finish is not None:
+                delta.update(text.last_delta())
+                finish = text.finish_reason(finish)
+            if delta or finish is not None or logprobs is not None or body.return_token_ids:
+                parts.append(choice(d.index, delta, logprobs, finish, d.stop_reason, d.token_ids))
         if parts:
             yield "".join(parts)
     if body.include_usage:

@@ -22,6 +22,8 @@ import signal
 
 from nanovllm.config import Config, wants_data_parallel
 from nanovllm.engine_args import add_option_flags, option_values
+from nanovllm.features.reasoning import PARSERS as REASONING_PARSERS
+from nanovllm.features.tools.parsers import PARSERS
 from nanovllm.serve.app import create_app
 from nanovllm.serve.async_engine import SINGLE_ENGINE_ONLY
 from nanovllm.serve.engine_process import EngineProcess
@@ -106,6 +108,12 @@ def _add_request_flags(group) -> None:
                             "requests in it, this many seconds")
     group.add_argument("--max-request-body-bytes", type=int, default=defaults.max_body_bytes,
                        help="the largest request body (larger: 413)")
+    group.add_argument("--tool-call-parser", choices=sorted(PARSERS), default=defaults.tool_call_parser,
+                       help="how tool calls are read out of the text with tool_choice 'auto'")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="vLLM's flag, accepted: tool_choice 'auto' is always on here")
+    group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                       help="split the model's reasoning (<think> ... </think>) into reasoning_content")
 
 
 def _add_connection_flags(group) -> None:
@@ -132,7 +140,8 @@ def llm_options(args: argparse.Namespace) -> dict:
 def serve_options(args: argparse.Namespace) -> ServeOptions:
     return ServeOptions(trust_request_chat_template=args.trust_request_chat_template,
                         engine_stall_s=args.engine_stall_timeout, max_body_bytes=args.max_request_body_bytes,
-                        body_timeout_s=args.request_body_timeout)
+                        body_timeout_s=args.request_body_timeout, tool_call_parser=args.tool_call_parser,
+                        reasoning_parser=args.reasoning_parser)
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:

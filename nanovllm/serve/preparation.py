@@ -167,7 +167,9 @@ SMALL_TOKEN_IDS = 1024  # allowed_token_ids and stop_token_ids together
 
 def is_small(r) -> bool:
     """Whether request `r` (an EngineRequest) is cheap enough for the engine to prepare itself."""
-    prompt = r.prompt
+    prompt, p = r.prompt, r.params
+    if p is not None and p.structured_outputs is not None:
+        return True  # its grammar is compiled (and checked) by the engine's compiler, cached there
     if isinstance(prompt, ChatPrompt):
         if prompt.template_kwargs:  # (a request's own template, or options for the model's)
             return False
@@ -177,9 +179,6 @@ def is_small(r) -> bool:
         size = len(prompt)
     else:
         return False  # (a prompt dict, or anything else: the workers check it)
-    p = r.params
-    if p is not None and p.structured_outputs is not None:
-        return True  # its grammar is compiled (and checked) by the engine's compiler, cached there
     if size > SMALL_PROMPT or p is None:
         return size <= SMALL_PROMPT
     stops = [p.stop] if isinstance(p.stop, str) else list(p.stop or ())

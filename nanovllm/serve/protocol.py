@@ -211,14 +211,11 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # vLLM's: a template of the request's own (only a trusting server takes it)
 
     def check(self) -> None:
-        if self.tools:
-            raise ValueError("tools are not supported")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
         if not self.messages:

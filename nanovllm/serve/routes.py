@@ -32,6 +32,8 @@ class ServeOptions:
     engine_stall_s: float = 60.0
     max_body_bytes: int = 16 << 20
     body_timeout_s: float = 30.0
+    tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (features/tools/parsers.py)
+    reasoning_parser: str | None = None  # "qwen3": <think> ... </think> into reasoning_content
 
 
 class OpenAIServer:

@@ -80,6 +80,12 @@ class Grammars:
                                                        stop_token_ids=sorted(stop_ids) or None)
         self.compiler = xgr.GrammarCompiler(self.info, cache_enabled=False)
         self._compiled: OrderedDict = OrderedDict()
+        self.tokenizer = tokenizer
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token that is one piece of the vocabulary (e.g. "</think>"), else None."""
+        ids = self.tokenizer.encode(token, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 else None
 
     def compile(self, spec: StructuredOutputsParams):
         """The CompiledGrammar of `spec` (ValueError naming what is wrong with it)."""

@@ -37,8 +37,9 @@ def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tenso
 @dataclass
 class _Matcher:
     matcher: object  # xgr.GrammarMatcher
-    consumed: int = 0  # output tokens it has accepted
+    consumed: int = 0  # output tokens it has seen
     broken: bool = False  # a token it refused was sampled (logged once; the row runs unconstrained)
+    end_id: int | None = None  # the reasoning's end token, while the reasoning lasts (unconstrained)
 
 
 @dataclass
@@ -88,8 +89,12 @@ class StructuredOutputs:
     def _matcher(self, seq: Sequence) -> _Matcher:
         m = self.matchers.get(seq.seq_id)
         if m is None:
-            compiled = self.grammars.compile(seq.params.structured_outputs)
-            m = self.matchers[seq.seq_id] = _Matcher(xgr.GrammarMatcher(compiled))
+            so = seq.params.structured_outputs
+            m = self.matchers[seq.seq_id] = _Matcher(xgr.GrammarMatcher(self.grammars.compile(so)))
+            if so._reasoning_end is not None:
+                end = self.grammars.token_id(so._reasoning_end)
+                # Thinking switched off: the template closed the reasoning at the prompt's end.
+                m.end_id = None if end is None or end in seq.prompt_token_ids[-4:] else end
         return m
 
     def _advance(self, seq: Sequence, m: _Matcher, last: list) -> None:
@@ -102,6 +107,11 @@ class StructuredOutputs:
             if not last:
                 last.extend(self.published())
             new[-1] = last[seq.pending_row]
+        if m.end_id is not None:  # still reasoning: the grammar starts after its end token
+            if m.end_id not in new:
+                m.consumed = len(out)
+                return
+            new, m.end_id = new[new.index(m.end_id) + 1:], None
         for token in new:
             if not m.matcher.accept_token(token):
                 m.broken = True
@@ -118,7 +128,7 @@ class StructuredOutputs:
         for j, seq in enumerate(state.seqs):
             m = self._matcher(seq)
             self._advance(seq, m, last)
-            if m.broken or m.matcher.is_terminated():  # (terminated: EOS sampled, the row is ending)
+            if m.broken or m.end_id is not None or m.matcher.is_terminated():  # (terminated: EOS sampled)
                 state.host[j].fill_(-1)  # every token allowed
             else:
                 matchers.append(m.matcher)

@@ -1,0 +1,108 @@
+"""A chat choice's text as OpenAI's message: reasoning split into `reasoning_content` (the
+server's --reasoning-parser) and tool calls read out (`tools` with tool_choice "auto", by the
+--tool-call-parser) or spelled by a constrained output ("required", a named function).
+
+`ChatTools.of` checks a request's tools and choice and says what its output must follow;
+`ChoiceText` follows one choice's text as it streams: reasoning goes out as it comes, the answer
+too unless tool calls may be in it (then it is held, and parsed, at the end).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanovllm.features.reasoning import ReasoningSplitter, split_reasoning
+from nanovllm.features.tools.choice import ToolCall, constraint, forced_calls, functions, mode_of
+from nanovllm.features.tools.parsers import parse_tool_calls
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    """A request's tool use: mode ("none", "auto", "required" or a function's name), the tool
+    call parser for "auto", and the reasoning parser (None: off)."""
+
+    mode: str
+    parser: str
+    reasoning: str | None
+
+    @classmethod
+    def of(cls, body, tool_parser: str, reasoning: str | None) -> "ChatTools":
+        """ValueError for tools or a tool choice that cannot run."""
+        if body.tools is not None:
+            functions(body.tools)  # (checked: a ValueError naming the bad definition)
+        mode = mode_of(body.tool_choice, body.tools)
+        if mode not in ("none", "auto") and body.constraint() is not None:
+            raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output itself: it cannot go with "
+                             f"response_format or structured_outputs")
+        return cls(mode, tool_parser, reasoning)
+
+    def constraint(self, body):
+        so = constraint(self.mode, body.tools, body.parallel_tool_calls is not False)
+        so = so if so is not None else body.constraint()
+        if so is not None and self.reasoning:
+            so._reasoning_end = "</think>"  # the answer after the reasoning is what is constrained
+        return so
+
+    @property
+    def holds_answer(self) -> bool:
+        """Whether the answer is held back until the end (it may hold tool calls)."""
+        return self.mode != "none"
+
+    def calls(self, content: str | None) -> tuple[str | None, list[ToolCall]]:
+        if self.mode == "none" or not content:
+            return content, []
+        if self.mode == "auto":
+            return parse_tool_calls(content, self.parser)
+        calls = forced_calls(self.mode, content)
+        return (None, calls) if calls else (content, [])
+
+
+class ChoiceText:
+    """One choice's message, from its text pieces."""
+
+    def __init__(self, tools: ChatTools):
+        self.tools = tools
+        self.splitter = ReasoningSplitter() if tools.reasoning else None
+        self.held: list[str] = []
+        self.num_calls = 0
+
+    def message(self, text: str) -> dict:
+        """The whole message (a response's choice)."""
+        reasoning, content = split_reasoning(text) if self.splitter else (None, text)
+        content, calls = self.tools.calls(content)
+        self.num_calls = len(calls)
+        msg = {"role": "assistant", "content": content if content is not None or calls else ""}
+        if self.splitter:
+            msg["reasoning_content"] = reasoning
+        if calls:
+            msg["tool_calls"] = [c.json() for c in calls]
+        return msg
+
+    def delta(self, text: str) -> dict:
+        """The delta to send for this piece ({} when nothing can go yet)."""
+        reasoning, content = self.splitter.feed(text) if self.splitter else ("", text)
+        return self._delta(reasoning, content)
+
+    def _delta(self, reasoning: str, content: str) -> dict:
+        out = {"reasoning_content": reasoning} if reasoning else {}
+        if self.tools.holds_answer:
+            self.held.append(content)
+        elif content:
+            out["content"] = content
+        return out
+
+    def last_delta(self) -> dict:
+        """What is left to send once the output is complete: held text, tool calls."""
+        out = self._delta(*self.splitter.finish()) if self.splitter else {}
+        if self.tools.holds_answer:
+            content, calls = self.tools.calls("".join(self.held))
+            self.num_calls = len(calls)
+            if content:
+                out["content"] = content
+            if calls:
+                out["tool_calls"] = [c.json(i) for i, c in enumerate(calls)]
+        return out
+
+    def finish_reason(self, reason: str) -> str:
+        """"tool_calls" when the model called tools on its own or had to ("required")."""
+        return "tool_calls" if self.num_calls and self.tools.mode in ("auto", "required") else reason
