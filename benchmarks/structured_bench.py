@@ -26,13 +26,16 @@ sys.path.insert(0, HERE)
 from bench import DUMMY_CONFIGS, workload  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
-# A schema with room for long outputs (random weights never finish a JSON value on purpose).
-SCHEMA = {"type": "object", "properties": {
-    "id": {"type": "integer"}, "name": {"type": "string"},
-    "items": {"type": "array", "items": {"type": "object", "properties": {
-        "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 0}, "tags": {"type": "array", "items": {
-            "enum": ["red", "green", "blue"]}}}, "required": ["sku", "qty"]}}},
-    "required": ["id", "name", "items"]}
+# Every output stays inside the schema for all its tokens: 2,000 items at least, ~15 tokens each,
+# never complete within the workload's outputs (a complete value would leave only EOS, and
+# ignore_eos would run the rest unconstrained).
+ITEM = {"type": "object", "properties": {
+    "sku": {"type": "string", "maxLength": 12}, "qty": {"type": "integer", "minimum": 0, "maximum": 9999},
+    "tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 4}},
+    "required": ["sku", "qty", "tags"]}
+SCHEMA = {"type": "object", "properties": {"id": {"type": "integer"}, "name": {"type": "string"},
+                                           "items": {"type": "array", "items": ITEM, "minItems": 2000}},
+          "required": ["id", "name", "items"]}
 
 
 def byte_chars() -> dict[int, str]:

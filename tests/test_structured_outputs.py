@@ -148,3 +148,16 @@ def test_apply_bitmask_against_a_loop():
                 want[r, t] = float("-inf")
     apply_bitmask(logits, rows, bits)
     assert torch.equal(logits, want), seed
+
+
+def test_ignore_eos_runs_on_unconstrained_after_the_grammar_is_complete(llm, caplog):
+    """A complete value leaves only EOS; with ignore_eos the output goes on, free (the matcher is
+    done), and no token is reported as breaking the grammar."""
+    eos = sorted(llm.eos_token_ids)
+    with caplog.at_level("WARNING", logger="nanovllm.features.structured.masks"):
+        out = llm.generate(["x"], SamplingParams(structured_outputs=S(choice=["yes"]), ignore_eos=True, max_tokens=8,
+                                                 temperature=1.0, seed=3), use_tqdm=False)[0].outputs[0]
+    ids = list(out.token_ids)
+    first_eos = next(i for i, t in enumerate(ids) if t in eos)
+    assert llm.tokenizer.decode(ids[:first_eos]) == "yes" and len(ids) == 8
+    assert "does not fit" not in caplog.text

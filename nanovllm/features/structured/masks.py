@@ -100,7 +100,8 @@ class StructuredOutputs:
     def _advance(self, seq: Sequence, m: _Matcher, last: list) -> None:
         """Feed the matcher the output tokens it has not seen (the newest maybe on its way)."""
         out = seq.completion_token_ids
-        if m.consumed >= len(out) or m.broken:
+        if m.consumed >= len(out) or m.broken or m.matcher.is_terminated():
+            m.consumed = len(out)  # (terminated: EOS taken; with ignore_eos the rest is free)
             return
         new = list(out[m.consumed:])
         if seq.has_pending_token:
