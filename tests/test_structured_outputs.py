@@ -161,3 +161,36 @@ def test_ignore_eos_runs_on_unconstrained_after_the_grammar_is_complete(llm, cap
     first_eos = next(i for i, t in enumerate(ids) if t in eos)
     assert llm.tokenizer.decode(ids[:first_eos]) == "yes" and len(ids) == 8
     assert "does not fit" not in caplog.text
+
+
+def test_speculative_decoding_keeps_constrained_outputs_exact(tmp_path, monkeypatch):
+    """Drafted positions are masked as plain decoding masks them after the drafts before them:
+    with an oracle proposer (plain decoding's own continuation, one draft spoilt in turn, also
+    into a token the grammar refuses) every seed gives the tokens plain decoding gives, and
+    drafts are kept."""
+    from nanovllm.features.speculative.ngram import NgramProposer
+    from nanovllm.features.speculative.drafting import draft_counts
+
+    path = tm.make_tiny_qwen3(tmp_path / "m", num_layers=2, seed=13)
+    plain, spec = make_llm(path), make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    so = S(json=SCHEMAS[1], disable_any_whitespace=True)
+    prompts = [rand_ids(9, i) for i in range(4)]
+    params = [SamplingParams(structured_outputs=so, max_tokens=60, temperature=t, seed=i)
+              for i, t in enumerate((0.0, 1.0, 0.7, 1.0))]
+    want = [list(o.outputs[0].token_ids) for o in plain.generate(prompts, params, use_tqdm=False)]
+    reference, calls = {tuple(p): w for p, w in zip(prompts, want)}, [0]
+    brace = plain.tokenizer.encode("}", add_special_tokens=False)[0]
+
+    def propose(self, seq, k):
+        done = seq.num_completion_tokens
+        d = list(reference[tuple(seq.token_ids[:seq.num_prompt_tokens])][done:done + k])
+        spoil, calls[0] = calls[0] % (k + 2), calls[0] + 1
+        if spoil < len(d):
+            d[spoil] = brace if spoil % 2 else (d[spoil] + 1) % 400
+        return d
+
+    monkeypatch.setattr(NgramProposer, "propose_one", propose)
+    counts = draft_counts(spec.scheduler)
+    got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0

@@ -36,8 +36,9 @@ class LogitsExtension(Protocol):
         """The batch's device state for rows[i], i in `where` (the rows it applies to); called
         when the batch's rows change, and kept while they do not."""
 
-    def transform(self, logits: torch.Tensor, state: object) -> None:
-        """Change `logits` (fp32 [rows, V]) in place, every step."""
+    def transform(self, logits: torch.Tensor, state: object, step=None) -> None:
+        """Change `logits` (fp32 [rows, V]) in place, every step. `step`: the StepInput (a row
+        that verifies a draft has that draft as its input token, step.token_ids[row])."""
 
     def observe(self, state: object, tokens: torch.Tensor) -> None:
         """The step's sampled tokens int64 [rows], on the device."""

@@ -120,7 +120,7 @@ class TokenSampler:
         if changes:
             x = logits.to(torch.float32, copy=True)
             for ext, state in changes:
-                ext.transform(x, state)
+                ext.transform(x, state, step)
         tokens = self.sampler(x, t, self._suppress(rows, eos_token_ids))
         copies = None
         if lp_state is not None or prompt_logits is not None:

@@ -97,7 +97,7 @@ class TokenBias:
             bias = (self._dev(bias_rows), self._dev(bias_cols), self._dev(bias_vals, torch.float32))
         return BiasRows(allowed, bans, bias, dynamic)
 
-    def transform(self, logits: torch.Tensor, state: BiasRows) -> None:
+    def transform(self, logits: torch.Tensor, state: BiasRows, step=None) -> None:
         if state.allowed is not None:
             mask_to_allowed(logits, *state.allowed)
         if state.bans is not None:

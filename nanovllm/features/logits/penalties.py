@@ -141,7 +141,7 @@ class Penalties:
                            per_row("repetition_penalty", 1.0), per_row("frequency_penalty", 0.0),
                            per_row("presence_penalty", 0.0))
 
-    def transform(self, logits: torch.Tensor, state: PenaltyRows) -> None:
+    def transform(self, logits: torch.Tensor, state: PenaltyRows, step=None) -> None:
         c = self.counts
         in_prompt = c.in_prompt.index_select(0, state.slots) if state.repetition is not None else None
         apply_penalties(logits, state.rows, c.counts.index_select(0, state.slots), in_prompt,

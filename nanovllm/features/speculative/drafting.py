@@ -92,9 +92,13 @@ class Drafting(SchedulingHook):
         """Whether `seq` should draft (or sit out to draft) now: room left, not backing off,
         min_tokens reached, and logits not processed (penalties, bias, bad words, allowed ids
         read the tokens before each position, which differ from drafted position to drafted
-        position; logprobs are read per sampling row: those rows draft)."""
+        position; logprobs are read per sampling row: those rows draft), but for structured
+        outputs, whose mask follows each position's drafts (features/structured/masks.py)."""
+        p = seq.params
+        processed = p.processes_logits and not (p.structured_outputs is not None and not (
+            p.uses_penalties or p.bias or p.allowed_ids is not None or p.bad_word_ids))
         return min(k, self._room(seq)) >= 1 and len(seq) >= self._retry_at.get(seq, 0) \
-            and seq.num_completion_tokens >= seq.params.min_tokens and not seq.params.processes_logits
+            and seq.num_completion_tokens >= p.min_tokens and not processed
 
     def _note(self, seq, drafts: list[int]) -> None:
         """A proposal that found nothing is a miss; misses in a row back off (class docstring)."""

@@ -9,7 +9,8 @@ bitmask (32 tokens a word, xgrammar's batch filler on several threads); the mask
 to the device and sets the forbidden logits to -inf before the filters and the draw.
 
 A finished output (the grammar complete) allows only the stop tokens, so the row ends on EOS.
-Rows with a constraint do not draft (speculative decoding skips rows that process logits).
+Under speculative decoding each drafted position is masked as plain decoding would mask it
+after the drafts before it (a fork of the matcher that took them): verification stays lossless.
 """
 
 from __future__ import annotations
@@ -121,18 +122,29 @@ class StructuredOutputs:
                 break
         m.consumed = len(out)
 
-    def transform(self, logits: torch.Tensor, state: MaskRows) -> None:
+    def transform(self, logits: torch.Tensor, state: MaskRows, step=None) -> None:
+        """Each row's mask from its matcher; a row that verifies a draft (speculative decoding:
+        the rows after a sequence's first, each with the draft before it as its input token)
+        from a fork of the matcher that took the drafts before it."""
         last: list[int] = []
         matchers, indices = [], []
         if state.copied is not None:
             state.copied.synchronize()
+        prev = current = None
         for j, seq in enumerate(state.seqs):
-            m = self._matcher(seq)
-            self._advance(seq, m, last)
-            if m.broken or m.end_id is not None or m.matcher.is_terminated():  # (terminated: EOS sampled)
-                state.host[j].fill_(-1)  # every token allowed
+            if seq is not prev:
+                m = self._matcher(seq)
+                self._advance(seq, m, last)
+                current = None if m.broken or m.end_id is not None or m.matcher.is_terminated() else m.matcher
+            elif current is not None:
+                current = current.fork()
+                if not current.accept_token(step.token_ids[state.where[j]][0]) or current.is_terminated():
+                    current = None  # the draft breaks (or ends) the grammar: the row before rejects it
+            prev = seq
+            if current is None:
+                state.host[j].fill_(-1)  # every token allowed (a free row, or one whose sample goes unused)
             else:
-                matchers.append(m.matcher)
+                matchers.append(current)
                 indices.append(j)
         if matchers:
             self.batch.batch_fill_next_token_bitmask(matchers, state.host, indices)
