@@ -119,3 +119,17 @@ def test_act_order_with_tensor_parallelism_is_refused(base, tmp_path):
     int4, _ = quantized_checkpoint(base, tmp_path, "gptq_v2", 32, False, True)
     with pytest.raises(ValueError, match="activation order"):
         make_llm(int4, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("fmt, group, sym", [("gptq_v2", 32, False), ("awq", 32, False), ("compressed-tensors", 32, True),
+                                             ("gptq", -1, True)])
+def test_tensor_parallelism_shards_whole_groups(base, tmp_path, fmt, group, sym):
+    """TP = 2 (gloo on the CPU): each rank loads its share of the packed words, scales and zero
+    points (column-parallel layers by output features, row-parallel ones by whole input groups;
+    one group per channel stays whole), and greedy tokens equal one rank's."""
+    int4, _ = quantized_checkpoint(base, tmp_path, fmt, group, sym, False)
+    prompts = [rand_ids(9, 1), rand_ids(23, 2)]
+    with make_llm(int4) as one:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(prompts, greedy(10), use_tqdm=False)]
+    with make_llm(int4, tensor_parallel_size=2) as two:
+        assert [list(o.outputs[0].token_ids) for o in two.generate(prompts, greedy(10), use_tqdm=False)] == want

@@ -158,3 +158,14 @@ def test_int4_moe_checkpoint_on_gpu(tmp_path):
     int4, dense = quantized_checkpoint(base, tmp_path, "gptq_v2", 64, False, True)
     err = logit_errors_on_gpu(int4, dense, rand_ids(200, 4))
     assert err["int4"] < 2 * err["dense"] + 1e-3, err
+
+
+def test_int4_experts_under_tensor_parallelism(moe_base, tmp_path):
+    """TP = 2 (gloo): every expert's intermediate features split as the 16-bit experts' (gate /
+    up by output features, down by whole input groups): greedy tokens equal one rank's."""
+    int4, _ = quantized_checkpoint(moe_base, tmp_path, "gptq_v2", 32, False, False)
+    prompts = [rand_ids(9, 1), rand_ids(23, 2)]
+    with make_llm(int4) as one:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(prompts, greedy(10), use_tqdm=False)]
+    with make_llm(int4, tensor_parallel_size=2) as two:
+        assert [list(o.outputs[0].token_ids) for o in two.generate(prompts, greedy(10), use_tqdm=False)] == want
