@@ -194,3 +194,20 @@ def test_speculative_decoding_keeps_constrained_outputs_exact(tmp_path, monkeypa
     got = [list(o.outputs[0].token_ids) for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert counts.num_drafts > 0 and counts.num_accepted_tokens > 0
+
+
+def test_tensor_parallelism_masks_on_rank_0(tmp_path):
+    """TP = 2 (gloo): constrained rows sample on rank 0 from the gathered logits with the same
+    mask; the tokens equal one rank's."""
+    path = tm.make_tiny_qwen3(tmp_path / "m", num_layers=2, seed=14)
+    so = S(json=SCHEMAS[1], disable_any_whitespace=True)
+    params = [SamplingParams(structured_outputs=so, max_tokens=70, temperature=1.0, seed=s) for s in range(3)]
+    params.append(SamplingParams(temperature=0, max_tokens=10))  # beside an unconstrained row
+    prompts = [rand_ids(8, i) for i in range(4)]
+    with make_llm(path) as one:
+        want = [list(o.outputs[0].token_ids) for o in one.generate(prompts, params, use_tqdm=False)]
+    with make_llm(path, tensor_parallel_size=2) as two:
+        outs = two.generate(prompts, params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == want
+    for o in outs[:3]:
+        jsonschema.validate(parse(o.outputs[0].text), SCHEMAS[1])
