@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Structured outputs on the H200 in one call: the GPU tests of tests/test_structured_outputs.py
 # and benchmarks/structured_bench.py (bench workload, every request JSON-constrained vs none).
-# xgrammar is not on the machine: carry its wheels (cp312) in .whl/ (scripts/README: the device
-# tool's `carry`), which this installs first when present. Results under $OUT.
+# xgrammar is not on the machine: its wheels and their needs (cp312: xgrammar, apache-tvm-ffi,
+# pydantic, pydantic-core, annotated-types, typing-inspection) travel in .whl/ (git-ignored; named
+# in the device call's carry), installed first when present. Results under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_structured}
