@@ -187,13 +187,14 @@ def test_a_choice_with_reasoning_and_a_tool_call_streams_what_the_message_says(m
     calls = [c for d in deltas for c in d.get("tool_calls", [])]
     assert [c["function"] for c in calls] == [c["function"] for c in message.get("tool_calls", [])]
     assert (message["content"], len(calls)) == (("On it.", 1) if mode == "auto" else (text.split("\n\n", 1)[1], 0))
+    assert mode != "auto" or any(d.get("content") == "On" for d in deltas[:12])  # the answer streamed before the call
     assert pieces.finish_reason("stop") == ("tool_calls" if mode == "auto" else "stop")
 
 
 def test_tool_call_parsers():
     content, calls = parse_tool_calls('I will. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
                                       '<tool_call>{"name": "g", "arguments": {}}</tool_call> done')
-    assert content == "I will.  done" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}),
+    assert content == "I will. done" and [(c.name, json.loads(c.arguments)) for c in calls] == [("f", {"x": 1}),
                                                                                                 ("g", {})]
     assert parse_tool_calls("<tool_call>{not json}</tool_call>") == ("<tool_call>{not json}</tool_call>", [])
     content, calls = parse_tool_calls('<|python_tag|>{"name": "f", "parameters": {"y": 2}}', "llama3_json")
@@ -212,3 +213,23 @@ def test_reasoning_splitter_streams_what_the_whole_split_gives(text):
         parts = [s.feed(text[i:i + size]) for i in range(0, len(text), size)] + [s.finish()]
         streamed = ("".join(r for r, _ in parts) or None, "".join(c for _, c in parts) or None)
         assert streamed == whole, (size, streamed, whole)
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", 'Let me check.  <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>\n<tool_call>'
+               '{"name": "g", "arguments": {}}</tool_call> then done'),
+    ("hermes", "no call here, only a <tool mention and <tool_call"),
+    ("hermes", "  <tool_call>{broken}</tool_call> after"),
+    ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"y": 2}}; {"name": "g", "parameters": {}}'),
+    ("llama3_json", "  plain words {not a call}"),
+    ("llama3_json", "{ not json either"),
+])
+def test_tool_call_splitters_stream_what_the_whole_parse_gives(parser, text):
+    from nanovllm.features.tools.parsers import splitter
+
+    content, calls = parse_tool_calls(text, parser)
+    for size in (1, 2, 5, 11):
+        s = splitter(parser)
+        streamed = "".join(s.feed(text[i:i + size]) for i in range(0, len(text), size))
+        tail, got = s.finish(bool(streamed))
+        assert ((streamed + tail) or None, got) == (content, calls), (size, streamed, tail)

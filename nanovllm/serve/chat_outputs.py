@@ -4,7 +4,8 @@ server's --reasoning-parser) and tool calls read out (`tools` with tool_choice "
 
 `ChatTools.of` checks a request's tools and choice and says what its output must follow;
 `ChoiceText` follows one choice's text as it streams: reasoning goes out as it comes, the answer
-too unless tool calls may be in it (then it is held, and parsed, at the end).
+too up to where a tool call may begin ("auto"); from there it is held and parsed at the end (a
+constrained call's text, "required" or a named function, is held whole).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 from nanovllm.features.reasoning import ReasoningSplitter, split_reasoning
 from nanovllm.features.tools.choice import ToolCall, constraint, forced_calls, functions, mode_of
-from nanovllm.features.tools.parsers import parse_tool_calls
+from nanovllm.features.tools.parsers import parse_tool_calls, splitter
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,9 @@ class ChoiceText:
     def __init__(self, tools: ChatTools):
         self.tools = tools
         self.splitter = ReasoningSplitter() if tools.reasoning else None
-        self.held: list[str] = []
+        self.calls = splitter(tools.parser) if tools.mode == "auto" else None  # content streams up to a call
+        self.held: list[str] = []  # a constrained call's text ("required", a named function)
+        self.streamed = False
         self.num_calls = 0
 
     def message(self, text: str) -> dict:
@@ -85,22 +88,31 @@ class ChoiceText:
 
     def _delta(self, reasoning: str, content: str) -> dict:
         out = {"reasoning_content": reasoning} if reasoning else {}
-        if self.tools.holds_answer:
+        if self.calls is not None:
+            content = self.calls.feed(content)
+        elif self.tools.mode != "none":
             self.held.append(content)
-        elif content:
+            content = ""
+        if content:
             out["content"] = content
+            self.streamed = True
         return out
 
     def last_delta(self) -> dict:
         """What is left to send once the output is complete: held text, tool calls."""
         out = self._delta(*self.splitter.finish()) if self.splitter else {}
-        if self.tools.holds_answer:
-            content, calls = self.tools.calls("".join(self.held))
-            self.num_calls = len(calls)
-            if content:
-                out["content"] = content
-            if calls:
-                out["tool_calls"] = [c.json(i) for i, c in enumerate(calls)]
+        calls = []
+        if self.calls is not None:
+            tail, calls = self.calls.finish(self.streamed)
+        elif self.tools.mode != "none":
+            tail, calls = self.tools.calls("".join(self.held))
+        else:
+            tail = ""
+        if tail:
+            out["content"] = out.get("content", "") + tail
+        self.num_calls = len(calls)
+        if calls:
+            out["tool_calls"] = [c.json(i) for i, c in enumerate(calls)]
         return out
 
     def finish_reason(self, reason: str) -> str:
