@@ -173,6 +173,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         # the scheduler, penalties / bias / logprobs in the sampler, streamed text / stop strings.
         wiring.wire_scheduling(self, params)
         wiring.enable_logits_extensions(self.model_runner.sampler, params)
+        wiring.enable_structured_outputs(self, params)  # (compiled already, but in a data-parallel replica)
         wiring.enable_text_tracking(self.requests, params, track_text)
         seq = super().add_request(prompt_ids, params, track_text, prompt)
         if self._stats_recorder is not None:

@@ -118,7 +118,7 @@ def enable_structured_outputs(engine, params) -> None:
     if params.structured_outputs is not None:
         from nanovllm.features.structured.masks import StructuredOutputs
 
-        StructuredOutputs.on(engine).grammars.compile(params.structured_outputs)
+        StructuredOutputs.check(engine, params.structured_outputs)
 
 
 def enable_text_tracking(requests, params, track_text: bool) -> None:

@@ -175,11 +175,12 @@ def test_function_level_imports_only_where_they_are_the_point():
 # kernels/: 7,930 lines at 5844497 (the architecture issue's measure), 6,334 at the restructure,
 # about 6,880 with issue 34's API, 6,615 since chat and the step API load at first use, 6,810
 # with the core's half of speculative decoding (verifying drafts, its hooks), 6,620 since text
-# tracking (streamed text, stop strings) is a feature, 6,681 with structured outputs' API
+# tracking (streamed text, stop strings) is a feature, 6,696 with structured outputs' API
 # (SamplingParams.structured_outputs, vLLM's StructuredOutputsParams fields, the hook that
-# compiles a constraint up front, the sampler's published tokens). The architecture issue's goal is 4,000: lower this bound as code leaves the path, and raise it only
-# for API every generate needs, saying so in the commit.
-PLAIN_GENERATE_LINE_BUDGET = 6_685
+# compiles a constraint up front, the sampler's published tokens, min_tokens never leaving a
+# row nothing to sample). The architecture issue's goal is 4,000: lower this bound as code
+# leaves the path, and raise it only for API every generate needs, saying so in the commit.
+PLAIN_GENERATE_LINE_BUDGET = 6_700
 PLAIN_GENERATE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

@@ -110,6 +110,8 @@ def test_extra_body_structured_outputs_and_the_guided_names_on_both_endpoints(se
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among the tools"),
     ({"tool_choice": "required"}, "needs tools"),
     ({"tools": [{"type": "function"}]}, "tools\\[0\\]"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": "add"}}, "tool_choice must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": None}}, "tool_choice must be"),
 ])
 def test_bad_constraints_and_tool_choices_are_a_400_naming_them(served, body, needle):
     with pytest.raises(openai.BadRequestError, match=needle):
@@ -222,6 +224,7 @@ def test_reasoning_splitter_streams_what_the_whole_split_gives(text):
     ("hermes", "  <tool_call>{broken}</tool_call> after"),
     ("llama3_json", '<|python_tag|>{"name": "f", "parameters": {"y": 2}}; {"name": "g", "parameters": {}}'),
     ("llama3_json", "  plain words {not a call}"),
+    ("llama3_json", '{"name": "search", "parameters": {"q": "a; b"}} ; {"name": "g", "parameters": {}}'),
     ("llama3_json", "{ not json either"),
 ])
 def test_tool_call_splitters_stream_what_the_whole_parse_gives(parser, text):
@@ -233,3 +236,13 @@ def test_tool_call_splitters_stream_what_the_whole_parse_gives(parser, text):
         streamed = "".join(s.feed(text[i:i + size]) for i in range(0, len(text), size))
         tail, got = s.finish(bool(streamed))
         assert ((streamed + tail) or None, got) == (content, calls), (size, streamed, tail)
+
+
+def test_a_stream_ending_with_held_text_adds_up_to_the_response(served):
+    """The last piece and the text held back (a partial `<tool_` that never became a call) go
+    out together in the last chunk."""
+    kw = dict(tools=TOOLS, temperature=0, stop=["ok <tool_X"],
+              extra_body={"structured_outputs": {"regex": "Sure thing ok <tool_"}})
+    whole = chat(served, **kw).choices[0].message.content
+    chunks = [c.choices[0] for c in chat(served, stream=True, **kw) if c.choices]
+    assert whole == "Sure thing ok <tool_" == "".join(c.delta.content or "" for c in chunks)

@@ -231,3 +231,55 @@ def test_constrained_rows_on_gpu_with_graphs(tmp_path):
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     llm.shutdown()
+
+
+def test_min_tokens_never_leaves_a_complete_grammar_nothing_to_sample(llm):
+    """min_tokens suppresses EOS, but a complete value allows only EOS: the row then takes it
+    (the output stays the grammar's) instead of sampling a masked token."""
+    for temperature in (0.0, 1.0):
+        out = llm.generate(["x"], SamplingParams(structured_outputs=S(choice=["yes"]), min_tokens=4, max_tokens=10,
+                                                 temperature=temperature, seed=1), use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason) == ("yes", "stop")
+
+
+def test_choices_outside_the_basic_plane_and_with_escapes(llm):
+    choices = ["ok 😀", 'a"b', "c\\d", "tab\there"]
+    for text, _ in texts(llm, ["x", "yz", "pq", "rs"], temperature=1.0, seed=2, structured_outputs=S(choice=choices)):
+        assert text in choices
+
+
+def test_reasoning_end_drafted_by_speculative_decoding_starts_the_grammar(tmp_path, monkeypatch):
+    """The constraint starts after </think>; when </think> comes as a draft, the rows after it
+    are masked from the grammar's start (an oracle proposer drafting plain decoding's own
+    continuation keeps every draft: the tokens must be plain decoding's)."""
+    from nanovllm.features.speculative.drafting import draft_counts
+    from nanovllm.features.speculative.ngram import NgramProposer
+
+    path = tm.make_tiny_qwen3(tmp_path / "m", num_layers=2, seed=13)
+    prompt = rand_ids(6, 1214)  # (greedy output writes </think> at position 10 on this model)
+
+    def params():
+        so = S(regex=r"[0-9]{3,}")
+        so._reasoning_end = "</think>"  # as the server's --reasoning-parser sets it
+        return SamplingParams(structured_outputs=so, max_tokens=20, temperature=0.0)
+
+    plain = make_llm(path)
+    want = list(plain.generate([prompt], params(), use_tqdm=False)[0].outputs[0].token_ids)
+    end = plain.tokenizer.convert_tokens_to_ids("</think>")
+    assert end in want and re.fullmatch(r"[0-9]{3,}", plain.tokenizer.decode(want[want.index(end) + 1:],
+                                                                           skip_special_tokens=True))
+    spec = make_llm(path, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    monkeypatch.setattr(NgramProposer, "propose_one", lambda self, seq, k: list(
+        want[seq.num_completion_tokens:seq.num_completion_tokens + k]))
+    assert list(spec.generate([prompt], params(), use_tqdm=False)[0].outputs[0].token_ids) == want
+    assert draft_counts(spec.scheduler).num_accepted_tokens > 0
+
+
+def test_data_parallel_replicas_constrain_their_rows(tmp_path):
+    path = tm.make_tiny_qwen3(tmp_path / "m", num_layers=2, seed=16)
+    with make_llm(path, data_parallel_size=2) as llm:
+        outs = llm.generate(["x", "y", "z", "w"], SamplingParams(structured_outputs=S(choice=["yes", "no"]),
+                                                                 temperature=1.0, seed=3, max_tokens=10), use_tqdm=False)
+        assert all(o.outputs[0].text in ("yes", "no") for o in outs)
+        with pytest.raises(ValueError, match="structured_outputs.regex"):
+            llm.generate(["x"], SamplingParams(structured_outputs=S(regex="(a")), use_tqdm=False)

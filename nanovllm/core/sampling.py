@@ -30,6 +30,16 @@ def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
     return set(seq.params.stop_ids) | (set() if seq.params.ignore_eos else set(eos_token_ids))
 
 
+def _suppress_unless_nothing_is_left(x: torch.Tensor, suppress) -> None:
+    """min_tokens' suppression applied to the extensions' fp32 logits x, but not on a row where
+    they allow nothing else (a structured output that is complete allows only EOS): the row may
+    then take them. Without a host sync (the rows are found on the device). Returns None."""
+    rows, cols = suppress
+    banned = x.index_put((rows, cols), x.new_tensor(float("-inf")))
+    nothing_left = torch.isneginf(banned).all(dim=-1)
+    x.index_put_((rows, cols), torch.where(nothing_left[rows], x[rows, cols], float("-inf")))
+
+
 class PendingTokens:
     """Sampled tokens on their way to the host; `result()` waits for them (and only for them).
 
@@ -121,7 +131,10 @@ class TokenSampler:
             x = logits.to(torch.float32, copy=True)
             for ext, state in changes:
                 ext.transform(x, state, step)
-        tokens = self.sampler(x, t, self._suppress(rows, eos_token_ids))
+        suppress = self._suppress(rows, eos_token_ids)
+        if changes and suppress is not None:
+            suppress = _suppress_unless_nothing_is_left(x, suppress)
+        tokens = self.sampler(x, t, suppress)
         copies = None
         if lp_state is not None or prompt_logits is not None:
             if self.logprobs is None:

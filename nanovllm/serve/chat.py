@@ -119,7 +119,8 @@ async def _stream(run: Run, body: ChatCompletionRequest, head: dict, tools: Chat
             text, finish = texts[d.index], d.finish_reason
             delta = text.delta(d.text) if d.text else {}
             if finish is not None:
-                delta.update(text.last_delta())
+                for key, value in text.last_delta().items():  # (text held back goes after this piece's)
+                    delta[key] = delta.get(key, "") + value if isinstance(value, str) else value
                 finish = text.finish_reason(finish)
             if delta or finish is not None or logprobs is not None or body.return_token_ids:
                 parts.append(choice(d.index, delta, logprobs, finish, d.stop_reason, d.token_ids))

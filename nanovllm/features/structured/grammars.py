@@ -62,8 +62,9 @@ def constraint_of(spec: StructuredOutputsParams) -> tuple[str, str]:
 
 
 def choice_grammar(choices: list[str]) -> str:
-    """EBNF whose sentences are exactly the choices (JSON string literals are EBNF's too)."""
-    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+    """EBNF whose sentences are exactly the choices (JSON string literals are EBNF's too; kept
+    unescaped, since xgrammar reads a \\u escape of a surrogate pair as two lone surrogates)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class Grammars:

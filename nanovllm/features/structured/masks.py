@@ -67,15 +67,22 @@ class StructuredOutputs:
         self.matchers: dict[int, _Matcher] = {}
 
     @classmethod
-    def on(cls, engine) -> "StructuredOutputs":
-        """The extension registered on `engine`'s (rank 0's) sampler, made at the first use."""
-        sampler = engine.model_runner.sampler
-        ext = next((e for e in sampler.extensions if isinstance(e, cls)), None)
+    def check(cls, engine, spec) -> None:
+        """Compile `spec` (ValueError naming what is wrong) with the extension on `engine`'s
+        (rank 0's) sampler, registered at the first use; a data-parallel front has no sampler:
+        it compiles to check, and each replica registers its own as the request reaches it."""
+        sampler = getattr(engine.model_runner, "sampler", None)
+        ext = None if sampler is None else next((e for e in sampler.extensions if isinstance(e, cls)), None)
         if ext is None:
-            grammars = Grammars(engine.tokenizer, engine.vocab_size, engine.eos_token_ids)
+            grammars = engine.__dict__.get("_grammars") or Grammars(engine.tokenizer, engine.vocab_size,
+                                                                    engine.eos_token_ids)
+            if sampler is None:
+                engine.__dict__["_grammars"] = grammars
+                grammars.compile(spec)
+                return
             ext = cls(grammars, sampler.device, sampler.pin, sampler.published)
             sampler.add_extension(ext)
-        return ext
+        ext.grammars.compile(spec)
 
     def applies(self, params) -> bool:
         return params.structured_outputs is not None
@@ -130,16 +137,16 @@ class StructuredOutputs:
         matchers, indices = [], []
         if state.copied is not None:
             state.copied.synchronize()
-        prev = current = None
+        prev = current = m = None
         for j, seq in enumerate(state.seqs):
             if seq is not prev:
                 m = self._matcher(seq)
                 self._advance(seq, m, last)
-                current = None if m.broken or m.end_id is not None or m.matcher.is_terminated() else m.matcher
-            elif current is not None:
-                current = current.fork()
-                if not current.accept_token(step.token_ids[state.where[j]][0]) or current.is_terminated():
-                    current = None  # the draft breaks (or ends) the grammar: the row before rejects it
+                current, reasoning = None, m.end_id
+                if not (m.broken or reasoning is not None or m.matcher.is_terminated()):
+                    current = m.matcher
+            else:
+                current, reasoning = self._after_draft(m, current, reasoning, step.token_ids[state.where[j]][0])
             prev = seq
             if current is None:
                 state.host[j].fill_(-1)  # every token allowed (a free row, or one whose sample goes unused)
@@ -152,6 +159,18 @@ class StructuredOutputs:
         if self.pin:
             state.copied = torch.cuda.Event()
             state.copied.record()
+
+    @staticmethod
+    def _after_draft(m: _Matcher, current, reasoning: int | None, draft: int):
+        """(the matcher state, the reasoning's end token while it lasts) of the row after `draft`."""
+        if reasoning is not None:  # the grammar starts after a drafted end of the reasoning
+            return (m.matcher.fork(), None) if draft == reasoning and not m.broken else (None, reasoning)
+        if current is None:
+            return None, None
+        current = current.fork()
+        if not current.accept_token(draft) or current.is_terminated():
+            current = None  # the draft breaks (or ends) the grammar: the row before rejects it
+        return current, None
 
     def observe(self, state: MaskRows, tokens: torch.Tensor) -> None:
         pass  # the matchers read the tokens from the host at the next step

@@ -55,7 +55,8 @@ def mode_of(tool_choice, tools) -> str:
         if tool_choice != "none" and not tools:
             raise ValueError(f"tool_choice={tool_choice!r} needs tools")
         return tool_choice
-    name = tool_choice.get("function", {}).get("name") if isinstance(tool_choice, dict) else None
+    fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str) or tool_choice.get("type") != "function":
         raise ValueError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
                          "{'name': ...}}")

@@ -97,11 +97,27 @@ class Llama3JsonSplitter:
         return ""
 
     def finish(self, streamed: bool) -> tuple[str, list[ToolCall]]:
-        body = self.held.strip().removeprefix(_PYTHON_TAG).strip()
-        calls = [_call(part) for part in body.split(";")] if self.mode == "calls" else [None]
-        if not calls or any(c is None for c in calls):
-            return self.held, []
-        return "", calls
+        calls = _json_calls(self.held.strip().removeprefix(_PYTHON_TAG)) if self.mode == "calls" else None
+        return ("", calls) if calls else (self.held, [])
+
+
+def _json_calls(body: str) -> list[ToolCall] | None:
+    """Calls written one after another as JSON objects, separated by ";" (and whitespace); None
+    unless the whole text is such calls (a ";" inside a string is the string's)."""
+    decoder, calls, at = json.JSONDecoder(strict=False), [], 0
+    while True:
+        while at < len(body) and (body[at].isspace() or (body[at] == ";" and calls)):
+            at += 1
+        if at == len(body):
+            return calls or None
+        try:
+            value, at = decoder.raw_decode(body, at)
+        except json.JSONDecodeError:
+            return None
+        call = _call(json.dumps(value)) if isinstance(value, dict) else None
+        if call is None:
+            return None
+        calls.append(call)
 
 
 PARSERS = {"hermes": HermesSplitter, "llama3_json": Llama3JsonSplitter}
