@@ -1,8 +1,8 @@
 """Engine configuration: every `LLM(...)` keyword in two steps.
 
 `Config.from_kwargs(model, **kwargs)` checks each value and does no I/O: core fields flat, and one
-sub-config per feature (`parallel`, `quantization`, `scheduling`, `prefill_graphs`), each checking
-its own fields. `config.resolve(...)` then reads the checkpoint's config.json, picks the device and
+sub-config per feature (feature_options.py: `parallel`, `quantization`, `scheduling`,
+`prefill_graphs`, `lora`), each checking its own fields. `config.resolve(...)` then reads the checkpoint's config.json, picks the device and
 dtypes, probes the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`,
 `kv_calibrator`, `sparse_mlp`).
 """
@@ -14,7 +14,6 @@ import logging
 import os
 import typing
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -25,133 +24,20 @@ from nanovllm.model.attention.backend import flash_attn_available
 from nanovllm.model.fit import check_model_fits
 from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
 from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
-from nanovllm.sampling_params import is_integer, is_real
+from nanovllm.sampling_params import is_integer
+from nanovllm.feature_options import (EXECUTOR_BACKENDS, FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS,  # noqa: F401
+                                      LoraConfig, ParallelConfig, PrefillGraphConfig, QuantizationConfig,
+                                      SchedulingConfig, _at_least, checked)
 from nanovllm.vllm_keywords import translate_vllm_keywords
 
 logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
-# vLLM's names. None / "mp": the engine's own processes (tensor-parallel workers, data-parallel
-# replicas on this node); "ray": data-parallel replicas as Ray actors (launch/ray_replicas.py);
-# "external_launcher": torchrun started every tensor-parallel rank (launch/torchrun.py).
-EXECUTOR_BACKENDS = (None, "mp", "ray", "external_launcher")
 TOKENIZER_MODES = ("auto", "slow")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-# LLM(kv_cache_dtype=...) (vLLM's names) -> the cache's element type; None: the model's dtype.
-KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
-
-
-def checked(name: str, value, kind, what: str, ok: Callable = lambda v: True):
-    """`value` as Python's own `kind` (numpy's numbers count), or a ValueError naming the field
-    when it is not a `kind` or fails `ok`."""
-    if kind is int:
-        good = is_integer(value)
-    elif kind is float:
-        good = is_real(value)
-    else:
-        good = isinstance(value, kind)
-    if good and kind in (int, float):
-        value = kind(value)
-    if not good or not ok(value):
-        raise ValueError(f"{name}={clip_repr(value)}: must be {what}")
-    return value
-
-
-def _at_least(n):
-    return lambda v: v >= n
-
-
-# ---------------------------------------------------------------- one sub-config per feature
-
-
-@dataclass
-class ParallelConfig:
-    """Tensor and data parallelism (parallel/, launch/). `custom_all_reduce`: on CUDA, fuse
-    all-reduces up to 8 MiB with the RMSNorm after them (parallel/fused_all_reduce.py); False
-    keeps every all-reduce on NCCL."""
-
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    custom_all_reduce: bool = True
-
-    def __post_init__(self):
-        self.tensor_parallel_size = checked("tensor_parallel_size", self.tensor_parallel_size, int,
-                                            "an integer >= 1", _at_least(1))
-        self.data_parallel_size = checked("data_parallel_size", self.data_parallel_size, int, "an integer >= 1",
-                                          _at_least(1))
-        checked("custom_all_reduce", self.custom_all_reduce, bool, "True or False")
-        backend = self.distributed_executor_backend
-        if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={clip_repr(backend)}: must be one of {EXECUTOR_BACKENDS}")
-        if backend == "external_launcher" and self.data_parallel_size != 1:
-            raise ValueError("distributed_executor_backend='external_launcher' runs one tensor-parallel engine "
-                             "over torchrun's ranks; data_parallel_size must be 1 (launch one torchrun job per "
-                             "replica, or use the 'mp' / 'ray' backends for data parallelism)")
-
-
-@dataclass
-class QuantizationConfig:
-    """Quantized weights and KV cache (features/quantization/). `method`: LLM(quantization=...),
-    None to follow the checkpoint's quantization_config."""
-
-    method: str | None = None
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={clip_repr(self.kv_cache_dtype)} is not supported; use one of "
-                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
-        checked("calculate_kv_scales", self.calculate_kv_scales, bool, "True or False")
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
-                             "kv_cache_dtype='fp8'")
-        if self.method is not None and not isinstance(self.method, str):
-            raise ValueError(f"quantization={clip_repr(self.method)}: must be None or a method's name")
-
-
-@dataclass
-class SchedulingConfig:
-    """The scheduling policy (features/mixed_steps.py): with `mixed_steps`, decode rows ride
-    along with prompt chunks in one step, so running requests keep getting tokens while a long
-    prompt prefills (the server's policy, for latency)."""
-
-    mixed_steps: bool = False
-
-    def __post_init__(self):
-        checked("mixed_steps", self.mixed_steps, bool, "True or False")
-
-
-@dataclass
-class PrefillGraphConfig:
-    """Piecewise prefill CUDA graphs (features/prefill_graphs.py): prefill-shaped steps of up to
-    `max_tokens` tokens replay them, attention eager between the pieces; 0 runs all eagerly."""
-
-    max_tokens: int = 2048
-
-    def __post_init__(self):
-        self.max_tokens = checked("max_prefill_graph_tokens", self.max_tokens, int,
-                                  "an integer >= 0 (0: no prefill graphs)", _at_least(0))
-
-
-# LLM keyword -> (sub-config, field) of the features' options; every other keyword is a core field.
-FEATURE_OPTIONS = {
-    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
-    "data_parallel_size": ("parallel", "data_parallel_size"),
-    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
-    "custom_all_reduce": ("parallel", "custom_all_reduce"),
-    "quantization": ("quantization", "method"),
-    "kv_cache_dtype": ("quantization", "kv_cache_dtype"),
-    "calculate_kv_scales": ("quantization", "calculate_kv_scales"),
-    "mixed_steps": ("scheduling", "mixed_steps"),
-    "max_prefill_graph_tokens": ("prefill_graphs", "max_tokens"),
-}
-SUB_CONFIGS = {"parallel": ParallelConfig, "quantization": QuantizationConfig, "scheduling": SchedulingConfig,
-               "prefill_graphs": PrefillGraphConfig}
 
 
 # ---------------------------------------------------------------- the engine's config
@@ -200,6 +86,7 @@ class Config:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Filled by resolve(): the checkpoint's transformers config; the linear layers' weight scheme
     # (model/quant.py's QuantScheme, or None); the KV cache's element type; the FP8 cache's scale
     # calibrator (calculate_kv_scales); the MoE block factory of a model with MoE layers
@@ -211,6 +98,7 @@ class Config:
     kv_calibrator: object = field(init=False, repr=False, default=None)
     sparse_mlp: object = field(init=False, repr=False, default=None)
     speculation: object = field(init=False, repr=False, default=None)
+    adapters: object = field(init=False, repr=False, default=None)  # a factory of each rank's Adapters
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
@@ -331,6 +219,9 @@ class Config:
         self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
         self.sparse_mlp = features.sparse_mlp(registry.model_class(hf).options_from_config(hf))
         self.speculation = features.speculation(self.speculative_config, hf, self.parallel.tensor_parallel_size)
+        self.adapters = features.adapters(self.lora, hf)
+        if self.lora.enable_lora and (self.speculative_config or self.parallel.data_parallel_size > 1):
+            raise ValueError("enable_lora=True does not go with speculative_config or data_parallel_size > 1 yet")
 
     def _check_backend_on_device(self) -> None:
         backend = self.attention_backend

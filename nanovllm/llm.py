@@ -53,6 +53,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
         self._step_api = None  # llm_engine
         self._stats_recorder = None
+        self.lora_registry: dict = {}  # adapter id -> LoRARequest (enable_lora)
         super().__init__(model, start_executor=self._start_executor, model_features=wiring,
                          **kwargs)
         wiring.wire_scheduling(self)  # mixed steps, when asked
@@ -139,19 +140,21 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         fields; also a dict: out["text"], out["token_ids"], out["finish_reason"] read the first
         completion). Without sampling_params, the model's generation defaults apply
         (get_default_sampling_params). use_tqdm: show a progress bar; or, as in vLLM, a
-        callable that makes one from tqdm's keywords (total, desc, ...). lora_request: None (LoRA
-        adapters are not supported yet)."""
-        check_no_lora(lora_request)
-        return self._run_requests(self._normalize(prompts, sampling_params), use_tqdm)
+        callable that makes one from tqdm's keywords (total, desc, ...). lora_request: a
+        LoRARequest for every prompt, a list of them (None entries: the base model), or None;
+        needs LLM(enable_lora=True)."""
+        requests = self._normalize(prompts, sampling_params)
+        return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
-    def _run_requests(self, requests, use_tqdm) -> list[RequestOutput]:
-        """The outputs of normalized (ids, params, text) requests, run to completion."""
+    def _run_requests(self, requests, use_tqdm, adapters=None) -> list[RequestOutput]:
+        """The outputs of normalized (ids, params, text) requests, run to completion (`adapters`:
+        each one's adapter id, or None)."""
         seqs = []
         # A signal handler's exception (Ctrl-C, a timeout) comes out at a step's end; the clean-up runs uncut.
         with self._exclusive(), deferred_interrupts():
             try:
                 self._clear_leftovers()
-                self._add_all(requests, seqs)
+                self._add_all(requests, seqs, adapters=adapters)
                 self._run_to_completion(sum(len(s.samples) for s in seqs), use_tqdm)
             except BaseException:
                 self._release(seqs)
@@ -166,7 +169,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         return p
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
-                    prompt: str | None = None) -> Sequence:
+                    prompt: str | None = None, adapter: int = 0) -> Sequence:
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
         # The features the request asks for, on first use: n > 1 and prompt-logprob planning in
@@ -175,7 +178,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         wiring.enable_logits_extensions(self.model_runner.sampler, params)
         wiring.enable_structured_outputs(self, params)  # (compiled already, but in a data-parallel replica)
         wiring.enable_text_tracking(self.requests, params, track_text)
-        seq = super().add_request(prompt_ids, params, track_text, prompt)
+        seq = super().add_request(prompt_ids, params, track_text, prompt, adapter)
         if self._stats_recorder is not None:
             self._stats_recorder.arrived(seq)
         return seq
@@ -193,13 +196,14 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
             raise RuntimeError("statistics are off: create the LLM with disable_log_stats=False to read get_metrics()")
         return self._stats_recorder.metrics()
 
-    def _add_all(self, requests, seqs: list, track_text: bool = False) -> None:
+    def _add_all(self, requests, seqs: list, track_text: bool = False, adapters=None) -> None:
         """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
         one, never between queuing a request and recording it (which would leak it)."""
         with deferred_interrupts():
             self._call_seqs = seqs
-            for ids, p, text in requests:
-                seqs.append(self.add_request(ids, p, track_text=track_text, prompt=text))
+            for i, (ids, p, text) in enumerate(requests):
+                seqs.append(self.add_request(ids, p, track_text=track_text, prompt=text,
+                                             adapter=adapters[i] if adapters else 0))
 
     def _release(self, seqs) -> None:
         """A generate / stream ended early: abort its unfinished requests, the launched step and
@@ -280,7 +284,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
             if bar is not None:
                 bar.close()
 
-    def stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
+    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[StreamOutput]:
         """Yield per-completion increments as the engine produces them (StreamOutput: vLLM's
         streamed RequestOutput in delta form, plus nano-vllm's `index`, `text`, `token_ids`,
         `finish_reason`).
@@ -290,14 +294,14 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         the requests start when iteration starts, and closing the iterator early aborts them.
         """
         requests = self._normalize(prompts, sampling_params)
-        return self._stream(requests)
+        return self._stream(requests, wiring.lora_adapters(self, lora_request, len(requests)))
 
-    def _stream(self, requests) -> Iterator[StreamOutput]:
+    def _stream(self, requests, adapters=None) -> Iterator[StreamOutput]:
         seqs = []
         with self._exclusive():
             try:
                 self._clear_leftovers()
-                self._add_all(requests, seqs, track_text=True)
+                self._add_all(requests, seqs, track_text=True, adapters=adapters)
                 where = {s.seq_id: (i, seq) for i, seq in enumerate(seqs) for s in seq.samples}
                 first = set()  # requests whose first increment (with the prompt logprobs) went out
                 # Not "until every request is finished": a request can finish (max_tokens) while
@@ -335,15 +339,14 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         The template's own variables go in `chat_template_kwargs` (e.g. Qwen3's
         {"enable_thinking": False}); given as keywords of chat() itself they are merged in
         (nano-vllm's earlier form). One the template never reads is a TypeError. Each output's
-        `prompt` is the rendered prompt."""
-        check_no_lora(lora_request)
+        `prompt` is the rendered prompt. lora_request: as generate's."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         options = dict(template=chat_template, content_format=chat_template_content_format,
                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                        tools=tools, documents=documents, kwargs={**(chat_template_kwargs or {}), **template_kwargs})
         requests = wiring.chat_requests(self, messages, sampling_params, options, mm_processor_kwargs)
-        return self._run_requests(requests, use_tqdm)
+        return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
     @property
     def llm_engine(self):

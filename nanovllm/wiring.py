@@ -88,6 +88,24 @@ def speculation(speculative_config: dict | None, hf_config, tensor_parallel_size
     return SpeculativeOptions.from_dict(speculative_config, hf_config, tensor_parallel_size)
 
 
+def lora_adapters(llm, lora_request, n: int) -> list[int] | None:
+    """Each prompt's adapter id for `lora_request` (features/lora/front.py), or None for none."""
+    if lora_request is None or (isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)):
+        return None
+    from nanovllm.features.lora.front import adapter_ids
+
+    return adapter_ids(llm, lora_request, n)
+
+
+def adapters(lora_config, hf_config):
+    """LLM(enable_lora=True): the factory of each rank's LoRA slots (features/lora/runtime.py), or None."""
+    if not lora_config.enable_lora:
+        return None
+    from nanovllm.features.lora.runtime import LoraRuntime
+
+    return LoraRuntime.factory(lora_config, hf_config)
+
+
 # ---------------------------------------------------------------- logits extensions
 
 
@@ -148,6 +166,10 @@ def wire_scheduling(engine, params=None) -> None:
 
             # First: the other hooks see the step as it will run.
             scheduler.hooks.insert(0, drafting_hook(engine))
+        if engine.config.lora.enable_lora:
+            from nanovllm.features.lora.scheduling import LoraSlots
+
+            scheduler.hooks.append(LoraSlots(engine.config.lora.max_loras, engine.lora_registry))
         return
     wanted = []
     if params.n > 1:

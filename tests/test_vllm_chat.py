@@ -128,8 +128,9 @@ def test_template_keywords_are_still_checked(llm, refs=None):
     assert len(llm.generate(["Hello"], greedy(3), use_tqdm=False)[0].outputs[0].token_ids) == 3
 
 
-def test_lora_request_none_is_accepted_and_an_adapter_refused(llm):
+def test_lora_request_none_is_accepted_and_an_adapter_needs_enable_lora(llm):
     from nanovllm.lora.request import LoRARequest
+    from nanovllm.sampling_params import BeamSearchParams
 
     out = llm.generate(["Hello"], greedy(3), use_tqdm=False, lora_request=None)[0]
     assert len(out.outputs[0].token_ids) == 3
@@ -137,6 +138,8 @@ def test_lora_request_none_is_accepted_and_an_adapter_refused(llm):
     adapter = LoRARequest("sql", 1, "/adapters/sql")
     for call in (lambda: llm.generate(["Hello"], greedy(3), lora_request=adapter),
                  lambda: llm.chat(CONV, SamplingParams(max_tokens=3), lora_request=adapter)):
-        with pytest.raises(NotImplementedError, match="LoRA adapters are not supported"):
+        with pytest.raises(ValueError, match="enable_lora=True"):
             call()
-    assert_idle(llm)
+    with pytest.raises(NotImplementedError, match="not supported here yet"):
+        llm.beam_search(["Hello"], BeamSearchParams(beam_width=2, max_tokens=2), lora_request=adapter)
+    assert_idle(llm)  # (tests/test_lora.py: adapters served)

@@ -13,6 +13,13 @@ _ROOT_HASH = 0  # parent hash of a sequence's first block
 _ROOT_PREFIX = 0  # prefix id of the empty prefix (parent of a sequence's first block)
 
 
+def roots(adapter: int) -> tuple[int, int]:
+    """(hash, prefix id) of the empty prefix under a request's adapter (0: none): requests under
+    different adapters compute different K/V for the same tokens, so they never share blocks."""
+    # (an adapter's root prefix id is below -1: blocks not registered hold -1, ids from 1 up)
+    return (_ROOT_HASH, _ROOT_PREFIX) if not adapter else (chain_hash(_ROOT_HASH, [adapter]), -1 - adapter)
+
+
 def chain_hash(parent: int, token_ids: list[int]) -> int:
     """xxhash64 of (parent block's hash, this block's token ids): equal prefixes give equal hashes."""
     h = xxhash.xxh64()
@@ -112,7 +119,7 @@ class BlockManager:
         """Chain hash of the sequence's i-th full block (memoised on the sequence)."""
         while len(seq.block_hashes) <= i:
             j = len(seq.block_hashes)
-            parent = seq.block_hashes[j - 1] if j else _ROOT_HASH
+            parent = seq.block_hashes[j - 1] if j else roots(seq.adapter)[0]
             seq.block_hashes.append(chain_hash(parent, seq.block_tokens(j, self.block_size)))
         return seq.block_hashes[i]
 
@@ -123,7 +130,7 @@ class BlockManager:
             return []
         bs = self.block_size
         hits = []
-        parent_prefix = _ROOT_PREFIX
+        parent_prefix = roots(seq.adapter)[1]
         for i in range((len(seq) - 1) // bs):
             block_id = self.hash_to_block.get(self._hash_of(seq, i))
             if block_id is None:
@@ -263,7 +270,7 @@ class BlockManager:
                 continue  # reused from the cache: registered already
             h = self._hash_of(seq, i)
             # Block i - 1 is live (held by seq) and committed already, so its prefix id is valid.
-            parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else _ROOT_PREFIX
+            parent = self.blocks[seq.block_table[i - 1]].prefix_id if i else roots(seq.adapter)[1]
             tokens = tuple(seq.block_tokens(i, bs))
             same = self.hash_to_block.get(h)
             if same is not None and self.blocks[same].parent_prefix_id == parent \
@@ -276,7 +283,7 @@ class BlockManager:
             block.prefix_id = prefix_id
             block.parent_prefix_id = parent
             block.token_ids = tokens
-            block.parent_hash = seq.block_hashes[i - 1] if i else _ROOT_HASH
+            block.parent_hash = seq.block_hashes[i - 1] if i else roots(seq.adapter)[0]
             # An identical block already registered stays the canonical copy, unless nothing can
             # hit it any more (its parent copy was evicted and the prefix recomputed under a new
             # id): then this reachable copy replaces it.
@@ -286,7 +293,7 @@ class BlockManager:
     def _reachable(self, block: Block) -> bool:
         """Whether a prefix lookup can reach the block: its parent is the root, or the block
         registered under its parent hash has the prefix the block was computed after."""
-        if block.parent_prefix_id == _ROOT_PREFIX:
+        if block.parent_prefix_id == _ROOT_PREFIX or block.parent_prefix_id < -1:  # a root (< -1: an adapter's)
             return True
         parent = self.hash_to_block.get(block.parent_hash)
         return parent is not None and self.blocks[parent].prefix_id == block.parent_prefix_id

@@ -198,24 +198,27 @@ class LLMEngine:
                              f"to start, but the whole cache has {bm.num_blocks}")
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
-                    prompt: str | None = None) -> Sequence:
+                    prompt: str | None = None, adapter: int = 0) -> Sequence:
         """Queue a validated request (see `tokenize` / `check_fits`); its Sequence, which for
-        n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any."""
+        n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any;
+        `adapter`: its adapter's id (LoRA; 0: none)."""
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
         request_id = str(next(self._request_ids))
-        seq = self._new_sample(prompt_ids, params, 0)
+        seq = self._new_sample(prompt_ids, params, 0, adapter)
         seq.request_id, seq.prompt_text = request_id, prompt
         for hook in self.scheduler.hooks:  # (n > 1: the request's other samples)
-            hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i))
+            hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i, adapter))
         if len(seq.samples) != params.n:
             raise ValueError(f"SamplingParams.n={params.n} needs the parallel-sampling hook (LLM wires it in)")
         self.requests.add(seq, track_text)
         return seq
 
-    def _new_sample(self, prompt_ids: list[int], params: SamplingParams, i: int) -> Sequence:
+    def _new_sample(self, prompt_ids: list[int], params: SamplingParams, i: int, adapter: int = 0) -> Sequence:
         seed = derive_sample_seed(params.seed, i) if params.seed is not None else self._rng.getrandbits(63)
-        return Sequence(next(self._seq_ids), prompt_ids, params, seed, sample_index=i)
+        seq = Sequence(next(self._seq_ids), prompt_ids, params, seed, sample_index=i)
+        seq.adapter = adapter
+        return seq
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request wherever it is, freeing its blocks."""

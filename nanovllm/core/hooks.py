@@ -104,11 +104,17 @@ class SchedulingHook(Protocol):
     """A feature that follows requests from their arrival through scheduling (n > 1 forks,
     prompt logprobs). Every method does nothing here: a feature subclasses this and overrides
     what it needs. Called for a request: `added` once, `reserve` at each admission; for every
-    step: `scheduled` once it is composed, `launched` once Scheduler.advance accounted for it;
+    step: `admit` before a waiting request starts, `scheduled` once a step is composed,
+    `launched` once Scheduler.advance accounted for it;
     `verified` for each row whose drafts a resolved step verified."""
 
     def added(self, seq: Sequence, new_sample: Callable[[int], Sequence]) -> None:
         """A request arrived as `seq` (its sample 0); `new_sample(i)` makes its sample i."""
+
+    def admit(self, scheduler: Scheduler, seq: Sequence) -> bool:
+        """Whether `seq` may start running now (a LoRA adapter needs a free slot); False keeps
+        it waiting, at the head of the queue."""
+        return True
 
     def reserve(self, seq: Sequence, block_size: int) -> tuple[int, int]:
         """(sampling rows, free KV blocks) to hold for `seq` from its admission on, beyond its
@@ -203,6 +209,17 @@ class Speculation(Protocol):
         decoder keep three layers' inputs for its head (features/speculative/layer_inputs.py)."""
 
 
+class Adapters(Protocol):
+    """Per-request weight adapters (LoRA: features/lora/), one per rank: `attach` changes the
+    built model before its memory is measured and its graphs captured; `prepare` runs before
+    each step's forward pass (eager or a graph replay), with the step's StepInput (`adapters`:
+    each entry's slot; `adapter_loads`: adapters to place in slots first)."""
+
+    def attach(self, model) -> None: ...
+
+    def prepare(self, step) -> None: ...
+
+
 class AfterSampling(Protocol):
     """Runs after each step's sampling is queued (ModelRunner.after_sampling, one process),
     before the host has the tokens: the step's inputs (ModelRunner.forward_inputs), the hidden
@@ -232,6 +249,10 @@ class ModelFeatures(Protocol):
         """The checked options of LLM(speculative_config=...) for this (target) model and
         parallelism, or None; a SchedulingHook then drafts."""
 
+    def adapters(self, lora_config, hf_config):
+        """A factory (picklable: each rank calls it with its model runner and the most tokens a
+        step holds) of the rank's Adapters for LLM(enable_lora=True, ...), or None."""
+
 
 class NoFeatures:
     """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
@@ -256,3 +277,7 @@ class NoFeatures:
     def speculation(self, speculative_config, hf_config, tensor_parallel_size):
         if speculative_config is not None:
             self._refuse("speculative_config")
+
+    def adapters(self, lora_config, hf_config):
+        if lora_config.enable_lora:
+            self._refuse("enable_lora=True")

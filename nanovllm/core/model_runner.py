@@ -57,6 +57,10 @@ class ModelRunner:
         self.model = self._build_model()
         if config.speculation is not None:
             config.speculation.prepare_model(self.model, max(config.max_num_batched_tokens, config.max_num_seqs))
+        self.adapters = None  # per-request adapters (LoRA): attached before memory is measured
+        if config.adapters is not None:
+            self.adapters = config.adapters(self, max(config.max_num_batched_tokens, config.max_num_seqs))
+            self.adapters.attach(self.model)
         self.after_sampling: list[AfterSampling] = []
         self.forward_inputs = None  # (positions, metadata) of the last forward, for after_sampling
         t_weights = time.perf_counter()
@@ -151,6 +155,8 @@ class ModelRunner:
         if step.src_rows is not None and self.world_size > 1 and step.sync_prev:
             self.sampler.share_previous()
         every = None  # prefill: the hidden state of every packed token
+        if self.adapters is not None:
+            self.adapters.prepare(step)
         if step.is_prefill:
             ids, pos, meta, last = self.inputs.prefill(step, self.sampler.input_tokens)
             strategy = self.forward_strategy

@@ -35,6 +35,7 @@ class ScheduledBatch:
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
     drafts: list[list[int]] | None = None
+    adapter_loads: list | None = None  # (slot, adapter) to load before this step (a LoRA hook's)
 
     @property
     def num_tokens(self) -> int:
@@ -146,6 +147,8 @@ class Scheduler:
     def _admit(self, seq: Sequence) -> bool:
         """Run `seq` if the sequence cap and the free blocks allow it, with the rows and blocks
         the hooks hold for it (SchedulingHook.reserve)."""
+        if not all(hook.admit(self, seq) for hook in self.hooks):
+            return False
         rows = blocks = 0
         for hook in self.hooks:
             r, b = hook.reserve(seq, self.block_manager.block_size)

@@ -49,6 +49,8 @@ class Sequence:
         self.block_hashes: list[int] = []  # chain hashes of the leading full blocks (prefix cache)
         self.num_committed_blocks = 0      # leading blocks already offered to the prefix cache
         self.reads_prefix_cache = True     # False: compute every prompt token (prompt logprobs)
+        self.adapter = 0  # the request's adapter (LoRA) id, 0: none; its blocks are cached under it
+        self.adapter_slot = -1  # the model's slot holding that adapter while it runs (-1: none)
         self.num_cached_prompt_tokens: int | None = None  # prefix-cache hits when first scheduled
         self.num_preemptions = 0
         # Row of the in-flight step that samples the last token (PENDING_TOKEN until then); -1: known.

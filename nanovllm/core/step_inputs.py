@@ -54,6 +54,8 @@ class StepInput:
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
     sample_offsets: list[int] | None = None
+    adapters: list[int] | None = None  # each entry's adapter slot (-1: none); None: no adapters
+    adapter_loads: list | None = None  # adapters to place in slots before the forward (each rank)
 
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
@@ -72,7 +74,13 @@ class StepInput:
         if batch.prompt_rows:
             step.prompt_rows, step.prompt_targets, step.prompt_owners = \
                 batch.prompt_rows, batch.prompt_targets, batch.prompt_owners
-        return step
+        return step.with_adapters(batch, [s.adapter_slot for s in seqs])
+
+    def with_adapters(self, batch: ScheduledBatch, slots: list[int]) -> "StepInput":
+        """Each entry's adapter slot, and the adapters to load first (ScheduledBatch.adapter_loads)."""
+        if batch.adapter_loads or any(s >= 0 for s in slots):
+            self.adapters, self.adapter_loads = slots, batch.adapter_loads
+        return self
 
     @classmethod
     def _with_drafts(cls, batch: ScheduledBatch) -> "StepInput":
@@ -96,7 +104,8 @@ class StepInput:
                 src.append(-1)
         step = cls(batch.is_prefill, tokens, starts, tables, src if any(r >= 0 for r in src) else None)
         step.sample_offsets = batch.sample_offsets()
-        return step
+        return step.with_adapters(batch, [s.adapter_slot for s, d in zip(batch.seqs, batch.drafts)
+                                          for _ in range(1 + len(d))])
 
 
 class DecodeBuffers:

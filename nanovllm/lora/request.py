@@ -1,6 +1,6 @@
-"""vLLM's `LoRARequest`, so that `from nanovllm.lora.request import LoRARequest` and
-`generate(..., lora_request=None)` work as in vLLM scripts. Serving an adapter is not supported
-yet: a request that names one is refused before any work."""
+"""vLLM's `LoRARequest` (`generate(..., lora_request=...)` with LLM(enable_lora=True):
+features/lora/). The paths that take no adapter yet (beam search, the step API) refuse one
+before any work (check_no_lora)."""
 
 from __future__ import annotations
 
@@ -23,5 +23,5 @@ def check_no_lora(lora_request) -> None:
     is a NotImplementedError naming it."""
     if lora_request is None or (isinstance(lora_request, (list, tuple)) and all(r is None for r in lora_request)):
         return
-    raise NotImplementedError(f"lora_request={lora_request!r}: LoRA adapters are not supported by nano-vllm yet "
-                              f"(pass lora_request=None)")
+    raise NotImplementedError(f"lora_request={lora_request!r}: LoRA adapters are not supported here yet "
+                              f"(generate, chat and stream take them; pass lora_request=None)")
