@@ -41,7 +41,10 @@ class TPGroup:
         """This rank's partial sums x @ W^T of a row-parallel layer (a LinearBase, no bias). The
         caller must hand this very tensor to `all_reduce_rms_norm`: prefill-sized ones may
         already be on their way to the peer, and that call finishes the exchange."""
-        if self.copy_engine is not None and self.copy_engine.takes(x, layer.weight.shape[0]):
+        # (a layer whose rows need their step position, as LoRA's per-token adapters do, is not
+        # computed in row chunks: layer.row_chunks False)
+        if self.copy_engine is not None and getattr(layer, "row_chunks", True) \
+                and self.copy_engine.takes(x, layer.out_features):
             return self.copy_engine.linear(x, layer.matmul_into)
         return layer.matmul(x)
 

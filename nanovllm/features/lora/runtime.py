@@ -61,6 +61,7 @@ class LoraRuntime:
                                   linear.tp_dim, self.tp.rank, self.tp.size, self.dtype, self.device)
                 self.stacks[(i, name)] = stack
                 linear.quant = LoraLinear(linear.quant, stack, self)
+                linear.row_chunks = False  # its update reads each row's slot by the row's position
 
     def _adapter(self, adapter_id: int, name: str, path: str) -> LoraAdapter:
         if adapter_id in self.cache:

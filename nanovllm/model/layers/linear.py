@@ -38,6 +38,7 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim
+        self.out_features = output_size  # (this rank's; kept when a quantization method replaces the weight)
         self.tp = current_tp_group()
         self.tp_rank = self.tp.rank
         self.tp_size = self.tp.size
