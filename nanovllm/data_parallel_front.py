@@ -42,10 +42,11 @@ class DataParallelFront:
         """Each replica's share of the last generate / chat (launch/data_parallel.ReplicaStats)."""
         return self.replicas.stats
 
-    def _run_requests(self, requests, use_tqdm) -> list[RequestOutput]:
+    def _run_requests(self, requests, use_tqdm, adapters=None) -> list[RequestOutput]:
         """generate / chat over the replicas: one RequestOutput per prompt, in input order, shared
         out by expected work; one progress bar counts every replica's completions. A replica's
-        failure raises ReplicaFailed (see launch/data_parallel.py)."""
+        failure raises ReplicaFailed (see launch/data_parallel.py). (`adapters`: always None,
+        since enable_lora does not go with data parallelism yet: Config refuses it.)"""
         with self._exclusive():
             return self.replicas.generate(requests, self._rng, lambda total: self._progress_bar(use_tqdm, total))
 
@@ -54,7 +55,7 @@ class DataParallelFront:
         with self._exclusive():
             return all(self.replicas.call_all("reset_prefix_cache"))
 
-    def stream(self, prompts, sampling_params=None):
+    def stream(self, prompts, sampling_params=None, lora_request=None):
         raise NotImplementedError("stream() is not available with data parallelism: the increments of several "
                                   "replicas would have to be interleaved; use generate() (or an LLM without "
                                   "data_parallel_size / the Ray backend for streaming)")
