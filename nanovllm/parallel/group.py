@@ -41,11 +41,9 @@ class TPGroup:
         """This rank's partial sums x @ W^T of a row-parallel layer (a LinearBase, no bias). The
         caller must hand this very tensor to `all_reduce_rms_norm`: prefill-sized ones may
         already be on their way to the peer, and that call finishes the exchange."""
-        # (a layer whose rows need their step position, as LoRA's per-token adapters do, is not
-        # computed in row chunks: layer.row_chunks False)
-        if self.copy_engine is not None and getattr(layer, "row_chunks", True) \
-                and self.copy_engine.takes(x, layer.out_features):
-            return self.copy_engine.linear(x, layer.matmul_into)
+        ce = self.copy_engine  # (not for a layer whose rows need their positions: LoRA's, row_chunks False)
+        if ce is not None and getattr(layer, "row_chunks", True) and ce.takes(x, layer.out_features):
+            return ce.linear(x, layer.matmul_into)
         return layer.matmul(x)
 
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
