@@ -33,7 +33,7 @@ def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
 def _suppress_unless_nothing_is_left(x: torch.Tensor, suppress) -> None:
     """min_tokens' suppression applied to the extensions' fp32 logits x, but not on a row where
     they allow nothing else (a structured output that is complete allows only EOS): the row may
-    then take them. Without a host sync (the rows are found on the device). Returns None."""
+    then take them. Without a host sync (the rows are found on the device)."""
     rows, cols = suppress
     banned = x.index_put((rows, cols), x.new_tensor(float("-inf")))
     nothing_left = torch.isneginf(banned).all(dim=-1)
@@ -133,7 +133,8 @@ class TokenSampler:
                 ext.transform(x, state, step)
         suppress = self._suppress(rows, eos_token_ids)
         if changes and suppress is not None:
-            suppress = _suppress_unless_nothing_is_left(x, suppress)
+            _suppress_unless_nothing_is_left(x, suppress)
+            suppress = None  # (applied to x)
         tokens = self.sampler(x, t, suppress)
         copies = None
         if lp_state is not None or prompt_logits is not None:

@@ -22,6 +22,7 @@ _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<par
 _FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
 _SCALE = "_scale_inv"
 _KIND_SUFFIX = {"weight": "", "weight" + _SCALE: _SCALE}  # a per-expert tensor's kind -> the parameter's suffix
+_SUFFIX_KIND = {v: k for k, v in _KIND_SUFFIX.items()}
 
 
 def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
@@ -52,9 +53,9 @@ def _expert_names(pname: str, param, experts: dict) -> set[str] | None:
     prefix, _, name = pname.rpartition(".")
     if not prefix.endswith(".experts"):
         return None
-    for ckpt_part, (ours, _) in experts.items():
+    for ours in dict.fromkeys(ours for ours, _ in experts.values()):
         suffix = name[len(ours):] if name.startswith(ours) else "?"  # "", "_scale_inv", "_qweight", ...
-        kind = {v: k for k, v in _KIND_SUFFIX.items()}.get(suffix, suffix[1:] if suffix[:1] == "_" else None)
+        kind = _SUFFIX_KIND.get(suffix, suffix[1:] if suffix[:1] == "_" else None)
         if kind is not None:
             parts = [ckpt for ckpt, (p, _) in experts.items() if p == ours]
             return {f"{prefix}.{e}.{ckpt}.{kind}" for e in range(param.shape[0]) for ckpt in parts}

@@ -44,12 +44,13 @@ async def create_chat_completion(server, body: ChatCompletionRequest, http: Requ
     try:
         body.check()
         check_sampling(body)
-        tools = ChatTools.of(body, server.options.tool_call_parser, server.options.reasoning_parser)
+        params = body.sampling_params(server.defaults, body.output_limit, body.num_logprobs)
+        tools = ChatTools.of(body, params.structured_outputs, server.options.tool_call_parser,
+                             server.options.reasoning_parser)
+        params.structured_outputs = tools.constraint(body, params.structured_outputs)
         template_kwargs = {**(body.chat_template_kwargs or {}), **({"tools": body.tools} if body.tools else {})}
         prompt = chat_prompt(body.messages, template_kwargs, body.chat_template,
                              server.options.trust_request_chat_template, server.engine.info.max_model_len)
-        params = body.sampling_params(server.defaults, body.output_limit, body.num_logprobs)
-        params.structured_outputs = tools.constraint(body)
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(e) from None
     run = Run(server.engine, server.preparer, http,

@@ -27,27 +27,23 @@ class ChatTools:
     reasoning: str | None
 
     @classmethod
-    def of(cls, body, tool_parser: str, reasoning: str | None) -> "ChatTools":
-        """ValueError for tools or a tool choice that cannot run."""
+    def of(cls, body, given, tool_parser: str, reasoning: str | None) -> "ChatTools":
+        """ValueError for tools or a tool choice that cannot run (`given`: the request's own
+        constraint, body.constraint())."""
         if body.tools is not None:
             functions(body.tools)  # (checked: a ValueError naming the bad definition)
         mode = mode_of(body.tool_choice, body.tools)
-        if mode not in ("none", "auto") and body.constraint() is not None:
+        if mode not in ("none", "auto") and given is not None:
             raise ValueError(f"tool_choice {body.tool_choice!r} constrains the output itself: it cannot go with "
                              f"response_format or structured_outputs")
         return cls(mode, tool_parser, reasoning)
 
-    def constraint(self, body):
-        so = constraint(self.mode, body.tools, body.parallel_tool_calls is not False)
-        so = so if so is not None else body.constraint()
+    def constraint(self, body, given):
+        """What the output follows: the tool choice's constraint, else the request's own (`given`)."""
+        so = constraint(self.mode, body.tools, body.parallel_tool_calls is not False) or given
         if so is not None and self.reasoning:
             so._reasoning_end = "</think>"  # the answer after the reasoning is what is constrained
         return so
-
-    @property
-    def holds_answer(self) -> bool:
-        """Whether the answer is held back until the end (it may hold tool calls)."""
-        return self.mode != "none"
 
     def calls(self, content: str | None) -> tuple[str | None, list[ToolCall]]:
         if self.mode == "none" or not content:

@@ -56,9 +56,9 @@ class LoraRuntime:
                 linear = getattr(getattr(block, parent), name, None)
                 if linear is None:
                     continue  # (a mixture-of-experts layer has no gate_up / down projection)
-                stack = LoraStack(self.config.max_loras, self.config.max_lora_rank, linear.weight.shape[1]
-                                  if hasattr(linear, "weight") else linear.int4_shape[0], linear.packed_sizes(),
-                                  linear.tp_dim, self.tp.rank, self.tp.size, self.dtype, self.device)
+                stack = LoraStack(self.config.max_loras, self.config.max_lora_rank, linear.in_features,
+                                  linear.packed_sizes(), linear.tp_dim, self.tp.rank, self.tp.size, self.dtype,
+                                  self.device)
                 self.stacks[(i, name)] = stack
                 linear.quant = LoraLinear(linear.quant, stack, self)
                 linear.row_chunks = False  # its update reads each row's slot by the row's position

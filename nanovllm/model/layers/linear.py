@@ -38,7 +38,8 @@ class LinearBase(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool, tp_dim: int | None):
         super().__init__()
         self.tp_dim = tp_dim
-        self.out_features = output_size  # (this rank's; kept when a quantization method replaces the weight)
+        # This rank's sizes, kept when a quantization method replaces the weight.
+        self.in_features, self.out_features = input_size, output_size
         self.tp = current_tp_group()
         self.tp_rank = self.tp.rank
         self.tp_size = self.tp.size
