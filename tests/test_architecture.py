@@ -180,10 +180,12 @@ def test_function_level_imports_only_where_they_are_the_point():
 # compiles a constraint up front, the sampler's published tokens, min_tokens never leaving a
 # row nothing to sample), 6,822 with LoRA's core hooks and options (the Adapters protocol, the
 # admission hook, adapter-keyed prefix roots, StepInput's adapter fields, feature_options.py's
-# LoraConfig and module header, the copy engine's row-chunk guard). The architecture issue's
+# LoraConfig and module header, the copy engine's row-chunk guard), 6,868 with the sampler's
+# deferred draw (an extension's background host work, structured outputs' masks, overlapping
+# the engine's bookkeeping: LogitsExtension.prepare, DeferredTokens, flush). The architecture issue's
 # goal is 4,000: lower this bound as code leaves the path, and raise it only for API every
 # generate needs, saying so in the commit.
-PLAIN_GENERATE_LINE_BUDGET = 6_825
+PLAIN_GENERATE_LINE_BUDGET = 6_870
 PLAIN_GENERATE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

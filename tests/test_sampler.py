@@ -863,3 +863,55 @@ def test_top_p_mass_counts_ties_with_the_kth_logit_past_a_partial_top_k():
     both = SamplingTensors.build([SP(temperature=1.0, top_k=3, top_p=0.6),
                                   SP(temperature=1.0, top_p=0.5)], [0, 0], [0, 0], "cpu")
     assert torch.isfinite(apply_filters(x.expand(2, -1).clone(), both)[0]).nonzero().flatten().tolist() == kept
+
+
+class _BackgroundExtension:
+    """A logits extension whose host work runs 'in the background': it forces token 3."""
+
+    order = 0
+
+    def __init__(self):
+        self.events = []
+
+    def applies(self, params):
+        return True
+
+    def build(self, rows, where, vocab_size):
+        return where
+
+    def prepare(self, state, step=None):
+        self.events.append("prepare")
+        return True
+
+    def transform(self, logits, state, step=None):
+        self.events.append("transform")
+        logits[:, 3] = 1e9
+
+    def observe(self, state, tokens):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_a_background_extension_defers_the_draw_until_flush():
+    """With defer, the draw (and prev_tokens) waits for flush() or the first wait for the tokens;
+    without, it happens at once. Either way the tokens are the extension's."""
+    from nanovllm.core.sampling import DeferredTokens, TokenSampler
+    from nanovllm.core.sequence import Sequence
+
+    ts = TokenSampler(4, torch.device("cpu"), None)
+    ext = _BackgroundExtension()
+    ts.add_extension(ext)
+    rows = [Sequence(i, [1, 2], SP(temperature=0.0), seed=i) for i in range(2)]
+    logits = torch.randn(2, 8)
+    pending = ts.sample(logits, rows, frozenset(), defer=True)
+    assert isinstance(pending, DeferredTokens) and ext.events == ["prepare"]
+    assert ts.prev_tokens[:2].tolist() == [0, 0]
+    ts.flush()
+    assert ext.events == ["prepare", "transform"] and ts.prev_tokens[:2].tolist() == [3, 3]
+    assert pending.result() == [3, 3]
+    again = ts.sample(logits, rows, frozenset(), defer=True)
+    assert again.result() == [3, 3] and ext.events[-2:] == ["prepare", "transform"]  # result() queues it
+    now = ts.sample(logits, rows, frozenset())
+    assert not isinstance(now, DeferredTokens) and now.result() == [3, 3]

@@ -36,6 +36,10 @@ class LogitsExtension(Protocol):
         """The batch's device state for rows[i], i in `where` (the rows it applies to); called
         when the batch's rows change, and kept while they do not."""
 
+    def prepare(self, state: object, step=None) -> bool:
+        """Start the step's host work for `transform`; True if it runs in the background (the
+        draw then waits for the next launch: the work overlaps the engine's bookkeeping)."""
+
     def transform(self, logits: torch.Tensor, state: object, step=None) -> None:
         """Change `logits` (fp32 [rows, V]) in place, every step. `step`: the StepInput (a row
         that verifies a draft has that draft as its input token, step.token_ids[row])."""

@@ -138,10 +138,13 @@ class ModelRunner:
     # ------------------------------------------------------------------ a step
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> PendingTokens:
-        """Queue one step and its sampling on the device; the tokens arrive via the result."""
+        """Queue one step and its sampling on the device; the tokens arrive via the result. The
+        sampling may wait for the next launch (TokenSampler.flush) when a logits extension does
+        host work in the background, unless hooks run on the sampled tokens right after."""
+        self.sampler.flush()
         step = StepInput.from_batch(batch)
         logits = self.execute(step)
-        pending = self.sampler.sample(logits, batch.rows, eos_token_ids, step=step)
+        pending = self.sampler.sample(logits, batch.rows, eos_token_ids, step=step, defer=not self.after_sampling)
         for hook in self.after_sampling:
             hook.after_sampling(self, batch, step)
         return pending

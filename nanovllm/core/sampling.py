@@ -68,6 +68,24 @@ class PendingTokens:
         return None if self._logprobs is None else self._logprobs.result()
 
 
+class DeferredTokens:
+    """PendingTokens whose draw waits for an extension's background host work (queued by
+    TokenSampler.flush at the next launch, or by the first wait for the tokens)."""
+
+    def __init__(self, draw):
+        self._draw, self._pending = draw, None
+
+    def queue(self) -> PendingTokens:
+        self._pending = self._pending or self._draw()
+        return self._pending
+
+    def result(self) -> list[int]:
+        return self.queue().result()
+
+    def logprobs(self) -> StepLogprobs | None:
+        return self.queue().logprobs()
+
+
 class TokenSampler:
     """Samples the next token of each row on one rank and hands the tokens to the host.
 
@@ -88,6 +106,7 @@ class TokenSampler:
         self._events = [torch.cuda.Event() if self.pin else None for _ in range(2)]
         self._flip = 0
         self._last: PendingTokens | None = None  # the last published step's tokens
+        self._deferred: DeferredTokens | None = None  # a draw waiting for flush()
         self._cache = None  # (key, SamplingTensors, extension states | None) of the last step
 
     def add_extension(self, ext: LogitsExtension) -> None:
@@ -114,10 +133,13 @@ class TokenSampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[Sequence], eos_token_ids: frozenset[int],
-               check=None, step=None) -> PendingTokens:
+               check=None, step=None, defer: bool = False) -> PendingTokens:
         """The next token of each row (rank 0) from logits [len(rows) (+ prompt-logprob rows), V],
         left in `prev_tokens` for the next step and copied to the host without blocking. `step`
-        (StepInput) says which trailing logits rows are prompt positions for prompt logprobs."""
+        (StepInput) says which trailing logits rows are prompt positions for prompt logprobs.
+        `defer` (the caller flushes before its next launch): an extension's background host
+        work may hold the draw until then (DeferredTokens)."""
+        self.flush()
         n = len(rows)
         prompt_logits = None
         if step is not None and step.prompt_rows:
@@ -126,12 +148,26 @@ class TokenSampler:
         t, states = self.cached_tensors([s.seq_id for s in rows], offsets,
                                         lambda: self._build(rows, offsets, logits.shape[-1]))
         changes, lp_state = states if states is not None else ((), None)
+        background = [ext.prepare(state, step) for ext, state in changes]
+        draw = (logits, prompt_logits, t, changes, lp_state, self._suppress(rows, eos_token_ids), n, check, step)
+        if defer and any(background):
+            self._deferred = DeferredTokens(lambda: self._draw(*draw))
+            return self._deferred
+        return self._draw(*draw)
+
+    def flush(self) -> None:
+        """Queue a deferred draw (before the next step's inputs read prev_tokens)."""
+        if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
+            deferred.queue()
+
+    @torch.inference_mode()
+    def _draw(self, logits, prompt_logits, t, changes, lp_state, suppress, n, check, step) -> PendingTokens:
         x = logits
         if changes:
             x = logits.to(torch.float32, copy=True)
             for ext, state in changes:
                 ext.transform(x, state, step)
-        suppress = self._suppress(rows, eos_token_ids)
         if changes and suppress is not None:
             _suppress_unless_nothing_is_left(x, suppress)
             suppress = None  # (applied to x)
@@ -185,9 +221,9 @@ class TokenSampler:
         self._last = PendingTokens(host, n, event, check, logprobs)
         return self._last
 
-    def published(self) -> list[int]:
-        """The last published step's tokens on the host (waits for that step only)."""
-        return self._last.result() if self._last is not None else []
+    def last_published(self) -> PendingTokens | None:
+        """The last published step's PendingTokens (to wait for on another thread)."""
+        return self._last
 
     def cached_tensors(self, key, offsets: list[int], build):
         """`build()` -> (SamplingTensors, extras), or the last step's with new offsets when `key`

@@ -97,6 +97,9 @@ class TokenBias:
             bias = (self._dev(bias_rows), self._dev(bias_cols), self._dev(bias_vals, torch.float32))
         return BiasRows(allowed, bans, bias, dynamic)
 
+    def prepare(self, state, step=None) -> bool:
+        return False  # (all its work is on the device)
+
     def transform(self, logits: torch.Tensor, state: BiasRows, step=None) -> None:
         if state.allowed is not None:
             mask_to_allowed(logits, *state.allowed)

@@ -141,6 +141,9 @@ class Penalties:
                            per_row("repetition_penalty", 1.0), per_row("frequency_penalty", 0.0),
                            per_row("presence_penalty", 0.0))
 
+    def prepare(self, state, step=None) -> bool:
+        return False  # (all its work is on the device)
+
     def transform(self, logits: torch.Tensor, state: PenaltyRows, step=None) -> None:
         c = self.counts
         in_prompt = c.in_prompt.index_select(0, state.slots) if state.repetition is not None else None
