@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The feature checks on the H200 in one call: every GPU test (pytest -m gpu), then the feature
 # benches: structured outputs (benchmarks/structured_bench.py) and, with LORA_BENCH=1, the bench
-# workload on 8 rank-16 adapters against the base model (bench.py --lora 8).
+# workload on 8 rank-16 adapters against the base model (benchmarks/lora_bench.py).
 # Wheels the machine lacks (xgrammar, peft, jsonschema and their needs, cp312) travel in .whl/
 # (git-ignored; named in the device call's carry), installed first when present. Env:
 # TEST_TIMEOUT (default 360 s), PYTEST_ARGS, SKIP_TESTS=1, SKIP_STRUCTURED=1. Results under $OUT.
@@ -19,7 +19,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
 fi
 if [ -n "${LORA_BENCH:-}" ]; then
-  timeout 200 python3 bench.py --dummy qwen3-8b --lora 8 --json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
+  timeout 300 python3 benchmarks/lora_bench.py --dummy qwen3-8b --adapters 8 --json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
 fi
 if [ -z "${SKIP_STRUCTURED:-}" ]; then
   timeout 200 python3 benchmarks/structured_bench.py --repeat ${REPEAT:-1} --json "$OUT/structured.json" \

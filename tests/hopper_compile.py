@@ -209,6 +209,15 @@ def _fused_moe_int4(tokens, permuted, experts=8, k=2):
                    torch.full((tokens, k), 0.5), ids)
 
 
+def _lora(tokens, rank, parts, in_features=4096, slots=8):
+    from nanovllm.kernels.lora import LoraTiles, lora_expand, lora_shrink
+
+    tiles = LoraTiles.allocate(512, slots, "cpu")
+    width = len(parts) * rank
+    xa = lora_shrink(torch.randn(tokens, in_features).to(BF16), torch.zeros(slots, width, in_features).to(BF16), tiles)
+    lora_expand(xa, torch.zeros(sum(parts), slots * width).to(BF16), torch.zeros(tokens, sum(parts)).to(BF16), tiles)
+
+
 SCENARIOS = {
     "paged_decode_bf16": lambda: _paged_decode(BF16, 1),
     "paged_decode_bf16_splits": lambda: _paged_decode(BF16, 3),
@@ -235,6 +244,10 @@ SCENARIOS = {
     # INT4 experts: decode's blocks, and larger ones with act-order perms.
     "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
     "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),
+    # LoRA: the shrink (split-K into fp32) and expand (in place) of Qwen3-8B's qkv at rank 16
+    # for a decode step, and a rank-64 down projection of a prefill.
+    "lora_qkv_decode": lambda: _lora(64, 16, [4096, 1024, 1024]),
+    "lora_down_prefill": lambda: _lora(500, 64, [4096], in_features=12288),
     "sampling_bf16": lambda: _sampling(BF16),
     "sampling_fp32": lambda: _sampling(torch.float32),
     # Every launch of filtered_sample_triton: round 0, a chunked round and the last (looping) decide.

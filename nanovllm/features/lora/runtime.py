@@ -2,8 +2,10 @@
 projection gets `max_loras` adapter slots (stacks.py) and a method that adds each token's
 update to the layer's own product (the layer's quantization method, if any, still computes
 that); before each forward, the step's adapters are loaded into their slots (each rank reads
-the adapter folder itself, kept in a host LRU of max_cpu_loras) and a persistent one-hot buffer
-tells every token its slot, so decode and prefill graphs replay with the right adapters.
+the adapter folder itself, kept in a host LRU of max_cpu_loras) and persistent buffers tell
+every token its slot, so decode and prefill graphs replay with the right adapters: on CUDA the
+tokens sorted by slot in tiles for the shrink / expand kernels (kernels/lora.py), which read
+only the slots in use; on CPU one-hot rows for the plain-torch product over every slot.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from nanovllm.features.lora.adapter import TARGETS, LoraAdapter, load_adapter
 from nanovllm.features.lora.stacks import LoraStack
+from nanovllm.kernels.lora import LoraTiles, lora_expand, lora_shrink
 from nanovllm.model.attention import host_to_device
 
 LAYERS = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
@@ -31,7 +35,13 @@ class LoraLinear:
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         y = self.base.apply(layer, x, bias) if self.base is not None else F.linear(x, layer.weight, bias)
         flat = x.reshape(-1, x.shape[-1])
-        return y + self.stack.delta(flat, self.runtime.onehot[:flat.shape[0]]).view_as(y)
+        tiles = self.runtime.tiles
+        if tiles is None:  # (CPU: the plain-torch product over every slot)
+            return y + self.stack.delta(flat, self.runtime.onehot[:flat.shape[0]]).view_as(y)
+        y = y.contiguous()
+        s = self.stack
+        lora_expand(lora_shrink(flat, s.a.view(s.slots, -1, s.a.shape[1]), tiles), s.b, y.view(-1, y.shape[-1]), tiles)
+        return y
 
 
 class LoraRuntime:
@@ -42,7 +52,11 @@ class LoraRuntime:
 
     def __init__(self, lora_config, runner, max_tokens: int):
         self.config, self.device, self.tp, self.dtype = lora_config, runner.device, runner.tp, runner.config.dtype
-        self.onehot = torch.zeros(max_tokens, lora_config.max_loras, device=self.device)
+        # Each token's slot: on CUDA as tiles of tokens sorted by slot (the Triton kernels), on
+        # CPU as one-hot rows (the plain-torch product).
+        cuda = self.device.type == "cuda"
+        self.tiles = LoraTiles.allocate(max_tokens, lora_config.max_loras, self.device) if cuda else None
+        self.onehot = None if cuda else torch.zeros(max_tokens, lora_config.max_loras, device=self.device)
         self.stacks: dict[tuple[int, str], LoraStack] = {}
         self.cache: OrderedDict[int, LoraAdapter] = OrderedDict()  # adapter id -> weights (host)
         self.num_layers = 0
@@ -88,13 +102,22 @@ class LoraRuntime:
             self.load(*load)
         if step.adapters is None:
             if self.active:
-                self.onehot.zero_()
+                self._set_slots(np.full(0, -1))
                 self.active = False
             return
-        slots = [s for s, tokens in zip(step.adapters, step.token_ids) for _ in tokens]
-        rows = [i for i, s in enumerate(slots) if s >= 0]
-        self.onehot.zero_()
         self.active = True
-        if rows:
-            self.onehot[host_to_device(rows, torch.long, self.device, False),
-                        host_to_device([slots[i] for i in rows], torch.long, self.device, False)] = 1.0
+        self._set_slots(np.repeat(np.asarray(step.adapters), [len(t) for t in step.token_ids]))
+
+    def _set_slots(self, token_slots: np.ndarray) -> None:
+        """Every token's slot (-1: none) for this step's forward."""
+        pin = self.device.type == "cuda"
+        if self.tiles is not None:
+            order, table = LoraTiles.plan(token_slots, self.tiles.table.shape[1])
+            self.tiles.write(host_to_device(np.concatenate([order, table.ravel()]), torch.int32, self.device, pin),
+                             len(order))
+            return
+        self.onehot.zero_()
+        rows = np.flatnonzero(token_slots >= 0)
+        if len(rows):
+            self.onehot[host_to_device(rows, torch.long, self.device, pin),
+                        host_to_device(token_slots[rows], torch.long, self.device, pin)] = 1.0

@@ -1,6 +1,7 @@
-"""The adapter slots of one linear layer, and the batched LoRA product over them (the punica idea
-in two plain GEMMs: every token's update from its own slot, tokens of different adapters and
-tokens of none in one batch).
+"""The adapter slots of one linear layer, and the batched LoRA product over them in plain torch
+(every token's update from its own slot, tokens of different adapters and tokens of none in
+one batch): the CPU path, and the reference of the CUDA kernels (kernels/lora.py), which read
+the same `a` / `b` but gather each token's slot instead of multiplying every slot.
 
 A layer packs P projections (q / k / v, gate / up); each slot holds, for every part p, its A
 (rows p*R .. p*R + r of `a` [S * P * R, in]) and its B times the scaling (columns of `b`
