@@ -5,7 +5,8 @@ Routes: GET /v1/models (and /v1/models/{id}), POST /v1/completions, POST /v1/cha
 (`stream: true` as server-sent events in OpenAI's chunk format, ending with `data: [DONE]`; a
 usage chunk last when `stream_options.include_usage`), vLLM's POST /tokenize and /detokenize,
 GET /health (the engine's liveness, free KV blocks and queues), GET /metrics (Prometheus, vLLM's
-metric names: metrics.py). With an API key every route but /health and /metrics wants
+metric names: metrics.py); with --enable-lora, vLLM's POST /v1/load_lora_adapter and
+/v1/unload_lora_adapter (adapters are served as models: lora_modules.py). With an API key every route but /health and /metrics wants
 `Authorization: Bearer KEY` (401 without it). Errors are OpenAI's JSON ({"error": {"message",
 "type", "param", "code"}}): 400 for a bad request, 401 for a missing or wrong key, 404 for an
 unknown model or route, 408 / 413 for a body too slow / too large, 500 when the engine failed,
@@ -68,6 +69,8 @@ def create_app(engine, served_model_name: str, api_key: str | None = None, prepa
     app.post("/v1/chat/completions")(server.chat)
     app.post("/tokenize")(server.tokenize)
     app.post("/detokenize")(server.detokenize)
+    app.post("/v1/load_lora_adapter")(server.load_lora_adapter)
+    app.post("/v1/unload_lora_adapter")(server.unload_lora_adapter)
     app.add_middleware(BodyLimits, max_bytes=options.max_body_bytes, timeout_s=options.body_timeout_s)
     if api_key is not None:  # (outermost: the key before the body; FastAPI's /docs and /openapi.json included)
         app.add_middleware(APIKeyGuard, api_key=api_key)

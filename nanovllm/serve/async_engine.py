@@ -25,6 +25,7 @@ from nanovllm.features.speculative.drafting import draft_counts
 from nanovllm.llm import LLM
 from nanovllm.sampling_params import SamplingParams
 from nanovllm.serve.preparation import ChatPrompt, Prepared, PreparerSpec, prepare_requests
+from nanovllm.wiring import lora_adapters
 
 __all__ = ["Accepted", "ChatPrompt", "Delta", "EngineInfo", "EngineLoop", "EngineRequest", "EngineStats",
            "EngineStopped", "Failed", "Finished", "call_sinks"]
@@ -83,12 +84,13 @@ class EngineRequest:
     then Finished, or Failed if the engine failed. `tokenize_only`: the prompt is only turned
     into token ids (and text, if asked): Accepted, then Finished, nothing generated (`params`
     may be None). `prepared`: the request prepared already (preparation.py; the loop then only
-    adds it). Fields other than these belong to the loop."""
+    adds it). `lora_request`: its adapter. Fields other than these belong to the loop."""
 
     def __init__(self, prompt, params: SamplingParams | None, sink: Callable[[object], None],
                  fill_max_tokens: bool = False, want_prompt_text: bool = False, tokenize_only: bool = False,
-                 prepared: Prepared | None = None):
+                 prepared: Prepared | None = None, lora_request=None):
         self.prompt = prompt
+        self.lora_request = lora_request  # a LoRARequest (nanovllm.lora.request), or None: the base model
         self.prepared = prepared
         self.params = params
         self.sink = sink
@@ -264,11 +266,12 @@ class EngineLoop:
         llm = self.llm
         try:
             prepared = prepare_requests(llm, requests)  # (only those not prepared already)
-        except (ValueError, TypeError, NotImplementedError) as e:
+            adapters = lora_adapters(llm, [r.lora_request for r in requests], len(requests))
+        except (ValueError, TypeError, NotImplementedError, FileNotFoundError) as e:
             for r in requests:
                 self._emit(r, Failed(e), last=True)
             return
-        for r, p in zip(requests, prepared):
+        for i, (r, p) in enumerate(zip(requests, prepared)):
             if r.aborted:
                 r.done = True
                 continue
@@ -277,7 +280,8 @@ class EngineLoop:
                 self._emit(r, Accepted(p.prompt_token_ids, text))
                 self._emit(r, Finished(0), last=True)
                 continue
-            r.seq = llm.add_request(p.prompt_token_ids, p.params, track_text=True, prompt=p.prompt_text)
+            r.seq = llm.add_request(p.prompt_token_ids, p.params, track_text=True, prompt=p.prompt_text,
+                                    adapter=adapters[i] if adapters else 0)
             for sample in r.seq.samples:
                 self._active[sample.seq_id] = r
             self._emit(r, Accepted(p.prompt_token_ids, text, p.first_token_text))

@@ -40,7 +40,7 @@ def chat_prompt(messages: list, template_kwargs: dict | None, template: str | No
 
 async def create_chat_completion(server, body: ChatCompletionRequest, http: Request):
     """The route's logic over `server` (an OpenAIServer)."""
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     try:
         body.check()
         check_sampling(body)
@@ -54,11 +54,12 @@ async def create_chat_completion(server, body: ChatCompletionRequest, http: Requ
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(e) from None
     run = Run(server.engine, server.preparer, http,
-              lambda sink: [EngineRequest(prompt, params, sink(0), fill_max_tokens=body.output_limit is None)],
+              lambda sink: [EngineRequest(prompt, params, sink(0), fill_max_tokens=body.output_limit is None,
+                                          lora_request=lora)],
               watch_disconnect=not body.stream, metrics=server.metrics)
     await run.start()
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": server.name}
+            "model": lora.lora_name if lora else server.name}
     if body.stream:
         head["object"] = "chat.completion.chunk"
         return StreamingResponse(sse_body(_stream(run, body, head, tools), run), media_type="text/event-stream",

@@ -22,12 +22,14 @@ import signal
 
 from nanovllm.config import Config, wants_data_parallel
 from nanovllm.engine_args import add_option_flags, option_values
+from nanovllm.feature_options import LoraConfig
 from nanovllm.features.reasoning import PARSERS as REASONING_PARSERS
 from nanovllm.features.tools.parsers import PARSERS
 from nanovllm.serve.app import create_app
 from nanovllm.serve.async_engine import SINGLE_ENGINE_ONLY
 from nanovllm.serve.engine_process import EngineProcess
 from nanovllm.serve.http_server import DrainingServer, listen_socket, uvicorn_config
+from nanovllm.serve.lora_modules import LoraModules, parse_lora_module
 from nanovllm.serve.preparer_pool import PreparerPool
 from nanovllm.serve.routes import ServeOptions
 
@@ -114,6 +116,9 @@ def _add_request_flags(group) -> None:
                        help="vLLM's flag, accepted: tool_choice 'auto' is always on here")
     group.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
                        help="split the model's reasoning (<think> ... </think>) into reasoning_content")
+    group.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                       help="LoRA adapters to serve as models (with --enable-lora): name=path, or JSON "
+                            "{\"name\": ..., \"path\": ...}; more come through POST /v1/load_lora_adapter")
 
 
 def _add_connection_flags(group) -> None:
@@ -137,11 +142,20 @@ def llm_options(args: argparse.Namespace) -> dict:
     return {**SERVER_DEFAULTS, **option_values(args)}
 
 
-def serve_options(args: argparse.Namespace) -> ServeOptions:
+def _lora_modules(args: argparse.Namespace, options: dict) -> LoraModules:
+    """The adapters of --lora-modules, checked (the LoRA options as the engine gets them)."""
+    return LoraModules(args.served_model_name or args.model, bool(options.get("enable_lora")),
+                       [parse_lora_module(m) for m in args.lora_modules],
+                       options.get("max_lora_rank", LoraConfig.max_lora_rank))
+
+
+def serve_options(args: argparse.Namespace, options: dict) -> ServeOptions:
     return ServeOptions(trust_request_chat_template=args.trust_request_chat_template,
                         engine_stall_s=args.engine_stall_timeout, max_body_bytes=args.max_request_body_bytes,
                         body_timeout_s=args.request_body_timeout, tool_call_parser=args.tool_call_parser,
-                        reasoning_parser=args.reasoning_parser)
+                        reasoning_parser=args.reasoning_parser, enable_lora=bool(options.get("enable_lora")),
+                        max_lora_rank=options.get("max_lora_rank", LoraConfig.max_lora_rank),
+                        lora_modules=tuple(parse_lora_module(m) for m in args.lora_modules))
 
 
 def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
@@ -157,6 +171,10 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
             parser.error("--api-key must not be empty (leave it out for no key)")
     if args.preparer_workers < 1:
         parser.error("--preparer-workers must be at least 1")
+    try:
+        _lora_modules(args, options)
+    except (ValueError, FileNotFoundError) as e:  # (before the model loads)
+        parser.error(str(e))
     return args, options
 
 
@@ -173,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         sock = listen_socket(args.host, args.port)
         host, port = sock.getsockname()[:2]
         name = args.served_model_name or args.model
-        app = create_app(engine, name, args.api_key, pool, serve_options(args))
+        app = create_app(engine, name, args.api_key, pool, serve_options(args, options))
         config = uvicorn_config(app, args.log_level, args.shutdown_timeout, args.request_header_timeout,
                                 args.timeout_keep_alive, args.limit_concurrency)
         server = DrainingServer(config, engine, args.shutdown_timeout)

@@ -20,7 +20,7 @@ from nanovllm.serve.streaming import Chunks, sse_body
 
 async def create_completion(server, body: CompletionRequest, http: Request):
     """The route's logic over `server` (an OpenAIServer)."""
-    server.check_model(body.model)
+    lora = server.check_model(body.model)
     try:
         body.check()
         check_sampling(body)
@@ -31,12 +31,12 @@ async def create_completion(server, body: CompletionRequest, http: Request):
     except (ValueError, TypeError, NotImplementedError) as e:
         raise bad_request(e) from None
     run = Run(server.engine, server.preparer, http,
-              lambda sink: [EngineRequest(p, params, sink(i), want_prompt_text=bool(body.echo))
+              lambda sink: [EngineRequest(p, params, sink(i), want_prompt_text=bool(body.echo), lora_request=lora)
                             for i, p in enumerate(prompts)],
               watch_disconnect=not body.stream, metrics=server.metrics, count_generated=body.generates)
     await run.start()
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": server.name}
+            "model": lora.lora_name if lora else server.name}
     if body.stream:
         return StreamingResponse(sse_body(_stream(run, body, head), run), media_type="text/event-stream",
                                  background=BackgroundTask(run.close))  # (a stream never started)

@@ -128,7 +128,7 @@ class EngineProcess:
                 self._requests[r.request_id] = r
                 ready = r.prepared is not None  # (then the child needs neither the prompt nor the params)
                 batch.append((r.request_id, None if ready else r.prompt, None if ready else r.params,
-                              r.fill_max_tokens, r.want_prompt_text, r.tokenize_only, r.prepared))
+                              r.fill_max_tokens, r.want_prompt_text, r.tokenize_only, r.prepared, r.lora_request))
         try:
             self._send(("add", batch))
         except BaseException:  # (a prompt or params that do not pickle): nothing was queued
@@ -312,9 +312,9 @@ class _Child:
     def _command(self, kind: str, arg) -> None:
         if kind == "add":
             batch = []
-            for request_id, prompt, params, fill, want_text, tokenize_only, prepared in arg:
+            for request_id, prompt, params, fill, want_text, tokenize_only, prepared, lora in arg:
                 r = EngineRequest(prompt, params, None, fill_max_tokens=fill, want_prompt_text=want_text,
-                                  tokenize_only=tokenize_only, prepared=prepared)
+                                  tokenize_only=tokenize_only, prepared=prepared, lora_request=lora)
                 r.request_id = request_id
                 self.requests[request_id] = r
                 batch.append(r)

@@ -256,6 +256,20 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+class LoadLoraAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's): serve the PEFT adapter in `lora_path` as `lora_name`."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving `lora_name`."""
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
 # ---------------------------------------------------------------------------- responses
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | int | None = None) -> dict:

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from nanovllm.serve.async_engine import EngineRequest
 from nanovllm.serve.chat import chat_prompt, create_chat_completion
@@ -15,8 +15,10 @@ from nanovllm.serve.completions import create_completion
 from nanovllm.serve.errors import APIError, bad_request
 from nanovllm.serve.limits import check_prompt
 from nanovllm.serve.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from nanovllm.serve.lora_modules import LoraModules
 from nanovllm.serve.metrics import ServerMetrics
-from nanovllm.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from nanovllm.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                     LoadLoraAdapterRequest, TokenizeRequest, UnloadLoraAdapterRequest)
 from nanovllm.serve.run import Run
 
 
@@ -34,6 +36,9 @@ class ServeOptions:
     body_timeout_s: float = 30.0
     tool_call_parser: str = "hermes"  # how tool_choice "auto" reads calls (features/tools/parsers.py)
     reasoning_parser: str | None = None  # "qwen3": <think> ... </think> into reasoning_content
+    enable_lora: bool = False  # the engine takes adapters: --lora-modules and the load / unload routes
+    max_lora_rank: int = 16
+    lora_modules: tuple = ()  # (name, path) of each adapter served from the start
 
 
 class OpenAIServer:
@@ -44,28 +49,55 @@ class OpenAIServer:
         self.engine, self.name, self.preparer, self.options = engine, served_model_name, preparer, options
         self.created = int(time.time())
         self.metrics = ServerMetrics(served_model_name, engine)
+        self.lora = LoraModules(served_model_name, options.enable_lora, list(options.lora_modules),
+                                options.max_lora_rank)
 
     @property
     def defaults(self) -> dict:
         """generation_config.json's sampling defaults (known once the engine has started)."""
         return self.engine.info.generation_defaults
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.name:
-            raise APIError(404, f"The model `{model}` does not exist (this server serves `{self.name}`).",
-                           param="model", code="model_not_found")
+    def check_model(self, model: str | None):
+        """The LoRARequest of the adapter `model` names, or None for the base model (404 for a
+        name the server does not serve)."""
+        try:
+            return self.lora.request_for(model)
+        except KeyError:
+            served = ", ".join(f"`{n}`" for n in [self.name, *self.lora.adapters])
+            raise APIError(404, f"The model `{model}` does not exist (this server serves {served}).",
+                           param="model", code="model_not_found") from None
 
     def models(self) -> dict:
-        return {"object": "list", "data": [self.model_card()]}
+        return {"object": "list", "data": [self.model_card(), *self.lora.cards(self.created, self.max_model_len)]}
 
     def model(self, model_id: str) -> dict:
         """GET /v1/models/{model_id} (the client's models.retrieve)."""
         self.check_model(model_id)
-        return self.model_card()
+        return next(card for card in self.models()["data"] if card["id"] == model_id)
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.info.max_model_len
 
     def model_card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "nano-vllm",
-                "max_model_len": self.engine.info.max_model_len}
+                "max_model_len": self.max_model_len}
+
+    def load_lora_adapter(self, body: LoadLoraAdapterRequest) -> PlainTextResponse:
+        """POST /v1/load_lora_adapter (400 naming what is wrong: LoRA off, a name taken, no adapter)."""
+        try:
+            self.lora.load(body.lora_name, body.lora_path)
+        except (ValueError, FileNotFoundError) as e:
+            raise bad_request(e) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    def unload_lora_adapter(self, body: UnloadLoraAdapterRequest) -> PlainTextResponse:
+        """POST /v1/unload_lora_adapter (404 for an adapter not loaded). Requests running on it finish."""
+        try:
+            self.lora.unload(body.lora_name)
+        except KeyError as e:
+            raise APIError(404, e.args[0], param="lora_name", code="model_not_found") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     async def completions(self, body: CompletionRequest, http: Request):
         return await create_completion(self, body, http)
