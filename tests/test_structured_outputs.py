@@ -134,20 +134,26 @@ def test_bad_constraints_are_refused_before_any_work(llm, so, match):
     assert texts(llm, ["x"], temperature=0, max_tokens=3)[0][1] == "length"  # the engine still runs
 
 
-def test_apply_bitmask_against_a_loop():
-    """The mask kernel in plain torch against a per-token loop; fresh random bits each run."""
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("some_rows", [True, False])
+def test_apply_bitmask_against_a_loop(device, some_rows):
+    """The mask (plain torch on CPU, xgrammar's Triton kernel on CUDA) against a per-token loop,
+    on some rows of a batch or all; fresh random bits each run."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     gen = torch.Generator()
     seed = gen.seed()
-    vocab, rows = 77, torch.tensor([0, 2, 3])
-    bits = torch.randint(-2**31, 2**31 - 1, (3, 3), generator=gen, dtype=torch.int64).to(torch.int32)
+    vocab, rows = 77, torch.tensor([0, 2, 3] if some_rows else [0, 1, 2, 3])
+    bits = torch.randint(-2**31, 2**31 - 1, (len(rows), 3), generator=gen, dtype=torch.int64).to(torch.int32)
     logits = torch.randn(4, vocab, generator=gen)
     want = logits.clone()
     for i, r in enumerate(rows.tolist()):
         for t in range(vocab):
             if not (int(bits[i, t // 32]) >> (t % 32)) & 1:
                 want[r, t] = float("-inf")
-    apply_bitmask(logits, rows, bits)
-    assert torch.equal(logits, want), seed
+    got = logits.to(device)
+    apply_bitmask(got, rows.to(device), bits.to(device))
+    assert torch.equal(got.cpu(), want), seed
 
 
 def test_ignore_eos_runs_on_unconstrained_after_the_grammar_is_complete(llm, caplog):
