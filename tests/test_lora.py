@@ -145,3 +145,15 @@ def test_adapters_inside_cuda_graphs(setup, tmp_path):
         got = [tokens(graphs.generate(PROMPTS, greedy(12), use_tqdm=False, lora_request=r)) for r in requests]
     assert got == want
     assert want[2] == [want[0][0], want[1][1], want[3][2]]
+
+
+@pytest.mark.gpu
+def test_the_cuda_kernels_in_float32_equal_peft(setup):
+    """On CUDA in float32 (the shrink / expand kernels multiply in full fp32): a batch mixing both
+    adapters and the base gives PEFT's greedy tokens, through prefill and decode graphs."""
+    base, (r1, r2), want = setup
+    with make_llm(base, enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32",
+                  num_kvcache_blocks=256) as llm:
+        assert llm.model_runner.device.type == "cuda"
+        got = tokens(llm.generate(PROMPTS, greedy(10), use_tqdm=False, lora_request=[r1, r2, None]))
+    assert got == [want["a1"][0], want["a2"][1], want["base"][2]]

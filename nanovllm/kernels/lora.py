@@ -75,7 +75,7 @@ class LoraTiles:
 def _lora_shrink_kernel(x_ptr, a_ptr, xa_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
                         stride_x, stride_as, stride_an, stride_xa, in_features, width,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT: tl.constexpr):
+                        SPLIT: tl.constexpr, PRECISION: tl.constexpr):
     tile, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     count = tl.load(tile_count_ptr + tile)
     if count == 0:
@@ -90,14 +90,15 @@ def _lora_shrink_kernel(x_ptr, a_ptr, xa_ptr, order_ptr, tile_slot_ptr, tile_sta
         x = tl.load(x_ptr + tokens[:, None] * stride_x + k[None, :], mask=(m[:, None] < count) & (k[None, :] < in_features), other=0.0)
         a = tl.load(a_ptr + slot * stride_as + n[None, :] * stride_an + k[:, None],
                     mask=(n[None, :] < width) & (k[:, None] < in_features), other=0.0)
-        acc += tl.dot(x, a)
+        acc += tl.dot(x, a, input_precision=PRECISION)
     tl.atomic_add(xa_ptr + tokens[:, None] * stride_xa + n[None, :], acc, mask=(m[:, None] < count) & (n[None, :] < width))
 
 
 @triton.jit
 def _lora_expand_kernel(xa_ptr, b_ptr, y_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
                         stride_xa, stride_bn, stride_y, out_features, width,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        PRECISION: tl.constexpr):
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     count = tl.load(tile_count_ptr + tile)
     if count == 0:
@@ -112,11 +113,16 @@ def _lora_expand_kernel(xa_ptr, b_ptr, y_ptr, order_ptr, tile_slot_ptr, tile_sta
         xa = tl.load(xa_ptr + tokens[:, None] * stride_xa + k[None, :], mask=(m[:, None] < count) & (k[None, :] < width), other=0.0)
         b = tl.load(b_ptr + n[None, :] * stride_bn + slot * width + k[:, None],
                     mask=(n[None, :] < out_features) & (k[:, None] < width), other=0.0)
-        acc += tl.dot(xa.to(y_ptr.dtype.element_ty), b)
+        acc += tl.dot(xa.to(y_ptr.dtype.element_ty), b, input_precision=PRECISION)
     mask = (m[:, None] < count) & (n[None, :] < out_features)
     ptrs = y_ptr + tokens[:, None] * stride_y + n[None, :]
     y = tl.load(ptrs, mask=mask, other=0.0)
     tl.store(ptrs, (y.to(tl.float32) + acc.to(y_ptr.dtype.element_ty).to(tl.float32)).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def _precision(t: torch.Tensor) -> str:
+    # fp32 models (the tests' references) multiply in full fp32, not TF32 (tl.dot's default)
+    return "ieee" if t.dtype == torch.float32 else "tf32"
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoraTiles) -> torch.Tensor:
@@ -129,7 +135,8 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, tiles: LoraTiles) -> torch.Ten
     grid = (tiles.grid(t), triton.cdiv(width, block_n), triton.cdiv(in_features, SHRINK_SPLIT))
     _lora_shrink_kernel[grid](x, a, xa, tiles.order, tiles.table[0], tiles.table[1], tiles.table[2],
                               x.stride(0), a.stride(0), a.stride(1), xa.stride(0), in_features, width,
-                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64, SPLIT=SHRINK_SPLIT, num_warps=4)
+                              BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=64, SPLIT=SHRINK_SPLIT,
+                              PRECISION=_precision(x), num_warps=4)
     return xa
 
 
@@ -142,4 +149,4 @@ def lora_expand(xa: torch.Tensor, b: torch.Tensor, y: torch.Tensor, tiles: LoraT
     grid = (tiles.grid(y.shape[0]), triton.cdiv(out_features, 64))
     _lora_expand_kernel[grid](xa, b, y, tiles.order, tiles.table[0], tiles.table[1], tiles.table[2],
                               xa.stride(0), b.stride(0), y.stride(0), out_features, width,
-                              BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=16, num_warps=4)
+                              BLOCK_M=BLOCK_M, BLOCK_N=64, BLOCK_K=16, PRECISION=_precision(y), num_warps=4)
