@@ -19,6 +19,7 @@ after the drafts before it (a fork of the matcher that took them): verification 
 from __future__ import annotations
 
 import logging
+import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from nanovllm.features.structured.grammars import Grammars, xgr
 from nanovllm.model.attention import host_to_device
 
 logger = logging.getLogger(__name__)
+SWITCH_INTERVAL_S = 0.0002
 
 
 def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
@@ -65,7 +67,6 @@ class MaskRows:
     where: list[int]
     rows: torch.Tensor
     host: torch.Tensor
-    copied: object = None  # the CUDA event after the last copy of `host` (refilled only once it is done)
     filled: Future | None = None  # the worker's fill of `host` for this step
 
 
@@ -79,7 +80,14 @@ class StructuredOutputs:
         self.grammars, self.device, self.pin, self.last_published = grammars, device, pin, last_published
         self.batch = xgr.BatchGrammarMatcher()  # (its calls release the GIL and use several threads)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanovllm-grammar")
+        # The worker takes the GIL back after each wait and xgrammar call (three times a step)
+        # while the engine's thread runs Python; CPython hands it over only after the switch
+        # interval (5 ms by default), longer than a decode step. 0.2 ms: the H200 profile's
+        # constrained step went from 10.8 to 7.3 ms (BENCHMARKS.md). Process-wide, like all of it.
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.matchers: dict[int, _Matcher] = {}
+        self._host: torch.Tensor | None = None  # the bitmask's host buffer (see build)
+        self._copied = None  # the CUDA event after the last copy out of it
 
     @classmethod
     def check(cls, engine, spec) -> None:
@@ -103,9 +111,14 @@ class StructuredOutputs:
         return params.structured_outputs is not None
 
     def build(self, rows: list[Sequence], where: list[int], vocab_size: int) -> MaskRows:
-        host = xgr.allocate_token_bitmask(len(where), vocab_size)
-        if self.pin:
-            host = host.pin_memory()
+        # One pinned buffer for every batch (pinning one per batch change cost ~2.7 ms): the
+        # worker fills it only after the last step's tokens are on the host, and every copy
+        # out of it was queued before those.
+        words = (vocab_size + 31) // 32
+        if self._host is None or self._host.shape[0] < len(where) or self._host.shape[1] != words:
+            host = torch.empty(max(len(where), 64), words, dtype=torch.int32)
+            self._host = host.pin_memory() if self.pin else host
+        host = self._host[:len(where)]
         return MaskRows([rows[i] for i in where], where, host_to_device(where, torch.long, self.device, self.pin),
                         host)
 
@@ -129,18 +142,20 @@ class StructuredOutputs:
                 plan.append((None, step.token_ids[state.where[j]][0], None, seq.seq_id))
                 continue
             prev, m = seq, self._matcher(seq)
-            out = seq.completion_token_ids
-            new = list(out[m.consumed:]) if m.consumed < len(out) else []
-            m.consumed = len(out)
+            done = seq.num_completion_tokens  # (not completion_token_ids: a copy of the whole output)
+            new = seq.token_ids[seq.num_prompt_tokens + m.consumed:] if m.consumed < done else []
+            m.consumed = done
             plan.append((m, new, seq.pending_row if new and seq.has_pending_token else None, seq.seq_id))
         state.filled = self.worker.submit(self._fill, state, plan, self.last_published())
         return True
 
     @torch.inference_mode()  # (per thread: the bitmask was made under the sampler's)
     def _fill(self, state: MaskRows, plan: list, last) -> None:
-        if state.copied is not None:
-            state.copied.synchronize()  # (the last step's copy of this bitmask has left)
-        tokens = last.result() if last is not None and any(p[2] is not None for p in plan) else None
+        # The last step's copy of this bitmask has left once its tokens have (queued after it):
+        # one wait, as each return to Python from a wait costs a GIL handover.
+        tokens = last.result() if last is not None else None
+        if last is None and self._copied is not None:
+            self._copied.synchronize()
         self._feed([p for p in plan if p[0] is not None], tokens)
         matchers, indices = [], []
         m = current = reasoning = None
@@ -194,8 +209,8 @@ class StructuredOutputs:
         state.filled.result()
         apply_bitmask(logits, state.rows, state.host.to(self.device, non_blocking=self.pin))
         if self.pin:
-            state.copied = torch.cuda.Event()
-            state.copied.record()
+            self._copied = torch.cuda.Event()
+            self._copied.record()
 
     @staticmethod
     def _after_draft(m: _Matcher, current, reasoning: int | None, draft: int):
