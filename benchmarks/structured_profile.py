@@ -44,6 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--variants", default="now:0.2,now:5,now:0.05,now:0.2:14")
     ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--vocab-file", help="a tiktoken file of real tokens (see structured_bench.py)")
     args = ap.parse_args()
     from nanovllm import LLM
     from nanovllm.core.engine import LLMEngine
@@ -51,7 +52,7 @@ def main() -> None:
     from nanovllm.core.model_runner import ModelRunner
     from nanovllm.features.structured.masks import StructuredOutputs, xgr
 
-    folder = model_folder("qwen3-0.6b", 151_643)
+    folder = model_folder("qwen3-0.6b", 151_643, args.vocab_file)
     llm = LLM(folder, load_format="dummy", max_model_len=4096)
     prompts, max_tokens = workload(args.num_seqs, 1024, 1024, max_id=10000)
     out = sum(max_tokens)

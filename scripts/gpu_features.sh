@@ -5,7 +5,8 @@
 # bench workload on 8 rank-16 adapters vs the base model), then pytest -m gpu over TESTS
 # (default: tests) plus the LoRA kernel tests.
 # Wheels the machine lacks (xgrammar, peft, jsonschema and their needs, cp312) travel in .whl/
-# (git-ignored; named in the device call's carry), installed first when present. Env:
+# (git-ignored; named in the device call's carry), installed first when present, with
+# qwen.tiktoken (from the dashscope wheel) for the structured bench's real vocabulary. Env:
 # TEST_TIMEOUT (default 360 s), TESTS, PYTEST_ARGS, SKIP_TESTS=1, SKIP_STRUCTURED=1. Results under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +18,9 @@ if [ -d .whl ]; then
 fi
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:${PYTHONPATH:-}
 if [ -z "${SKIP_STRUCTURED:-}" ]; then
-  timeout 200 python3 benchmarks/structured_bench.py --repeat ${REPEAT:-1} --json "$OUT/structured.json" \
+  # Qwen's real tokens when .whl/qwen.tiktoken travelled (see structured_bench.py), else the random BPE
+  VOCAB=$([ -f .whl/qwen.tiktoken ] && echo "--vocab-file .whl/qwen.tiktoken")
+  timeout 200 python3 benchmarks/structured_bench.py --repeat ${REPEAT:-2} $VOCAB --json "$OUT/structured.json" \
     > "$OUT/structured.log" 2>&1
 fi
 if [ -n "${LORA_BENCH:-}" ]; then
