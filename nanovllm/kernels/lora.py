@@ -72,6 +72,16 @@ class LoraTiles:
 
 
 @triton.jit
+def _tile_tokens(order_ptr, tile_slot_ptr, tile_start_ptr, tile, count, BLOCK_M: tl.constexpr):
+    """A tile's slot (int64), its row numbers 0..BLOCK_M and its tokens' indices (int64; 0 past
+    `count`, masked by the caller)."""
+    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
+    m = tl.arange(0, BLOCK_M)
+    tokens = tl.load(order_ptr + tl.load(tile_start_ptr + tile) + m, mask=m < count, other=0).to(tl.int64)
+    return slot, m, tokens
+
+
+@triton.jit
 def _lora_shrink_kernel(x_ptr, a_ptr, xa_ptr, order_ptr, tile_slot_ptr, tile_start_ptr, tile_count_ptr,
                         stride_x, stride_as, stride_an, stride_xa, in_features, width,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -80,9 +90,7 @@ def _lora_shrink_kernel(x_ptr, a_ptr, xa_ptr, order_ptr, tile_slot_ptr, tile_sta
     count = tl.load(tile_count_ptr + tile)
     if count == 0:
         return
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    tokens = tl.load(order_ptr + tl.load(tile_start_ptr + tile) + m, mask=m < count, other=0).to(tl.int64)
+    slot, m, tokens = _tile_tokens(order_ptr, tile_slot_ptr, tile_start_ptr, tile, count, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(pid_k * SPLIT, tl.minimum(pid_k * SPLIT + SPLIT, in_features), BLOCK_K):
@@ -103,9 +111,7 @@ def _lora_expand_kernel(xa_ptr, b_ptr, y_ptr, order_ptr, tile_slot_ptr, tile_sta
     count = tl.load(tile_count_ptr + tile)
     if count == 0:
         return
-    slot = tl.load(tile_slot_ptr + tile).to(tl.int64)
-    m = tl.arange(0, BLOCK_M)
-    tokens = tl.load(order_ptr + tl.load(tile_start_ptr + tile) + m, mask=m < count, other=0).to(tl.int64)
+    slot, m, tokens = _tile_tokens(order_ptr, tile_slot_ptr, tile_start_ptr, tile, count, BLOCK_M)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, width, BLOCK_K):
