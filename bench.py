@@ -694,6 +694,8 @@ def parse_args(argv=None):
     ap.add_argument("--top-p", type=float, default=1.0, help="SamplingParams.top_p of every request (default 1.0: off)")
     ap.add_argument("--top-k", type=int, default=0, help="SamplingParams.top_k of every request (default 0: off)")
     ap.add_argument("--min-p", type=float, default=0.0, help="SamplingParams.min_p of every request (default 0.0: off)")
+    ap.add_argument("--cold-filters", action="store_true",
+                    help="warm up without the filters: the timed run is their first use (any compile in it)")
     ap.add_argument("--json", help="write the figures to this file")
     add_round2_args(ap)
     args = ap.parse_args(argv)
@@ -743,7 +745,8 @@ def timed_run(llm, args, prompts, max_tokens, extra: dict):
 
     from nanovllm import SamplingParams
 
-    llm.generate([[1, 2, 3]] * args.dp, SamplingParams(**extra), use_tqdm=False)  # warm-up (every replica)
+    warm = {} if args.cold_filters else extra  # --cold-filters: the filters' first use is timed
+    llm.generate([[1, 2, 3]] * args.dp, SamplingParams(**warm), use_tqdm=False)  # warm-up (every replica)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n, **extra) for n in max_tokens]
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -182,10 +182,12 @@ def test_function_level_imports_only_where_they_are_the_point():
 # admission hook, adapter-keyed prefix roots, StepInput's adapter fields, feature_options.py's
 # LoraConfig and module header, the copy engine's row-chunk guard), 6,868 with the sampler's
 # deferred draw (an extension's background host work, structured outputs' masks, overlapping
-# the engine's bookkeeping: LogitsExtension.prepare, DeferredTokens, flush). The architecture issue's
+# the engine's bookkeeping: LogitsExtension.prepare, DeferredTokens, flush), 6,884 with the
+# sampler's start-up warm-up (every CUDA engine compiles its sampling kernels before the first
+# request, not inside it: Sampler.warm_up). The architecture issue's
 # goal is 4,000: lower this bound as code leaves the path, and raise it only for API every
 # generate needs, saying so in the commit.
-PLAIN_GENERATE_LINE_BUDGET = 6_870
+PLAIN_GENERATE_LINE_BUDGET = 6_884
 PLAIN_GENERATE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

@@ -97,9 +97,10 @@ class ModelRunner:
                     self.graph_pool_bytes / 2**20)
 
     def _capture_graphs(self, forward_strategy: ForwardStrategy | None) -> None:
-        """The decode graphs, then the forward strategy's own (prefill graphs), on CUDA without
-        enforce_eager; the torch backend loops over sequences on the host: nothing to replay."""
+        """Sampler.warm_up's compiles; the decode graphs, then the forward strategy's (prefill graphs),
+        on CUDA without enforce_eager (the torch backend loops on the host: nothing to replay)."""
         config = self.config
+        self.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, self.device)
         self.graphs = self.forward_strategy = None
         self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
         if self.device.type != "cuda" or config.enforce_eager or self.backend.name == "torch":
@@ -243,8 +244,7 @@ class ModelRunner:
         self.graphs = self.forward_strategy = None
         for layer in self.attn_layers:
             layer.k_cache = layer.v_cache = torch.tensor([])
-        self.kv_cache = None
-        self.model = None
+        self.kv_cache = self.model = None
         if self.device.type == "cuda" and synchronize:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()

@@ -9,6 +9,7 @@ forward pass can be captured in a CUDA graph (for fixed host-side flags, see Sam
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -289,6 +290,21 @@ class Sampler(torch.nn.Module):
         u = hash_uniform(t.seeds, t.offsets, x.shape[-1], h)
         # Gumbel-max: log p + Gumbel noise, with Gumbel = -log(E), E = -log(u) ~ Exp(1).
         return x.sub_(u.log_().neg_().log_())
+
+    @torch.inference_mode()
+    def warm_up(self, vocab: int, dtypes, device) -> None:
+        """Compile (CUDA) each Triton variant forward can launch for logits of `vocab` columns in
+        `dtypes`, so that none compiles inside a user's run (a second or more each, cold): raw
+        logits, suppressed tokens (a scaled copy), a wide top-k (sorted thresholds), with and
+        without filters (which the filter kernels take as runtime values: a few variants)."""
+        if not _use_triton(torch.empty(0, device=device)):
+            return
+        cases = ([(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0)], [(0.8, 5, 0.9, 0.05), (0.0, 0, 1.0, 0.0)],
+                 [(1.0, vocab, 0.9, 0.0), (0.0, 0, 1.0, 0.0)])  # rows of (temperature, top_k, top_p, min_p)
+        zero = torch.zeros(1, dtype=torch.long, device=device)
+        for dtype, case, suppress in itertools.product(dtypes, cases, (None, (zero, zero))):
+            t = SamplingTensors.from_lists(*map(list, zip(*case)), [0, 0], [1, 1], device)
+            self(torch.randn(2, vocab, device=device).to(dtype), t, suppress)
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
                 suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -51,6 +51,8 @@ from nanovllm.kernels.sampling import _log_exp_noise, _row_key
 # at the bottom), with room for rounding of the logs.
 _NOISE_HI = tl.constexpr(17.0)
 _NOISE_LO = tl.constexpr(-3.0)
+# The kernels' runtime flags (0 / 1): Triton would specialize each on being 1 (a variant per mix).
+_FLAGS = ["has_thr", "has_top_p", "has_min_p", "first", "last"]
 
 
 @triton.jit
@@ -68,20 +70,21 @@ def _tile_scores(x_row, cols, vocab, t, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, HAS_THR: tl.constexpr,
-                HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, SCALE: tl.constexpr):
-    """(T, divisor, thr_k on the scores, top_p, log(min_p)) of a row; filters off: -inf, 1, -inf."""
+def _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, has_thr, has_top_p, has_min_p,
+                SCALE: tl.constexpr):
+    """(T, divisor, thr_k on the scores, top_p, log(min_p)) of a row; filters off: -inf, 1, -inf.
+    (An unused filter's pointer is the logits': the loads are cast so both branches agree.)"""
     temp = tl.load(temp_ptr + row)
     t = tl.where(temp > 0, temp, 1.0)
     thr_s = tl.full([], float("-inf"), tl.float32)
-    if HAS_THR:
-        thr_s = _scaled(tl.load(thr_ptr + row), t, SCALE)
+    if has_thr != 0:
+        thr_s = _scaled(tl.load(thr_ptr + row).to(tl.float32), t, SCALE)
     top_p = tl.full([], 1.0, tl.float32)
-    if HAS_TOP_P:
-        top_p = tl.load(top_p_ptr + row)
+    if has_top_p != 0:
+        top_p = tl.load(top_p_ptr + row).to(tl.float32)
     log_min_p = tl.full([], float("-inf"), tl.float32)
-    if HAS_MIN_P:
-        log_min_p = tl.load(log_min_p_ptr + row)
+    if has_min_p != 0:
+        log_min_p = tl.load(log_min_p_ptr + row).to(tl.float32)
     return temp, t, thr_s, top_p, log_min_p
 
 
@@ -109,12 +112,12 @@ def _chunk_argmax(x_row, start, vocab, CHUNK: tl.constexpr, BLOCK: tl.constexpr)
 
 @triton.jit
 def _chunk_candidate(x_row, start, vocab, t, key, thr_s, log_min_p, lower, floor, top, m_run,
-                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr,
-                     ONLINE: tl.constexpr, NEED_Z: tl.constexpr):
+                     need_z, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr,
+                     ONLINE: tl.constexpr):
     """Best (score, index) of s + gumbel over the chunk's tokens with s >= lower and s > floor.
 
     ONLINE (round 0): lower is instead max(thr_s, running max + log_min_p), and the chunk's max
-    m_run and mass z (exp(s - m_run) summed over s >= thr_s; with NEED_Z) come back too.
+    m_run and mass z (exp(s - m_run) summed over s >= thr_s; when need_z) come back too.
     top: a score that some candidate is known to reach (-inf if none): a tile whose max s plus
     _NOISE_HI is below it cannot win and skips the noise. Returns (score, index, top, m_run, z).
     """
@@ -127,7 +130,7 @@ def _chunk_candidate(x_row, start, vocab, t, key, thr_s, log_min_p, lower, floor
         tile_max = tl.max(s, axis=0)
         if ONLINE:
             m_new = tl.maximum(m_run, tile_max)
-            if NEED_Z:
+            if need_z != 0:
                 ref = tl.where(m_new > float("-inf"), m_new, 0.0)  # an all -inf prefix adds 0
                 z_lane = z_lane * tl.exp(m_run - ref) + tl.where(s >= thr_s, tl.exp(s - ref), 0.0)
             m_run = m_new
@@ -174,12 +177,11 @@ def _row_candidate(cand_v_ptr, cand_i_ptr, cand_s_ptr, base, n_chunks, NC_P2: tl
 # n_rows is not specialized (Triton would compile a variant for 1, for multiples of 16 and for
 # the rest): the batch size changes from step to step, and a compile in the middle of a run
 # stalls that step for a second.
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", *_FLAGS])
 def _filter_scan_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
                         part_m_ptr, part_mi_ptr, part_z_ptr, cand_v_ptr, cand_i_ptr, cand_s_ptr,
-                        state_ptr, done_ptr, n_rows, vocab, n_chunks,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr, HAS_THR: tl.constexpr,
-                        HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, FIRST: tl.constexpr):
+                        state_ptr, done_ptr, n_rows, vocab, n_chunks, has_thr, has_top_p, has_min_p, first, last,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, SCALE: tl.constexpr):
     """One chunk of one row: its best candidate (and in round 0 its max and mass). Grid (B, chunks)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
@@ -188,17 +190,17 @@ def _filter_scan_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
     x_row = x_ptr + row.to(tl.int64) * x_stride
     neg_inf = tl.full([], float("-inf"), tl.float32)
     # (Rows already settled return before touching anything else: most programs of later rounds.)
-    if FIRST:
+    if first != 0:
         if tl.load(temp_ptr + row) == 0:
             m_j, m_i = _chunk_argmax(x_row, start, vocab, CHUNK, BLOCK)
             tl.store(part_m_ptr + p, m_j)
             tl.store(part_mi_ptr + p, m_i)
         else:
             _, t, thr_s, _, log_min_p = _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr,
-                                                    HAS_THR, False, HAS_MIN_P, SCALE)
+                                                    has_thr, 0, has_min_p, SCALE)
             key = _row_key(seed_ptr, offset_ptr, row)
             cv, ci, _, m_j, z = _chunk_candidate(x_row, start, vocab, t, key, thr_s, log_min_p, neg_inf, neg_inf,
-                                                 neg_inf, neg_inf, CHUNK, BLOCK, SCALE, True, HAS_TOP_P)
+                                                 neg_inf, neg_inf, has_top_p, CHUNK, BLOCK, SCALE, True)
             cs = tl.where(cv > float("-inf"), _scaled(tl.load(x_row + ci).to(tl.float32), t, SCALE), float("-inf"))
             tl.store(part_m_ptr + p, m_j)
             tl.store(part_z_ptr + p, z)
@@ -207,7 +209,7 @@ def _filter_scan_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
             tl.store(cand_s_ptr + p, cs)
     elif tl.load(done_ptr + row) == 0:
         _, t, thr_s, _, log_min_p = _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr,
-                                                HAS_THR, False, HAS_MIN_P, SCALE)
+                                                has_thr, 0, has_min_p, SCALE)
         m = tl.load(state_ptr + row)
         floor = tl.load(state_ptr + 2 * n_rows + row)
         lower = tl.maximum(thr_s, m + log_min_p)
@@ -221,7 +223,7 @@ def _filter_scan_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
         if (m_j > floor) & (m_j >= lower) & (m_j + _NOISE_HI >= top):
             key = _row_key(seed_ptr, offset_ptr, row)
             cv, ci, _, _, _ = _chunk_candidate(x_row, start, vocab, t, key, thr_s, log_min_p, lower, floor,
-                                               top, neg_inf, CHUNK, BLOCK, SCALE, False, False)
+                                               top, neg_inf, 0, CHUNK, BLOCK, SCALE, False)
             cs = tl.where(cv > float("-inf"), _scaled(tl.load(x_row + ci).to(tl.float32), t, SCALE),
                           float("-inf"))
         tl.store(cand_v_ptr + p, cv)
@@ -229,16 +231,16 @@ def _filter_scan_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
         tl.store(cand_s_ptr + p, cs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_FLAGS)
 def _filter_mass_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr,
                         part_m_ptr, cand_v_ptr, cand_i_ptr, cand_s_ptr, part_s_ptr, state_ptr, done_ptr,
-                        vocab, n_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC_P2: tl.constexpr,
-                        SCALE: tl.constexpr, HAS_THR: tl.constexpr, HAS_MIN_P: tl.constexpr, FIRST: tl.constexpr):
+                        vocab, n_chunks, has_thr, has_top_p, has_min_p, first, last,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC_P2: tl.constexpr, SCALE: tl.constexpr):
     """One chunk's part of S_gt(s_c) for the row's candidate c, where needed. Grid (B, chunks)."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     base = row * n_chunks
-    if FIRST:
+    if first != 0:
         active = tl.load(temp_ptr + row) != 0
         j = tl.arange(0, NC_P2)
         m = tl.max(tl.load(part_m_ptr + base + j, mask=j < n_chunks, other=float("-inf")), axis=0)
@@ -247,7 +249,7 @@ def _filter_mass_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
         m = tl.load(state_ptr + row)
     if active:
         _, t, thr_s, top_p, log_min_p = _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr,
-                                                    HAS_THR, True, HAS_MIN_P, SCALE)
+                                                    has_thr, 1, has_min_p, SCALE)
         _, cs = _row_candidate(cand_v_ptr, cand_i_ptr, cand_s_ptr, base, n_chunks, NC_P2)
         if _needs_mass(cs, m, top_p, log_min_p):
             mass = tl.full([], 0.0, tl.float32)
@@ -257,16 +259,15 @@ def _filter_mass_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p
             tl.store(part_s_ptr + base + chunk, mass)
 
 
-@triton.jit(do_not_specialize=["n_rows"])
+@triton.jit(do_not_specialize=["n_rows", *_FLAGS])
 def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, seed_ptr, offset_ptr,
                           part_m_ptr, part_mi_ptr, part_z_ptr, cand_v_ptr, cand_i_ptr, cand_s_ptr, part_s_ptr,
                           state_ptr, done_ptr, out_ptr, n_rows, vocab, n_chunks, max_iters,
-                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC_P2: tl.constexpr, SCALE: tl.constexpr,
-                          HAS_THR: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr,
-                          FIRST: tl.constexpr, LAST: tl.constexpr):
+                          has_thr, has_top_p, has_min_p, first, last,
+                          CHUNK: tl.constexpr, BLOCK: tl.constexpr, NC_P2: tl.constexpr, SCALE: tl.constexpr):
     """Keeps the row's candidate (writes the token) or raises its floor. Grid (B,).
 
-    LAST: a row still open runs the rejection loop itself over its whole row (rare after the
+    last: a row still open runs the rejection loop itself over its whole row (rare after the
     chunked rounds), at most max_iters candidates (then the last one is taken: never reached
     short of NaN logits, since the floor rises past a distinct value each time).
     """
@@ -275,11 +276,11 @@ def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min
     j = tl.arange(0, NC_P2)
     jm = j < n_chunks
     temp, t, thr_s, top_p, log_min_p = _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr,
-                                                   HAS_THR, HAS_TOP_P, HAS_MIN_P, SCALE)
+                                                   has_thr, has_top_p, has_min_p, SCALE)
     open_ = tl.full([], 1, tl.int32)
     token = tl.full([], 0, tl.int32)
     z = tl.full([], 0.0, tl.float32)
-    if FIRST:
+    if first != 0:
         pm = tl.load(part_m_ptr + base + j, mask=jm, other=float("-inf"))
         m = tl.max(pm, axis=0)
         if temp == 0:  # the first argmax: the lowest chunk holding the max, its first index
@@ -287,7 +288,7 @@ def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min
             token = tl.min(tl.where(pm == m, pmi, 2147483647), axis=0)
             open_ = tl.full([], 0, tl.int32)
             tl.store(out_ptr + row, token.to(tl.int64))
-        elif HAS_TOP_P:
+        elif has_top_p != 0:
             pz = tl.load(part_z_ptr + base + j, mask=jm, other=0.0)
             z = tl.sum(tl.where(pm > float("-inf"), pz * tl.exp(pm - m), 0.0), axis=0)
         tl.store(state_ptr + row, m)
@@ -302,7 +303,7 @@ def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min
         if _needs_mass(cs, m, top_p, log_min_p):
             mass = tl.sum(tl.load(part_s_ptr + base + j, mask=jm, other=0.0), axis=0)
             keep = (mass < top_p * z).to(tl.int32)
-        if LAST:
+        if last != 0:
             x_row = x_ptr + row.to(tl.int64) * x_stride
             key = _row_key(seed_ptr, offset_ptr, row)
             lower = tl.maximum(thr_s, m + log_min_p)
@@ -315,7 +316,7 @@ def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min
                     m_c = tl.load(part_m_ptr + base + c)
                     if (m_c > floor) & (m_c >= lower) & (m_c + _NOISE_HI >= top):
                         cv, ci, top, _, _ = _chunk_candidate(x_row, c * CHUNK, vocab, t, key, thr_s, log_min_p,
-                                                             lower, floor, top, m_c, CHUNK, BLOCK, SCALE, False,
+                                                             lower, floor, top, m_c, 0, CHUNK, BLOCK, SCALE,
                                                              False)
                         if cv > best:  # strictly: an earlier chunk keeps a tie
                             best = cv
@@ -336,7 +337,7 @@ def _filter_decide_kernel(x_ptr, x_stride, temp_ptr, thr_ptr, top_p_ptr, log_min
             open_ = tl.full([], 0, tl.int32)
         else:
             tl.store(state_ptr + 2 * n_rows + row, cs)
-    if FIRST:
+    if first != 0:
         tl.store(done_ptr + row, 1 - open_)
     elif open_ == 0:
         tl.store(done_ptr + row, 1)
@@ -377,20 +378,23 @@ def filtered_sample_triton(x: torch.Tensor, temperatures: torch.Tensor, thr: tor
     has_top_p, has_min_p = top_ps is not None, log_min_ps is not None
     # Without top-p one more round settles every row (its candidates then pass min-p exactly).
     last = rounds if has_top_p else int(has_min_p)
-    # Pointers a launch does not read get x.
-    ptrs = (temperatures, x if thr is None else thr, x if top_ps is None else top_ps,
-            x if log_min_ps is None else log_min_ps)
-    flags = dict(SCALE=scale, HAS_THR=thr is not None, HAS_MIN_P=has_min_p)
+    # Pointers a launch does not read get the temperatures' (fp32 like theirs: the same
+    # signature, so the same compiled variant, whichever filters are on).
+    ptrs = (temperatures, temperatures if thr is None else thr, temperatures if top_ps is None else top_ps,
+            temperatures if log_min_ps is None else log_min_ps)
+    # Filters and round as runtime values (_FLAGS): one variant per dtype and `scale` for all.
+    flags = (int(thr is not None), int(has_top_p), int(has_min_p))
     for r in range(last + 1):
+        rnd = (*flags, int(r == 0), int(r == last))
         _filter_scan_kernel[(b, n_chunks)](
             x, x.stride(0), *ptrs, seeds, offsets, part_m, part_mi, part_z, cand_v, cand_i, cand_s, state, done,
-            b, vocab, n_chunks, CHUNK=chunk, BLOCK=block, HAS_TOP_P=has_top_p, FIRST=r == 0, **flags)
+            b, vocab, n_chunks, *rnd, CHUNK=chunk, BLOCK=block, SCALE=scale)
         if has_top_p:
             _filter_mass_kernel[(b, n_chunks)](
-                x, x.stride(0), *ptrs, part_m, cand_v, cand_i, cand_s, part_s, state, done, vocab, n_chunks,
-                CHUNK=chunk, BLOCK=block, NC_P2=triton.next_power_of_2(n_chunks), FIRST=r == 0, **flags)
+                x, x.stride(0), *ptrs, part_m, cand_v, cand_i, cand_s, part_s, state, done, vocab, n_chunks, *rnd,
+                CHUNK=chunk, BLOCK=block, NC_P2=triton.next_power_of_2(n_chunks), SCALE=scale)
         _filter_decide_kernel[(b,)](
             x, x.stride(0), *ptrs, seeds, offsets, part_m, part_mi, part_z, cand_v, cand_i, cand_s, part_s,
-            state, done, out, b, vocab, n_chunks, max_iters, CHUNK=chunk, BLOCK=block,
-            NC_P2=triton.next_power_of_2(n_chunks), HAS_TOP_P=has_top_p, FIRST=r == 0, LAST=r == last, **flags)
+            state, done, out, b, vocab, n_chunks, max_iters, *rnd, CHUNK=chunk, BLOCK=block,
+            NC_P2=triton.next_power_of_2(n_chunks), SCALE=scale)
     return out
