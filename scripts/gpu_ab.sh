@@ -5,7 +5,8 @@
 # AB_BASE: a folder holding the other side's nanovllm/, bench.py and benchmarks/ (e.g. `git archive
 # <commit> nanovllm bench.py benchmarks | tar -x -C .ab_base`, carried with the call). MODELS: bench.py
 # --dummy names, ":fp8" adds --quantization fp8. SERVE=1: benchmarks/serve_bench.py (64 clients, server
-# only) on both sides; it needs FastAPI, uvicorn and pydantic importable (PYTHONPATH). Logs and JSON go
+# only) on both sides; it needs FastAPI, uvicorn and pydantic importable (PYTHONPATH). BENCH_ARGS: more
+# bench.py flags for both sides (e.g. "--top-p 0.9 --top-k 50 --min-p 0.05 --cold-filters"). Logs and JSON go
 # to $OUT (default /tmp/gpu_ab); a table of new / base is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ for spec in ${MODELS:-qwen3-0.6b}; do
   sides="base new"; [ $((i % 2)) = 1 ] && sides="new base"; i=$((i + 1))
   for side in $sides; do
     tree=$NEW; [ "$side" = base ] && tree=$BASE
-    (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 300 python3 bench.py --dummy "$m" $extra \
+    (cd "$tree" && PYTHONPATH="$tree:${PYTHONPATH:-}" timeout 300 python3 bench.py --dummy "$m" $extra ${BENCH_ARGS:-} \
       --json "$DEST/ab-$side-${spec/:/-}.json" > "$DEST/ab-$side-${spec/:/-}.log" 2>&1) \
       || echo "bench $side $spec failed: $(tail -n 3 "$DEST/ab-$side-${spec/:/-}.log")"
   done
