@@ -1,0 +1,65 @@
+"""After start-up, a run that uses the sampling options, prefix hits, a chunked prompt and mixed
+steps compiles no Triton kernel (issue 39): a compile inside a run stalls the step, and every
+open stream of a server, for a second or more. Counted from Triton's own caches of every kernel
+in nanovllm.kernels, so any variant compiled on first use shows, named."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import pkgutil
+import sys
+
+import pytest
+
+import nanovllm.kernels
+from nanovllm import LLM, SamplingParams
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def triton_kernels() -> dict:
+    from triton.runtime.jit import JITFunction
+
+    found = {}
+    for info in pkgutil.iter_modules(nanovllm.kernels.__path__):
+        module = importlib.import_module(f"nanovllm.kernels.{info.name}")
+        found.update({f"{info.name}.{n}": k for n, k in vars(module).items() if isinstance(k, JITFunction)})
+    return found
+
+
+def compiled(kernels: dict) -> dict[str, int]:
+    """Compiled variants per kernel (Triton keeps them per device: the first item of each entry)."""
+    return {n: sum(len(entry[0]) for entry in k.device_caches.values()) for n, k in kernels.items()}
+
+
+def options(i: int) -> SamplingParams:
+    kinds = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.7, top_p=0.9),
+             dict(temperature=0.7, top_k=20), dict(temperature=0.7, min_p=0.05),
+             dict(temperature=0.7, top_k=50, top_p=0.95, min_p=0.02), dict(temperature=0.7, logprobs=3),
+             dict(temperature=0.7, presence_penalty=0.5, repetition_penalty=1.1), dict(temperature=0.7, n=2),
+             dict(temperature=0.7, logit_bias={5: 2.0}), dict(temperature=0.0, prompt_logprobs=2),
+             dict(temperature=0.9, seed=7, top_p=0.8)]
+    return SamplingParams(max_tokens=24, ignore_eos=True, **kinds[i % len(kinds)])
+
+
+@pytest.mark.gpu
+def test_a_run_after_start_up_compiles_no_triton_kernel():
+    sys.path.insert(0, ROOT)
+    import bench
+
+    llm = LLM(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-0.6b"]), load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, mixed_steps=True)
+    try:
+        kernels = triton_kernels()
+        before = compiled(kernels)
+        assert sum(before.values()) > 0  # (start-up compiled the model's kernels: the count sees them)
+        prefix = list(range(100, 400))
+        prompts = [prefix + [7 + i] * (20 + 37 * i) for i in range(24)] + [list(range(500, 1900))]
+        outs = llm.generate(prompts, [options(i) for i in range(len(prompts))], use_tqdm=False)
+        assert len(outs) == len(prompts)
+        after = compiled(kernels)
+    finally:
+        llm.shutdown()
+    new = {n: after[n] - before[n] for n in after if after[n] != before[n]}
+    assert not new, f"compiled inside the run: {new}"
