@@ -7,7 +7,8 @@
 # Wheels the machine lacks (xgrammar, peft, jsonschema and their needs, cp312) travel in .whl/
 # (git-ignored; named in the device call's carry), installed first when present, with
 # qwen.tiktoken (from the dashscope wheel) for the structured bench's real vocabulary. Env:
-# TEST_TIMEOUT (default 360 s), TESTS, PYTEST_ARGS, SKIP_TESTS=1, SKIP_STRUCTURED=1. Results under $OUT.
+# TEST_TIMEOUT (default 360 s), TESTS, PYTEST_ARGS, SKIP_TESTS=1, SKIP_STRUCTURED=1, STRUCTURED_BOTH=1 (the
+# random BPE as well as the real tokens). Results under $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_features}
@@ -22,6 +23,10 @@ if [ -z "${SKIP_STRUCTURED:-}" ]; then
   VOCAB=$([ -f .whl/qwen.tiktoken ] && echo "--vocab-file .whl/qwen.tiktoken")
   timeout 200 python3 benchmarks/structured_bench.py --repeat ${REPEAT:-2} $VOCAB --json "$OUT/structured.json" \
     > "$OUT/structured.log" 2>&1
+  if [ -n "$VOCAB" ] && [ -n "${STRUCTURED_BOTH:-}" ]; then  # the random BPE too, for the record
+    timeout 200 python3 benchmarks/structured_bench.py --repeat 1 --json "$OUT/structured_random_bpe.json" \
+      > "$OUT/structured_random_bpe.log" 2>&1
+  fi
 fi
 if [ -n "${LORA_BENCH:-}" ]; then
   timeout 300 python3 benchmarks/lora_bench.py --dummy qwen3-8b --adapters 8 --json "$OUT/lora.json" > "$OUT/lora.log" 2>&1
@@ -31,7 +36,7 @@ if [ -z "${SKIP_TESTS:-}" ]; then
   timeout ${TEST_TIMEOUT:-360} python3 -m pytest -q -p no:cacheprovider -rfEs --durations=10 -m gpu ${TESTS:-tests} \
     ${PYTEST_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
 fi
-echo "=== structured"; grep -E "tok/s|ratio" "$OUT/structured.log" 2>/dev/null | tail -4
+echo "=== structured"; grep -E "tok/s|ratio" "$OUT"/structured*.log 2>/dev/null | tail -8
 echo "=== lora"; grep -E "tok/s|ratio|Error" "$OUT/lora.log" 2>/dev/null | tail -5
 echo "=== lora kernels"; tail -1 "$OUT/pytest_lora_kernels.log" 2>/dev/null
 echo "=== gpu tests"; grep -E "passed|failed|error|FAILED|ERROR" "$OUT/pytest_gpu.log" 2>/dev/null | tail -15
