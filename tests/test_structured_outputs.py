@@ -22,7 +22,7 @@ pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
 
 from nanovllm import SamplingParams  # noqa: E402
-from nanovllm.features.structured.masks import apply_bitmask  # noqa: E402
+from nanovllm.features.structured.masks import StructuredOutputs, apply_bitmask  # noqa: E402
 from nanovllm.sampling_params import StructuredOutputsParams as S  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -236,6 +236,16 @@ def test_constrained_rows_on_gpu_with_graphs(tmp_path):
         jsonschema.validate(parse(o.outputs[0].text), SCHEMAS[1])
     again = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    # xgrammar's mask kernel: the variants the extension compiled when it was made serve every
+    # batch size (nothing compiles in a step).
+    from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_kernel as kernel
+    ext = next(e for e in llm.model_runner.sampler.extensions if isinstance(e, StructuredOutputs))
+    vocab, compiled = ext.grammars.info.vocab_size, lambda: sum(len(e[0]) for e in kernel.device_caches.values())
+    before = compiled()
+    for n in (2, 5, 32, 33, 200):
+        bits = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32, device="cuda")
+        apply_bitmask(torch.zeros(n, vocab, device="cuda"), torch.arange(n, device="cuda"), bits)
+    assert compiled() == before
     llm.shutdown()
 
 

@@ -88,6 +88,16 @@ class StructuredOutputs:
         self.matchers: dict[int, _Matcher] = {}
         self._host: torch.Tensor | None = None  # the bitmask's host buffer (see build)
         self._copied = None  # the CUDA event after the last copy out of it
+        if device.type == "cuda":
+            self._compile_mask_kernel(grammars.info.vocab_size)
+
+    def _compile_mask_kernel(self, vocab: int) -> None:
+        """xgrammar's Triton mask kernel specializes its row count (1, a multiple of 16, any
+        other): compile all three now, as the first constrained request arrives, rather than in
+        the middle of later steps (a second or more each, cold)."""
+        for n in (1, 16, 17):
+            bits = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32, device=self.device)
+            apply_bitmask(torch.zeros(n, vocab, device=self.device), torch.arange(n, device=self.device), bits)
 
     @classmethod
     def check(cls, engine, spec) -> None:
