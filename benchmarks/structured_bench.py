@@ -52,11 +52,21 @@ def byte_chars() -> dict[int, str]:
     return chars
 
 
-def byte_level_bpe(folder: str, size: int, seed: int = 0) -> None:
-    """A byte-level BPE tokenizer of `size` regular tokens (+ SPECIALS) saved in `folder`."""
+def save_byte_level(folder: str, vocab: dict[str, int], merges: list) -> None:
+    """A byte-level BPE tokenizer of `vocab` and `merges` + SPECIALS, saved in `folder`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.add_special_tokens({"additional_special_tokens": SPECIALS})
+    fast.save_pretrained(folder)
+
+
+def byte_level_bpe(folder: str, size: int, seed: int = 0) -> None:
+    """A byte-level BPE tokenizer of `size` regular tokens (+ SPECIALS) saved in `folder`."""
     byte_char = byte_chars()
     printable = [byte_char[b] for b in range(32, 127)]
     rng = random.Random(seed)
@@ -71,12 +81,7 @@ def byte_level_bpe(folder: str, size: int, seed: int = 0) -> None:
         vocab[a + b] = len(vocab)
         tokens.append(a + b)
         merges.append((a, b))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.add_special_tokens({"additional_special_tokens": SPECIALS})
-    fast.save_pretrained(folder)
+    save_byte_level(folder, vocab, merges)
 
 
 def tiktoken_bpe(folder: str, path: str) -> None:
@@ -84,20 +89,12 @@ def tiktoken_bpe(folder: str, path: str) -> None:
     `qwen.tiktoken`, which the dashscope wheel ships, holds Qwen2/3's 151,643 regular tokens) +
     SPECIALS, saved in `folder`. No merges: the bench's prompts are token ids, and xgrammar reads
     only the tokens' strings."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     byte_char, vocab = byte_chars(), {}
     with open(path) as f:
         for line in f:
             token, rank = line.split()
             vocab["".join(byte_char[b] for b in base64.b64decode(token))] = int(rank)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.add_special_tokens({"additional_special_tokens": SPECIALS})
-    fast.save_pretrained(folder)
+    save_byte_level(folder, vocab, [])
 
 
 def model_folder(dummy: str, vocab: int, vocab_file: str | None = None) -> str:

@@ -16,6 +16,9 @@ import nanovllm.kernels
 from nanovllm import LLM, SamplingParams
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from triton_caches import compiled_variants  # noqa: E402
 
 
 def triton_kernels() -> dict:
@@ -29,8 +32,8 @@ def triton_kernels() -> dict:
 
 
 def compiled(kernels: dict) -> dict[str, int]:
-    """Compiled variants per kernel (Triton keeps them per device: the first item of each entry)."""
-    return {n: sum(len(entry[0]) for entry in k.device_caches.values()) for n, k in kernels.items()}
+    """Compiled variants per kernel."""
+    return {n: compiled_variants(k) for n, k in kernels.items()}
 
 
 def options(i: int) -> SamplingParams:

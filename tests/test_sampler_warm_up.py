@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import hopper_compile  # noqa: E402
+import triton_caches  # noqa: E402
 
 from nanovllm.core import sampler as sampler_mod  # noqa: E402
 from nanovllm.core.sampler import Sampler, SamplingTensors  # noqa: E402
@@ -84,9 +85,8 @@ def compiled_variants() -> int:
     """How many variants of the sampling kernels this process has compiled (Triton's caches)."""
     from nanovllm.kernels import sampling, top_p
 
-    kernels = [sampling._gumbel_argmax_kernel, top_p._filter_scan_kernel, top_p._filter_mass_kernel,
-               top_p._filter_decide_kernel]
-    return sum(len(cache[0]) for k in kernels for cache in k.device_caches.values())
+    return triton_caches.compiled_variants(sampling._gumbel_argmax_kernel, top_p._filter_scan_kernel,
+                                           top_p._filter_mass_kernel, top_p._filter_decide_kernel)
 
 
 @pytest.mark.gpu

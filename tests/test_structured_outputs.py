@@ -16,6 +16,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import tiny_model as tm  # noqa: E402
+from triton_caches import compiled_variants  # noqa: E402
 from helpers import make_llm, rand_ids  # noqa: E402
 
 pytest.importorskip("xgrammar")
@@ -240,12 +241,11 @@ def test_constrained_rows_on_gpu_with_graphs(tmp_path):
     # batch size (nothing compiles in a step).
     from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_kernel as kernel
     ext = next(e for e in llm.model_runner.sampler.extensions if isinstance(e, StructuredOutputs))
-    vocab, compiled = ext.grammars.info.vocab_size, lambda: sum(len(e[0]) for e in kernel.device_caches.values())
-    before = compiled()
+    vocab, before = ext.grammars.info.vocab_size, compiled_variants(kernel)
     for n in (2, 5, 32, 33, 200):
         bits = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32, device="cuda")
         apply_bitmask(torch.zeros(n, vocab, device="cuda"), torch.arange(n, device="cuda"), bits)
-    assert compiled() == before
+    assert compiled_variants(kernel) == before
     llm.shutdown()
 
 

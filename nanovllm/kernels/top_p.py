@@ -73,7 +73,7 @@ def _tile_scores(x_row, cols, vocab, t, SCALE: tl.constexpr):
 def _row_params(row, temp_ptr, thr_ptr, top_p_ptr, log_min_p_ptr, has_thr, has_top_p, has_min_p,
                 SCALE: tl.constexpr):
     """(T, divisor, thr_k on the scores, top_p, log(min_p)) of a row; filters off: -inf, 1, -inf.
-    (An unused filter's pointer is the logits': the loads are cast so both branches agree.)"""
+    (The loads are cast to fp32, so a branch taken or not yields the same type.)"""
     temp = tl.load(temp_ptr + row)
     t = tl.where(temp > 0, temp, 1.0)
     thr_s = tl.full([], float("-inf"), tl.float32)

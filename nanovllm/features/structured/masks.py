@@ -87,7 +87,6 @@ class StructuredOutputs:
         sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
         self.matchers: dict[int, _Matcher] = {}
         self._host: torch.Tensor | None = None  # the bitmask's host buffer (see build)
-        self._copied = None  # the CUDA event after the last copy out of it
         if device.type == "cuda":
             self._compile_mask_kernel(grammars.info.vocab_size)
 
@@ -161,11 +160,10 @@ class StructuredOutputs:
 
     @torch.inference_mode()  # (per thread: the bitmask was made under the sampler's)
     def _fill(self, state: MaskRows, plan: list, last) -> None:
-        # The last step's copy of this bitmask has left once its tokens have (queued after it):
-        # one wait, as each return to Python from a wait costs a GIL handover.
+        # The last step's copy of this bitmask has left once its tokens have (queued after it;
+        # before the first published step no copy was made): one wait, as each return to
+        # Python from a wait costs a GIL handover.
         tokens = last.result() if last is not None else None
-        if last is None and self._copied is not None:
-            self._copied.synchronize()
         self._feed([p for p in plan if p[0] is not None], tokens)
         matchers, indices = [], []
         m = current = reasoning = None
@@ -218,9 +216,6 @@ class StructuredOutputs:
         decoding, from a fork of the matcher that took the drafts before it) onto the logits."""
         state.filled.result()
         apply_bitmask(logits, state.rows, state.host.to(self.device, non_blocking=self.pin))
-        if self.pin:
-            self._copied = torch.cuda.Event()
-            self._copied.record()
 
     @staticmethod
     def _after_draft(m: _Matcher, current, reasoning: int | None, draft: int):
