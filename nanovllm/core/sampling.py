@@ -137,13 +137,12 @@ class TokenSampler:
         """The next token of each row (rank 0) from logits [len(rows) (+ prompt-logprob rows), V],
         left in `prev_tokens` for the next step and copied to the host without blocking. `step`
         (StepInput) says which trailing logits rows are prompt positions for prompt logprobs.
-        `defer` (the caller flushes before its next launch): an extension's background host
-        work may hold the draw until then (DeferredTokens)."""
+        `defer` (the runner flushes before the next step reads the tokens): an extension's
+        background host work may hold the draw until then (DeferredTokens)."""
         self.flush()
         n = len(rows)
-        prompt_logits = None
-        if step is not None and step.prompt_rows:
-            logits, prompt_logits = logits[:n], logits[n:]
+        prompt_logits = logits[n:] if step is not None and step.prompt_rows else None
+        logits = logits[:n]
         offsets = step.sample_offsets if step is not None and step.sample_offsets else [len(s) for s in rows]
         t, states = self.cached_tensors([s.seq_id for s in rows], offsets,
                                         lambda: self._build(rows, offsets, logits.shape[-1]))
