@@ -11,18 +11,12 @@ import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.limits import clip_repr
 from nanovllm.logprob_outputs import LogprobOutputs
-from nanovllm.lora.request import check_no_lora
-from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
 __all__ = ["LLM", "StreamOutput"]
-
-# Keys of vLLM's prompt dicts (TextPrompt / TokensPrompt) for inputs nano-vllm has no use for.
-_UNSUPPORTED_PROMPT_KEYS = frozenset({"multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids",
-                                      "cache_salt", "token_type_ids", "prompt_embeds"})
 
 
 class _FrontForOptions(type):
@@ -112,27 +106,10 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
 
     def _prompt(self, prompt) -> tuple[list[int], str | None]:
         """(token ids, text or None) of one prompt: text, token ids, or vLLM's prompt dicts
-        {"prompt": text} (TextPrompt) / {"prompt_token_ids": ids} (TokensPrompt)."""
-        if not isinstance(prompt, dict):
-            return self.tokenize(prompt), prompt if isinstance(prompt, str) else None
-        unsupported = sorted(_UNSUPPORTED_PROMPT_KEYS & prompt.keys())
-        if unsupported:
-            raise NotImplementedError(f"prompt keys {unsupported} are not supported by nano-vllm (text models only)")
-        unknown = sorted(prompt.keys() - {"prompt", "prompt_token_ids"})
-        if unknown:
-            raise TypeError(f"unknown prompt keys {clip_repr(unknown)}: a prompt dict has 'prompt' (text) or "
-                            f"'prompt_token_ids' (token ids)")
-        text = prompt.get("prompt")
-        if text is not None and not isinstance(text, str):
-            raise TypeError(f"'prompt' must be a str, got {type(text).__name__}")
-        if "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-            if isinstance(ids, str) or not isinstance(ids, (list, tuple)):
-                raise TypeError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
-            return self.tokenize(list(ids)), text
-        if text is None:
-            raise TypeError("a prompt dict needs 'prompt' (text) or 'prompt_token_ids' (token ids)")
-        return self.tokenize(text), text
+        {"prompt": text} (TextPrompt) / {"prompt_token_ids": ids} (TokensPrompt: inputs.py)."""
+        if isinstance(prompt, dict):
+            return wiring.dict_prompt(self, prompt)
+        return self.tokenize(prompt), prompt if isinstance(prompt, str) else None
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list[RequestOutput]:
@@ -294,40 +271,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         the requests start when iteration starts, and closing the iterator early aborts them.
         """
         requests = self._normalize(prompts, sampling_params)
-        return self._stream(requests, wiring.lora_adapters(self, lora_request, len(requests)))
-
-    def _stream(self, requests, adapters=None) -> Iterator[StreamOutput]:
-        seqs = []
-        with self._exclusive():
-            try:
-                self._clear_leftovers()
-                self._add_all(requests, seqs, track_text=True, adapters=adapters)
-                where = {s.seq_id: (i, seq) for i, seq in enumerate(seqs) for s in seq.samples}
-                first = set()  # requests whose first increment (with the prompt logprobs) went out
-                # Not "until every request is finished": a request can finish (max_tokens) while
-                # its last token is still on the device (overlap scheduling).
-                while self.has_unfinished():
-                    outputs, _, _ = self.step()
-                    # A request is finished on its last increment only (with n > 1 several of
-                    # its samples may end in one step).
-                    last = {where[o.seq.seq_id][0]: j for j, o in enumerate(outputs)}
-                    for j, o in enumerate(outputs):
-                        i, seq = where[o.seq.seq_id]
-                        if o.finished:
-                            self.forget_text(o.seq)  # its text went out in the increments
-                        cumulative, logprobs = self._logprobs(o.seq, o.logprobs or (), o.new_token_ids)
-                        completion = CompletionOutput(o.seq.sample_index, o.text, o.new_token_ids, cumulative,
-                                                      logprobs, o.finish_reason, o.seq.stop_reason)
-                        prompt_logprobs = None
-                        if i not in first:
-                            first.add(i)
-                            prompt_logprobs = self._prompt_logprobs(seq)
-                        done = last[i] == j and all(s.status == SequenceStatus.FINISHED for s in seq.samples)
-                        yield StreamOutput(i, seq.request_id, seq.prompt_text, seq.prompt_token_ids,
-                                           prompt_logprobs, completion, done, seq.num_cached_prompt_tokens or 0)
-            finally:
-                # Every finished increment handed out has already forgotten its text state.
-                self._release(seqs)
+        return wiring.stream(self, requests, wiring.lora_adapters(self, lora_request, len(requests)))
 
     def chat(self, messages, sampling_params=None, use_tqdm=True, lora_request=None, chat_template=None,
              chat_template_content_format="auto", add_generation_prompt=True, continue_final_message=False,
@@ -358,10 +302,7 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
     def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None) -> list:
         """vLLM's: the `params.beam_width` best continuations of each prompt (text, token ids or
         a prompt dict), as BeamSearchOutputs (features/beam_search.py), best first."""
-        check_no_lora(lora_request)
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
-        ids = [self._prompt(p)[0] for p in prompts]
-        return wiring.beam_search(self, ids, params)
+        return wiring.beam_search(self, prompts, params, lora_request)
 
     def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
         """The prompt tokens chat() generates from for one conversation (checked as chat() checks

@@ -197,14 +197,28 @@ def stats_recorder(engine):
     return recorder
 
 
-def beam_search(llm, prompt_ids: list[list[int]], params):
+def beam_search(llm, prompts, params, lora_request):
     """LLM.beam_search: features/beam_search.py, loaded at its first use."""
     from nanovllm.features.beam_search import beam_search as search
 
-    return search(llm, prompt_ids, params)
+    return search(llm, prompts, params, lora_request)
 
 
 # ---------------------------------------------------------------- front APIs a plain generate does not load
+
+
+def dict_prompt(llm, prompt: dict) -> tuple[list[int], str | None]:
+    """LLM's reading of vLLM's prompt dicts (inputs.py, loaded at the first one)."""
+    from nanovllm.inputs import dict_prompt as read
+
+    return read(llm, prompt)
+
+
+def stream(llm, requests, adapters):
+    """LLM.stream's iterator over normalized requests (streaming.py, loaded at the first stream)."""
+    from nanovllm.streaming import stream_outputs
+
+    return stream_outputs(llm, requests, adapters)
 
 
 def chat_requests(llm, messages, sampling_params, options: dict, mm_processor_kwargs=None) -> list:

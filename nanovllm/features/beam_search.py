@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from nanovllm.lora.request import check_no_lora
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import BeamSearchParams, SamplingParams
 
@@ -51,9 +52,12 @@ def check_params(params: BeamSearchParams) -> None:
             raise ValueError(f"BeamSearchParams.{name}={value!r}: must be an integer >= 1")
 
 
-def beam_search(llm, prompt_ids: list[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The beam search of each prompt (token ids) on `llm` (see the module docstring); bad
-    `params` are refused before the first step."""
+def beam_search(llm, prompts, params: BeamSearchParams, lora_request=None) -> list[BeamSearchOutput]:
+    """The beam search of each prompt (text, token ids or a prompt dict; or one of them) on `llm`
+    (see the module docstring); an adapter and bad `params` are refused before the first step."""
+    check_no_lora(lora_request)
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else prompts
+    prompt_ids = [llm._prompt(p)[0] for p in prompts]
     check_params(params)
     width, eos = params.beam_width, llm.eos_token_ids
     step_params = SamplingParams(max_tokens=1, logprobs=2 * width, temperature=params.temperature, ignore_eos=True)
