@@ -242,6 +242,22 @@ def step_api(llm):
     return LLMEngine(llm)
 
 
+def add_cli_args(parser):
+    """EngineArgs.add_cli_args: `--model` and a flag per LLM option (cli_options.py); returns `parser`."""
+    from nanovllm.cli_options import add_option_flags
+
+    parser.add_argument("--model", required=True, help="a checkpoint folder (or a Hub id when online)")
+    add_option_flags(parser)
+    return parser
+
+
+def cli_option_values(args) -> dict:
+    """EngineArgs.from_cli_args: the LLM options the parsed flags set (cli_options.py)."""
+    from nanovllm.cli_options import option_values
+
+    return option_values(args)
+
+
 def package_attribute(name: str):
     """`nanovllm.LLMEngine` (vLLM's step API), loaded when first named: the package's __getattr__
     asks here."""

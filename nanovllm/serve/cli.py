@@ -20,8 +20,8 @@ import logging
 import os
 import signal
 
+from nanovllm.cli_options import add_option_flags, option_values
 from nanovllm.config import Config, wants_data_parallel
-from nanovllm.engine_args import add_option_flags, option_values
 from nanovllm.feature_options import LoraConfig
 from nanovllm.features.reasoning import PARSERS as REASONING_PARSERS
 from nanovllm.features.tools.parsers import PARSERS

@@ -1,0 +1,43 @@
+"""The command-line flags of every LLM option (one flag per option of Config.option_names):
+EngineArgs.add_cli_args / from_cli_args (through wiring.py) and the server's command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import typing
+
+from nanovllm.config import Config
+
+
+def _flag_type(hint):
+    """How a flag's string becomes the option's value, from the Config field's type."""
+    kinds = [k for k in (typing.get_args(hint) or (hint,)) if k is not type(None)]
+    if str in kinds or not kinds:
+        return str
+    for kind in (int, float):
+        if kind in kinds:
+            return kind
+    return json.loads  # anything else (a list, a dict) as JSON
+
+
+def add_option_flags(group, defaults: dict | None = None, helps: dict | None = None) -> None:
+    """A flag per LLM option on `group` (an argparse parser or group): `--max-num-seqs 8`,
+    booleans as `--name` / `--no-name`; unset flags are absent from the parsed namespace.
+    `defaults` / `helps`: what the help text says of an option's default and meaning."""
+    defaults, helps = defaults or {}, helps or {}
+    for name, (hint, default) in Config.option_names().items():
+        default = defaults.get(name, default)
+        text = helps.get(name, f"LLM option {name} (see docs/api.md)") + f" [default: {default!r}]"
+        flag = "--" + name.replace("_", "-")
+        if hint is bool:
+            group.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                               help=text)
+        else:
+            group.add_argument(flag, dest=name, type=_flag_type(hint), default=argparse.SUPPRESS, help=text)
+
+
+def option_values(args: argparse.Namespace) -> dict:
+    """The LLM options the parsed flags give (those set on the command line)."""
+    names = set(Config.option_names())
+    return {k: v for k, v in vars(args).items() if k in names}
