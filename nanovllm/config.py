@@ -23,9 +23,8 @@ from nanovllm.model import registry
 from nanovllm.model.attention.backend import flash_attn_available
 from nanovllm.model.fit import check_model_fits
 from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
-from nanovllm.model.registry import SUPPORTED_ARCHITECTURES  # noqa: F401  (re-exported)
 from nanovllm.sampling_params import is_integer
-from nanovllm.feature_options import (EXECUTOR_BACKENDS, FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS,  # noqa: F401
+from nanovllm.feature_options import (FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS,  # noqa: F401
                                       LoraConfig, ParallelConfig, PrefillGraphConfig, QuantizationConfig,
                                       SchedulingConfig, _at_least, checked)
 from nanovllm.vllm_keywords import translate_vllm_keywords

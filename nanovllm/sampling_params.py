@@ -295,18 +295,6 @@ class SamplingParams:
         object.__setattr__(snap, "_frozen", True)
         return snap
 
-    def reseeded(self, seed: int) -> "SamplingParams":
-        """This validated copy (see snapshot) with `seed` instead: a data-parallel front gives
-        every request without a seed one of its own, so that no two replicas draw the same
-        random stream and the outputs do not depend on how the prompts were shared out."""
-        if not self.__dict__.get("_frozen"):
-            raise TypeError("reseeded() is for the engine's validated copies (snapshot())")
-        if not is_integer(seed):
-            raise TypeError(f"seed must be an integer, got {type(seed).__name__}")
-        snap = copy.copy(self)
-        snap.__dict__["seed"] = int(seed)  # a frozen copy: its fields are set once, here
-        return snap
-
     def clone(self) -> "SamplingParams":
         """A mutable, independent copy (vLLM's name)."""
         fields = {f.name: copy.deepcopy(getattr(self, f.name)) for f in dataclasses.fields(self)}

@@ -20,6 +20,7 @@ that were); the front then shuts every replica down. Nothing is re-run behind th
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
 import logging
@@ -154,7 +155,7 @@ class ReplicaSet:
         the same seed, so they would hand their i-th requests the same random stream; this way
         outputs do not depend on the sharding. progress_bar(total) makes the bar (or None)."""
         self._check_open()
-        requests = [(ids, p if p.seed is not None else p.reseeded(rng.getrandbits(63)), text)
+        requests = [(ids, p if p.seed is not None else _reseeded(p, rng.getrandbits(63)), text)
                     for ids, p, text in requests]
         work = [len(ids) + p.n * p.max_tokens for ids, p, _ in requests]
         call = _Call(next(self._jobs), shard_by_work(work, self.num_replicas), [None] * len(requests))
@@ -253,3 +254,12 @@ def _prompt_dict(ids: list[int], text: str | None) -> dict:
     """A validated prompt as the replica's LLM takes it: its token ids, and its text if any (so
     RequestOutput.prompt reads the same as on a single engine)."""
     return {"prompt_token_ids": ids} if text is None else {"prompt": text, "prompt_token_ids": ids}
+
+
+def _reseeded(params, seed: int):
+    """The engine's validated copy `params` (SamplingParams.snapshot) with `seed` instead: a
+    request without a seed gets one of its own, so that no two replicas draw the same random
+    stream and the outputs do not depend on how the prompts were shared out."""
+    snap = copy.copy(params)
+    snap.__dict__["seed"] = seed  # a frozen copy: its fields are set once, here
+    return snap
