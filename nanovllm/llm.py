@@ -11,7 +11,6 @@ import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.logprob_outputs import LogprobOutputs
 from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput, StreamOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
@@ -30,7 +29,7 @@ class _FrontForOptions(type):
         return type.__call__(cls, *args, **kwargs)
 
 
-class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
+class LLM(LLMEngine, metaclass=_FrontForOptions):
     """An offline engine for one model. See README for every keyword argument.
 
     >>> llm = LLM("/path/to/Qwen3-0.6B")
@@ -228,6 +227,18 @@ class LLM(LogprobOutputs, LLMEngine, metaclass=_FrontForOptions):
         return RequestOutput(seq.request_id, seq.prompt_text, seq.prompt_token_ids, self._prompt_logprobs(seq),
                              completions, all(s.finish_reason is not None for s in seq.samples),
                              seq.num_cached_prompt_tokens or 0, self.request_metrics(seq))
+
+    def _logprobs(self, seq: Sequence, entries, tokens) -> tuple[float | None, list | None]:
+        """(cumulative_logprob, logprobs) of a completion in vLLM's form, or (None, None)."""
+        if seq.logprobs is None:
+            return None, None
+        return seq.cumulative_logprob, wiring.logprob_dicts(self, entries, tokens, seq.params)
+
+    def _prompt_logprobs(self, seq: Sequence) -> list | None:
+        """vLLM's prompt_logprobs of a request: None for the first token, then as _logprobs'."""
+        if seq.prompt_logprobs is None:
+            return None
+        return [None] + wiring.logprob_dicts(self, seq.prompt_logprobs, seq.prompt_token_ids[1:], seq.params)
 
     def request_metrics(self, seq: Sequence):
         """A finished request's RequestMetrics (nanovllm/metrics.py) with statistics on, else None."""

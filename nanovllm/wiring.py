@@ -130,6 +130,13 @@ def enable_logits_extensions(sampler, params) -> None:
         sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
 
 
+def logprob_dicts(llm, entries, tokens, params) -> list:
+    """A request's logprobs in vLLM's form (logprob_outputs.py, loaded by the first that has some)."""
+    from nanovllm.logprob_outputs import logprob_dicts as dicts
+
+    return dicts(llm, entries, tokens, params)
+
+
 def enable_structured_outputs(engine, params) -> None:
     """A request's structured_outputs checked and compiled (ValueError before any work), with
     the mask extension on rank 0's sampler (features/structured/masks.py), registered once."""

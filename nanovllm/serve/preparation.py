@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.engine import LLMEngine, load_tokenizer
 from nanovllm.llm import LLM
+from nanovllm.logprob_outputs import token_texts
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -98,7 +99,6 @@ class RequestPreparer:
     prepare_for_prompt = LLMEngine.prepare_for_prompt
     _prompt = LLM._prompt
     chat_prompt_ids = LLM.chat_prompt_ids
-    _texts = LLM._texts
 
     def __init__(self, spec: PreparerSpec):
         c = self.config = spec.config
@@ -129,7 +129,7 @@ def prepare_one(front, r) -> Prepared:
         params.max_tokens = max(1, front.room_after(len(ids)))
     params = front.prepare_for_prompt(params, len(ids))
     front.check_fits(len(ids), params)
-    first = front._texts(ids[:1])[0] if r.want_prompt_text and ids and front.tokenizer is not None else None
+    first = token_texts(front, ids[:1])[0] if r.want_prompt_text and ids and front.tokenizer is not None else None
     return Prepared(ids, params, text, first)
 
 
