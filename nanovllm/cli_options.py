@@ -37,6 +37,13 @@ def add_option_flags(group, defaults: dict | None = None, helps: dict | None = N
             group.add_argument(flag, dest=name, type=_flag_type(hint), default=argparse.SUPPRESS, help=text)
 
 
+def add_cli_args(parser):
+    """EngineArgs.add_cli_args: `--model` and a flag per LLM option on `parser`; returns it."""
+    parser.add_argument("--model", required=True, help="a checkpoint folder (or a Hub id when online)")
+    add_option_flags(parser)
+    return parser
+
+
 def option_values(args: argparse.Namespace) -> dict:
     """The LLM options the parsed flags give (those set on the command line)."""
     names = set(Config.option_names())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from typing import Iterator
@@ -44,7 +45,6 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         self._busy = threading.Lock()
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
-        self._step_api = None  # llm_engine
         self._stats_recorder = None
         self.lora_registry: dict = {}  # adapter id -> LoRARequest (enable_lora)
         super().__init__(model, start_executor=self._start_executor, model_features=wiring,
@@ -303,12 +303,10 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         requests = wiring.chat_requests(self, messages, sampling_params, options, mm_processor_kwargs)
         return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
-    @property
+    @functools.cached_property
     def llm_engine(self):
         """vLLM's step API over this LLM (llm_engine.py's LLMEngine), made at first use."""
-        if self._step_api is None:
-            self._step_api = wiring.step_api(self)
-        return self._step_api
+        return wiring.step_api(self)
 
     def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None) -> list:
         """vLLM's: the `params.beam_width` best continuations of each prompt (text, token ids or

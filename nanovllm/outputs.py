@@ -1,12 +1,6 @@
 """What `LLM.generate` / `chat` / `stream` return: vLLM's output types, which also read as
-nano-vllm's dicts.
-
-`RequestOutput` has vLLM's fields (`request_id`, `prompt`, `prompt_token_ids`, `prompt_logprobs`,
-`outputs: list[CompletionOutput]`, `finished`, `num_cached_tokens`) and is also a dict of the
-first completion's `text`, `token_ids`, `finish_reason`, `stop_reason` and the request's
-`prompt_token_ids` (nano-vllm's form: `out["text"]`). The dict holds the values the output was
-made with; it is a read-only view in intent, like the object.
-"""
+nano-vllm's dicts (`out["text"]`: see RequestOutput). The dict holds the values an output was made
+with: a read-only view in intent, like the object."""
 
 from __future__ import annotations
 

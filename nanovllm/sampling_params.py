@@ -218,8 +218,7 @@ class SamplingParams:
 
     def _check_stops(self) -> tuple[tuple[str, ...], list]:
         """(stop strings, stop token ids), checked."""
-        bad = self._bad
-        is_int = is_integer
+        bad, is_int = self._bad, is_integer
         stop = self.stop
         if stop is None:
             stops: tuple[str, ...] = ()

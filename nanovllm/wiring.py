@@ -251,11 +251,9 @@ def step_api(llm):
 
 def add_cli_args(parser):
     """EngineArgs.add_cli_args: `--model` and a flag per LLM option (cli_options.py); returns `parser`."""
-    from nanovllm.cli_options import add_option_flags
+    from nanovllm.cli_options import add_cli_args as add
 
-    parser.add_argument("--model", required=True, help="a checkpoint folder (or a Hub id when online)")
-    add_option_flags(parser)
-    return parser
+    return add(parser)
 
 
 def cli_option_values(args) -> dict:
