@@ -317,10 +317,7 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # MoE experts, "<...>.experts.<e>.<part>.weight" -> ("<...>.experts.<param>", (e, shard)),
-    # and transformers' fused "<...>.experts.<fused part>" -> the whole parameter; see loader.py.
-    expert_params_mapping: dict = {}
-    fused_expert_params_mapping: dict = {}
+    expert_tensors = None  # MoE families: their ExpertTensors (model/expert_tensors.py)
 
     @classmethod
     def options_from_config(cls, config) -> DecoderOptions:
