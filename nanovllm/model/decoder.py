@@ -17,7 +17,7 @@ engine passes it in as the `sparse_mlp` factory when the model has MoE layers.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -30,21 +30,8 @@ from nanovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallel
 from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding
 from nanovllm.parallel.group import current_tp_group
 
-
-@dataclass(frozen=True)
-class MoeOptions:
-    """Routed experts of the MoE layers: `num_experts` SwiGLU experts of `intermediate_size`
-    (moe_intermediate_size), `top_k` of them per token (num_experts_per_tok), their softmax
-    weights renormalised to sum to 1 when `norm_topk_prob`."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-
-    def __post_init__(self):
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+if TYPE_CHECKING:
+    from nanovllm.model.experts import MoeOptions
 
 
 class SparseMlpFactory(Protocol):
@@ -317,7 +304,7 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    expert_tensors = None  # MoE families: their ExpertTensors (model/expert_tensors.py)
+    expert_tensors = None  # MoE families: their ExpertTensors (model/experts.py)
 
     @classmethod
     def options_from_config(cls, config) -> DecoderOptions:

@@ -30,7 +30,7 @@ def load_model(model: nn.Module, path: str) -> None:
     Tensors are read one at a time (`safe_open`), so peak host memory is one tensor, and each
     parameter's `weight_loader` takes only this rank's shard. A tensor the model does not know,
     a parameter the checkpoint lacks, or a shape mismatch is a ValueError naming the tensor.
-    MoE experts load through the model's `expert_tensors` (model/expert_tensors.py).
+    MoE experts load through the model's `expert_tensors` (model/experts.py).
     """
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:

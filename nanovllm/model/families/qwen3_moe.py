@@ -9,9 +9,8 @@ MLP of `intermediate_size`. Experts load from the Hub's per-expert tensors
 
 from __future__ import annotations
 
-from nanovllm.model.decoder import (DecoderForCausalLM, DecoderOptions, MoeOptions, common_options,
-                                     reject_sliding_window)
-from nanovllm.model.expert_tensors import ExpertTensors
+from nanovllm.model.decoder import DecoderForCausalLM, DecoderOptions, common_options, reject_sliding_window
+from nanovllm.model.experts import ExpertTensors, MoeOptions
 
 
 def moe_layer_indices(config) -> tuple[int, ...]:

@@ -1,6 +1,6 @@
-"""How a mixture-of-experts checkpoint's expert tensors map onto the stacked expert parameters
-(`<layer>.mlp.experts.w13`, `w2`): loader.py asks a model's `expert_tensors` (set by the MoE
-families), so dense models never load this module.
+"""A mixture-of-experts model's routed experts: their options (MoeOptions, in DecoderOptions.moe)
+and how a checkpoint's expert tensors map onto the stacked expert parameters (`<layer>.mlp.experts.w13`,
+`w2`: loader.py asks a model's `expert_tensors`). Only the MoE families import this module.
 
 The Hub stores one tensor per expert and projection, transformers' in-memory (and, in some
 versions, saved) form stacks all experts of a projection in one 3-D tensor. Beside or instead of
@@ -11,12 +11,29 @@ versions, saved) form stacks all experts of a projection in one 3-D tensor. Besi
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>\w+)$")
 _FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
 _SCALE = "_scale_inv"
 _KIND_SUFFIX = {"weight": "", "weight" + _SCALE: _SCALE}  # a per-expert tensor's kind -> the parameter's suffix
 _SUFFIX_KIND = {v: k for k, v in _KIND_SUFFIX.items()}
+
+
+@dataclass(frozen=True)
+class MoeOptions:
+    """Routed experts of the MoE layers: `num_experts` SwiGLU experts of `intermediate_size`
+    (moe_intermediate_size), `top_k` of them per token (num_experts_per_tok), their softmax
+    weights renormalised to sum to 1 when `norm_topk_prob`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+
+    def __post_init__(self):
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
 
 
 class ExpertTensors:
