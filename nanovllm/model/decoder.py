@@ -88,9 +88,6 @@ class DecoderOptions:
             raise ValueError(f"config.json: intermediate_size must be >= 1 for the dense MLP layers, "
                              f"got {self.intermediate_size}")
 
-    def is_moe(self, layer: int) -> bool:
-        return layer in self.moe_layers
-
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits (each must be a multiple of the TP size), named."""
         sizes = {"attention heads": self.num_heads, "key/value heads": self.num_kv_heads}
@@ -247,7 +244,7 @@ class DecoderLayer(nn.Module):
                  sparse_mlp: SparseMlpFactory | None = None):
         super().__init__()
         self.self_attn = DecoderAttention(opts, rotary_emb)
-        if opts.is_moe(layer):
+        if layer in opts.moe_layers:
             if sparse_mlp is None:
                 raise ValueError("this model has mixture-of-experts layers: build it with sparse_mlp= "
                                  "(features/moe.py's SparseMoeBlock.from_options)")
