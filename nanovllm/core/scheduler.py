@@ -72,12 +72,10 @@ class ScheduledBatch:
 class Scheduler:
     """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out.
 
-    A step is a prefill step whenever prompt work is pending: first the rest of partly
-    prefilled prompts, then new sequences in arrival order while the token budget, the sequence
-    cap and free blocks allow. Otherwise every running sequence decodes one token; when one
-    needs a block and none is free, the newest running sequence is preempted by recompute (its
-    blocks are freed and it goes back to the front of the waiting queue, to be prefilled again
-    with its generated tokens).
+    A step is a prefill step whenever prompt work is pending (prompt_work), else every running
+    sequence decodes one token (decode_rows); when one needs a block and none is free, the
+    newest running sequence is preempted by recompute: its blocks are freed and it goes back to
+    the front of the waiting queue, to be prefilled again with its generated tokens.
 
     Features plug in through core/hooks.py: `policy` (a StepPolicy) composes steps from the same
     parts otherwise; `hooks` (SchedulingHooks) follow requests. `held_rows`: sampling rows the

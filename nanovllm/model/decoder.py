@@ -10,8 +10,7 @@ Under tensor parallelism q/k/v and gate/up are column-parallel (no communication
 down_proj and the experts return this rank's partial sum; the RMSNorm after each of them sums
 it over the ranks together with the residual add (one fused all-reduce + norm per sub-block).
 A row-parallel bias (o_proj / down_proj of Llama with attention_bias / mlp_bias) is added by
-rank 0 only, so that sum counts it once. The MoE block is a feature (features/moe.py): the
-engine passes it in as the `sparse_mlp` factory when the model has MoE layers.
+rank 0 only, so that sum counts it once. The MoE block is a feature (SparseMlpFactory).
 """
 
 from __future__ import annotations
@@ -233,12 +232,8 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair).
-
-    Under tensor parallelism `hidden` leaves the block as this rank's partial sum of the MLP
-    (or MoE), and each norm that takes a residual first sums its input over the ranks
-    (all_reduce=True): two all-reduces per layer, each fused with the norm after it.
-    """
+    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair),
+    as is the all-reduce of the partial sums under tensor parallelism (all_reduce=True)."""
 
     def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding,
                  sparse_mlp: SparseMlpFactory | None = None):
@@ -288,10 +283,8 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing.
-
     Subclasses (one per family) implement `options_from_config(config) -> DecoderOptions`,
-    which also validates the config (a ValueError for anything unsupported).
-    """
+    which also validates the config (a ValueError for anything unsupported)."""
 
     # Checkpoint tensor name part -> (packed parameter name part, shard id); see loader.py.
     packed_modules_mapping = {
