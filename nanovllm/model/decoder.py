@@ -43,11 +43,8 @@ class SparseMlpFactory(Protocol):
 @dataclass(frozen=True)
 class DecoderOptions:
     """Everything that differs between the supported families, read from config.json once.
-
     `intermediate_size` is the dense MLP's; `moe_layers` lists the layers whose MLP is the MoE
-    block instead (then `moe` is set). Biases: `qkv_bias` on q/k/v, `o_bias` on o_proj,
-    `mlp_bias` on gate/up/down. `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3).
-    """
+    block instead (then `moe` is set). `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3)."""
 
     vocab_size: int
     hidden_size: int

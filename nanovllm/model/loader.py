@@ -25,13 +25,10 @@ def _resolve(params: dict, mapping: dict, name: str):
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`.
-
-    Tensors are read one at a time (`safe_open`), so peak host memory is one tensor, and each
-    parameter's `weight_loader` takes only this rank's shard. A tensor the model does not know,
-    a parameter the checkpoint lacks, or a shape mismatch is a ValueError naming the tensor.
-    MoE experts load through the model's `expert_tensors` (model/experts.py).
-    """
+    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`, one at a time
+    (`safe_open`: peak host memory is one tensor), each parameter's `weight_loader` taking only
+    this rank's shard. A tensor the model does not know, a parameter the checkpoint lacks, or a
+    shape mismatch is a ValueError naming the tensor. MoE experts: model/experts.py."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r} (pickle checkpoints are not loaded)")
