@@ -49,16 +49,6 @@ class ScheduledBatch:
             seqs = [s for s, d in zip(seqs, self.drafts) for _ in range(1 + len(d))]
         return seqs + self.forks if self.forks else seqs
 
-    def first_rows(self) -> list[int]:
-        """Each sequence's first sampling row (the one that samples its next token)."""
-        if not self.drafts:
-            return list(range(len(self.seqs)))
-        starts, row = [], 0
-        for d in self.drafts:
-            starts.append(row)
-            row += 1 + len(d)
-        return starts
-
     def sample_offsets(self) -> list[int] | None:
         """With drafts, the random-stream offset of every sampling row: the index of the token it
         samples, as a step without drafts would sample it (so verification draws the same noise);
@@ -230,17 +220,18 @@ class Scheduler:
         max_tokens or max_model_len with it is retired here (its finish reason is decided when
         the token arrives, core/lifecycle.py)."""
         block_size = self.block_manager.block_size
-        rows = batch.first_rows() if batch.drafts else None
+        next_row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts = batch.drafts[i] if batch.drafts else []
+            row, next_row = next_row, next_row + 1 + len(drafts)  # the row sampling its next token
             if seq.status != SequenceStatus.RUNNING:
                 continue  # stopped by the previous step's token, found after this launch
-            drafts = batch.drafts[i] if batch.drafts else []
             seq.num_cached_tokens += n - len(drafts)  # drafted tokens count once verified
             if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * block_size:
                 self.block_manager.commit(seq)  # a block just became full
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
-            seq.add_pending_token(rows[i] if rows else i)
+            seq.add_pending_token(row)
             seq.drafts = drafts
             if seq.reached_length(max_model_len):
                 self.retire(seq)
