@@ -49,15 +49,6 @@ class ScheduledBatch:
             seqs = [s for s, d in zip(seqs, self.drafts) for _ in range(1 + len(d))]
         return seqs + self.forks if self.forks else seqs
 
-    def sample_offsets(self) -> list[int] | None:
-        """With drafts, the random-stream offset of every sampling row: the index of the token it
-        samples, as a step without drafts would sample it (so verification draws the same noise);
-        None without drafts (each row's offset is then its sequence's length)."""
-        if not self.drafts:
-            return None
-        offsets = [len(s) + j for s, d in zip(self.seqs, self.drafts) for j in range(1 + len(d))]
-        return offsets + [len(s) for s in self.forks]
-
 
 class Scheduler:
     """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out.

@@ -47,7 +47,7 @@ class StepInput:
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
-    sample_offsets: list[int] | None = None
+    sample_offsets: list[int] | None = None  # each sampling row's noise offset, when rows verify drafts
     adapters: list[int] | None = None  # each entry's adapter slot (-1: none); None: no adapters
     adapter_loads: list | None = None  # adapters to place in slots before the forward (each rank)
 
@@ -82,9 +82,12 @@ class StepInput:
         docstring); no forks or prompt logprobs (the drafting hook leaves such steps alone)."""
         if batch.forks or batch.prompt_rows:
             raise RuntimeError("internal error: a step with drafts also forks samples or plans prompt logprobs")
-        tokens, starts, tables, src = [], [], [], []
+        tokens, starts, tables, src, offsets = [], [], [], [], []
         for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             start = s.num_cached_tokens
+            # Each row's noise offset is the index of the token it samples, as a step without
+            # drafts would sample it there: verification draws the same noise.
+            offsets.extend(len(s) + j for j in range(1 + len(d)))
             if not d:
                 tokens.append(s.token_ids[start:start + n] if batch.is_prefill else [s.token_ids[-1]])
                 starts.append(start)
@@ -97,7 +100,7 @@ class StepInput:
                 tables.append(s.block_table)
                 src.append(-1)
         step = cls(batch.is_prefill, tokens, starts, tables, src if any(r >= 0 for r in src) else None)
-        step.sample_offsets = batch.sample_offsets()
+        step.sample_offsets = offsets
         return step.with_adapters(batch, [s.adapter_slot for s, d in zip(batch.seqs, batch.drafts)
                                           for _ in range(1 + len(d))])
 
