@@ -78,31 +78,25 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters on the logits' device, plus host-side flags.
+    """Per-row sampling parameters on the logits' device, plus flags decided on the host that
+    pick which device work runs: a CUDA graph captured with one set of flags is only valid for
+    batches with the same flags."""
 
-    temperatures: float32 [B], 0 = greedy. top_ks: int64 [B], <= 0 = off. top_ps: float32 [B],
-    1 = off. min_ps: float32 [B], 0 = off. seeds: int64 [B]. offsets: int64 [B], a per-row
-    counter (the engine passes the sequence's current length) that advances the random stream.
-    The flags are decided on the host and pick which device work runs; a CUDA graph captured
-    with one set of flags is only valid for batches with the same flags.
-    sort_k: how many of each row's largest logits the top-k/top-p step must see (the largest
-    top_k, or -1 for the whole vocabulary when some row uses top_p without top_k).
-    max_top_k: the largest top_k of any row (0 = none).
-    """
-
-    temperatures: torch.Tensor
-    top_ks: torch.Tensor
-    top_ps: torch.Tensor
-    min_ps: torch.Tensor
-    seeds: torch.Tensor
-    offsets: torch.Tensor
+    temperatures: torch.Tensor  # float32 [B], 0 = greedy
+    top_ks: torch.Tensor  # int64 [B], <= 0 = off
+    top_ps: torch.Tensor  # float32 [B], 1 = off
+    min_ps: torch.Tensor  # float32 [B], 0 = off
+    seeds: torch.Tensor  # int64 [B]
+    offsets: torch.Tensor  # int64 [B]: a per-row counter (the sequence's length) advancing the random stream
     all_greedy: bool
     any_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    # How many of each row's largest logits top-k/top-p must see: the largest top_k, or -1 for
+    # the whole vocabulary when some row uses top_p without top_k.
     sort_k: int = -1
-    max_top_k: int = 0
+    max_top_k: int = 0  # the largest top_k of any row (0 = none)
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], offsets: list[int],
