@@ -12,28 +12,25 @@ from nanovllm.core.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]` from its num_cached_tokens
-    on (a prompt chunk, or the newest token of a decoding sequence).
-
-    What scheduling hooks (core/hooks.py) add, empty otherwise: `forks`, sequences that compute
-    nothing and sample from the logits of row `fork_rows[j]` (sampling row len(seqs) + j);
-    `block_copies`, (src, dst) KV blocks to copy once the step has run; `prompt_rows`, packed
-    positions whose logits are returned too, predicting `prompt_targets`, owned by
-    `prompt_owners` = (row, count, k) per sequence (StepInput's fields of the same names);
-    `drafts`, per sequence, tokens drafted after its newest one (speculative decoding), computed
-    in the step after it (num_new_tokens counts them) and verified by sampling every one of those
-    positions: such a sequence has 1 + len(drafts[i]) sampling rows.
-    """
+    on (a prompt chunk, or the newest token of a decoding sequence). The fields after
+    `preempted` are what scheduling hooks (core/hooks.py) add, empty otherwise."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that compute nothing and sample from the logits of row fork_rows[j] (sampling row
+    # len(seqs) + j), and the (src, dst) KV blocks to copy once the step has run.
     forks: list[Sequence] = field(default_factory=list)
     fork_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Packed positions whose logits are returned too, predicting prompt_targets, owned by
+    # prompt_owners = (row, count, k) per sequence (StepInput's fields of the same names).
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
+    # Per sequence, tokens drafted after its newest one, computed in this step (num_new_tokens
+    # counts them) and verified by sampling each of those positions: 1 + len(drafts[i]) rows.
     drafts: list[list[int]] | None = None
     adapter_loads: list | None = None  # (slot, adapter) to load before this step (a LoRA hook's)
 
