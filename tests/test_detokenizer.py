@@ -8,8 +8,13 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from nanovllm.core.detokenizer import detokenize, detokenize_continuation
+from nanovllm.core.detokenizer import decoder, detokenize_continuation
 from nanovllm.features.text_tracking import IncrementalDetokenizer, StopMatcher
+
+
+def detokenize(tokenizer, ids, skip_special_tokens: bool = True) -> str:
+    """The reference: `ids` decoded in one go (clean-up off, as in the engine)."""
+    return decoder(tokenizer, skip_special_tokens)(list(ids))
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Small vocabulary: common words merge into single tokens while most CJK characters and all

@@ -244,14 +244,6 @@ class BlockManager:
                 raise RuntimeError("no free KV block (call can_append first)")
             seq.block_table.append(self._take_free())
 
-    def take_draft_slots(self, seq: Sequence, n: int) -> bool:
-        """Slots for `n` drafted tokens past the sequence's tokens, if the free blocks hold them
-        (True); else nothing is taken (False)."""
-        if self.blocks_for(len(seq) + n) - len(seq.block_table) > self.num_free_blocks:
-            return False
-        self.append_slot(seq, n)
-        return True
-
     def trim(self, seq: Sequence) -> None:
         """Give back the blocks past the sequence's tokens (taken for drafts that were rejected:
         never committed, so nothing to forget but their slots)."""

@@ -53,11 +53,6 @@ def decoder(tokenizer, skip_special_tokens: bool,
     )
 
 
-def detokenize(tokenizer, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-    """Decode `ids` in one go (clean-up off, as everywhere here)."""
-    return decoder(tokenizer, skip_special_tokens)(list(ids))
-
-
 def decode_tokens(tokenizer, ids: Sequence[int]) -> list[str]:
     """Each token's own text (decoded alone, special tokens kept): Logprob.decoded_token."""
     decode = decoder(tokenizer, skip_special_tokens=False)

@@ -34,22 +34,14 @@ def _as_id_list(value) -> list[int]:
 
 class LLMEngine:
     """Validates requests and drives the loop: schedule -> run the model -> account for the step.
-
-    `LLM` (nanovllm/llm.py) is the user-facing subclass; this class holds the engine state: the
-    scheduler and block manager, the executor that runs the model (`model_runner`, which the
-    front picks: core/executor.py), the tokenizer and the request lifecycle (core/lifecycle.py).
-    One thread drives an engine.
-
-    `step_observers`: callables that get a `StepTiming` at the end of every step (bench.py's
-    timeline reads them).
-    """
+    `LLM` (nanovllm/llm.py) is the user-facing subclass. One thread drives an engine.
+    `step_observers`: callables that get a `StepTiming` at the end of every step."""
 
     def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None,
                  model_features: ModelFeatures | None = None, **kwargs):
-        """`start_executor(config)` makes the executor (LLM passes its pick); by default the model
-        runs in this process (`start_in_process`). `model_features` (config.py's ModelFeatures):
-        what the front wires in for quantized weights, KV-scale calibration and MoE layers;
-        without them a model or option that needs one is a ValueError."""
+        """`start_executor(config)` makes the executor (default: the model runs in this process).
+        `model_features` (core/hooks.py): what the front wires in; without them a model or option
+        that needs one is a ValueError."""
         self.config = config = Config.from_kwargs(model, **kwargs).resolve(model_features)
         hf = config.hf_config
         self.tokenizer = None
@@ -96,9 +88,8 @@ class LLMEngine:
         return ids
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """A new SamplingParams with the model's generation_config.json defaults (temperature,
-        top_p, top_k, min_p, repetition_penalty where the file sets them; see the
-        generation_config option), as in vLLM: what a request without SamplingParams uses."""
+        """A new SamplingParams with the model's generation_config.json defaults, as in vLLM: what
+        a request without SamplingParams uses."""
         return SamplingParams(**self.generation_defaults)
 
     def get_tokenizer(self):
@@ -106,8 +97,7 @@ class LLMEngine:
         return self.tokenizer
 
     def kv_usage(self) -> KVUsage:
-        """The KV cache's use now: blocks held, the running requests' live tokens, how many run
-        (BlockManager.usage). Cheap enough to sample after every step (bench.py does)."""
+        """The KV cache's use now (BlockManager.usage); cheap enough to sample after every step."""
         return self.block_manager.usage(self.scheduler.running)
 
     def reset_prefix_cache(self) -> bool:
@@ -237,8 +227,7 @@ class LLMEngine:
         device may still be running it; later steps queue behind it, so the KV blocks it writes
         are never read before it is done."""
         step, self._in_flight = self._in_flight, None
-        if step is not None:
-            step.abort(self.requests)
+        self._abandon(step)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None

@@ -1,9 +1,6 @@
 """The hooks the core declares: small typed protocols that features implement and the fronts
-(`llm.py`, `serve/`) plug in when an option or a request asks for them.
-
-The core calls these protocols and never names a feature: a plain generate with no options runs
-the core alone. One section per hook; each feature module says which hook it plugs into.
-"""
+(`llm.py`, `serve/`) plug in when an option or a request asks for them. The core never names a
+feature: a plain generate with no options runs the core alone."""
 
 from __future__ import annotations
 
@@ -107,10 +104,7 @@ class StepPolicy(Protocol):
 class SchedulingHook(Protocol):
     """A feature that follows requests from their arrival through scheduling (n > 1 forks,
     prompt logprobs). Every method does nothing here: a feature subclasses this and overrides
-    what it needs. Called for a request: `added` once, `reserve` at each admission; for every
-    step: `admit` before a waiting request starts, `scheduled` once a step is composed,
-    `launched` once Scheduler.advance accounted for it;
-    `verified` for each row whose drafts a resolved step verified."""
+    what it needs."""
 
     def added(self, seq: Sequence, new_sample: Callable[[int], Sequence]) -> None:
         """A request arrived as `seq` (its sample 0); `new_sample(i)` makes its sample i."""
@@ -192,9 +186,6 @@ class ForwardStrategy(Protocol):
 
 
 # ---------------------------------------------------------------- the model's features (Config.resolve)
-# Config.resolve asks these of the features the front wires in; the model runner plugs the answers
-# into model/'s hooks (the linear-method scheme, the attention layers' calibrator, the decoder's
-# sparse MLP).
 
 
 class Speculation(Protocol):

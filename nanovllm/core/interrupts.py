@@ -1,17 +1,12 @@
 """Signals at safe points: an exception raised by a signal handler is held while the engine
 changes its state, then raised.
 
-A signal handler runs between any two bytecodes, and an exception it raises (Ctrl-C's
-KeyboardInterrupt, or the TimeoutError of an alarm-based timeout decorator) lands right there.
-Landing inside a step (half the requests accounted for), inside the clean-up after an earlier
-interrupt, or inside a tensor-parallel step (rank 0 leaves the collectives its workers are still
-in) would leave the engine in a half-state. So engine code that must not be cut runs under
-`deferred_interrupts()`: there every Python-level handler of the usual asynchronous signals
-still runs at once (its side effects happen), but the exception it raises is held and raised
-when the block ends (an inner one included), with the engine consistent. Only the first
-exception is kept: a second Ctrl-C while one is held adds nothing.
-
-Only in the main thread, the only one Python runs signal handlers in.
+An exception a signal handler raises (Ctrl-C's KeyboardInterrupt, an alarm-based timeout's
+TimeoutError) lands between any two bytecodes: inside a step (half the requests accounted for)
+or a tensor-parallel step (rank 0 leaving the collectives its workers are still in), it would
+leave the engine in a half-state. Under `deferred_interrupts()` the handlers still run at once
+(their side effects happen), but the first exception one raises is held and raised when the
+block ends (an inner one included). Only in the main thread, where Python runs signal handlers.
 """
 
 from __future__ import annotations

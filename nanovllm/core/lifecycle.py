@@ -43,13 +43,9 @@ class StepResult(NamedTuple):
 
 @dataclass(frozen=True)
 class StepTiming:
-    """One engine step as the host saw it, for `LLMEngine.step_observers` (bench.py's timeline).
-
-    num_tokens / is_prefill describe the step resolved (0 tokens: the first step only launched);
-    wait_s: how long the host waited for its tokens; ended_at: time.perf_counter() at return.
-    Its shape as launched (StepShape; zeros for the launch-only first step): num_seqs sequences
-    attending over context_tokens K/V entries (cached + new, summed), in attention_pairs
-    (query, key) pairs under the causal mask (= context_tokens for a decode step)."""
+    """One engine step as the host saw it, for `LLMEngine.step_observers`: the step resolved
+    (0 tokens: the first step only launched), how long the host waited for its tokens, the
+    time.perf_counter() at return, and its shape as launched (StepShape; zeros for the first)."""
 
     is_prefill: bool
     num_tokens: int
@@ -61,7 +57,9 @@ class StepTiming:
 
 
 class StepShape(NamedTuple):
-    """What a step computes, for roofline estimates (StepTiming's fields of the same names)."""
+    """What a step computes, for roofline estimates: num_seqs sequences attending over
+    context_tokens K/V entries (cached + new, summed), in attention_pairs (query, key) pairs
+    under the causal mask (= context_tokens for a decode step)."""
 
     num_seqs: int
     context_tokens: int
@@ -94,13 +92,8 @@ def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -
 def decide_finish(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], max_model_len: int,
                   detok: TextTracker | None = None) -> tuple[str, int | str | None] | None:
     """Whether the token just filled in ends `seq`, and why: (finish_reason, stop_reason) or None.
-
-    The only place a finish is decided (besides an abort). In order: a stop token (a stop id, or
-    EOS unless ignore_eos; both only once min_tokens exist) -> "stop" with the stop id (None for
-    EOS); a stop string in the text -> "stop" with the string; max_tokens or max_model_len ->
-    "length". An ending request flushes the text held back for an incomplete character first:
-    a stop string found there makes the reason "stop".
-    """
+    The only place a finish is decided (besides an abort). An ending request first flushes the
+    text held back for an incomplete character: a stop string found there makes it "stop"."""
     stopped_by_text = detok is not None and detok.add([token_id])  # the text grows in any case
     if is_stop_token(seq, token_id, eos_token_ids):
         finish = ("stop", token_id if token_id in seq.params.stop_ids else None)
@@ -213,12 +206,10 @@ class RequestLifecycle:
 
     def _accept_drafted(self, seq: Sequence, sampled: list[int], sample_lps: dict | None, row: int) -> StepOutput:
         """`seq`'s tokens from a step that verified its drafts: `sampled[j]` (sampling row
-        `row + j`) was drawn at the position after draft j (its newest token for j = 0), with the
-        noise a step without drafts would have drawn there, so the tokens kept are exactly what
-        plain decoding gives: sampled[0], then sampled[j] for as long as each draft equals the
-        token sampled before it, each with its row's logprobs (the target's). Each is appended
-        and checked by decide_finish in turn; the first that ends the request is the last.
-        (`self.acceptance`, for measurements, may keep drafts that differ: then they are kept.)"""
+        `row + j`) was drawn after draft j with the noise plain decoding would draw there, so
+        keeping sampled[0], then each draft while it equals the token sampled before it, gives
+        exactly plain decoding's tokens (`self.acceptance`, for measurements, may keep others).
+        Each is checked by decide_finish in turn; the first that ends the request is the last."""
         drafts = seq.drafts
         accepted = 0
         if self.acceptance is not None:

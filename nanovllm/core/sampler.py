@@ -37,11 +37,8 @@ _TOP_K_CAP = 1 << 31
 
 
 def _mix32_(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 avalanche hash, in place, on an int64 tensor holding values in [0, 2**32).
-
-    A bijection on 32-bit values. Every intermediate stays in [0, 2**63), so right shifts are
-    logical and products exact.
-    """
+    """lowbias32 avalanche hash (a bijection on 32-bit values), in place, on an int64 tensor
+    holding values in [0, 2**32): intermediates stay below 2**63, so shifts are logical."""
     t = torch.bitwise_right_shift(x, 16)
     x.bitwise_xor_(t)
     x.mul_(_MUL1).bitwise_and_(_MASK32)
@@ -69,11 +66,8 @@ def _token_hashes(vocab_size: int, device, start: int = 0) -> torch.Tensor:
 
 def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
                  token_hashes: torch.Tensor | None = None) -> torch.Tensor:
-    """Uniform noise [B, V] float32 in (0, 1), a pure function of (seed, offset, token id).
-
-    seeds, offsets: int64 [B]. Values are (2j + 1) / 2**24 for a 23-bit hash j, so they are
-    never 0 or 1 and -log(-log u) is always finite.
-    """
+    """Uniform noise [B, V] float32, a pure function of (seed, offset, token id) (int64 [B] each):
+    (2j + 1) / 2**24 for a 23-bit hash j, never 0 or 1, so -log(-log u) is always finite."""
     if token_hashes is None:
         token_hashes = _token_hashes(vocab_size, seeds.device)
     h = _row_keys(seeds, offsets)[:, None] ^ token_hashes[None, :]
@@ -84,40 +78,31 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters on the logits' device, plus host-side flags.
+    """Per-row sampling parameters on the logits' device, plus flags decided on the host that
+    pick which device work runs: a CUDA graph captured with one set of flags is only valid for
+    batches with the same flags."""
 
-    temperatures: float32 [B], 0 = greedy. top_ks: int64 [B], <= 0 = off. top_ps: float32 [B],
-    1 = off. min_ps: float32 [B], 0 = off. seeds: int64 [B]. offsets: int64 [B], a per-row
-    counter (the engine passes the sequence's current length) that advances the random stream.
-    The flags are decided on the host and pick which device work runs; a CUDA graph captured
-    with one set of flags is only valid for batches with the same flags.
-    sort_k: how many of each row's largest logits the top-k/top-p step must see (the largest
-    top_k, or -1 for the whole vocabulary when some row uses top_p without top_k).
-    max_top_k: the largest top_k of any row (0 = none).
-    """
-
-    temperatures: torch.Tensor
-    top_ks: torch.Tensor
-    top_ps: torch.Tensor
-    min_ps: torch.Tensor
-    seeds: torch.Tensor
-    offsets: torch.Tensor
+    temperatures: torch.Tensor  # float32 [B], 0 = greedy
+    top_ks: torch.Tensor  # int64 [B], <= 0 = off
+    top_ps: torch.Tensor  # float32 [B], 1 = off
+    min_ps: torch.Tensor  # float32 [B], 0 = off
+    seeds: torch.Tensor  # int64 [B]
+    offsets: torch.Tensor  # int64 [B]: a per-row counter (the sequence's length) advancing the random stream
     all_greedy: bool
     any_greedy: bool
     need_top_k: bool
     need_top_p: bool
     need_min_p: bool
+    # How many of each row's largest logits top-k/top-p must see: the largest top_k, or -1 for
+    # the whole vocabulary when some row uses top_p without top_k.
     sort_k: int = -1
-    max_top_k: int = 0
+    max_top_k: int = 0  # the largest top_k of any row (0 = none)
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], offsets: list[int],
               device, pin_memory: bool = False) -> SamplingTensors:
-        """Build from host lists, one host->device copy per tensor (non-blocking if pinned).
-
-        Seeds are taken mod 2**64. Greedy rows get their filters switched off, so they never
-        cause a sort.
-        """
+        """One host->device copy per tensor (non-blocking if pinned); seeds taken mod 2**64.
+        Greedy rows get their filters switched off, so they never cause a sort."""
         temps, ks, ps, mps = [], [], [], []
         for p in params:
             greedy = p.temperature == 0.0
@@ -200,12 +185,9 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 
 def _thresholds(x: torch.Tensor, t: SamplingTensors):
-    """(threshold, argmax) for temperature-scaled fp32 logits x [B, V], each [B] or None.
-
-    A token survives when its logit is >= the threshold; None means nothing is filtered.
-    The argmax [B] (first maximum, which no filter removes) comes back when some row is
-    greedy, else None.
-    """
+    """(threshold, argmax) [B] each for temperature-scaled fp32 logits x [B, V]: a token survives
+    when its logit is >= the threshold (None: nothing filtered); the argmax (first maximum,
+    which no filter removes) only when some row is greedy, else None."""
     row_max = argmax = None
     if t.any_greedy or t.need_min_p:
         row_max, argmax = x.max(dim=-1)
@@ -308,12 +290,9 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
                 suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Token ids int64 [B]. logits is not modified.
-
-        suppress: optional (rows, cols) pair of int64 index tensors on the logits' device;
-        logits[rows[i], cols[i]] is treated as -inf (repeats are fine). Greedy rows take the
-        first argmax; others draw argmax(filtered_logits - log(-log u)) with u = hash_uniform.
-        """
+        """Token ids int64 [B]; logits is not modified. suppress: optional (rows, cols) int64
+        index tensors; logits[rows[i], cols[i]] counts as -inf (repeats are fine). Greedy rows take
+        the first argmax; others draw argmax(filtered_logits - log(-log u)), u = hash_uniform."""
         if t.all_greedy:
             return (logits if suppress is None else _scaled(logits, t, suppress)).argmax(dim=-1)
         if _use_triton(logits):

@@ -3,10 +3,7 @@ host in the background (overlap scheduling).
 
 `TokenSampler` (one per rank) owns the device buffer of the last step's sampled tokens, from
 which the next step takes the input token of every sequence whose last token the host has not
-seen yet, and the pinned host copies the tokens travel through (`PendingTokens`). Requests that
-change their logits or ask for logprobs are served by the extensions the fronts register
-(core/hooks.py: LogitsExtension, LogprobsExtension), on their rows only; a step in which no row
-asks for any runs the basic sampler alone.
+seen yet, and the pinned host copies the tokens travel through (`PendingTokens`).
 """
 
 from __future__ import annotations
@@ -89,8 +86,9 @@ class DeferredTokens:
 class TokenSampler:
     """Samples the next token of each row on one rank and hands the tokens to the host.
 
-    `extensions` change the logits of the rows they apply to, `logprobs` reads them after the
-    draw; the fronts register them on first use (add_extension, set_logprobs)."""
+    `extensions` (core/hooks.py) change the logits of the rows they apply to, `logprobs` reads
+    them after the draw; the fronts register them on first use (add_extension, set_logprobs).
+    A step in which no row asks for any runs the basic sampler alone."""
 
     def __init__(self, max_rows: int, device: torch.device, tp):
         self.device, self.tp = device, tp

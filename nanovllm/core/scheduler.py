@@ -12,28 +12,25 @@ from nanovllm.core.sequence import Sequence, SequenceStatus
 @dataclass
 class ScheduledBatch:
     """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]` from its num_cached_tokens
-    on (a prompt chunk, or the newest token of a decoding sequence).
-
-    What scheduling hooks (core/hooks.py) add, empty otherwise: `forks`, sequences that compute
-    nothing and sample from the logits of row `fork_rows[j]` (sampling row len(seqs) + j);
-    `block_copies`, (src, dst) KV blocks to copy once the step has run; `prompt_rows`, packed
-    positions whose logits are returned too, predicting `prompt_targets`, owned by
-    `prompt_owners` = (row, count, k) per sequence (StepInput's fields of the same names);
-    `drafts`, per sequence, tokens drafted after its newest one (speculative decoding), computed
-    in the step after it (num_new_tokens counts them) and verified by sampling every one of those
-    positions: such a sequence has 1 + len(drafts[i]) sampling rows.
-    """
+    on (a prompt chunk, or the newest token of a decoding sequence). The fields after
+    `preempted` are what scheduling hooks (core/hooks.py) add, empty otherwise."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences that compute nothing and sample from the logits of row fork_rows[j] (sampling row
+    # len(seqs) + j), and the (src, dst) KV blocks to copy once the step has run.
     forks: list[Sequence] = field(default_factory=list)
     fork_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Packed positions whose logits are returned too, predicting prompt_targets, owned by
+    # prompt_owners = (row, count, k) per sequence (StepInput's fields of the same names).
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
+    # Per sequence, tokens drafted after its newest one, computed in this step (num_new_tokens
+    # counts them) and verified by sampling each of those positions: 1 + len(drafts[i]) rows.
     drafts: list[list[int]] | None = None
     adapter_loads: list | None = None  # (slot, adapter) to load before this step (a LoRA hook's)
 
@@ -49,35 +46,14 @@ class ScheduledBatch:
             seqs = [s for s, d in zip(seqs, self.drafts) for _ in range(1 + len(d))]
         return seqs + self.forks if self.forks else seqs
 
-    def first_rows(self) -> list[int]:
-        """Each sequence's first sampling row (the one that samples its next token)."""
-        if not self.drafts:
-            return list(range(len(self.seqs)))
-        starts, row = [], 0
-        for d in self.drafts:
-            starts.append(row)
-            row += 1 + len(d)
-        return starts
-
-    def sample_offsets(self) -> list[int] | None:
-        """With drafts, the random-stream offset of every sampling row: the index of the token it
-        samples, as a step without drafts would sample it (so verification draws the same noise);
-        None without drafts (each row's offset is then its sequence's length)."""
-        if not self.drafts:
-            return None
-        offsets = [len(s) + j for s, d in zip(self.seqs, self.drafts) for j in range(1 + len(d))]
-        return offsets + [len(s) for s in self.forks]
-
 
 class Scheduler:
     """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out.
 
-    A step is a prefill step whenever prompt work is pending: first the rest of partly
-    prefilled prompts, then new sequences in arrival order while the token budget, the sequence
-    cap and free blocks allow. Otherwise every running sequence decodes one token; when one
-    needs a block and none is free, the newest running sequence is preempted by recompute (its
-    blocks are freed and it goes back to the front of the waiting queue, to be prefilled again
-    with its generated tokens).
+    A step is a prefill step whenever prompt work is pending (prompt_work), else every running
+    sequence decodes one token (decode_rows); when one needs a block and none is free, the
+    newest running sequence is preempted by recompute: its blocks are freed and it goes back to
+    the front of the waiting queue, to be prefilled again with its generated tokens.
 
     Features plug in through core/hooks.py: `policy` (a StepPolicy) composes steps from the same
     parts otherwise; `hooks` (SchedulingHooks) follow requests. `held_rows`: sampling rows the
@@ -232,17 +208,18 @@ class Scheduler:
         max_tokens or max_model_len with it is retired here (its finish reason is decided when
         the token arrives, core/lifecycle.py)."""
         block_size = self.block_manager.block_size
-        rows = batch.first_rows() if batch.drafts else None
+        next_row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            drafts = batch.drafts[i] if batch.drafts else []
+            row, next_row = next_row, next_row + 1 + len(drafts)  # the row sampling its next token
             if seq.status != SequenceStatus.RUNNING:
                 continue  # stopped by the previous step's token, found after this launch
-            drafts = batch.drafts[i] if batch.drafts else []
             seq.num_cached_tokens += n - len(drafts)  # drafted tokens count once verified
             if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * block_size:
                 self.block_manager.commit(seq)  # a block just became full
             if seq.num_cached_tokens < seq.num_tokens:
                 continue  # partial prompt chunk: no token yet
-            seq.add_pending_token(rows[i] if rows else i)
+            seq.add_pending_token(row)
             seq.drafts = drafts
             if seq.reached_length(max_model_len):
                 self.retire(seq)

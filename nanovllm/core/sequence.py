@@ -24,12 +24,9 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """A prompt plus the tokens generated for it so far.
-
-    `num_cached_tokens` counts the leading tokens whose K/V are in the cache (prefix hits plus
-    everything computed). A running sequence still prefilling has more than one uncomputed
-    token; a decoding one has exactly one (its last sampled token).
-    """
+    """A prompt plus the tokens generated for it so far. `num_cached_tokens` counts the leading
+    tokens whose K/V are in the cache (prefix hits plus everything computed): a running sequence
+    still prefilling has more than one uncomputed token, a decoding one exactly one."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  sample_index: int = 0):

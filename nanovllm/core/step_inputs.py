@@ -1,9 +1,6 @@
 """A scheduled batch as the model's input tensors: token ids, positions, KV slots, block tables.
-
-`StepInput` is what every tensor-parallel rank needs to run a step (plain lists, cheap to
-pickle); `StepInputs` packs one into device tensors: a prefill step as freshly built varlen
-tensors, a decode step into `DecodeBuffers`, the fixed tensors the CUDA graphs were captured on.
-"""
+`StepInputs` packs a prefill step as freshly built varlen tensors, a decode step into
+`DecodeBuffers`, the fixed tensors the CUDA graphs were captured on."""
 
 from __future__ import annotations
 
@@ -29,16 +26,13 @@ class StepInput:
     token_ids[i]: the new tokens of sequence i (decode: its last token); start_pos[i]: how many
     of its tokens are in the KV cache already; block_tables[i]: its KV blocks; src_rows (None
     when all tokens are known): per sequence, the row of the previous step's sampled tokens
-    that holds its last new token, or -1 to use token_ids (only a row that computes just its
-    newest token has one: a decode row, also in a prefill-shaped step). The rarer extras, None
-    when unused, are ScheduledBatch's: fork_rows, block_copies, prompt_rows (their logits rows
-    come last), prompt_targets, prompt_owners; and sample_offsets, each sampling row's noise
-    offset when a row verifies drafts (ScheduledBatch.sample_offsets).
+    that holds its last new token, or -1 to use token_ids (only a decode row has one, also in a
+    prefill-shaped step). The rarer extras, None when unused, are ScheduledBatch's (prompt_rows'
+    logits rows come last).
 
-    A sequence verifying drafts (speculative decoding) is one entry per position: its newest
-    token and each draft, one token each, at consecutive positions over the same block table.
-    Each is a decode row to the attention (its context ends at its own position: the causal mask
-    between them), so a decode step with drafts replays the decode graphs like any other.
+    A sequence verifying drafts is one entry per position (its newest token, then each draft)
+    over the same block table: decode rows to the attention, each context ending at its own
+    position, so a decode step with drafts replays the decode graphs like any other.
     """
 
     is_prefill: bool
@@ -53,7 +47,7 @@ class StepInput:
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
-    sample_offsets: list[int] | None = None
+    sample_offsets: list[int] | None = None  # each sampling row's noise offset, when rows verify drafts
     adapters: list[int] | None = None  # each entry's adapter slot (-1: none); None: no adapters
     adapter_loads: list | None = None  # adapters to place in slots before the forward (each rank)
 
@@ -88,9 +82,12 @@ class StepInput:
         docstring); no forks or prompt logprobs (the drafting hook leaves such steps alone)."""
         if batch.forks or batch.prompt_rows:
             raise RuntimeError("internal error: a step with drafts also forks samples or plans prompt logprobs")
-        tokens, starts, tables, src = [], [], [], []
+        tokens, starts, tables, src, offsets = [], [], [], [], []
         for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
             start = s.num_cached_tokens
+            # Each row's noise offset is the index of the token it samples, as a step without
+            # drafts would sample it there: verification draws the same noise.
+            offsets.extend(len(s) + j for j in range(1 + len(d)))
             if not d:
                 tokens.append(s.token_ids[start:start + n] if batch.is_prefill else [s.token_ids[-1]])
                 starts.append(start)
@@ -103,7 +100,7 @@ class StepInput:
                 tables.append(s.block_table)
                 src.append(-1)
         step = cls(batch.is_prefill, tokens, starts, tables, src if any(r >= 0 for r in src) else None)
-        step.sample_offsets = batch.sample_offsets()
+        step.sample_offsets = offsets
         return step.with_adapters(batch, [s.adapter_slot for s, d in zip(batch.seqs, batch.drafts)
                                           for _ in range(1 + len(d))])
 

@@ -10,14 +10,13 @@ Under tensor parallelism q/k/v and gate/up are column-parallel (no communication
 down_proj and the experts return this rank's partial sum; the RMSNorm after each of them sums
 it over the ranks together with the residual add (one fused all-reduce + norm per sub-block).
 A row-parallel bias (o_proj / down_proj of Llama with attention_bias / mlp_bias) is added by
-rank 0 only, so that sum counts it once. The MoE block is a feature (features/moe.py): the
-engine passes it in as the `sparse_mlp` factory when the model has MoE layers.
+rank 0 only, so that sum counts it once. The MoE block is a feature (SparseMlpFactory).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -30,21 +29,8 @@ from nanovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallel
 from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding
 from nanovllm.parallel.group import current_tp_group
 
-
-@dataclass(frozen=True)
-class MoeOptions:
-    """Routed experts of the MoE layers: `num_experts` SwiGLU experts of `intermediate_size`
-    (moe_intermediate_size), `top_k` of them per token (num_experts_per_tok), their softmax
-    weights renormalised to sum to 1 when `norm_topk_prob`."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int
-    norm_topk_prob: bool
-
-    def __post_init__(self):
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+if TYPE_CHECKING:
+    from nanovllm.model.experts import MoeOptions
 
 
 class SparseMlpFactory(Protocol):
@@ -57,11 +43,8 @@ class SparseMlpFactory(Protocol):
 @dataclass(frozen=True)
 class DecoderOptions:
     """Everything that differs between the supported families, read from config.json once.
-
     `intermediate_size` is the dense MLP's; `moe_layers` lists the layers whose MLP is the MoE
-    block instead (then `moe` is set). Biases: `qkv_bias` on q/k/v, `o_bias` on o_proj,
-    `mlp_bias` on gate/up/down. `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3).
-    """
+    block instead (then `moe` is set). `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3)."""
 
     vocab_size: int
     hidden_size: int
@@ -100,9 +83,6 @@ class DecoderOptions:
         if len(self.moe_layers) < self.num_layers and self.intermediate_size < 1:
             raise ValueError(f"config.json: intermediate_size must be >= 1 for the dense MLP layers, "
                              f"got {self.intermediate_size}")
-
-    def is_moe(self, layer: int) -> bool:
-        return layer in self.moe_layers
 
     def tensor_parallel_sizes(self) -> dict[str, int]:
         """The sizes tensor parallelism splits (each must be a multiple of the TP size), named."""
@@ -249,18 +229,14 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair).
-
-    Under tensor parallelism `hidden` leaves the block as this rank's partial sum of the MLP
-    (or MoE), and each norm that takes a residual first sums its input over the ranks
-    (all_reduce=True): two all-reduces per layer, each fused with the norm after it.
-    """
+    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair),
+    as is the all-reduce of the partial sums under tensor parallelism (all_reduce=True)."""
 
     def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding,
                  sparse_mlp: SparseMlpFactory | None = None):
         super().__init__()
         self.self_attn = DecoderAttention(opts, rotary_emb)
-        if opts.is_moe(layer):
+        if layer in opts.moe_layers:
             if sparse_mlp is None:
                 raise ValueError("this model has mixture-of-experts layers: build it with sparse_mlp= "
                                  "(features/moe.py's SparseMoeBlock.from_options)")
@@ -304,10 +280,8 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing.
-
     Subclasses (one per family) implement `options_from_config(config) -> DecoderOptions`,
-    which also validates the config (a ValueError for anything unsupported).
-    """
+    which also validates the config (a ValueError for anything unsupported)."""
 
     # Checkpoint tensor name part -> (packed parameter name part, shard id); see loader.py.
     packed_modules_mapping = {
@@ -317,10 +291,7 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    # MoE experts, "<...>.experts.<e>.<part>.weight" -> ("<...>.experts.<param>", (e, shard)),
-    # and transformers' fused "<...>.experts.<fused part>" -> the whole parameter; see loader.py.
-    expert_params_mapping: dict = {}
-    fused_expert_params_mapping: dict = {}
+    expert_tensors = None  # MoE families: their ExpertTensors (model/experts.py)
 
     @classmethod
     def options_from_config(cls, config) -> DecoderOptions:

@@ -14,54 +14,6 @@ from torch import nn
 from nanovllm.model.quant import init_dummy_quantized
 
 
-# MoE experts: the Hub stores one tensor per expert and projection, transformers' in-memory (and,
-# in some versions, saved) form stacks all experts of a projection in one 3-D tensor. Beside or
-# instead of `weight`, FP8 checkpoints have `weight_scale_inv` (fused: `<part>_scale_inv`), INT4
-# ones `qweight`, `scales`, ...: they load into the stacked parameter's siblings (`w13_qweight`).
-_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>\w+)$")
-_FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
-_SCALE = "_scale_inv"
-_KIND_SUFFIX = {"weight": "", "weight" + _SCALE: _SCALE}  # a per-expert tensor's kind -> the parameter's suffix
-_SUFFIX_KIND = {v: k for k, v in _KIND_SUFFIX.items()}
-
-
-def _resolve_expert(params: dict, experts: dict, fused: dict, name: str):
-    """(parameter name, parameter, shard id) of an expert tensor, or None for other tensors.
-
-    `experts` maps a per-expert part to (parameter part, shard): "<p>.experts.<e>.gate_proj.weight"
-    -> "<p>.experts.w13" with shard (e, 0) (and ".weight_scale_inv" -> "<p>.experts.w13_scale_inv").
-    `fused` maps a stacked part to a parameter part: "<p>.experts.gate_up_proj" -> "<p>.experts.w13"
-    with shard "fused" (and "gate_up_proj_scale_inv" -> "w13_scale_inv").
-    """
-    m = _EXPERT_TENSOR.match(name)
-    if m and m["part"] in experts:
-        part, shard = experts[m["part"]]
-        pname = f"{m['prefix']}.{part}" + _KIND_SUFFIX.get(m["kind"], f"_{m['kind']}")
-        if pname in params:
-            return pname, params[pname], (int(m["expert"]), shard)
-    m = _FUSED_EXPERT_TENSOR.match(name)
-    if m and m["part"] in fused:
-        pname = f"{m['prefix']}.{fused[m['part']]}" + (m["kind"] or "")
-        if pname in params:
-            return pname, params[pname], "fused"
-    return None
-
-
-def _expert_names(pname: str, param, experts: dict) -> set[str] | None:
-    """The per-expert checkpoint names behind an expert parameter ("<p>.experts.w13", its block
-    scales "<p>.experts.w13_scale_inv", an INT4 tensor "<p>.experts.w13_qweight"), else None."""
-    prefix, _, name = pname.rpartition(".")
-    if not prefix.endswith(".experts"):
-        return None
-    for ours in dict.fromkeys(ours for ours, _ in experts.values()):
-        suffix = name[len(ours):] if name.startswith(ours) else "?"  # "", "_scale_inv", "_qweight", ...
-        kind = _SUFFIX_KIND.get(suffix, suffix[1:] if suffix[:1] == "_" else None)
-        if kind is not None:
-            parts = [ckpt for ckpt, (p, _) in experts.items() if p == ours]
-            return {f"{prefix}.{e}.{ckpt}.{kind}" for e in range(param.shape[0]) for ckpt in parts}
-    return None
-
-
 def _resolve(params: dict, mapping: dict, name: str):
     """Map a checkpoint tensor name to (parameter name, parameter or None, shard id or None)."""
     for part, (packed, shard_id) in mapping.items():
@@ -73,22 +25,17 @@ def _resolve(params: dict, mapping: dict, name: str):
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`.
-
-    Tensors are read one at a time (`safe_open`), so peak host memory is one tensor, and each
-    parameter's `weight_loader` takes only this rank's shard. A tensor the model does not know,
-    a parameter the checkpoint lacks, or a shape mismatch is a ValueError naming the tensor.
-    MoE experts load from per-expert tensors or from transformers' fused 3-D ones (the model's
-    `expert_params_mapping` / `fused_expert_params_mapping`).
-    """
+    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`, one at a time
+    (`safe_open`: peak host memory is one tensor), each parameter's `weight_loader` taking only
+    this rank's shard. A tensor the model does not know, a parameter the checkpoint lacks, or a
+    shape mismatch is a ValueError naming the tensor. MoE experts: model/experts.py."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r} (pickle checkpoints are not loaded)")
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = getattr(model, "tie_word_embeddings", False)
     mapping = getattr(model, "packed_modules_mapping", {})
-    experts = getattr(model, "expert_params_mapping", {})
-    fused = getattr(model, "fused_expert_params_mapping", {})
+    experts = getattr(model, "expert_tensors", None)
     loaded: set[str] = set()
     for file in files:
         with _open_checked(file) as f:
@@ -99,7 +46,7 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue  # recomputed, older checkpoints carry it
                 if _load_kv_scale(model, name, lambda: _read_checked(f, name, file)):
                     continue
-                hit = _resolve_expert(params, experts, fused, name) if experts or fused else None
+                hit = experts.resolve(params, name) if experts is not None else None
                 pname, param, shard_id = hit or _resolve(params, mapping, name)
                 if param is None:
                     raise ValueError(f"checkpoint tensor {name!r} in {os.path.basename(file)} does not "
@@ -117,7 +64,7 @@ def load_model(model: nn.Module, path: str) -> None:
                     loader(param, tensor, name, shard_id)
                 loaded.add(name)
                 if shard_id == "fused":  # stands for every per-expert tensor of this parameter
-                    loaded |= _expert_names(pname, param, experts) or set()
+                    loaded |= experts.names(pname, param) or set()
     expected = _expected_names(mapping, experts, params, tied)
     missing = sorted(expected - loaded)
     if missing:
@@ -169,14 +116,14 @@ def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
     return True
 
 
-def _expected_names(mapping: dict, experts: dict, params: dict, tied: bool) -> set[str]:
+def _expected_names(mapping: dict, experts, params: dict, tied: bool) -> set[str]:
     """The checkpoint tensor names a complete checkpoint holds for these parameters (experts
     in the Hub's per-expert form)."""
     names = set()
     for pname, param in params.items():
         if tied and pname == "lm_head.weight":
             continue
-        per_expert = _expert_names(pname, param, experts)
+        per_expert = experts.names(pname, param) if experts is not None else None
         if per_expert is not None:
             names |= per_expert
             continue

@@ -1,7 +1,7 @@
 """The hook through which quantization schemes store and multiply a model's weights.
 
-A scheme (features/quantization/: FP8 today) is resolved by the front from `LLM(quantization=...)`
-and the checkpoint's `quantization_config`; the engine's Config carries it to every rank. Before
+A scheme (features/quantization/) is resolved by the front from `LLM(quantization=...)` and the
+checkpoint's `quantization_config`; the engine's Config carries it to every rank. Before
 the weights load, `quantize_model` asks it for a method per quantizable module, which then owns
 that module's weights:
 
@@ -21,7 +21,7 @@ such as an MoE router, 16-bit under every scheme) and hold their method in `quan
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Protocol
+from typing import Iterator, Protocol
 
 import torch
 from torch import nn
@@ -49,15 +49,6 @@ class QuantScheme(Protocol):
 
     def method_for(self, kind: str, name: str) -> QuantMethod | None:
         """The method of the module `name` of this `quant_kind`, or None to keep it 16-bit."""
-
-
-# quantization name ("fp8", later "gptq", "awq") -> (checkpoint quantization_config dict, or
-# None to quantize 16-bit weights at load time) -> scheme. Filled by features/quantization.
-SCHEMES: dict[str, Callable[[dict | None], QuantScheme]] = {}
-
-
-def register_scheme(name: str, factory: Callable[[dict | None], QuantScheme]) -> None:
-    SCHEMES[name] = factory
 
 
 def quantizable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:

@@ -4,8 +4,8 @@ FP8 MoE experts; `fp8_kv.py`: the FP8 KV cache's options and scale calibration; 
 weight-only GPTQ / AWQ / compressed-tensors checkpoints, `int4_formats.py` and `int4_loading.py`
 their storage, nanovllm/kernels/w4a16.py their GEMM).
 
-Each scheme registers under its quantization name in model/quant.py's `SCHEMES`, the linear-method
-hook it plugs into. `resolve_quantization` turns what the user asked for (`LLM(quantization=...)`)
+Each scheme is a model/quant.py `QuantScheme` (the linear-method hook it plugs into), named in
+`SCHEMES` by its quantization name. `resolve_quantization` turns what the user asked for (`LLM(quantization=...)`)
 and what the checkpoint says (config.json's `quantization_config`) into one scheme, or a clear
 error, before any weight loads.
 """
@@ -14,17 +14,16 @@ from __future__ import annotations
 
 from nanovllm.features.quantization.fp8 import Fp8Config
 from nanovllm.features.quantization.int4 import Int4Config
-from nanovllm.model.quant import SCHEMES, register_scheme
 
 # Methods vLLM knows that nano-vllm does not run: named in the error instead of "unknown".
 _KNOWN_ELSEWHERE = ("awq_marlin", "gptq_marlin", "marlin", "bitsandbytes", "compressed_tensors", "modelopt", "modelopt_fp4", "fbgemm_fp8", "gguf", "hqq", "mxfp4",
                     "torchao", "experts_int8", "deepspeedfp", "tpu_int8", "quark", "moe_wna16", "eetq", "aqlm")
 
 
-register_scheme("fp8", Fp8Config.resolve)
-register_scheme("gptq", Int4Config.gptq)
-register_scheme("awq", Int4Config.awq)
-register_scheme("compressed-tensors", Int4Config.compressed_tensors)
+# quantization name -> (the checkpoint's quantization_config dict, or None to quantize 16-bit
+# weights at load time) -> scheme.
+SCHEMES = {"fp8": Fp8Config.resolve, "gptq": Int4Config.gptq, "awq": Int4Config.awq,
+           "compressed-tensors": Int4Config.compressed_tensors}
 
 
 def resolve_quantization(checkpoint_config, requested: str | None):

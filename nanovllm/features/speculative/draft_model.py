@@ -20,6 +20,7 @@ import torch
 from nanovllm.config import Config
 from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.step_inputs import StepInput
+from nanovllm.features.speculative.drafting import take_draft_slots
 
 
 class DraftModelProposer:
@@ -86,7 +87,7 @@ class DraftModelProposer:
     def propose(self, seqs: list, ks: list[int], block_manager) -> list[list[int]]:
         live = []
         for i, (s, k) in enumerate(zip(seqs, ks)):
-            if block_manager.take_draft_slots(s, k):  # the draft's K/V of its drafts go there too
+            if take_draft_slots(block_manager, s, k):  # the draft's K/V of its drafts go there too
                 live.append(i)
         drafted = [seqs[i] for i in live]
         drafts = [[t] for t in self._catch_up(drafted)] if drafted else []

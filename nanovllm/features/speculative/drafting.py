@@ -53,6 +53,15 @@ def draft_counts(scheduler) -> DraftCounts | None:
     return next((h.counts for h in scheduler.hooks if isinstance(h, Drafting)), None)
 
 
+def take_draft_slots(block_manager, seq, n: int) -> bool:
+    """KV slots for `n` drafted tokens past the sequence's tokens, if the free blocks hold them
+    (True); else nothing is taken (False)."""
+    if block_manager.blocks_for(len(seq) + n) - len(seq.block_table) > block_manager.num_free_blocks:
+        return False
+    block_manager.append_slot(seq, n)
+    return True
+
+
 def _lays_out_prompt(seq) -> bool:
     """Whether a step with `seq` may fork its samples (n > 1) or plan its prompt logprobs: the
     hooks that do so run after this one and lay out rows of their own, so such a step drafts

@@ -27,6 +27,7 @@ import torch
 from nanovllm.core.cuda_graphs import DecodeGraphs
 from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache
 from nanovllm.core.step_inputs import StepInput, StepInputs
+from nanovllm.features.speculative.drafting import take_draft_slots
 from nanovllm.features.speculative.eagle3_head import Eagle3Head, load_head
 from nanovllm.model.attention import host_to_device
 from nanovllm.model.loader import init_dummy
@@ -114,7 +115,7 @@ class Eagle3Proposer:
         live, rows = [], []
         for i, (seq, k) in enumerate(zip(seqs, ks)):
             row = self._row(seq)
-            if row is not None and block_manager.take_draft_slots(seq, k):
+            if row is not None and take_draft_slots(block_manager, seq, k):
                 live.append(i)
                 rows.append(row)
         out = [[] for _ in seqs]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from nanovllm.features.speculative.drafting import take_draft_slots
+
 
 def propose_ngram(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
     """Up to `k` tokens: for the longest n in [n_min, n_max] whose last n tokens occur earlier in
@@ -39,7 +41,7 @@ class NgramProposer:
         out = []
         for seq, k in zip(seqs, ks):
             d = self.propose_one(seq, k)
-            if d and block_manager.take_draft_slots(seq, len(d)):
+            if d and take_draft_slots(block_manager, seq, len(d)):
                 out.append(d)
             else:
                 out.append([])

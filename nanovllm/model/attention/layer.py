@@ -19,20 +19,12 @@ class KVScaleCalibrator(Protocol):
 
 
 class Attention(nn.Module):
-    """Stores this step's K/V into the layer's paged cache, then attends through the backend.
-
-    q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim].
-    `k_cache` / `v_cache` are assigned by the ModelRunner once the cache is allocated; when
-    they are float8_e4m3fn, the layer's `k_scale` / `v_scale` buffers (fp32 [1], default 1.0;
-    set them in place, e.g. from a checkpoint, with `.copy_()`: the kernels and CUDA graphs
-    hold their addresses) quantize and dequantize them. With a `calibrate_next_prefill`
-    calibrator set, the next prefill first has it write the scales from its own K/V, then
-    clears it.
-
-    The caller may store this step's K/V itself while producing them (the decoder's q/k-norm +
-    RoPE kernel, given `fused_store_args`) and then pass kv_stored=True, so that the layer
-    skips its own store.
-    """
+    """q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim]. `k_cache` /
+    `v_cache` are assigned by the ModelRunner once the cache is allocated; an FP8 cache is
+    encoded with the `k_scale` / `v_scale` buffers (fp32 [1], default 1.0; set them in place
+    with `.copy_()`: the kernels and CUDA graphs hold their addresses). A
+    `calibrate_next_prefill` calibrator, once set, writes the scales from the next prefill's
+    own K/V and is cleared."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()

@@ -9,8 +9,8 @@ MLP of `intermediate_size`. Experts load from the Hub's per-expert tensors
 
 from __future__ import annotations
 
-from nanovllm.model.decoder import (DecoderForCausalLM, DecoderOptions, MoeOptions, common_options,
-                                     reject_sliding_window)
+from nanovllm.model.decoder import DecoderForCausalLM, DecoderOptions, common_options, reject_sliding_window
+from nanovllm.model.experts import ExpertTensors, MoeOptions
 
 
 def moe_layer_indices(config) -> tuple[int, ...]:
@@ -28,8 +28,8 @@ class Qwen3MoeForCausalLM(DecoderForCausalLM):
     """Qwen3's MoE models; the router is `mlp.gate` (no bias)."""
 
     # "<layer>.mlp.experts.<e>.gate_proj.weight" -> ("<layer>.mlp.experts.w13", (e, 0)), ...
-    expert_params_mapping = {"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)}
-    fused_expert_params_mapping = {"gate_up_proj": "w13", "down_proj": "w2"}
+    expert_tensors = ExpertTensors({"gate_proj": ("w13", 0), "up_proj": ("w13", 1), "down_proj": ("w2", 0)},
+                                   {"gate_up_proj": "w13", "down_proj": "w2"})
 
     @classmethod
     def options_from_config(cls, config) -> DecoderOptions:

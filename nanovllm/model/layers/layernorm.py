@@ -24,16 +24,11 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, all_reduce: bool = False):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual).
-
-        The sum is rounded to the activation dtype before the norm, as transformers does, so
-        both compute the same residual stream. On CUDA one fused Triton kernel does it all (the
-        plain version is ~6 kernels per call: casts, square, mean, rsqrt, two multiplies).
-        `all_reduce=True` (with a residual): `x` is this rank's partial sum of a row-parallel
-        layer and is summed over the tensor-parallel ranks first: fused into the same kernel
-        where the group has the symmetric-memory path, or finishing the copy-engine exchange
-        that the layer started (TPGroup.all_reduce_rms_norm), else NCCL.
-        """
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the sum
+        rounded to the activation dtype before the norm, as transformers does. On CUDA one fused
+        Triton kernel does it all. `all_reduce=True` (with a residual): `x` is this rank's partial
+        sum of a row-parallel layer, summed over the ranks first (TPGroup.all_reduce_rms_norm's
+        fused paths where it has one, else NCCL)."""
         if all_reduce and self.tp.size > 1:
             fused = self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
             if fused is not None:

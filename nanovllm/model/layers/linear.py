@@ -149,13 +149,10 @@ def _load_packed_part(layer: LinearBase, param: nn.Parameter, loaded: torch.Tens
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; partial products are summed across ranks.
-
-    With `reduce_results=False` the output is this rank's partial sum and the caller reduces
-    it (Qwen3 leaves it to the RMSNorm that follows, which fuses the all-reduce). That tensor must
-    reach `RMSNorm(..., all_reduce=True)` as returned: a prefill-sized one may already be on its
-    way to the peer (TPGroup.row_parallel), and the norm finishes that exchange.
-    """
+    """Splits the input features; partial products are summed across ranks. With
+    `reduce_results=False` the output is this rank's partial sum, which must reach
+    `RMSNorm(..., all_reduce=True)` as returned: a prefill-sized one may already be on its way
+    to the peer (TPGroup.row_parallel), and the norm finishes that exchange."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         super().__init__(divide(input_size, current_tp_group().size), output_size, bias, tp_dim=1)
