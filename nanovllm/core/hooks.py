@@ -126,17 +126,14 @@ class SchedulingHook(Protocol):
     def launched(self, scheduler: Scheduler, batch: ScheduledBatch, max_model_len: int) -> None:
         """The step was launched and its sequences advanced (Scheduler.advance)."""
 
-    def verified(self, seq: Sequence, drafted: int, accepted: int) -> None:
-        """A step verified `drafted` tokens drafted for `seq` (ScheduledBatch.drafts); the
-        first `accepted` were kept."""
 
+class DraftVerifier(Protocol):
+    """Keeps the tokens of a row that verified its drafts (Sequence.drafts), for the speculative
+    decoding that drafted them (RequestLifecycle.verifier: features/speculative/drafting.py)."""
 
-class DraftAcceptance(Protocol):
-    """How many of a row's drafts a verification keeps (RequestLifecycle.acceptance). The core's
-    rule, without one: while each draft equals the token sampled before it (lossless). Another
-    rule is for measurements only (a synthetic acceptance rate: features/speculative/)."""
-
-    def accepted(self, seq: Sequence, drafts: list[int], sampled: list[int]) -> int: ...
+    def verify(self, seq: Sequence, sampled: list[int], take: Callable[[int, int], bool]) -> list[int]:
+        """`seq`'s new tokens, `sampled[j]` being the token sampled after its draft j: each is
+        filled in, then take(j, token) accounts for it, True when it ended the request."""
 
 
 # ---------------------------------------------------------------- text tracking

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from nanovllm.core.detokenizer import detokenize_continuation
-from nanovllm.core.hooks import TextTracker, TextTrackerFactory
+from nanovllm.core.hooks import DraftVerifier, TextTracker, TextTrackerFactory
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
 
@@ -144,7 +144,7 @@ class RequestLifecycle:
         self._detok: dict[int, TextTracker] = {}
         self.track_text: TextTrackerFactory | None = None  # the front wires it in (stream, stop strings)
         self._streamed: set[int] = set()  # requests whose text increments someone reads
-        self.acceptance = None  # DraftAcceptance (core/hooks.py), or None: the lossless rule
+        self.verifier: DraftVerifier | None = None  # keeps the tokens of rows that verified drafts
 
     def add(self, seq: Sequence, track_text: bool = False) -> None:
         """Queue a validated request (its sample 0, whose `samples` are all of them);
@@ -180,14 +180,16 @@ class RequestLifecycle:
         for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
             if seq.pending_row != i:
                 continue  # partial prompt chunk, aborted, or a row verifying a draft
-            if seq.drafts:
-                outputs.append(self._accept_drafted(seq, token_ids[i:i + 1 + len(seq.drafts)], sample_lps, i))
-                continue
-            seq.fill_pending_token(token_id)
             detok, entries = self._detok.get(seq.seq_id), []
-            self._take(seq, token_id, sample_lps, i, detok, entries)
+            if seq.drafts:  # its rows i.. sampled after each draft
+                new = self.verifier.verify(seq, token_ids[i:i + 1 + len(seq.drafts)],
+                                         lambda j, t: self._take(seq, t, sample_lps, i + j, detok, entries))
+            else:
+                new = [token_id]
+                seq.fill_pending_token(token_id)
+                self._take(seq, token_id, sample_lps, i, detok, entries)
             text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
-            outputs.append(StepOutput(seq, [token_id], text, seq.is_finished, seq.finish_reason, entries or None))
+            outputs.append(StepOutput(seq, new, text, seq.is_finished, seq.finish_reason, entries or None))
         return outputs
 
     def _take(self, seq: Sequence, token_id: int, sample_lps: dict | None, row: int, detok, entries: list) -> bool:
@@ -203,33 +205,6 @@ class RequestLifecycle:
         if finish is not None:
             self.end(seq, *finish)
         return finish is not None
-
-    def _accept_drafted(self, seq: Sequence, sampled: list[int], sample_lps: dict | None, row: int) -> StepOutput:
-        """`seq`'s tokens from a step that verified its drafts: `sampled[j]` (sampling row
-        `row + j`) was drawn after draft j with the noise plain decoding would draw there, so
-        keeping sampled[0], then each draft while it equals the token sampled before it, gives
-        exactly plain decoding's tokens (`self.acceptance`, for measurements, may keep others).
-        Each is checked by decide_finish in turn; the first that ends the request is the last."""
-        drafts = seq.drafts
-        accepted = 0
-        if self.acceptance is not None:
-            accepted = self.acceptance.accepted(seq, drafts, sampled)
-        else:
-            while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
-                accepted += 1
-        detok = self._detok.get(seq.seq_id)
-        new, entries = [], []
-        for j, token_id in enumerate(drafts[:accepted] + sampled[accepted:accepted + 1]):
-            if new:
-                seq.token_ids.append(token_id)
-            else:
-                seq.fill_pending_token(token_id)
-            new.append(token_id)
-            if self._take(seq, token_id, sample_lps, row + j, detok, entries):
-                break
-        self.scheduler.verified(seq, len(new) - 1, len(drafts), accepted)
-        text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
-        return StepOutput(seq, new, text, seq.is_finished, seq.finish_reason, entries or None)
 
     def end(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         self.scheduler.retire(seq)

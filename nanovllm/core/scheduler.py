@@ -225,18 +225,3 @@ class Scheduler:
                 self.retire(seq)
         for hook in self.hooks:
             hook.launched(self, batch, max_model_len)
-
-    def verified(self, seq: Sequence, kept: int, drafted: int, accepted: int) -> None:
-        """The step in flight verified `seq`'s `drafted` drafts, `accepted` of them equal to the
-        tokens sampled, and its tokens are filled in: the K/V of the first `kept` drafts stay
-        (fewer than accepted when a token ended the request), the blocks taken for the rest go
-        back, and blocks that became full join the prefix cache."""
-        seq.drafts = []
-        for hook in self.hooks:
-            hook.verified(seq, drafted, accepted)
-        if seq.status != SequenceStatus.RUNNING:
-            return  # finished, or preempted meanwhile (its blocks are gone)
-        seq.num_cached_tokens += kept
-        self.block_manager.trim(seq)
-        if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * self.block_manager.block_size:
-            self.block_manager.commit(seq)

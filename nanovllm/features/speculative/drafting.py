@@ -3,9 +3,9 @@
 A decode row whose newest token is known on the host (no token of it still on the device) and
 whose parameters sample from the plain distribution drafts up to k tokens; in the step, the row
 computes its newest token and its drafts (one decode row each to the attention,
-core/step_inputs.py), the core samples every one of those positions and keeps the tokens that
-plain decoding would have made (core/lifecycle.py). Until that step resolves the row drafts
-nothing more (Sequence.drafts)."""
+core/step_inputs.py), the core samples every one of those positions, and Drafting.verify
+keeps the tokens that plain decoding would have made (for core/lifecycle.py). Until that step
+resolves the row drafts nothing more (Sequence.drafts)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Protocol
 from weakref import WeakKeyDictionary
 
 from nanovllm.core.hooks import SchedulingHook
+from nanovllm.core.sequence import SequenceStatus
 from nanovllm.features.speculative.options import SpeculativeOptions
 
 
@@ -80,17 +81,56 @@ class Drafting(SchedulingHook):
     with overlap for 2, 4, ... 64 tokens before it sits out to try again. `proposer` drafts
     (Proposer: prompt lookup or a draft model)."""
 
-    def __init__(self, options: SpeculativeOptions, proposer: Proposer, max_model_len: int):
+    def __init__(self, options: SpeculativeOptions, proposer: Proposer, max_model_len: int, block_manager,
+                 acceptance=None):
         self.options = options
         self.proposer = proposer
         self.max_model_len = max_model_len
+        self.block_manager = block_manager
+        self.acceptance = acceptance  # SyntheticAcceptance (synthetic.py), or None: the lossless rule
         self._misses: WeakKeyDictionary = WeakKeyDictionary()  # Sequence -> proposals in a row that missed
         self._retry_at: WeakKeyDictionary = WeakKeyDictionary()  # Sequence -> length at which to try again
         self.counts = DraftCounts()
 
-    def verified(self, seq, drafted: int, accepted: int) -> None:
-        self.counts.add(drafted, accepted)
-        self.proposer.verified(seq, drafted, accepted)
+    def verify(self, seq, sampled: list[int], take) -> list[int]:
+        """The DraftVerifier (core/hooks.py) of the lifecycle: `sampled[j]` was drawn after draft
+        j with the noise plain decoding would draw there, so keeping sampled[0], then each draft
+        while it equals the token sampled before it, gives exactly plain decoding's tokens
+        (`acceptance`, for measurements, may keep others). Each is checked in turn (take); the
+        first that ends the request is the last."""
+        drafts = seq.drafts
+        accepted = 0
+        if self.acceptance is not None:
+            accepted = self.acceptance.accepted(seq, drafts, sampled)
+        else:
+            while accepted < len(drafts) and drafts[accepted] == sampled[accepted]:
+                accepted += 1
+        new = []
+        for j, token_id in enumerate(drafts[:accepted] + sampled[accepted:accepted + 1]):
+            if new:
+                seq.token_ids.append(token_id)
+            else:
+                seq.fill_pending_token(token_id)
+            new.append(token_id)
+            if take(j, token_id):
+                break
+        seq.drafts = []
+        self.counts.add(len(drafts), accepted)
+        self.proposer.verified(seq, len(drafts), accepted)
+        if seq.status == SequenceStatus.RUNNING:  # (else finished, or preempted: its blocks are gone)
+            self._keep_kv(seq, len(new) - 1)
+        return new
+
+    def _keep_kv(self, seq, kept: int) -> None:
+        """The K/V of the first `kept` drafts stay (fewer than accepted when a token ended the
+        request), the blocks taken for the rest go back (never committed, so nothing to forget
+        but their slots), and blocks that became full join the prefix cache."""
+        bm = self.block_manager
+        seq.num_cached_tokens += kept
+        while len(seq.block_table) > bm.blocks_for(len(seq)):
+            bm.give_back(seq.block_table.pop())
+        if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * bm.block_size:
+            bm.commit(seq)
 
     def _room(self, seq) -> int:
         """Drafts that fit before the request's length limit (all k + 1 tokens could be kept)."""

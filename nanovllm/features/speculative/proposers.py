@@ -1,4 +1,5 @@
-"""The drafting hook of an engine, with the proposer its speculative_config names."""
+"""The drafting hook of an engine, with the proposer its speculative_config names; it also
+verifies the drafts (the engine's DraftVerifier)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,6 @@ def drafting_hook(engine) -> Drafting:
     else:  # (synthetic acceptance: always k drafts, whatever the lookup finds)
         proposer = NgramProposer(options.prompt_lookup_min, options.prompt_lookup_max,
                                  pad=options.synthetic_rates is not None)
-    if options.synthetic_rates is not None:
-        engine.requests.acceptance = SyntheticAcceptance(options.synthetic_rates)
-    return Drafting(options, proposer, config.max_model_len)
+    acceptance = SyntheticAcceptance(options.synthetic_rates) if options.synthetic_rates is not None else None
+    engine.requests.verifier = Drafting(options, proposer, config.max_model_len, engine.block_manager, acceptance)
+    return engine.requests.verifier

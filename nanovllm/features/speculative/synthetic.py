@@ -8,7 +8,7 @@ import xxhash
 
 
 class SyntheticAcceptance:
-    """A DraftAcceptance (core/hooks.py): draft j is kept with probability rates[j] once drafts
+    """Drafting.acceptance (drafting.py): draft j is kept with probability rates[j] once drafts
     0..j-1 were, by a draw that depends only on the request's seed and the token's index."""
 
     def __init__(self, rates: tuple[float, ...]):
