@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus
@@ -32,6 +33,7 @@ class ScheduledBatch:
     # Per sequence, tokens drafted after its newest one, computed in this step (num_new_tokens
     # counts them) and verified by sampling each of those positions: 1 + len(drafts[i]) rows.
     drafts: list[list[int]] | None = None
+    lay_out: Callable[[ScheduledBatch], object] | None = None  # its StepInput, if not from_batch's (drafts)
     adapter_loads: list | None = None  # (slot, adapter) to load before this step (a LoRA hook's)
 
     @property

@@ -28,12 +28,7 @@ class StepInput:
     when all tokens are known): per sequence, the row of the previous step's sampled tokens
     that holds its last new token, or -1 to use token_ids (only a decode row has one, also in a
     prefill-shaped step). The rarer extras, None when unused, are ScheduledBatch's (prompt_rows'
-    logits rows come last).
-
-    A sequence verifying drafts is one entry per position (its newest token, then each draft)
-    over the same block table: decode rows to the attention, each context ending at its own
-    position, so a decode step with drafts replays the decode graphs like any other.
-    """
+    logits rows come last)."""
 
     is_prefill: bool
     token_ids: list[list[int]]
@@ -54,8 +49,8 @@ class StepInput:
     @classmethod
     def from_batch(cls, batch: ScheduledBatch) -> "StepInput":
         seqs = batch.seqs
-        if batch.drafts:
-            return cls._with_drafts(batch)
+        if batch.lay_out is not None:
+            return batch.lay_out(batch)
         if batch.is_prefill:
             tokens = [s.token_ids[s.num_cached_tokens:s.num_cached_tokens + n]
                       for s, n in zip(seqs, batch.num_new_tokens)]
@@ -75,34 +70,6 @@ class StepInput:
         if batch.adapter_loads or any(s >= 0 for s in slots):
             self.adapters, self.adapter_loads = slots, batch.adapter_loads
         return self
-
-    @classmethod
-    def _with_drafts(cls, batch: ScheduledBatch) -> "StepInput":
-        """A step whose rows verify drafts: those rows one entry per position (see the class
-        docstring); no forks or prompt logprobs (the drafting hook leaves such steps alone)."""
-        if batch.forks or batch.prompt_rows:
-            raise RuntimeError("internal error: a step with drafts also forks samples or plans prompt logprobs")
-        tokens, starts, tables, src, offsets = [], [], [], [], []
-        for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
-            start = s.num_cached_tokens
-            # Each row's noise offset is the index of the token it samples, as a step without
-            # drafts would sample it there: verification draws the same noise.
-            offsets.extend(len(s) + j for j in range(1 + len(d)))
-            if not d:
-                tokens.append(s.token_ids[start:start + n] if batch.is_prefill else [s.token_ids[-1]])
-                starts.append(start)
-                tables.append(s.block_table)
-                src.append(s.pending_row)
-                continue
-            for j, token in enumerate([s.token_ids[start]] + d):
-                tokens.append([token])
-                starts.append(start + j)
-                tables.append(s.block_table)
-                src.append(-1)
-        step = cls(batch.is_prefill, tokens, starts, tables, src if any(r >= 0 for r in src) else None)
-        step.sample_offsets = offsets
-        return step.with_adapters(batch, [s.adapter_slot for s, d in zip(batch.seqs, batch.drafts)
-                                          for _ in range(1 + len(d))])
 
 
 class DecodeBuffers:

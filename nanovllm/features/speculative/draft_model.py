@@ -6,7 +6,7 @@ own: the KV budget charges both, core/kv_cache.py), so it needs no bookkeeping o
 how many leading tokens of each request it has computed. Before drafting, it catches up on the
 tokens it has not seen: a new request's whole prompt as a prefill (from position 0; prefix-cache
 hits carry only the target's K/V), afterwards the few tokens the last verification kept, as one
-decode row per position (core/step_inputs.py's layout), so both run without the prefix path.
+decode row per position (drafting.py's verifying_step), so both run without the prefix path.
 Greedy drafts make the draft's distribution one-hot, where keeping a draft while it equals the
 target's sample (core/lifecycle.py) is exactly rejection sampling.
 """

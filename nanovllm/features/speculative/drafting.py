@@ -3,7 +3,7 @@
 A decode row whose newest token is known on the host (no token of it still on the device) and
 whose parameters sample from the plain distribution drafts up to k tokens; in the step, the row
 computes its newest token and its drafts (one decode row each to the attention,
-core/step_inputs.py), the core samples every one of those positions, and Drafting.verify
+verifying_step), the core samples every one of those positions, and Drafting.verify
 keeps the tokens that plain decoding would have made (for core/lifecycle.py). Until that step
 resolves the row drafts nothing more (Sequence.drafts)."""
 
@@ -15,6 +15,7 @@ from weakref import WeakKeyDictionary
 
 from nanovllm.core.hooks import SchedulingHook
 from nanovllm.core.sequence import SequenceStatus
+from nanovllm.core.step_inputs import StepInput
 from nanovllm.features.speculative.options import SpeculativeOptions
 
 
@@ -193,3 +194,35 @@ class Drafting(SchedulingHook):
         batch.num_new_tokens = [batch.num_new_tokens[i] + len(drafts[i]) for i in kept]
         if any(drafts[i] for i in kept):
             batch.drafts = [drafts[i] for i in kept]
+            batch.lay_out = verifying_step
+
+
+def verifying_step(batch) -> StepInput:
+    """The StepInput of a step whose rows verify drafts (ScheduledBatch.lay_out): a sequence
+    verifying drafts is one entry per position (its newest token, then each draft) over the
+    same block table: decode rows to the attention, each context ending at its own position, so
+    a decode step with drafts replays the decode graphs like any other. No forks or prompt
+    logprobs (Drafting leaves such steps alone)."""
+    if batch.forks or batch.prompt_rows:
+        raise RuntimeError("internal error: a step with drafts also forks samples or plans prompt logprobs")
+    tokens, starts, tables, src, offsets = [], [], [], [], []
+    for s, n, d in zip(batch.seqs, batch.num_new_tokens, batch.drafts):
+        start = s.num_cached_tokens
+        # Each row's noise offset is the index of the token it samples, as a step without
+        # drafts would sample it there: verification draws the same noise.
+        offsets.extend(len(s) + j for j in range(1 + len(d)))
+        if not d:
+            tokens.append(s.token_ids[start:start + n] if batch.is_prefill else [s.token_ids[-1]])
+            starts.append(start)
+            tables.append(s.block_table)
+            src.append(s.pending_row)
+            continue
+        for j, token in enumerate([s.token_ids[start]] + d):
+            tokens.append([token])
+            starts.append(start + j)
+            tables.append(s.block_table)
+            src.append(-1)
+    step = StepInput(batch.is_prefill, tokens, starts, tables, src if any(r >= 0 for r in src) else None)
+    step.sample_offsets = offsets
+    return step.with_adapters(batch, [s.adapter_slot for s, d in zip(batch.seqs, batch.drafts)
+                                      for _ in range(1 + len(d))])
