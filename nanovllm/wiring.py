@@ -130,6 +130,15 @@ def enable_logits_extensions(sampler, params) -> None:
         sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
 
 
+def tokenize_bad_words(front, params) -> None:
+    """The engine's copy `params` of a request with bad_words gets them as token ids
+    (features/logits/bias.py), checked against `front`'s tokenizer and vocabulary."""
+    if params.bad_word_strings:
+        from nanovllm.features.logits.bias import bad_word_ids
+
+        params._set_bad_word_ids(bad_word_ids(front.tokenizer, params.bad_word_strings, front.vocab_size))
+
+
 def logprob_dicts(llm, entries, tokens, params) -> list:
     """A request's logprobs in vLLM's form (logprob_outputs.py, loaded by the first that has some)."""
     from nanovllm.logprob_outputs import logprob_dicts as dicts
