@@ -50,50 +50,13 @@ def derive_sample_seed(seed: int, index: int) -> int:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops.
-
-    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
-    top_p: keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
-    top_k: keep the k most likely tokens (-1 or 0 = off).
-    min_p: drop tokens whose probability is below min_p times the top token's (0 = off).
-    max_tokens: the most tokens to generate (>= 1); None: up to max_model_len (and the KV cache).
-    min_tokens: EOS and `stop_token_ids` are suppressed until this many tokens exist.
-    ignore_eos: keep generating after EOS (benchmarks).
-    stop: strings that end generation when they appear in the output text; the stop string
-        itself is left out of the returned text (unless include_stop_str_in_output).
-    stop_token_ids: extra token ids that end generation (kept in `token_ids`).
-    seed: per-request seed: the same request gives the same tokens whatever else is batched
-        with it. Without it, the engine's seed makes whole runs reproducible.
-    n: completions of the prompt. The prompt is prefilled once and its KV blocks are shared
-        by the n samples; with a seed, sample i draws from the stream of
-        derive_sample_seed(seed, i) (sample 0 from the seed itself).
-    presence_penalty: subtracted from the logit of every token the output already holds
-        ([-2, 2], 0 = off). frequency_penalty: subtracted once per occurrence in the output
-        ([-2, 2], 0 = off). repetition_penalty: tokens of the prompt or output get their
-        logit divided by it when positive, multiplied when not (> 0, 1 = off). As in vLLM,
-        applied to the raw logits (after logit_bias) before temperature and the filters.
-    logit_bias: {token id: bias} added to those logits. allowed_token_ids: only these tokens
-        may be sampled. bad_words: words never generated (each, with and without a leading
-        space, is tokenized; its last token is banned whenever the output ends with the rest).
-    logprobs: per generated token, the log-probabilities of the `logprobs` most likely tokens
-        plus the sampled one (None = off, 0 = the sampled token only, -1 = the whole
-        vocabulary). prompt_logprobs: the same for every prompt token after the first. Both
-        are taken from the model's raw output, log_softmax of the logits before penalties,
-        bias, temperature or top-k/top-p/min-p (vLLM V1's default): they do not describe the
-        adjusted distribution tokens were sampled from. A request with prompt_logprobs does
-        not read the prefix cache (cached positions have no logits), as in vLLM.
-    include_stop_str_in_output: keep the stop string at the end of `text`.
-    skip_special_tokens: leave special tokens out of `text`. spaces_between_special_tokens:
-        passed to slow (Python) tokenizers' decode; fast tokenizers have no such option (as
-        in vLLM). detokenize: False leaves `text` empty (no stop strings then). output_kind: what
-        the step API's outputs hold (llm_engine.py); generate / chat return final outputs whatever it is.
-    structured_outputs: a StructuredOutputsParams (JSON schema, regex, choices, grammar) to follow.
+    """How one request is sampled and when it stops: vLLM's fields, docs/api.md says what each
+    does (and which distribution logprobs describe).
 
     Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
     validated at construction and again when a request is added, and the engine keeps its own
     validated copy (`snapshot()`), so changing a SamplingParams never affects requests already
-    added. Stop strings are matched from the first generated token on, also before min_tokens is
-    reached. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
+    added. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
     (NOT_IMPLEMENTED) are a NotImplementedError.
     """
 
