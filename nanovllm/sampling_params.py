@@ -48,6 +48,17 @@ def derive_sample_seed(seed: int, index: int) -> int:
     return h.intdigest() >> 1
 
 
+def _normalised(key: str, doc: str) -> property:
+    """A read-only attribute of SamplingParams: the form of its fields that _validate stored
+    under `key`, validated again first if a field was set since the last check."""
+    def get(self):
+        if not self.__dict__.get("_checked"):
+            self._validate()
+        return self.__dict__[key]
+
+    return property(get, doc=doc)
+
+
 @dataclass
 class SamplingParams:
     """How one request is sampled and when it stops: vLLM's fields, docs/api.md says what each
@@ -242,11 +253,6 @@ class SamplingParams:
         check_size("SamplingParams.bad_words", words, MAX_BAD_WORDS, "words", MAX_BAD_WORD_CHARS)
         return bias, allowed, words
 
-    def _normalised(self, name: str):
-        if not self.__dict__.get("_checked"):
-            self._validate()  # a field was set since the last check
-        return self.__dict__[name]
-
     def snapshot(self) -> "SamplingParams":
         """A validated, immutable copy for the engine to keep (ValueError if a field set after
         construction is invalid). The engine reads only this copy while a request runs."""
@@ -267,46 +273,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        """`stop` as a tuple of strings."""
-        return self._normalised("_stop_strings")
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        """`stop_token_ids` as a frozenset of ints."""
-        return self._normalised("_stop_ids")
-
-    @property
-    def bias(self) -> dict[int, float] | None:
-        """`logit_bias` with int keys and float values, or None."""
-        return self._normalised("_logit_bias")
-
-    @property
-    def allowed_ids(self) -> tuple[int, ...] | None:
-        """`allowed_token_ids`, sorted and without repeats, or None."""
-        return self._normalised("_allowed")
-
-    @property
-    def bad_word_strings(self) -> tuple[str, ...]:
-        """`bad_words` without repeats."""
-        return self._normalised("_bad_words")
-
-    @property
-    def uses_penalties(self) -> bool:
-        """presence, frequency or repetition penalty set."""
-        return self._normalised("_uses_penalties")
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the logits are changed before temperature and the filters (penalties,
-        logit_bias, allowed_token_ids, bad_words, structured outputs): the sampler then needs this row's whole
-        vocabulary, and the row's own device state for penalties."""
-        return self._normalised("_processes_logits")
+    stop_strings = _normalised("_stop_strings", "`stop` as a tuple of strings.")
+    stop_ids = _normalised("_stop_ids", "`stop_token_ids` as a frozenset of ints.")
+    bias = _normalised("_logit_bias", "`logit_bias` with int keys and float values, or None.")
+    allowed_ids = _normalised("_allowed", "`allowed_token_ids`, sorted and without repeats, or None.")
+    bad_word_strings = _normalised("_bad_words", "`bad_words` without repeats.")
+    uses_penalties = _normalised("_uses_penalties", "presence, frequency or repetition penalty set.")
+    processes_logits = _normalised("_processes_logits", """Whether the logits are changed before temperature
+        and the filters (penalties, logit_bias, allowed_token_ids, bad_words, structured outputs): the
+        sampler then needs this row's whole vocabulary, and the row's own device state for penalties.""")
 
     @property
     def bad_word_ids(self) -> tuple[tuple[int, ...], ...]:
-        """`bad_words` as token sequences, set by the engine (it has the tokenizer) on its copy."""
+        """`bad_words` as token sequences, set on the engine's copy (wiring.tokenize_bad_words)."""
         return self.__dict__.get("_bad_word_ids", ())
 
     def _set_bad_word_ids(self, ids: tuple[tuple[int, ...], ...]) -> None:
