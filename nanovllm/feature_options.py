@@ -4,7 +4,8 @@ tensor / data parallelism, quantization, the scheduling policy, prefill graphs, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -71,7 +72,7 @@ class QuantizationConfig:
     """Quantized weights and KV cache (features/quantization/). `method`: LLM(quantization=...),
     None to follow the checkpoint's quantization_config."""
 
-    method: str | None = None
+    method: str | None = field(default=None, metadata={"option": "quantization"})
     kv_cache_dtype: str = "auto"
     calculate_kv_scales: bool = False
 
@@ -104,7 +105,7 @@ class PrefillGraphConfig:
     """Piecewise prefill CUDA graphs (features/prefill_graphs.py): prefill-shaped steps of up to
     `max_tokens` tokens replay them, attention eager between the pieces; 0 runs all eagerly."""
 
-    max_tokens: int = 2048
+    max_tokens: int = field(default=2048, metadata={"option": "max_prefill_graph_tokens"})
 
     def __post_init__(self):
         self.max_tokens = checked("max_prefill_graph_tokens", self.max_tokens, int,
@@ -133,21 +134,9 @@ class LoraConfig:
                                      f"None or an integer >= max_loras={self.max_loras}", _at_least(self.max_loras))
 
 
-# LLM keyword -> (sub-config, field) of the features' options; every other keyword is a core field.
-FEATURE_OPTIONS = {
-    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
-    "data_parallel_size": ("parallel", "data_parallel_size"),
-    "distributed_executor_backend": ("parallel", "distributed_executor_backend"),
-    "custom_all_reduce": ("parallel", "custom_all_reduce"),
-    "quantization": ("quantization", "method"),
-    "kv_cache_dtype": ("quantization", "kv_cache_dtype"),
-    "calculate_kv_scales": ("quantization", "calculate_kv_scales"),
-    "mixed_steps": ("scheduling", "mixed_steps"),
-    "max_prefill_graph_tokens": ("prefill_graphs", "max_tokens"),
-    "enable_lora": ("lora", "enable_lora"),
-    "max_loras": ("lora", "max_loras"),
-    "max_lora_rank": ("lora", "max_lora_rank"),
-    "max_cpu_loras": ("lora", "max_cpu_loras"),
-}
 SUB_CONFIGS = {"parallel": ParallelConfig, "quantization": QuantizationConfig, "scheduling": SchedulingConfig,
                "prefill_graphs": PrefillGraphConfig, "lora": LoraConfig}
+# LLM keyword -> (sub-config, field) of the features' options: the field's name, unless its
+# metadata names another ("option"). Every other keyword is a core field.
+FEATURE_OPTIONS = {f.metadata.get("option", f.name): (sub, f.name)
+                   for sub, cls in SUB_CONFIGS.items() for f in dataclasses.fields(cls)}

@@ -141,6 +141,7 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         p = super().prepare_params(params)
+        wiring.tokenize_bad_words(self, p)
         wiring.enable_structured_outputs(self, p)  # the constraint compiled (and checked) up front
         return p
 

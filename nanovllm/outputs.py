@@ -81,8 +81,6 @@ class RequestOutput(dict):
     def __ne__(self, other):
         return not self == other
 
-    __hash__ = None
-
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(request_id={self.request_id!r}, prompt={self.prompt!r}, "
                 f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
@@ -106,6 +104,11 @@ def _rebuild(cls, state):
     return obj
 
 
+def _of_completion(name: str) -> property:
+    """A read-only attribute of a StreamOutput: its completion's `name`."""
+    return property(lambda self: getattr(self.outputs[0], name))
+
+
 class StreamOutput(RequestOutput):
     """One increment of one completion while it is generated (`LLM.stream`), in the shape of
     vLLM's streamed RequestOutput with output_kind=DELTA: `outputs` holds the one completion the
@@ -118,36 +121,19 @@ class StreamOutput(RequestOutput):
     increment's completion (`outputs[0]`); `sample` is its completion index.
     """
 
+    sample = _of_completion("index")
+    text = _of_completion("text")
+    token_ids = _of_completion("token_ids")
+    finish_reason = _of_completion("finish_reason")
+    stop_reason = _of_completion("stop_reason")
+    logprobs = _of_completion("logprobs")
+
     def __init__(self, index: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  prompt_logprobs: PromptLogprobs | None, completion: CompletionOutput, finished: bool,
                  num_cached_tokens: int | None = None):
         super().__init__(request_id, prompt, prompt_token_ids, prompt_logprobs, [completion], finished,
                          num_cached_tokens)
         self.index = index
-
-    @property
-    def sample(self) -> int:
-        return self.outputs[0].index
-
-    @property
-    def text(self) -> str:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def stop_reason(self) -> int | str | None:
-        return self.outputs[0].stop_reason
-
-    @property
-    def logprobs(self) -> SampleLogprobs | None:
-        return self.outputs[0].logprobs
 
 
 __all__ = ["CompletionOutput", "Logprob", "PromptLogprobs", "RequestOutput", "SampleLogprobs", "StreamOutput"]

@@ -48,52 +48,26 @@ def derive_sample_seed(seed: int, index: int) -> int:
     return h.intdigest() >> 1
 
 
+def _normalised(key: str, doc: str) -> property:
+    """A read-only attribute of SamplingParams: the form of its fields that _validate stored
+    under `key`, validated again first if a field was set since the last check."""
+    def get(self):
+        if not self.__dict__.get("_checked"):
+            self._validate()
+        return self.__dict__[key]
+
+    return property(get, doc=doc)
+
+
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops.
-
-    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
-    top_p: keep the smallest set of tokens whose probability mass reaches top_p (1 = off).
-    top_k: keep the k most likely tokens (-1 or 0 = off).
-    min_p: drop tokens whose probability is below min_p times the top token's (0 = off).
-    max_tokens: the most tokens to generate (>= 1); None: up to max_model_len (and the KV cache).
-    min_tokens: EOS and `stop_token_ids` are suppressed until this many tokens exist.
-    ignore_eos: keep generating after EOS (benchmarks).
-    stop: strings that end generation when they appear in the output text; the stop string
-        itself is left out of the returned text (unless include_stop_str_in_output).
-    stop_token_ids: extra token ids that end generation (kept in `token_ids`).
-    seed: per-request seed: the same request gives the same tokens whatever else is batched
-        with it. Without it, the engine's seed makes whole runs reproducible.
-    n: completions of the prompt. The prompt is prefilled once and its KV blocks are shared
-        by the n samples; with a seed, sample i draws from the stream of
-        derive_sample_seed(seed, i) (sample 0 from the seed itself).
-    presence_penalty: subtracted from the logit of every token the output already holds
-        ([-2, 2], 0 = off). frequency_penalty: subtracted once per occurrence in the output
-        ([-2, 2], 0 = off). repetition_penalty: tokens of the prompt or output get their
-        logit divided by it when positive, multiplied when not (> 0, 1 = off). As in vLLM,
-        applied to the raw logits (after logit_bias) before temperature and the filters.
-    logit_bias: {token id: bias} added to those logits. allowed_token_ids: only these tokens
-        may be sampled. bad_words: words never generated (each, with and without a leading
-        space, is tokenized; its last token is banned whenever the output ends with the rest).
-    logprobs: per generated token, the log-probabilities of the `logprobs` most likely tokens
-        plus the sampled one (None = off, 0 = the sampled token only, -1 = the whole
-        vocabulary). prompt_logprobs: the same for every prompt token after the first. Both
-        are taken from the model's raw output, log_softmax of the logits before penalties,
-        bias, temperature or top-k/top-p/min-p (vLLM V1's default): they do not describe the
-        adjusted distribution tokens were sampled from. A request with prompt_logprobs does
-        not read the prefix cache (cached positions have no logits), as in vLLM.
-    include_stop_str_in_output: keep the stop string at the end of `text`.
-    skip_special_tokens: leave special tokens out of `text`. spaces_between_special_tokens:
-        passed to slow (Python) tokenizers' decode; fast tokenizers have no such option (as
-        in vLLM). detokenize: False leaves `text` empty (no stop strings then). output_kind: what
-        the step API's outputs hold (llm_engine.py); generate / chat return final outputs whatever it is.
-    structured_outputs: a StructuredOutputsParams (JSON schema, regex, choices, grammar) to follow.
+    """How one request is sampled and when it stops: vLLM's fields, docs/api.md says what each
+    does (and which distribution logprobs describe).
 
     Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
     validated at construction and again when a request is added, and the engine keeps its own
     validated copy (`snapshot()`), so changing a SamplingParams never affects requests already
-    added. Stop strings are matched from the first generated token on, also before min_tokens is
-    reached. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
+    added. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
     (NOT_IMPLEMENTED) are a NotImplementedError.
     """
 
@@ -279,11 +253,6 @@ class SamplingParams:
         check_size("SamplingParams.bad_words", words, MAX_BAD_WORDS, "words", MAX_BAD_WORD_CHARS)
         return bias, allowed, words
 
-    def _normalised(self, name: str):
-        if not self.__dict__.get("_checked"):
-            self._validate()  # a field was set since the last check
-        return self.__dict__[name]
-
     def snapshot(self) -> "SamplingParams":
         """A validated, immutable copy for the engine to keep (ValueError if a field set after
         construction is invalid). The engine reads only this copy while a request runs."""
@@ -304,46 +273,19 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        """`stop` as a tuple of strings."""
-        return self._normalised("_stop_strings")
-
-    @property
-    def stop_ids(self) -> frozenset[int]:
-        """`stop_token_ids` as a frozenset of ints."""
-        return self._normalised("_stop_ids")
-
-    @property
-    def bias(self) -> dict[int, float] | None:
-        """`logit_bias` with int keys and float values, or None."""
-        return self._normalised("_logit_bias")
-
-    @property
-    def allowed_ids(self) -> tuple[int, ...] | None:
-        """`allowed_token_ids`, sorted and without repeats, or None."""
-        return self._normalised("_allowed")
-
-    @property
-    def bad_word_strings(self) -> tuple[str, ...]:
-        """`bad_words` without repeats."""
-        return self._normalised("_bad_words")
-
-    @property
-    def uses_penalties(self) -> bool:
-        """presence, frequency or repetition penalty set."""
-        return self._normalised("_uses_penalties")
-
-    @property
-    def processes_logits(self) -> bool:
-        """Whether the logits are changed before temperature and the filters (penalties,
-        logit_bias, allowed_token_ids, bad_words, structured outputs): the sampler then needs this row's whole
-        vocabulary, and the row's own device state for penalties."""
-        return self._normalised("_processes_logits")
+    stop_strings = _normalised("_stop_strings", "`stop` as a tuple of strings.")
+    stop_ids = _normalised("_stop_ids", "`stop_token_ids` as a frozenset of ints.")
+    bias = _normalised("_logit_bias", "`logit_bias` with int keys and float values, or None.")
+    allowed_ids = _normalised("_allowed", "`allowed_token_ids`, sorted and without repeats, or None.")
+    bad_word_strings = _normalised("_bad_words", "`bad_words` without repeats.")
+    uses_penalties = _normalised("_uses_penalties", "presence, frequency or repetition penalty set.")
+    processes_logits = _normalised("_processes_logits", """Whether the logits are changed before temperature
+        and the filters (penalties, logit_bias, allowed_token_ids, bad_words, structured outputs): the
+        sampler then needs this row's whole vocabulary, and the row's own device state for penalties.""")
 
     @property
     def bad_word_ids(self) -> tuple[tuple[int, ...], ...]:
-        """`bad_words` as token sequences, set by the engine (it has the tokenizer) on its copy."""
+        """`bad_words` as token sequences, set on the engine's copy (wiring.tokenize_bad_words)."""
         return self.__dict__.get("_bad_word_ids", ())
 
     def _set_bad_word_ids(self, ids: tuple[tuple[int, ...], ...]) -> None:

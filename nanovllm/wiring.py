@@ -16,8 +16,7 @@ from __future__ import annotations
 
 
 def forward_strategy(config):
-    """The piecewise prefill graphs (core/hooks.py's ForwardStrategy) when `config` allows them:
-    CUDA, no enforce_eager, max_prefill_graph_tokens > 0; else None (prefill steps run eagerly)."""
+    """The piecewise prefill graphs (core/hooks.py's ForwardStrategy), or None (eager prefill)."""
     if config.device != "cuda" or config.enforce_eager or config.prefill_graphs.max_tokens < 1:
         return None
     from nanovllm.features.prefill_graphs import PrefillGraphStrategy, prefill_graph_tokens
@@ -26,9 +25,8 @@ def forward_strategy(config):
 
 
 def start_executor(config):
-    """What runs the model of LLM's engine (core/executor.py's Executor), with the forward
-    strategy `config` allows: a ModelRunner in this process, or (tensor_parallel_size > 1, or
-    torchrun) rank 0 of worker processes / this torchrun rank (launch/executors.py)."""
+    """What runs the model of LLM's engine (core/executor.py's Executor): a ModelRunner in this
+    process, or rank 0 of tensor-parallel workers / this torchrun rank (launch/executors.py)."""
     strategy = forward_strategy(config)
     if config.parallel.tensor_parallel_size == 1 and config.parallel.distributed_executor_backend != "external_launcher":
         from nanovllm.core.executor import start_in_process
@@ -111,8 +109,7 @@ def adapters(lora_config, hf_config):
 
 def enable_logits_extensions(sampler, params) -> None:
     """Register on `sampler` (core/sampling.py's TokenSampler) the logits extensions that the
-    engine-validated `params` ask for, each once, at its first use: penalties, allowed ids / bad
-    words / logit_bias, logprobs (of the samples or the prompt). A request that asks for none
+    engine-validated `params` ask for, each once, at its first use: a request that asks for none
     imports none of their modules."""
     if params.uses_penalties:
         from nanovllm.features.logits.penalties import Penalties
@@ -128,6 +125,15 @@ def enable_logits_extensions(sampler, params) -> None:
         from nanovllm.features.logits.logprobs import Logprobs
 
         sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
+
+
+def tokenize_bad_words(front, params) -> None:
+    """The engine's copy `params` of a request with bad_words gets them as token ids
+    (features/logits/bias.py), checked against `front`'s tokenizer and vocabulary."""
+    if params.bad_word_strings:
+        from nanovllm.features.logits.bias import bad_word_ids
+
+        params._set_bad_word_ids(bad_word_ids(front.tokenizer, params.bad_word_strings, front.vocab_size))
 
 
 def logprob_dicts(llm, entries, tokens, params) -> list:
@@ -159,9 +165,8 @@ def enable_text_tracking(requests, params, track_text: bool) -> None:
 
 
 def wire_scheduling(engine, params=None) -> None:
-    """The scheduling features (core/hooks.py) `engine` needs. At start-up (no `params`): mixed
-    steps when config.scheduling.mixed_steps asks, drafting when speculative_config does. For a request's SamplingParams: parallel
-    sampling (n > 1) and prompt logprobs, registered once, by the first request that asks."""
+    """The scheduling features (core/hooks.py) `engine` needs: at start-up (no `params`) those its
+    config asks for, else those a request's SamplingParams ask for, once, at the first that does."""
     scheduler = engine.scheduler
     if params is None:
         if engine.config.scheduling.mixed_steps:

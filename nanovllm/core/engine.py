@@ -18,7 +18,7 @@ from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
-from nanovllm.limits import check_unicode, clip_repr, describe_ids
+from nanovllm.limits import check_unicode, describe_ids
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 logger = logging.getLogger(__name__)
@@ -107,8 +107,8 @@ class LLMEngine:
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after
         the checks that need the model: token ids inside the vocabulary, logprobs within
-        max_logprobs, a tokenizer for stop strings and bad words (tokenized here), n within
-        max_num_seqs. ValueError naming the field otherwise."""
+        max_logprobs, a tokenizer for stop strings, n within max_num_seqs. ValueError naming the
+        field otherwise. (LLM's override tokenizes bad words, a feature.)"""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()
@@ -128,28 +128,7 @@ class LLMEngine:
         if p.n > self.config.max_num_seqs:
             raise ValueError(f"SamplingParams.n={p.n}: more than max_num_seqs={self.config.max_num_seqs} "
                              "samples can never run together")
-        if p.bad_word_strings:
-            if self.tokenizer is None:
-                raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")
-            p._set_bad_word_ids(self._bad_word_ids(p.bad_word_strings))
         return p
-
-    def _bad_word_ids(self, words: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
-        """Each bad word as token ids, alone and after a space (vLLM's rule: the spaced form
-        counts when it is as many tokens and starts with another token)."""
-        out = []
-        for word in words:
-            plain = encode_text(self.tokenizer, word.lstrip(), "SamplingParams.bad_words", add_special_tokens=False)
-            if not plain:
-                raise ValueError(f"SamplingParams.bad_words: {clip_repr(word)} gives no tokens")
-            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
-            out.append(tuple(plain))
-            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
-                out.append(tuple(spaced))
-        bad = sorted({t for w in out for t in w if not 0 <= t < self.vocab_size})
-        if bad:
-            raise ValueError(f"SamplingParams.bad_words: token ids {describe_ids(bad)} are outside the vocabulary")
-        return tuple(out)
 
     def room_after(self, num_prompt_tokens: int) -> int:
         """The most tokens a request may generate after its prompt: up to max_model_len, and

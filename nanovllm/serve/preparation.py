@@ -14,6 +14,7 @@ import copy
 import dataclasses
 from dataclasses import dataclass, field
 
+import nanovllm.wiring as wiring
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.engine import LLMEngine, load_tokenizer
 from nanovllm.llm import LLM
@@ -92,8 +93,6 @@ class RequestPreparer:
     loaded as the engine loads it."""
 
     tokenize = LLMEngine.tokenize
-    prepare_params = LLMEngine.prepare_params
-    _bad_word_ids = LLMEngine._bad_word_ids
     check_fits = LLMEngine.check_fits
     room_after = LLMEngine.room_after
     prepare_for_prompt = LLMEngine.prepare_for_prompt
@@ -107,6 +106,13 @@ class RequestPreparer:
         self.tokenizer = None if c.skip_tokenizer_init else \
             load_tokenizer(c.tokenizer or c.model, c.tokenizer_mode, c.trust_remote_code, c.revision)
         self._token_texts: dict[int, str] = {}
+
+    def prepare_params(self, params: SamplingParams) -> SamplingParams:
+        """LLMEngine's checks, and bad words tokenized as LLM's override does (without its
+        structured outputs: the engine prepares those itself, see is_small)."""
+        p = LLMEngine.prepare_params(self, params)
+        wiring.tokenize_bad_words(self, p)
+        return p
 
 
 def prepare_one(front, r) -> Prepared:

@@ -11,11 +11,33 @@ from dataclasses import dataclass
 
 import torch
 
+from nanovllm.core.engine import encode_text
 from nanovllm.core.sequence import Sequence
+from nanovllm.limits import clip_repr, describe_ids
 from nanovllm.model.attention import host_to_device
 from nanovllm.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
+
+
+def bad_word_ids(tokenizer, words: tuple[str, ...], vocab_size: int) -> tuple[tuple[int, ...], ...]:
+    """Each bad word as token ids, alone and after a space (vLLM's rule: the spaced form
+    counts when it is as many tokens and starts with another token)."""
+    if tokenizer is None:
+        raise ValueError("bad_words need a tokenizer (skip_tokenizer_init=True was given)")
+    out = []
+    for word in words:
+        plain = encode_text(tokenizer, word.lstrip(), "SamplingParams.bad_words", add_special_tokens=False)
+        if not plain:
+            raise ValueError(f"SamplingParams.bad_words: {clip_repr(word)} gives no tokens")
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        out.append(tuple(plain))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(tuple(spaced))
+    bad = sorted({t for w in out for t in w if not 0 <= t < vocab_size})
+    if bad:
+        raise ValueError(f"SamplingParams.bad_words: token ids {describe_ids(bad)} are outside the vocabulary")
+    return tuple(out)
 
 
 def mask_to_allowed(x: torch.Tensor, rows: torch.Tensor, allowed: torch.Tensor) -> None:
