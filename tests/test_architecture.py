@@ -187,7 +187,7 @@ def test_function_level_imports_only_where_they_are_the_point():
 # request, not inside it: Sampler.warm_up). The architecture issue's
 # goal is 4,000: lower this bound as code leaves the path, and raise it only for API every
 # generate needs, saying so in the commit.
-PLAIN_GENERATE_LINE_BUDGET = 6_356
+PLAIN_GENERATE_LINE_BUDGET = 6_362
 PLAIN_GENERATE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

@@ -197,9 +197,15 @@ class BlockManager:
     def release_reserved(self, seq: Sequence) -> None:
         """Give back the blocks reserved for `seq` that it did not take."""
         while seq.reserved_blocks:
-            self.give_back(seq.reserved_blocks.pop())
+            self._give_back(seq.reserved_blocks.pop())
 
-    def give_back(self, block_id: int) -> None:
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's tokens (taken for drafts that were rejected:
+        never committed, so nothing to forget but their slots)."""
+        while len(seq.block_table) > self.blocks_for(len(seq)):
+            self._give_back(seq.block_table.pop())
+
+    def _give_back(self, block_id: int) -> None:
         """Free a block its one holder never filled (reserved, or taken for rejected drafts)."""
         block = self.blocks[block_id]
         block.ref_count = 0
