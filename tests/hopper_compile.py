@@ -185,13 +185,13 @@ def _filtered_sampling(dtype, top_k=True, top_p=True, min_p=True, scale=True, ro
                            rounds=rounds)
 
 
-def _w4a16(m, group_size):
+def _w4a16(m, group_size, dtype=BF16, config=None):
     from nanovllm.kernels.w4a16 import w4a16_matmul
 
     k, n = 4096, 6144
     qweight = torch.zeros(k // 8, n, dtype=torch.int32)
-    scales = torch.ones(k // group_size, n).to(BF16)
-    w4a16_matmul(torch.randn(m, k).to(BF16), qweight, scales, scales, group_size, num_sms=132)
+    scales = torch.ones(k // group_size, n).to(dtype)
+    w4a16_matmul(torch.randn(m, k).to(dtype), qweight, scales, scales, group_size, config=config)
 
 
 def _fused_moe_int4(tokens, permuted, experts=8, k=2):
@@ -241,6 +241,8 @@ SCENARIOS = {
     "w4a16_decode": lambda: _w4a16(1, 128),
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),
     "w4a16_prefill": lambda: _w4a16(300, 128),
+    # The unpacking tensor-core kernel's inline PTX in fp16 (bf16: w4a16_split_k_g32).
+    "w4a16_mma_g32_fp16": lambda: _w4a16(8, 32, torch.float16),
     # INT4 experts: decode's blocks, and larger ones with act-order perms.
     "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
     "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),

@@ -55,18 +55,20 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
 
 @pytest.mark.parametrize("m, group, k, config", [
     (1, 64, 1024, None), (3, 256, 512, "gemv"), (4, 32, 480, "gemv"),  # GEMV: a tile over 8 groups; K not in whole tiles
-    (5, 32, 512, None), (70, 128, 256, None), (3, 128, 512, "tiles"),  # tiles: split-K 4, 2, 2
+    (5, 32, 512, None), (70, 128, 256, None), (3, 32, 480, "mma"),  # tensor cores: split-K 4, 2; K in 32-row tiles
+    (20, 64, 512, "mma-split"), (37, 256, 512, "mma-split"),  # groups smaller / larger than the K-tile
     (130, 64, 256, None), (3, 32, 480, "dequant")])  # the weight dequantized, then a matmul
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
-    groups per step, a masked last step), tensor-core tiles with split-K (atomic sums), and from
-    128 rows the dequantizing kernel (into a NaN-poisoned workspace) and a matmul. The same
+    groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
+    with atomic sums, masked rows and columns, groups smaller and larger than its K-tile), and
+    from 128 rows the dequantizing kernel (into a NaN-poisoned workspace) and a matmul. The same
     products summed in another order: within 1e-4."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-    from nanovllm.kernels.w4a16 import Dequant, Gemv, Tiles, w4a16_matmul
+    from nanovllm.kernels.w4a16 import Dequant, Gemv, Mma, w4a16_matmul
 
-    config = {"gemv": Gemv(16, 32, 4), "tiles": Tiles(16, 32, 128, 2, 4, 2), "dequant": Dequant(4, 32), None: None}[
-        config]
+    config = {"gemv": Gemv(16, 32, 4), "mma": Mma(16, 64, 32, 1), "mma-split": Mma(16, 32, 128, 2),
+              "dequant": Dequant(4, 32), None: None}[config]
 
     n = 96
     g = torch.Generator().manual_seed(m)
@@ -78,6 +80,30 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, group, config=config, workspace=workspace)
     want = x @ dequantize(w)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("group, config", [(64, (16, 64, 128, 2)), (128, (64, 64, 128))])
+def test_the_tensor_core_kernel_unpacks_exactly_on_gpu(dtype, group, config):
+    """kernels/w4a16_mma.py's inline-PTX unpacking (CUDA only): x is the identity, so output row k
+    is K-row k of the weight as the kernel unpacked it (1 x w is exact, and so is a sum of one
+    product): equal bit for bit to (q - z) * s rounded once to 16 bits, in torch. Groups smaller
+    than the K-tile (with split-K's fp32 sums) and not; fresh random words each run."""
+    from nanovllm.features.quantization.int4_formats import unpack_int4
+    from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
+
+    k, n = 512, 192
+    g = torch.Generator(device="cuda")
+    seed = g.seed()
+    q = torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g, device="cuda", dtype=torch.int64).to(torch.int32)
+    s = (torch.rand(k // group, n, generator=g, device="cuda") * 0.01 + 1e-4).to(dtype)
+    z = torch.randint(0, 16, (k // group, n), generator=g, device="cuda").to(dtype)
+    got = w4a16_matmul(torch.eye(k, device="cuda", dtype=dtype), q, s, z, group, config=Mma(*config))
+    rows = torch.arange(k, device="cuda") // group
+    want = ((unpack_int4(q, 0).float() - z.float()[rows]) * s.float()[rows]).to(dtype)
+    assert torch.equal(got, want), (seed, (got.float() - want.float()).abs().max())
 
 
 @pytest.mark.parametrize("qc, error, match", [

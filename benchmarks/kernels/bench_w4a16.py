@@ -7,7 +7,7 @@ Per GEMM (K x N) and M: microseconds of bf16 and of INT4 (group 128), the bytes 
 move (0.5 byte per weight, a bf16 scale and zero point per group and column, x and out) over its
 time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
 arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
---sweep, a few launches per shape (kernels/w4a16.py's Gemv or Tiles) and the best one.
+--sweep, a few launches per shape (kernels/w4a16.py's Gemv, Mma or Dequant) and the best one.
 Writes $OUT/w4a16.json when $OUT is set.
 """
 
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Tiles, w4a16_matmul
+from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Mma, w4a16_matmul
 
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 BANDWIDTH = 4.3e12
@@ -42,9 +42,8 @@ def candidates(m: int) -> list:
         return [Gemv(bn, bw, wp, 4, pf, fa) for bn, bw in ((8, 128), (8, 256), (16, 128), (16, 256), (32, 64), (32, 128))
                 for wp in (4, 8) for pf in (1, 0) for fa in (1, 0)]
     if m <= 64:
-        tiles = [Tiles(min(64, max(16, m)), bn, 128, sp, 4, 3) for bn in (64, 128) for sp in (1, 4, 8)]
-        return tiles + [Gemv(bn, bw, 4, 16) for bn, bw in ((8, 32), (16, 32), (8, 64), (32, 16))] if m <= 16 else tiles
-    return [Dequant()] + [Tiles(bm, bn, 64, 1, wp, 3) for bm, bn in ((128, 128), (64, 128)) for wp in (4, 8)]
+        return [Mma(16 if m <= 16 else 64, bn, bk, sp) for bn in (32, 64, 128) for bk in (64, 128) for sp in (1, 2, 4)]
+    return [Dequant()] + [Mma(bm, 64, 128, sp) for bm in (64, 128) for sp in (1, 2)]
 
 
 def rotating(make, nbytes: int):

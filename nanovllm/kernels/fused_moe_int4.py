@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.moe_align import align_tokens_to_experts
-from nanovllm.kernels.w4a16 import tile_step, can_run
+from nanovllm.kernels.w4a16 import can_run
 
 
 class Int4Stack(NamedTuple):
@@ -37,8 +37,21 @@ class Int4Stack(NamedTuple):
 
 
 @triton.jit
+def _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl.constexpr):
+    """One K-tile's words [BLOCK_K, BLOCK_N] (eight K-rows read each word, from L1; row k's value
+    is nibble k % 8) with the tile's scale row s and (128 + z) * s (the tile lies in one group)."""
+    in_k = (k0 + offs_k) < K
+    words = tl.load(qw_ptr + ((k0 + offs_k) // 8)[:, None] * N + offs_n[None, :],
+                    mask=in_k[:, None] & mask_n[None, :], other=0)
+    g = tl.minimum(k0, K - 1) // GROUP  # (a prefetch past the end reads the last group, unused)
+    s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    c = (tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] + 128.0) * s
+    return words, s, c
+
+
+@triton.jit
 def _dequantized_tile(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, shifts, GROUP: tl.constexpr):
-    words, s, c = tile_step(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, GROUP)
+    words, s, c = _tile_step(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, GROUP)
     q = ((((words >> shifts) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
     return tl.fma(q, s, -c)
 

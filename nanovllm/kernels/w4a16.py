@@ -16,9 +16,8 @@ Three launches (`choose` picks one by M):
   this step's arithmetic, so a warp always has bytes in flight. FACTORED (one row of x) sums
   q_j * x_j per word with the nibble OR-ed in place into 2^23's bits (minus 2^23: no shifts) and
   applies the scale once per word: (sum - z * sum x) * s, about 6 instructions a weight.
-- Tiles, 4 < M < 128: tensor-core tiles. Each K-tile lies in one group (BLOCK_K divides the
-  group size), so a scale and zero row per tile; the unpacked [BLOCK_K, BLOCK_N] tile meets x's
-  [BLOCK_M, BLOCK_K] in tl.dot. Decode-sized M splits K (fp32 partial sums added atomically).
+- Mma, 4 < M < 128: tensor-core tiles with the weight unpacked in registers
+  (kernels/w4a16_mma.py); decode-sized M splits K (fp32 partial sums added atomically).
 - Dequant, M >= 128: the weight is unpacked into a 16-bit workspace and cuBLAS multiplies (the
   product is compute-bound there, and cuBLAS's tiles beat ours 2-5x; vLLM's AWQ path does the
   same above 256 tokens).
@@ -31,6 +30,8 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from nanovllm.kernels.w4a16_mma import Mma, mma_matmul, nibble_128
 
 GEMV_MAX_M = 4
 DEQUANT_MIN_M = 128
@@ -49,27 +50,6 @@ class Dequant(NamedTuple):
     """Above DEQUANT_MIN_M rows: the weight dequantized to x's dtype, then cuBLAS."""
     block_w: int = 8
     block_n: int = 128
-
-
-class Tiles(NamedTuple):
-    block_m: int
-    block_n: int
-    block_k: int
-    splits: int  # K split into this many programs per tile (atomic fp32 sums when > 1)
-    warps: int
-    stages: int
-
-
-@triton.jit
-def _nibble(words, J: tl.constexpr):
-    """Nibble J of each word as the float 128 + q (module docstring)."""
-    if J < 4:
-        t = words << (16 - 4 * J)
-    elif J == 4:
-        t = words
-    else:
-        t = words >> (4 * J - 16)
-    return ((t & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -125,7 +105,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, strid
             c = (z + 128.0) * s
             for j in tl.static_range(8):
                 xj = tl.load(x_ptr + m3 * stride_xm + rows * 8 + j, mask=xmask, other=0.0).to(tl.float32)
-                acc += xj * tl.fma(_nibble(words, j), s, -c)  # x * (q - z) * s
+                acc += xj * tl.fma(nibble_128(words, j), s, -c)  # x * (q - z) * s
         if PREFETCH:
             words, s, z = nxt
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -150,60 +130,6 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, BL
     tl.store(out_ptr + (w3 * 8 + j3) * N + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty), mask=mask & (j3 < 8))
 
 
-@triton.jit
-def tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl.constexpr):
-    """One K-tile's words [BLOCK_K, BLOCK_N] (eight K-rows read each word, from L1; row k's value
-    is nibble k % 8) with the tile's scale row s and (128 + z) * s (the tile lies in one group)."""
-    in_k = (k0 + offs_k) < K
-    words = tl.load(qw_ptr + ((k0 + offs_k) // 8)[:, None] * N + offs_n[None, :],
-                    mask=in_k[:, None] & mask_n[None, :], other=0)
-    g = tl.minimum(k0, K - 1) // GROUP  # (a prefetch past the end reads the last group, unused)
-    s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    c = (tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] + 128.0) * s
-    return words, s, c
-
-
-@triton.jit
-def _tiles_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ATOMIC: tl.constexpr):
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(N, BLOCK_N)
-    pid_m, pid_n = pid // num_n, pid % num_n
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    shifts = ((offs_k % 8) * 4)[:, None]
-    mask_m, mask_n = offs_m < M, offs_n < N
-    k_start = tl.program_id(1) * k_per_split
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    words, s, c = tile_step(qw_ptr, s_ptr, z_ptr, N, K, k_start, offs_k, offs_n, mask_n, GROUP)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        # The next tile's words in flight while this one computes (1.3x at 64 rows on the H200).
-        nxt = tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0 + BLOCK_K, offs_k, offs_n, mask_n, GROUP)
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask_m[:, None], other=0.0)
-        q = ((((words >> shifts) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
-        acc = tl.dot(x, tl.fma(q, s, -c).to(x.dtype), acc)
-        words, s, c = nxt
-    out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-_SMS: dict = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
-
-
 def _pow2_divisor(g: int, cap: int) -> int:
     """The largest power of two <= cap that divides g."""
     b = cap
@@ -212,34 +138,27 @@ def _pow2_divisor(g: int, cap: int) -> int:
     return b
 
 
-def choose(m: int, n: int, k: int, group: int, num_sms: int) -> Gemv | Tiles | Dequant:
-    """The launch for an [m, k] x [k, n] product. Gemv: the tiles that measured best on the H200
-    for Qwen3-8B's shapes (wide N: 32 columns x 64 words; deep K: 8 x 256; else 16 x 128), one
-    row factored and prefetched, 2-4 rows neither (their registers would spill). Tiles:
-    decode-sized M is bound by the weights' bytes, so K splits until about four programs per SM;
-    above 16 rows 64-row tiles share each unpacked weight tile among more rows. Dequant from 128."""
-    if m <= GEMV_MAX_M:  # measured with benchmarks/kernels/bench_w4a16.py
+def choose(m: int, n: int, k: int) -> Gemv | Mma | Dequant:
+    """The launch for an [m, k] x [k, n] product, as measured best on the H200 for Qwen3-8B's
+    shapes (benchmarks/kernels/bench_w4a16.py). Gemv: wide N 32 columns x 64 words, deep K 8 x
+    256, else 16 x 128; one row factored and prefetched, 2-4 rows neither (their registers would
+    spill). Mma: 16 or 64 rows of x a program, 64 columns, K split 4 or 2 ways (the weights'
+    bytes bound these sizes, and splitting puts ~2-4 programs on every SM). Dequant from 128."""
+    if m <= GEMV_MAX_M:
         block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 and m == 1 else (16, 128)
         return Gemv(block_n, block_w, 8 if m == 1 or n < 16384 else 4, GEMV_MAX_M, m == 1, m == 1)
     if m >= DEQUANT_MIN_M:
         return Dequant()
-    block_k = _pow2_divisor(group, 128)
-    if m <= 16:
-        block_m, block_n, warps, per_sm = 16, 64, 4, 4
-    elif m <= 64:
-        block_m, block_n, warps, per_sm = 64, 64, 4, 2
-    else:
-        block_m, block_n, warps, per_sm, block_k = 64, 128, 8, 1, _pow2_divisor(group, 64)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    return Tiles(block_m, block_n, block_k, max(1, min(triton.cdiv(per_sm * num_sms, tiles), k // block_k)), warps, 3)
+    block_k = _pow2_divisor(k, 128)
+    return Mma(16, 64, block_k, min(4, k // block_k)) if m <= 16 else Mma(64, 64, block_k, min(2, k // block_k))
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, num_sms: int | None = None, config: Gemv | Tiles | Dequant | None = None,
+                 group_size: int, config: Gemv | Mma | Dequant | None = None,
                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp16 / bf16; fp32 under the interpreter) @ the unpacked weight [K, N] ->
     [..., N] in x's dtype; `can_run` says which shapes it takes. `config`: a launch instead of
-    `choose`'s (benchmarks; a Tiles config's block_k must divide the group size). `workspace`: a
+    `choose`'s (benchmarks; an Mma config's block_k must divide K). `workspace`: a
     flat buffer of x's dtype with room for K x N, for the Dequant path (else one is allocated)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
     if x.shape[-1] != k or scales.shape != zeros.shape or scales.shape[1] != n or not can_run(k, group_size):
@@ -249,7 +168,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    cfg = config or choose(m, n, k, group_size, num_sms or _sm_count(x.device))
+    cfg = config or choose(m, n, k)
     if isinstance(cfg, Gemv):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         block_m = min(cfg.block_m, triton.next_power_of_2(m))
@@ -264,23 +183,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
             qweight, scales, zeros, w, n, k, GROUP=group_size, BLOCK_W=cfg.block_w, BLOCK_N=cfg.block_n)
         out = x2 @ w
     else:
-        out = _tiles(x2, qweight, scales, zeros, group_size, cfg)
+        out = mma_matmul(x2, qweight, scales, zeros, group_size, cfg)
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
-
-
-def _tiles(x2, qweight, scales, zeros, group_size: int, cfg: Tiles) -> torch.Tensor:
-    m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
-    k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
-    splits = triton.cdiv(k, k_per_split)
-    if k % k_per_split:  # (every split whole tiles: the kernel has no mask along K)
-        k_per_split, splits = cfg.block_k, k // cfg.block_k
-    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
-        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n), splits)
-    _tiles_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split,
-                        GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                        ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
-    return out
 
 
 def can_run(k: int, group_size: int) -> bool:

@@ -1,0 +1,167 @@
+"""W4A16 on the tensor cores: out[M, N] = x[M, K] @ W[K, N] with W unpacked in registers tile by
+tile, the layout of kernels/w4a16.py (qweight [K / 8, N], nibble j of word row i = K-row 8i + j;
+scales s and zero points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
+
+The product is computed transposed, out^T = W^T x^T, so that the unpacked weight is the dot's
+first operand, which Hopper's wgmma reads from registers (the tile just unpacked makes no
+shared-memory round trip), and x's few rows sit on the MMA's N side (16-row tiles, not 64).
+Each program loads its words once ([BLOCK_N, BLOCK_K / 8] int32: half a byte a weight from
+memory, no word read twice), unpacks their eight nibbles into eight [BLOCK_N, BLOCK_K / 8]
+parts, and `tl.join` + a reshape lay those out as the [BLOCK_N, BLOCK_K] tile of W^T in K
+order. (Measured on the H200 and dropped: a dot per part with x's strided columns instead of
+the join, 1.1-2x slower; the untransposed product, 2-10x slower below 128 rows.)
+
+ASM (CUDA): the unpacking is Marlin's in inline PTX, two weights an instruction each step:
+`lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the bits of the 16-bit
+float pair {128, 128} (bf16: 0x4300; fp16 1024: 0x6400), which is exactly {128 + q_t,
+128 + q_t+4}; `sub` takes 128 + z (exact, small integers) and `mul` the scale, rounded once: the
+weight equals (q - z) * s rounded to 16 bits, as a dequantized checkpoint holds it. The
+interpreter (and ASM=False) computes the same values in fp32 and rounds once.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+# Nibbles t and t + 4 of a word as a 16-bit float pair, minus the (magic + z) pair, times s.
+_PAIR = """
+lop3.b32 t, {w}, 0x000F000F, {magic}, 0xEA;
+sub.{ty} t, t, z2;
+mul.rn.{ty} t, t, s2;
+mov.b32 {{{lo}, {hi}}}, t;"""
+
+
+def _unpack_asm(magic: str, ty: str) -> str:
+    steps = [_PAIR.format(w="$8", magic=magic, ty=ty, lo="$0", hi="$4")]
+    for t in (1, 2, 3):
+        steps.append(f"\nshr.u32 w, $8, {4 * t};" + _PAIR.format(w="w", magic=magic, ty=ty, lo=f"${t}",
+                                                                     hi=f"${t + 4}"))
+    return ("{\n.reg .b32 w, t, s2, z2;\nmov.b32 s2, {$9, $9};\nmov.b32 z2, {$10, $10};"
+            + "".join(steps) + "\n}")
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (inline PTX does not run there)
+UNPACK_BF16 = tl.constexpr(_unpack_asm("0x43004300", "bf16x2"))
+UNPACK_FP16 = tl.constexpr(_unpack_asm("0x64006400", "f16x2"))
+
+
+@triton.jit
+def _nibbles_asm(words, s, zc, IS_BF16: tl.constexpr):
+    """Eight [R, C] tensors: nibble j of each word as (q - z) * s in s's dtype (inline PTX)."""
+    s = tl.broadcast_to(s, words.shape)
+    zc = tl.broadcast_to(zc, words.shape)
+    if IS_BF16:
+        return tl.inline_asm_elementwise(UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, zc],
+                                         dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
+    else:
+        return tl.inline_asm_elementwise(UNPACK_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, zc],
+                                         dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+
+
+@triton.jit
+def nibble_128(words, J: tl.constexpr):
+    """Nibble J of each word as the float 128 + q: moved to bits 16..19 and OR-ed into 128.0's
+    bits (the float's ulp at 128 is 2^-16, bit 16's weight), with no int-to-float conversion."""
+    if J < 4:
+        t = words << (16 - 4 * J)
+    elif J == 4:
+        t = words
+    else:
+        t = words >> (4 * J - 16)
+    return ((t & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _nibble(words, s, zc, J: tl.constexpr, DTYPE: tl.constexpr):
+    """Nibble J as (q - z) * s in fp32 (zc = 128 + z), rounded once to DTYPE."""
+    return ((nibble_128(words, J) - zc) * s).to(DTYPE)
+
+
+@triton.jit
+def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
+    """[R, C] x 8 -> [R, C, 2, 2, 2] holding value 4a + 2b + c at [.., a, b, c] (join stacks on a
+    new last axis), so that a row-major flattening of the last three axes is 0..7 in order."""
+    return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+
+
+@triton.jit
+def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """W^T's tile [BLOCK_N, BLOCK_K] of K-rows k0 .. k0 + BLOCK_K in DTYPE."""
+    w2, n2, mn = (k0 // 8 + offs_w)[None, :], offs_n[:, None], mask_n[:, None]
+    words = tl.load(qw_ptr + w2 * N + n2, mask=mn, other=0)  # [BLOCK_N, BLOCK_K / 8]
+    if GROUP >= BLOCK_K:  # one group for the whole tile: a scale per column
+        sz = (k0 // GROUP) * N + n2
+    else:  # each word's own group
+        sz = (w2 * 8 // GROUP) * N + n2
+    s = tl.load(s_ptr + sz, mask=mn, other=0.0)
+    z = tl.load(z_ptr + sz, mask=mn, other=0.0)
+    if ASM:
+        if DTYPE == tl.bfloat16:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, (z.to(tl.float32) + 128.0).to(DTYPE), True)
+        else:
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, (z.to(tl.float32) + 1024.0).to(DTYPE), False)
+    else:
+        sf, zc = s.to(tl.float32), z.to(tl.float32) + 128.0
+        v0, v1, v2, v3 = (_nibble(words, sf, zc, 0, DTYPE), _nibble(words, sf, zc, 1, DTYPE),
+                          _nibble(words, sf, zc, 2, DTYPE), _nibble(words, sf, zc, 3, DTYPE))
+        v4, v5, v6, v7 = (_nibble(words, sf, zc, 4, DTYPE), _nibble(words, sf, zc, 5, DTYPE),
+                          _nibble(words, sf, zc, 6, DTYPE), _nibble(words, sf, zc, 7, DTYPE))
+    # [BLOCK_N, BLOCK_K / 8, 2, 2, 2] row-major is [BLOCK_N, BLOCK_K] with column 8i + j: in order.
+    return tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K))
+
+
+@triton.jit
+def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
+               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               ASM: tl.constexpr, ATOMIC: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m, mask_n = offs_m < M, offs_n < N
+    k_start = tl.program_id(2) * k_per_split
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        w = _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP, BLOCK_K, ASM,
+                         x_ptr.dtype.element_ty)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = mask_m[None, :] & mask_n[:, None]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class Mma(NamedTuple):
+    block_m: int  # rows of x per program (the MMA's N side: 16 at least)
+    block_n: int  # output columns per program (the MMA's M side)
+    block_k: int  # K-rows per step (a power of two from 32 that divides K)
+    splits: int = 1  # K split into this many programs per tile (atomic fp32 sums when > 1)
+    warps: int = 4
+    stages: int = 3
+    asm: bool = True  # inline-PTX unpacking (CUDA only)
+
+
+def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, cfg: Mma) -> torch.Tensor:
+    """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype)."""
+    m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
+    k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    if k % k_per_split:  # (every split whole tiles: the kernel has no mask along K)
+        k_per_split, splits = cfg.block_k, k // cfg.block_k
+    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
+        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+    mma_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split,
+                     GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     ASM=cfg.asm and not INTERPRETED, ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out
