@@ -8,18 +8,20 @@ import logging
 import os
 import random
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from nanovllm.config import Config, read_json
 from nanovllm.core.block_manager import BlockManager, KVUsage
 from nanovllm.core.executor import Executor, ExecutorFactory, start_in_process
-from nanovllm.core.hooks import ModelFeatures
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
 from nanovllm.limits import check_unicode, describe_ids
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import ModelFeatures
 
 logger = logging.getLogger(__name__)
 

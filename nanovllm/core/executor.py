@@ -9,14 +9,16 @@ rank 0 that drives worker processes (tensor_parallel.py) and one torchrun rank
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 from nanovllm.config import Config
-from nanovllm.core.hooks import ForwardStrategy
 from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.sampling import TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import ForwardStrategy
 
 
 class StepTokens(Protocol):

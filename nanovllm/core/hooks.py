@@ -1,6 +1,7 @@
 """The hooks the core declares: small typed protocols that features implement and the fronts
 (`llm.py`, `serve/`) plug in when an option or a request asks for them. The core never names a
-feature: a plain generate with no options runs the core alone."""
+feature: a plain generate with no options runs the core alone. The core names these protocols in
+annotations only (imported under TYPE_CHECKING), so a plain generate does not load this module."""
 
 from __future__ import annotations
 
@@ -244,32 +245,3 @@ class ModelFeatures(Protocol):
     def adapters(self, lora_config, hf_config):
         """A factory (picklable: each rank calls it with its model runner and the most tokens a
         step holds) of the rank's Adapters for LLM(enable_lora=True, ...), or None."""
-
-
-class NoFeatures:
-    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
-
-    @staticmethod
-    def _refuse(what: str):
-        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
-                         f"not a bare LLMEngine")
-
-    def quantization_scheme(self, checkpoint_config, requested):
-        if checkpoint_config or requested is not None:
-            self._refuse("quantized weights")
-
-    def kv_scale_calibrator(self, calculate_kv_scales):
-        if calculate_kv_scales:
-            self._refuse("calculate_kv_scales=True")
-
-    def sparse_mlp(self, decoder_options):
-        if decoder_options.moe_layers:
-            self._refuse("a mixture-of-experts model")
-
-    def speculation(self, speculative_config, hf_config, tensor_parallel_size):
-        if speculative_config is not None:
-            self._refuse("speculative_config")
-
-    def adapters(self, lora_config, hf_config):
-        if lora_config.enable_lora:
-            self._refuse("enable_lora=True")

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.core.hooks import LogitsExtension, LogprobsExtension, PendingLogprobs, StepLogprobs
 from nanovllm.core.sampler import Sampler, SamplingTensors
 from nanovllm.core.sequence import Sequence
 from nanovllm.model.attention import host_to_device
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import LogitsExtension, LogprobsExtension, PendingLogprobs, StepLogprobs
 
 
 def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
