@@ -89,6 +89,26 @@ class ShardSampling(Protocol):
         """The rows' tokens from `hidden` through the model's LM-head shard, the same on every
         rank, also left in `sampler`'s (TokenSampler's) device buffer."""
 
+
+class LogitsProcessing(Protocol):
+    """What TokenSampler's draw becomes once a request asks for a LogitsExtension or the
+    LogprobsExtension (features/logits/processing.py, installed by the fronts): it holds them and
+    draws the step's tokens through them."""
+
+    logprobs: LogprobsExtension | None
+
+    def sample(self, logits: torch.Tensor, rows: list[Sequence], offsets: list[int], suppress, check, step,
+               defer: bool):
+        """As TokenSampler.sample, whose min_tokens suppression (`suppress`) and noise offsets it
+        takes; with `defer`, a draw waiting for background work returns a PendingTokens look-alike."""
+
+    def flush(self) -> None:
+        """Queue the deferred draw, if any (TokenSampler.flush)."""
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended: every extension drops its state."""
+
+
 # ---------------------------------------------------------------- scheduling
 # The scheduler (core/scheduler.py) runs pending prompt work alone, else one decode token for
 # every running sequence. A StepPolicy (Scheduler.policy) composes steps otherwise; features
