@@ -28,7 +28,6 @@ from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.model.attention import Attention, host_to_device, prefill_metadata, select_backend
-from nanovllm.model.quant import finish_loading, quantize_model
 from nanovllm.model.loader import init_dummy, load_model
 from nanovllm.model.registry import model_class
 from nanovllm.parallel.group import TPGroup, use_tp_group
@@ -128,15 +127,16 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if config.quant is not None:
-            quantize_model(model, config.quant)
+            config.quant.quantize(model)
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
         if config.load_format == "dummy":
-            init_dummy(model, config.seed)
+            init_dummy(model, config.seed, config.quant)
         else:
             load_model(model, config.model)
-        finish_loading(model)
+        if config.quant is not None:
+            config.quant.finish_loading(model)
         return model
 
     # ------------------------------------------------------------------ a step
