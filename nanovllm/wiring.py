@@ -29,7 +29,7 @@ def start_executor(config):
     process, or rank 0 of tensor-parallel workers / this torchrun rank (launch/executors.py)."""
     strategy = forward_strategy(config)
     if config.parallel.tensor_parallel_size == 1 and config.parallel.distributed_executor_backend != "external_launcher":
-        from nanovllm.core.executor import start_in_process
+        from nanovllm.core.engine import start_in_process
 
         return start_in_process(config, strategy)
     from nanovllm.launch.executors import start_launched_executor
