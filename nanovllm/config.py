@@ -14,10 +14,10 @@ import logging
 import os
 import typing
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.core.hooks import ModelFeatures, NoFeatures
 from nanovllm.limits import clip_repr
 from nanovllm.model import registry
 from nanovllm.model.attention.backend import flash_attn_available
@@ -28,6 +28,9 @@ from nanovllm.feature_options import (FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONF
                                       LoraConfig, ParallelConfig, PrefillGraphConfig, QuantizationConfig,
                                       SchedulingConfig, _at_least, checked)
 from nanovllm.vllm_keywords import translate_vllm_keywords
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import ModelFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +269,35 @@ class Config:
         if resolved not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={clip_repr(dtype)}: must be None, 'auto', float32, bfloat16 or float16")
         return resolved
+
+
+class NoFeatures:
+    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
+
+    @staticmethod
+    def _refuse(what: str):
+        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
+                         f"not a bare LLMEngine")
+
+    def quantization_scheme(self, checkpoint_config, requested):
+        if checkpoint_config or requested is not None:
+            self._refuse("quantized weights")
+
+    def kv_scale_calibrator(self, calculate_kv_scales):
+        if calculate_kv_scales:
+            self._refuse("calculate_kv_scales=True")
+
+    def sparse_mlp(self, decoder_options):
+        if decoder_options.moe_layers:
+            self._refuse("a mixture-of-experts model")
+
+    def speculation(self, speculative_config, hf_config, tensor_parallel_size):
+        if speculative_config is not None:
+            self._refuse("speculative_config")
+
+    def adapters(self, lora_config, hf_config):
+        if lora_config.enable_lora:
+            self._refuse("enable_lora=True")
 
 
 def wants_data_parallel(kwargs: dict) -> bool:

@@ -29,7 +29,7 @@ def start_executor(config):
     process, or rank 0 of tensor-parallel workers / this torchrun rank (launch/executors.py)."""
     strategy = forward_strategy(config)
     if config.parallel.tensor_parallel_size == 1 and config.parallel.distributed_executor_backend != "external_launcher":
-        from nanovllm.core.executor import start_in_process
+        from nanovllm.core.engine import start_in_process
 
         return start_in_process(config, strategy)
     from nanovllm.launch.executors import start_launched_executor
@@ -109,22 +109,27 @@ def adapters(lora_config, hf_config):
 
 def enable_logits_extensions(sampler, params) -> None:
     """Register on `sampler` (core/sampling.py's TokenSampler) the logits extensions that the
-    engine-validated `params` ask for, each once, at its first use: a request that asks for none
-    imports none of their modules."""
+    engine-validated `params` ask for, each once, at its first use, in its logits processing
+    (features/logits/processing.py, installed then): a request that asks for none imports none
+    of their modules."""
     if params.uses_penalties:
         from nanovllm.features.logits.penalties import Penalties
+        from nanovllm.features.logits.processing import logits_processing
 
-        if not any(isinstance(e, Penalties) for e in sampler.extensions):
-            sampler.add_extension(Penalties(sampler.device, sampler.pin))
+        logits_processing(sampler).add_once(Penalties, lambda: Penalties(sampler.device, sampler.pin))
     if params.bias or params.allowed_ids is not None or params.bad_word_ids:
         from nanovllm.features.logits.bias import TokenBias
+        from nanovllm.features.logits.processing import logits_processing
 
-        if not any(isinstance(e, TokenBias) for e in sampler.extensions):
-            sampler.add_extension(TokenBias(sampler.device, sampler.pin, sampler.prev_tokens))
-    if sampler.logprobs is None and (params.logprobs is not None or params.prompt_logprobs is not None):
+        logits_processing(sampler).add_once(TokenBias, lambda: TokenBias(sampler.device, sampler.pin,
+                                                                         sampler.prev_tokens))
+    if params.logprobs is not None or params.prompt_logprobs is not None:
         from nanovllm.features.logits.logprobs import Logprobs
+        from nanovllm.features.logits.processing import logits_processing
 
-        sampler.set_logprobs(Logprobs(sampler.device, sampler.pin))
+        processing = logits_processing(sampler)
+        if processing.logprobs is None:
+            processing.set_logprobs(Logprobs(sampler.device, sampler.pin))
 
 
 def tokenize_bad_words(front, params) -> None:

@@ -141,7 +141,7 @@ def test_tp2_n_samples_logprobs_and_penalties_equal_tp1(model_path, monkeypatch)
         assert llm.scheduler.num_preemptions > 0 and llm.block_manager.num_prefix_hit_tokens > 0
         assert len(calls) > 10, "too few steps sampled on every rank"
         bm = llm.block_manager
-        penalties = next(e for e in llm.model_runner.sampler.extensions if isinstance(e, Penalties))
+        penalties = next(e for e in llm.model_runner.sampler.processing.extensions if isinstance(e, Penalties))
         assert bm.num_free_blocks == bm.num_blocks and not penalties.counts.slots
     assert tokens == ref_tokens
     for a, b in zip(out, ref):

@@ -37,7 +37,7 @@ def penalties(sampler):
     """The sampler's registered penalties extension (its device token counts)."""
     from nanovllm.features.logits.penalties import Penalties
 
-    return next(e for e in sampler.extensions if isinstance(e, Penalties))
+    return next(e for e in sampler.processing.extensions if isinstance(e, Penalties))
 
 
 def reference(path, prompt, n, *, repetition=1.0, frequency=0.0, presence=0.0, bias=None, allowed=None,
@@ -210,11 +210,11 @@ def test_requests_that_use_none_of_it_take_the_plain_path(llm, monkeypatch):
     # Every extension an earlier request of this module registered, and any registered now.
     llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1, logprobs=1, repetition_penalty=1.2,
                                              logit_bias={3: 1.0}), use_tqdm=False)
-    for ext in sampler.extensions:
+    for ext in sampler.processing.extensions:
         monkeypatch.setattr(ext, "build", forbidden)
         monkeypatch.setattr(ext, "transform", forbidden)
-    monkeypatch.setattr(sampler.logprobs, "build", forbidden)
-    monkeypatch.setattr(sampler.logprobs, "gather", forbidden)
+    monkeypatch.setattr(sampler.processing.logprobs, "build", forbidden)
+    monkeypatch.setattr(sampler.processing.logprobs, "gather", forbidden)
     monkeypatch.setattr(logprobs, "gather_logprobs", forbidden)
     plain = [SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=8), greedy(8),
              SamplingParams(temperature=0.7, n=3, seed=2, max_tokens=6, min_tokens=2, stop=["x"])]
@@ -233,12 +233,12 @@ llm = LLM({ckpt!r}, kvcache_block_size=16, num_kvcache_blocks=32)
 llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
 loaded = sorted(m for m in sys.modules if m.startswith("nanovllm.features.logits"))
 assert not loaded, loaded
-assert not llm.model_runner.sampler.extensions and llm.model_runner.sampler.logprobs is None
+assert llm.model_runner.sampler.processing is None  # no extension, no logprobs reader
 llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=3, presence_penalty=0.5, logprobs=1),
              use_tqdm=False)
 loaded = sorted(m for m in sys.modules if m.startswith("nanovllm.features.logits"))
 assert loaded == ["nanovllm.features.logits", "nanovllm.features.logits.logprobs",
-                  "nanovllm.features.logits.penalties"], loaded
+                  "nanovllm.features.logits.penalties", "nanovllm.features.logits.processing"], loaded
 print("ok")
 """
 

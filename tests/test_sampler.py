@@ -897,12 +897,13 @@ class _BackgroundExtension:
 def test_a_background_extension_defers_the_draw_until_flush():
     """With defer, the draw (and prev_tokens) waits for flush() or the first wait for the tokens;
     without, it happens at once. Either way the tokens are the extension's."""
-    from nanovllm.core.sampling import DeferredTokens, TokenSampler
+    from nanovllm.core.sampling import TokenSampler
     from nanovllm.core.sequence import Sequence
+    from nanovllm.features.logits.processing import DeferredTokens, logits_processing
 
     ts = TokenSampler(4, torch.device("cpu"), None)
     ext = _BackgroundExtension()
-    ts.add_extension(ext)
+    logits_processing(ts).add_extension(ext)
     rows = [Sequence(i, [1, 2], SP(temperature=0.0), seed=i) for i in range(2)]
     logits = torch.randn(2, 8)
     pending = ts.sample(logits, rows, frozenset(), defer=True)

@@ -240,7 +240,7 @@ def test_constrained_rows_on_gpu_with_graphs(tmp_path):
     # xgrammar's mask kernel: the variants the extension compiled when it was made serve every
     # batch size (nothing compiles in a step).
     from xgrammar.kernels.apply_token_bitmask_inplace_triton import apply_token_bitmask_inplace_kernel as kernel
-    ext = next(e for e in llm.model_runner.sampler.extensions if isinstance(e, StructuredOutputs))
+    ext = next(e for e in llm.model_runner.sampler.processing.extensions if isinstance(e, StructuredOutputs))
     vocab, before = ext.grammars.info.vocab_size, compiled_variants(kernel)
     for n in (2, 5, 32, 33, 200):
         bits = torch.full((n, (vocab + 31) // 32), -1, dtype=torch.int32, device="cuda")

@@ -8,18 +8,21 @@ import logging
 import os
 import random
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from nanovllm.config import Config, read_json
 from nanovllm.core.block_manager import BlockManager, KVUsage
-from nanovllm.core.executor import Executor, ExecutorFactory, start_in_process
-from nanovllm.core.hooks import ModelFeatures
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
+from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
 from nanovllm.limits import check_unicode, describe_ids
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
+
+if TYPE_CHECKING:
+    from nanovllm.core.executor import Executor, ExecutorFactory
+    from nanovllm.core.hooks import ForwardStrategy, ModelFeatures
 
 logger = logging.getLogger(__name__)
 
@@ -295,6 +298,18 @@ class LLMEngine:
         runner = getattr(self, "model_runner", None)
         if runner is not None:
             runner.shutdown()
+
+
+def start_in_process(config: Config, forward_strategy: ForwardStrategy | None = None) -> Executor:
+    """The executor of a model in this process: a ModelRunner (LLMEngine's default). Several
+    processes (tensor and data parallelism, torchrun) are the front's to start: LLM does."""
+    if config.parallel.data_parallel_size > 1 or config.parallel.distributed_executor_backend == "ray":
+        raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
+                         "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "external_launcher":
+        raise ValueError("tensor_parallel_size > 1 and torchrun start processes through LLM's executors "
+                         "(launch/): create LLM(model, ...), not an LLMEngine")
+    return ModelRunner(config, forward_strategy)
 
 
 def encode_text(tokenizer, text: str, what: str, **kwargs) -> list[int]:

@@ -4,7 +4,8 @@ One engine step is `launch(batch, eos_token_ids)`: queue the batch's forward and
 device and return at once, with the tokens still on their way (`StepTokens`). Three executors:
 the single-process `ModelRunner` (core/model_runner.py), and in launch/ the tensor-parallel
 rank 0 that drives worker processes (tensor_parallel.py) and one torchrun rank
-(torchrun.py). The front (llm.py) picks one for its config; the engine only calls it.
+(torchrun.py). The front (llm.py) picks one for its config; the engine only calls it (its
+default, a ModelRunner in this process: core/engine.py's start_in_process).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from __future__ import annotations
 from typing import Callable, Protocol
 
 from nanovllm.config import Config
-from nanovllm.core.hooks import ForwardStrategy
-from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.sampling import TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
@@ -53,14 +52,3 @@ class Executor(Protocol):
 # What a front hands the engine: it makes the executor once the engine has its Config.
 ExecutorFactory = Callable[[Config], Executor]
 
-
-def start_in_process(config: Config, forward_strategy: ForwardStrategy | None = None) -> Executor:
-    """The executor of a model in this process: a ModelRunner (LLMEngine's default). Several
-    processes (tensor and data parallelism, torchrun) are the front's to start: LLM does."""
-    if config.parallel.data_parallel_size > 1 or config.parallel.distributed_executor_backend == "ray":
-        raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
-                         "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "external_launcher":
-        raise ValueError("tensor_parallel_size > 1 and torchrun start processes through LLM's executors "
-                         "(launch/): create LLM(model, ...), not an LLMEngine")
-    return ModelRunner(config, forward_strategy)

@@ -1,6 +1,7 @@
 """The hooks the core declares: small typed protocols that features implement and the fronts
 (`llm.py`, `serve/`) plug in when an option or a request asks for them. The core never names a
-feature: a plain generate with no options runs the core alone."""
+feature: a plain generate with no options runs the core alone. The core names these protocols in
+annotations only (imported under TYPE_CHECKING), so a plain generate does not load this module."""
 
 from __future__ import annotations
 
@@ -87,6 +88,26 @@ class ShardSampling(Protocol):
     def sample(self, sampler, model, hidden: torch.Tensor) -> torch.Tensor:
         """The rows' tokens from `hidden` through the model's LM-head shard, the same on every
         rank, also left in `sampler`'s (TokenSampler's) device buffer."""
+
+
+class LogitsProcessing(Protocol):
+    """What TokenSampler's draw becomes once a request asks for a LogitsExtension or the
+    LogprobsExtension (features/logits/processing.py, installed by the fronts): it holds them and
+    draws the step's tokens through them."""
+
+    logprobs: LogprobsExtension | None
+
+    def sample(self, logits: torch.Tensor, rows: list[Sequence], offsets: list[int], suppress, check, step,
+               defer: bool):
+        """As TokenSampler.sample, whose min_tokens suppression (`suppress`) and noise offsets it
+        takes; with `defer`, a draw waiting for background work returns a PendingTokens look-alike."""
+
+    def flush(self) -> None:
+        """Queue the deferred draw, if any (TokenSampler.flush)."""
+
+    def release(self, seq: Sequence) -> None:
+        """`seq` ended: every extension drops its state."""
+
 
 # ---------------------------------------------------------------- scheduling
 # The scheduler (core/scheduler.py) runs pending prompt work alone, else one decode token for
@@ -244,32 +265,3 @@ class ModelFeatures(Protocol):
     def adapters(self, lora_config, hf_config):
         """A factory (picklable: each rank calls it with its model runner and the most tokens a
         step holds) of the rank's Adapters for LLM(enable_lora=True, ...), or None."""
-
-
-class NoFeatures:
-    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
-
-    @staticmethod
-    def _refuse(what: str):
-        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
-                         f"not a bare LLMEngine")
-
-    def quantization_scheme(self, checkpoint_config, requested):
-        if checkpoint_config or requested is not None:
-            self._refuse("quantized weights")
-
-    def kv_scale_calibrator(self, calculate_kv_scales):
-        if calculate_kv_scales:
-            self._refuse("calculate_kv_scales=True")
-
-    def sparse_mlp(self, decoder_options):
-        if decoder_options.moe_layers:
-            self._refuse("a mixture-of-experts model")
-
-    def speculation(self, speculative_config, hf_config, tensor_parallel_size):
-        if speculative_config is not None:
-            self._refuse("speculative_config")
-
-    def adapters(self, lora_config, hf_config):
-        if lora_config.enable_lora:
-            self._refuse("enable_lora=True")

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.core.detokenizer import detokenize_continuation
-from nanovllm.core.hooks import DraftVerifier, TextTracker, TextTrackerFactory
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import DraftVerifier, TextTracker, TextTrackerFactory
 
 
 @dataclass

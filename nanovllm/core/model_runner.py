@@ -17,22 +17,24 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from nanovllm.config import Config
 from nanovllm.core.cuda_graphs import DecodeGraphs
-from nanovllm.core.hooks import AfterSampling, ForwardStrategy
-from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
+from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit, copy_blocks
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.model.attention import Attention, host_to_device, prefill_metadata, select_backend
-from nanovllm.model.quant import finish_loading, quantize_model
 from nanovllm.model.loader import init_dummy, load_model
 from nanovllm.model.registry import model_class
 from nanovllm.parallel.group import TPGroup, use_tp_group
 from nanovllm.sampling_params import is_integer
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import AfterSampling, ForwardStrategy
 
 logger = logging.getLogger(__name__)
 
@@ -125,15 +127,16 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         if config.quant is not None:
-            quantize_model(model, config.quant)
+            config.quant.quantize(model)
         for layer in model.modules():
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
         if config.load_format == "dummy":
-            init_dummy(model, config.seed)
+            init_dummy(model, config.seed, config.quant)
         else:
             load_model(model, config.model)
-        finish_loading(model)
+        if config.quant is not None:
+            config.quant.finish_loading(model)
         return model
 
     # ------------------------------------------------------------------ a step
@@ -185,7 +188,7 @@ class ModelRunner:
         if step.fork_rows or step.prompt_rows:
             hidden = self._extra_rows(hidden, step, every)
         if step.block_copies:
-            self._copy_blocks(step.block_copies)  # after the forward wrote the source blocks
+            copy_blocks(self.kv_cache, step.block_copies, self.device)  # after the forward wrote the source blocks
         if step.sampling is not None:
             return step.sampling.sample(self.sampler, self.model, hidden)
         return self.model.compute_logits(hidden)
@@ -202,13 +205,6 @@ class ModelRunner:
 
     def _index(self, rows: list[int]) -> torch.Tensor:
         return host_to_device(rows, torch.long, self.device, self.device.type == "cuda")
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """KV blocks src -> dst in every layer (copy on write of a prompt's last block for the
-        samples forked from it)."""
-        src = self._index([a for a, _ in copies])
-        dst = self._index([b for _, b in copies])
-        self.kv_cache[:, :, dst] = self.kv_cache.index_select(2, src)
 
     def release(self, seq) -> None:
         """A request ended: drop its sampling state (penalty counts) on this rank."""

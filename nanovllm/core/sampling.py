@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.core.hooks import LogitsExtension, LogprobsExtension, PendingLogprobs, StepLogprobs
 from nanovllm.core.sampler import Sampler, SamplingTensors
 from nanovllm.core.sequence import Sequence
 from nanovllm.model.attention import host_to_device
+
+if TYPE_CHECKING:
+    from nanovllm.core.hooks import LogitsProcessing, PendingLogprobs, StepLogprobs
 
 
 def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
@@ -25,16 +28,6 @@ def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
     if seq.num_completion_tokens >= seq.params.min_tokens:
         return set()
     return set(seq.params.stop_ids) | (set() if seq.params.ignore_eos else set(eos_token_ids))
-
-
-def _suppress_unless_nothing_is_left(x: torch.Tensor, suppress) -> None:
-    """min_tokens' suppression applied to the extensions' fp32 logits x, but not on a row where
-    they allow nothing else (a structured output that is complete allows only EOS): the row may
-    then take them. Without a host sync (the rows are found on the device)."""
-    rows, cols = suppress
-    banned = x.index_put((rows, cols), x.new_tensor(float("-inf")))
-    nothing_left = torch.isneginf(banned).all(dim=-1)
-    x.index_put_((rows, cols), torch.where(nothing_left[rows], x[rows, cols], float("-inf")))
 
 
 class PendingTokens:
@@ -65,37 +58,18 @@ class PendingTokens:
         return None if self._logprobs is None else self._logprobs.result()
 
 
-class DeferredTokens:
-    """PendingTokens whose draw waits for an extension's background host work (queued by
-    TokenSampler.flush at the next launch, or by the first wait for the tokens)."""
-
-    def __init__(self, draw):
-        self._draw, self._pending = draw, None
-
-    def queue(self) -> PendingTokens:
-        self._pending = self._pending or self._draw()
-        return self._pending
-
-    def result(self) -> list[int]:
-        return self.queue().result()
-
-    def logprobs(self) -> StepLogprobs | None:
-        return self.queue().logprobs()
-
-
 class TokenSampler:
     """Samples the next token of each row on one rank and hands the tokens to the host.
 
-    `extensions` (core/hooks.py) change the logits of the rows they apply to, `logprobs` reads
-    them after the draw; the fronts register them on first use (add_extension, set_logprobs).
-    A step in which no row asks for any runs the basic sampler alone."""
+    `processing` (core/hooks.py's LogitsProcessing: features/logits/processing.py) runs the
+    logits extensions and the logprobs reader; the fronts install it at the first request that
+    asks for one. Until then every step runs the basic sampler alone."""
 
     def __init__(self, max_rows: int, device: torch.device, tp):
         self.device, self.tp = device, tp
         self.pin = device.type == "cuda"
         self.sampler = Sampler()
-        self.extensions: list[LogitsExtension] = []
-        self.logprobs: LogprobsExtension | None = None
+        self.processing: LogitsProcessing | None = None
         # The last step's sampled tokens, one row per scheduled sequence, kept on the device for
         # the next step's inputs; two pinned host copies alternate so that reading step n's
         # tokens never races with step n+1 writing its own.
@@ -104,16 +78,7 @@ class TokenSampler:
         self._events = [torch.cuda.Event() if self.pin else None for _ in range(2)]
         self._flip = 0
         self._last: PendingTokens | None = None  # the last published step's tokens
-        self._deferred: DeferredTokens | None = None  # a draw waiting for flush()
         self._cache = None  # (key, SamplingTensors, extension states | None) of the last step
-
-    def add_extension(self, ext: LogitsExtension) -> None:
-        self.extensions = sorted(self.extensions + [ext], key=lambda e: e.order)
-        self._cache = None
-
-    def set_logprobs(self, ext: LogprobsExtension) -> None:
-        self.logprobs = ext
-        self._cache = None
 
     def input_tokens(self, ids: torch.Tensor, src_rows: torch.Tensor) -> torch.Tensor:
         """Input token per row: the host's, or (src >= 0) the previous step's sampled token that
@@ -126,8 +91,8 @@ class TokenSampler:
 
     def release(self, seq: Sequence) -> None:
         """`seq` ended: the extensions drop its state."""
-        for ext in self.extensions:
-            ext.release(seq)
+        if self.processing is not None:
+            self.processing.release(seq)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[Sequence], eos_token_ids: frozenset[int],
@@ -135,49 +100,29 @@ class TokenSampler:
         """The next token of each row (rank 0) from logits [len(rows) (+ prompt-logprob rows), V],
         left in `prev_tokens` for the next step and copied to the host without blocking. `step`
         (StepInput) says which trailing logits rows are prompt positions for prompt logprobs.
-        `defer` (the runner flushes before the next step reads the tokens): an extension's
-        background host work may hold the draw until then (DeferredTokens)."""
+        `defer` (the runner flushes before the next step reads the tokens): the processing's
+        background host work may hold the draw until then."""
         self.flush()
         n = len(rows)
-        prompt_logits = logits[n:] if step is not None and step.prompt_rows else None
-        logits = logits[:n]
         offsets = step.sample_offsets if step is not None and step.sample_offsets else [len(s) for s in rows]
-        t, states = self.cached_tensors([s.seq_id for s in rows], offsets,
-                                        lambda: self._build(rows, offsets, logits.shape[-1]))
-        changes, lp_state = states if states is not None else ((), None)
-        background = [ext.prepare(state, step) for ext, state in changes]
-        draw = (logits, prompt_logits, t, changes, lp_state, self._suppress(rows, eos_token_ids), n, check, step)
-        if defer and any(background):
-            self._deferred = DeferredTokens(lambda: self._draw(*draw))
-            return self._deferred
-        return self._draw(*draw)
+        processing = self.processing
+        if step is not None and step.prompt_rows and (processing is None or processing.logprobs is None):
+            raise RuntimeError("prompt logprobs were planned but no logprobs extension is registered")
+        if processing is not None:
+            return processing.sample(logits, rows, offsets, self._suppress(rows, eos_token_ids), check, step, defer)
+        t, _ = self.cached_tensors([s.seq_id for s in rows], offsets, lambda: (self.tensors(rows, offsets), None))
+        self.prev_tokens[:n].copy_(self.sampler(logits[:n], t, self._suppress(rows, eos_token_ids)))
+        return self.publish(n, check)
 
     def flush(self) -> None:
-        """Queue a deferred draw (before the next step's inputs read prev_tokens)."""
-        if self._deferred is not None:
-            deferred, self._deferred = self._deferred, None
-            deferred.queue()
+        """Queue a draw the processing deferred (before the next step's inputs read prev_tokens)."""
+        if self.processing is not None:
+            self.processing.flush()
 
-    @torch.inference_mode()
-    def _draw(self, logits, prompt_logits, t, changes, lp_state, suppress, n, check, step) -> PendingTokens:
-        x = logits
-        if changes:
-            x = logits.to(torch.float32, copy=True)
-            for ext, state in changes:
-                ext.transform(x, state, step)
-        if changes and suppress is not None:
-            _suppress_unless_nothing_is_left(x, suppress)
-            suppress = None  # (applied to x)
-        tokens = self.sampler(x, t, suppress)
-        copies = None
-        if lp_state is not None or prompt_logits is not None:
-            if self.logprobs is None:
-                raise RuntimeError("prompt logprobs were planned but no logprobs extension is registered")
-            copies = self.logprobs.gather(lp_state, logits, tokens, prompt_logits, step)
-        for ext, state in changes:
-            ext.observe(state, tokens)
-        self.prev_tokens[:n].copy_(tokens)
-        return self.publish(n, check, copies)
+    def tensors(self, rows: list[Sequence], offsets: list[int]) -> SamplingTensors:
+        """The rows' sampling parameters on the device (`offsets`: each row's noise offset)."""
+        return SamplingTensors.build([s.params for s in rows], [s.seed for s in rows], offsets, self.device,
+                                     pin_memory=self.pin)
 
     def _suppress(self, rows: list[Sequence], eos_token_ids: frozenset[int]):
         """(rows, cols) device index tensors of the tokens suppressed before min_tokens, or None."""
@@ -190,22 +135,6 @@ class TokenSampler:
             return None
         return (host_to_device(rws, torch.long, self.device, self.pin),
                 host_to_device(cols, torch.long, self.device, self.pin))
-
-    def _build(self, rows: list[Sequence], offsets: list[int], vocab: int):
-        """(SamplingTensors, extension states): ([(extension, state)], logprobs state or None) for
-        the extensions that apply to some row, or None when none does."""
-        t = SamplingTensors.build([s.params for s in rows], [s.seed for s in rows], offsets, self.device,
-                                  pin_memory=self.pin)
-        changes, lp_state = [], None
-        for ext in self.extensions:
-            where = [i for i, s in enumerate(rows) if ext.applies(s.params)]
-            if where:
-                changes.append((ext, ext.build(rows, where, vocab)))
-        if self.logprobs is not None:
-            where = [i for i, s in enumerate(rows) if self.logprobs.applies(s.params)]
-            if where:
-                lp_state = self.logprobs.build(rows, where, vocab)
-        return t, ((changes, lp_state) if changes or lp_state is not None else None)
 
     def publish(self, n: int, check=None, logprobs: PendingLogprobs | None = None) -> PendingTokens:
         """Start copying the step's sampled tokens (`prev_tokens[:n]`) to the host (`check`:

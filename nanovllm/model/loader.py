@@ -6,12 +6,14 @@ import contextlib
 import glob
 import os
 import re
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.model.quant import init_dummy_quantized
+if TYPE_CHECKING:
+    from nanovllm.model.quant import QuantScheme
 
 
 def _resolve(params: dict, mapping: dict, name: str):
@@ -140,9 +142,9 @@ _DUMMY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @torch.no_grad()
-def init_dummy(model: nn.Module, seed: int = 0) -> None:
+def init_dummy(model: nn.Module, seed: int = 0, scheme: QuantScheme | None = None) -> None:
     """Random weights of realistic scale (benchmarks without the real checkpoint); parameters in
-    a quantized format (FP8 codes, block scales) are drawn by their method (model/quant.py)."""
+    `scheme`'s stored format (FP8 codes, block scales) are drawn by their method (model/quant.py)."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, param in model.named_parameters():
         if param.dtype not in _DUMMY_DTYPES or getattr(param, "block", None):
@@ -151,4 +153,5 @@ def init_dummy(model: nn.Module, seed: int = 0) -> None:
             param.fill_(1.0)
         else:
             param.normal_(0.0, 0.02, generator=gen)
-    init_dummy_quantized(model, seed)
+    if scheme is not None:
+        scheme.init_dummy(model, seed)

@@ -2,8 +2,8 @@
 
 A scheme (features/quantization/) is resolved by the front from `LLM(quantization=...)` and the
 checkpoint's `quantization_config`; the engine's Config carries it to every rank. Before
-the weights load, `quantize_model` asks it for a method per quantizable module, which then owns
-that module's weights:
+the weights load, its `quantize` picks a method per quantizable module, which then owns that
+module's weights (features/quantization/model_steps.py runs these steps for every scheme):
 
     create        its parameters in the stored format; each new parameter loads its checkpoint
                   tensor through its `weight_loader` (the module's own, which takes this rank's
@@ -20,13 +20,10 @@ such as an MoE router, 16-bit under every scheme) and hold their method in `quan
 
 from __future__ import annotations
 
-import logging
-from typing import Iterator, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
-
-logger = logging.getLogger(__name__)
 
 
 class QuantMethod(Protocol):
@@ -50,41 +47,13 @@ class QuantScheme(Protocol):
     def method_for(self, kind: str, name: str) -> QuantMethod | None:
         """The method of the module `name` of this `quant_kind`, or None to keep it 16-bit."""
 
+    def quantize(self, model: nn.Module) -> int:
+        """Give each quantizable module it covers its method (method_for) and the method's
+        parameters, before the weights load; how many modules it quantized."""
 
-def quantizable_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    for name, module in model.named_modules():
-        if getattr(module, "quant_kind", None) is not None:
-            yield name, module
+    def init_dummy(self, model: nn.Module, seed: int) -> None:
+        """Random weights in the stored format for the modules a method holds (load_format="dummy")."""
 
+    def finish_loading(self, model: nn.Module) -> None:
+        """After the weights loaded: each module's method converts what it loaded (after_loading)."""
 
-def quantize_model(model: nn.Module, scheme: QuantScheme) -> int:
-    """Give every module the scheme covers its method and stored-format parameters, before the
-    weights load. Returns how many modules are quantized."""
-    count = 0
-    for name, module in quantizable_modules(model):
-        method = scheme.method_for(module.quant_kind, name)
-        if method is not None:
-            module.quant = method
-            method.create(module, name)
-            count += 1
-    logger.info("%s: %d linear layers and experts modules quantized", scheme, count)
-    return count
-
-
-@torch.no_grad()
-def init_dummy_quantized(model: nn.Module, seed: int) -> None:
-    """Random weights, in their stored format, for the modules a method holds."""
-    gen = None
-    for _, module in quantizable_modules(model):
-        if module.quant is not None:
-            if gen is None:
-                gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed + 1)
-            module.quant.init_dummy(module, gen)
-
-
-@torch.no_grad()
-def finish_loading(model: nn.Module) -> None:
-    """After the weights loaded: each method converts what it loaded."""
-    for _, module in quantizable_modules(model):
-        if module.quant is not None:
-            module.quant.after_loading(module)

@@ -2,7 +2,8 @@
 in plain torch and the dispatchers to the kernels of nanovllm/kernels/fp8_gemm.py; `fp8_moe.py`:
 FP8 MoE experts; `fp8_kv.py`: the FP8 KV cache's options and scale calibration; `int4.py`: INT4
 weight-only GPTQ / AWQ / compressed-tensors checkpoints, `int4_formats.py` and `int4_loading.py`
-their storage, nanovllm/kernels/w4a16.py their GEMM).
+their storage, nanovllm/kernels/w4a16.py their GEMM; `model_steps.py`: what every scheme does to a
+whole model: quantize it, draw dummy weights, finish loading).
 
 Each scheme is a model/quant.py `QuantScheme` (the linear-method hook it plugs into), named in
 `SCHEMES` by its quantization name. `resolve_quantization` turns what the user asked for (`LLM(quantization=...)`)

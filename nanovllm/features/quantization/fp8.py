@@ -27,12 +27,13 @@ from torch import nn
 
 from nanovllm.model.decoder import head_dim_of
 from nanovllm.features.quantization.fp8_moe import CheckpointFp8Experts, OnlineFp8Experts
+from nanovllm.features.quantization.model_steps import SchemeSteps
 from nanovllm.features.quantization.fp8_ops import (BLOCK, FP8_DTYPE, fp8_block_linear, fp8_tensor_linear,
                                                   quantize_weight_block_fp8, quantize_weight_per_tensor_fp8)
 
 
 @dataclass(frozen=True)
-class Fp8Config:
+class Fp8Config(SchemeSteps):
     """How a model's linear weights are stored in FP8 (see the module docstring): a
     `QuantScheme` of model/quant.py."""
 

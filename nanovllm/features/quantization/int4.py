@@ -20,6 +20,7 @@ from torch import nn
 from nanovllm.features.quantization.int4_formats import dequantize
 from nanovllm.features.quantization.int4_loading import CONVERTERS, fill_dummy, load_part, tensor_specs
 from nanovllm.features.quantization.int4_moe import Int4Experts
+from nanovllm.features.quantization.model_steps import SchemeSteps
 from nanovllm.kernels.w4a16 import can_run, w4a16_matmul
 
 
@@ -49,7 +50,7 @@ class DequantWorkspace:
 
 
 @dataclass(frozen=True)
-class Int4Config:
+class Int4Config(SchemeSteps):
     """An INT4 checkpoint's scheme (a model/quant.py QuantScheme): its format, group size (-1:
     one group per output channel), symmetry, activation order, GPTQ's v1 zero points (stored
     z - 1) and the modules left in 16 bits."""

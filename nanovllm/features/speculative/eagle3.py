@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from nanovllm.core.cuda_graphs import DecodeGraphs
-from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache
+from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
 from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.features.speculative.drafting import take_draft_slots
 from nanovllm.features.speculative.eagle3_head import Eagle3Head, load_head
@@ -91,11 +91,7 @@ class Eagle3Proposer:
                                seq.num_preemptions)
             first += count
         if step.block_copies:  # a prompt's last block copied for its forked samples: the head's too
-            self._copy_blocks(step.block_copies)
-
-    def _copy_blocks(self, copies) -> None:
-        src, dst = self._index([a for a, _ in copies]), self._index([b for _, b in copies])
-        self.kv_cache[:, :, dst] = self.kv_cache.index_select(2, src)
+            copy_blocks(self.kv_cache, step.block_copies, self.device)
 
     def _index(self, values) -> torch.Tensor:
         return host_to_device(values, torch.long, self.device, self.device.type == "cuda")

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from nanovllm.core.sequence import Sequence
+from nanovllm.features.logits.processing import logits_processing
 from nanovllm.features.structured.grammars import Grammars, xgr
 from nanovllm.model.attention import host_to_device
 
@@ -104,7 +105,8 @@ class StructuredOutputs:
         (rank 0's) sampler, registered at the first use; a data-parallel front has no sampler:
         it compiles to check, and each replica registers its own as the request reaches it."""
         sampler = getattr(engine.model_runner, "sampler", None)
-        ext = None if sampler is None else next((e for e in sampler.extensions if isinstance(e, cls)), None)
+        processing = None if sampler is None else logits_processing(sampler)
+        ext = None if processing is None else next((e for e in processing.extensions if isinstance(e, cls)), None)
         if ext is None:
             grammars = engine.__dict__.get("_grammars") or Grammars(engine.tokenizer, engine.vocab_size,
                                                                     engine.eos_token_ids)
@@ -113,7 +115,7 @@ class StructuredOutputs:
                 grammars.compile(spec)
                 return
             ext = cls(grammars, sampler.device, sampler.pin, sampler.last_published)
-            sampler.add_extension(ext)
+            processing.add_extension(ext)
         ext.grammars.compile(spec)
 
     def applies(self, params) -> bool:
