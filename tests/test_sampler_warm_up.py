@@ -81,17 +81,22 @@ def test_warm_up_compiles_every_variant_forward_launches():
     assert len(warmed) <= 16  # a handful of compiles at start-up, not one per mix of filters
 
 
-def compiled_variants() -> int:
-    """How many variants of the sampling kernels this process has compiled (Triton's caches)."""
+def sampling_kernels() -> tuple:
     from nanovllm.kernels import sampling, top_p
 
-    return triton_caches.compiled_variants(sampling._gumbel_argmax_kernel, top_p._filter_scan_kernel,
-                                           top_p._filter_mass_kernel, top_p._filter_decide_kernel)
+    return sampling._gumbel_argmax_kernel, top_p._filter_scan_kernel, top_p._filter_mass_kernel, top_p._filter_decide_kernel
+
+
+def compiled_variants() -> int:
+    """How many variants of the sampling kernels this process has compiled (Triton's caches)."""
+    return triton_caches.compiled_variants(*sampling_kernels())
 
 
 @pytest.mark.gpu
 def test_on_cuda_nothing_compiles_after_the_warm_up():
-    """The real caches (alignment and all): after warm_up, batches of every mix compile nothing."""
+    """The real caches (alignment and all): after warm_up, batches of every mix compile nothing.
+    The caches start empty (other GPU tests in the process compile their own variants)."""
+    triton_caches.forget_compiled(*sampling_kernels())
     sampler, vocab = Sampler(), 151_936
     sampler.warm_up(vocab, {torch.bfloat16, torch.float32}, "cuda")
     warmed = compiled_variants()
