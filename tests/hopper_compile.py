@@ -63,8 +63,9 @@ def capture_launches(scenario) -> list[tuple]:
     return launches
 
 
-def compile_launch(kernel, named: dict, options: dict):
-    """triton.compile of one caught launch for sm90 (a missing argument keeps its default)."""
+def compile_launch(kernel, named: dict, options: dict, capability: int = 90):
+    """triton.compile of one caught launch for sm90, or another capability (a missing argument
+    keeps its default)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -83,7 +84,7 @@ def compile_launch(kernel, named: dict, options: dict):
         else:
             signature[p.name] = _type_of(value)
     src = ASTSource(kernel, signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
 # ---------------------------------------------------------------------------- scenarios
@@ -243,6 +244,8 @@ SCENARIOS = {
     "w4a16_prefill": lambda: _w4a16(300, 128),
     # The unpacking tensor-core kernel's inline PTX in fp16 (bf16: w4a16_split_k_g32).
     "w4a16_mma_g32_fp16": lambda: _w4a16(8, 32, torch.float16),
+    "w4a16_mma_g128": lambda: _w4a16(16, 128),  # the tile in one group: a scale per column
+    "w4a16_mma_g128_sm80": lambda: _w4a16(16, 128),  # (its PTX must not need sm_90: see ON_SM80)
     # INT4 experts: decode's blocks, and larger ones with act-order perms.
     "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
     "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),
@@ -261,6 +264,10 @@ SCENARIOS = {
 }
 
 
+# Scenarios compiled for sm_80 (A100) instead: inline PTX that Hopper alone would take.
+ON_SM80 = {"w4a16_mma_g128_sm80"}
+
+
 def main(names: list[str]) -> None:
     if os.environ.get("TRITON_INTERPRET"):
         raise SystemExit("run without TRITON_INTERPRET: the interpreter's @triton.jit cannot be compiled")
@@ -275,7 +282,8 @@ def main(names: list[str]) -> None:
         for kernel, named, options in launches:
             result = {"scenario": name, "kernel": kernel.fn.__name__}
             try:
-                result["ok"] = bool(compile_launch(kernel, named, options).asm["cubin"])
+                capability = 80 if name in ON_SM80 else 90
+                result["ok"] = bool(compile_launch(kernel, named, options, capability).asm["cubin"])
             except Exception as e:  # noqa: BLE001
                 result.update(ok=False, error=f"{type(e).__name__}: {e}"[:3000])
             print(json.dumps(result), flush=True)

@@ -55,8 +55,9 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
 
 @pytest.mark.parametrize("m, group, k, config", [
     (1, 64, 1024, None), (3, 256, 512, "gemv"), (4, 32, 480, "gemv"),  # GEMV: a tile over 8 groups; K not in whole tiles
-    (5, 32, 512, None), (70, 128, 256, None), (3, 32, 480, "mma"),  # tensor cores: split-K 4, 2; K in 32-row tiles
+    (5, 32, 512, None), (70, 128, 256, None), (3, 32, 480, "mma"),  # tensor cores: split-K 4, 2; 15 K-tiles in 4 splits
     (20, 64, 512, "mma-split"), (37, 256, 512, "mma-split"),  # groups smaller / larger than the K-tile
+    (8, 96, 576, None),  # a group that is no multiple of the K-tile (64): each word's own group
     (130, 64, 256, None), (3, 32, 480, "dequant")])  # the weight dequantized, then a matmul
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
@@ -67,7 +68,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import Dequant, Gemv, Mma, w4a16_matmul
 
-    config = {"gemv": Gemv(16, 32, 4), "mma": Mma(16, 64, 32, 1), "mma-split": Mma(16, 32, 128, 2),
+    config = {"gemv": Gemv(16, 32, 4), "mma": Mma(16, 64, 32, 4), "mma-split": Mma(16, 32, 128, 2),
               "dequant": Dequant(4, 32), None: None}[config]
 
     n = 96
@@ -80,6 +81,18 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, group, config=config, workspace=workspace)
     want = x @ dequantize(w)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("config", [(16, 64, 96), (16, 64, 256), (128, 64, 64)])
+def test_a_tensor_core_launch_that_does_not_fit_is_refused(config):
+    """No mask along K: a K-tile that does not divide K would drop rows; tiles of more than 64
+    rows are refused (kernels/w4a16_mma.py)."""
+    from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
+
+    k, n = 384, 64
+    with pytest.raises(ValueError, match="does not fit"):
+        w4a16_matmul(torch.randn(4, k), torch.zeros(k // 8, n, dtype=torch.int32), torch.ones(k // 128, n),
+                     torch.zeros(k // 128, n), 128, config=Mma(*config))
 
 
 @pytest.mark.gpu

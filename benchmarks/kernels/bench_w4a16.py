@@ -43,7 +43,7 @@ def candidates(m: int) -> list:
                 for wp in (4, 8) for pf in (1, 0) for fa in (1, 0)]
     if m <= 64:
         return [Mma(16 if m <= 16 else 64, bn, bk, sp) for bn in (32, 64, 128) for bk in (64, 128) for sp in (1, 2, 4)]
-    return [Dequant()] + [Mma(bm, 64, 128, sp) for bm in (64, 128) for sp in (1, 2)]
+    return [Dequant()] + [Mma(64, bn, 128, sp) for bn in (64, 128) for sp in (1, 2)]
 
 
 def rotating(make, nbytes: int):

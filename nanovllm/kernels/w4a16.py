@@ -188,6 +188,6 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def can_run(k: int, group_size: int) -> bool:
-    """Whether the kernels take a weight of K input features in groups of `group_size` (a tile
-    of at least 32 K-rows inside one group)."""
+    """Whether the kernels take a weight of K input features in groups of `group_size` (K in
+    tiles of 32 rows at least, groups of whole words)."""
     return k % 32 == 0 and group_size % 32 == 0 and k % group_size == 0

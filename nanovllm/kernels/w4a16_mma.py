@@ -11,12 +11,13 @@ parts, and `tl.join` + a reshape lay those out as the [BLOCK_N, BLOCK_K] tile of
 order. (Measured on the H200 and dropped: a dot per part with x's strided columns instead of
 the join, 1.1-2x slower; the untransposed product, 2-10x slower below 128 rows.)
 
-ASM (CUDA): the unpacking is Marlin's in inline PTX, two weights an instruction each step:
-`lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the bits of the 16-bit
-float pair {128, 128} (bf16: 0x4300; fp16 1024: 0x6400), which is exactly {128 + q_t,
-128 + q_t+4}; `sub` takes 128 + z (exact, small integers) and `mul` the scale, rounded once: the
-weight equals (q - z) * s rounded to 16 bits, as a dequantized checkpoint holds it. The
-interpreter (and ASM=False) computes the same values in fp32 and rounds once.
+ASM (CUDA, sm_80 on): the unpacking is Marlin's in inline PTX, two weights an instruction each
+step: `lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the bits of the
+16-bit float pair {128, 128} (bf16: 0x4300; fp16 1024: 0x6400), which is exactly {128 + q_t,
+128 + q_t+4}; one packed FMA takes 128 + z (exact, small integers) and another multiplies by the
+scale, rounded once: the weight equals (q - z) * s rounded to 16 bits, as a dequantized
+checkpoint holds it. The interpreter (and ASM=False) computes the same values in fp32 and
+rounds once.
 """
 
 from __future__ import annotations
@@ -28,31 +29,35 @@ import torch
 import triton
 import triton.language as tl
 
-# Nibbles t and t + 4 of a word as a 16-bit float pair, minus the (magic + z) pair, times s.
+# Nibbles t and t + 4 of a word as a 16-bit float pair, minus the (magic + z) pair (an FMA by 1:
+# exact), times s (an FMA adding -0.0: one rounding). FMAs, not sub / mul, because bf16x2 sub and
+# mul need sm_90 and bf16x2 fma sm_80 (f16x2: sm_53).
 _PAIR = """
 lop3.b32 t, {w}, 0x000F000F, {magic}, 0xEA;
-sub.{ty} t, t, z2;
-mul.rn.{ty} t, t, s2;
+fma.rn.{ty} t, t, one, z2;
+fma.rn.{ty} t, t, s2, nzero;
 mov.b32 {{{lo}, {hi}}}, t;"""
 
 
-def _unpack_asm(magic: str, ty: str) -> str:
-    steps = [_PAIR.format(w="$8", magic=magic, ty=ty, lo="$0", hi="$4")]
+def _unpack_asm(magic: str, one: str, ty: str) -> str:
+    """PTX: $8 a word, $9 its scale, $10 -(magic + z) -> $0..$7 its eight weights."""
+    pair = dict(magic=magic, ty=ty)
+    steps = [_PAIR.format(w="$8", lo="$0", hi="$4", **pair)]
     for t in (1, 2, 3):
-        steps.append(f"\nshr.u32 w, $8, {4 * t};" + _PAIR.format(w="w", magic=magic, ty=ty, lo=f"${t}",
-                                                                     hi=f"${t + 4}"))
-    return ("{\n.reg .b32 w, t, s2, z2;\nmov.b32 s2, {$9, $9};\nmov.b32 z2, {$10, $10};"
-            + "".join(steps) + "\n}")
+        steps.append(f"\nshr.u32 w, $8, {4 * t};" + _PAIR.format(w="w", lo=f"${t}", hi=f"${t + 4}", **pair))
+    return ("{\n.reg .b32 w, t, s2, z2, one, nzero;\nmov.b32 s2, {$9, $9};\nmov.b32 z2, {$10, $10};"
+            f"\nmov.b32 one, {one};\nmov.b32 nzero, 0x80008000;" + "".join(steps) + "\n}")
 
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # (inline PTX does not run there)
-UNPACK_BF16 = tl.constexpr(_unpack_asm("0x43004300", "bf16x2"))
-UNPACK_FP16 = tl.constexpr(_unpack_asm("0x64006400", "f16x2"))
+UNPACK_BF16 = tl.constexpr(_unpack_asm("0x43004300", "0x3F803F80", "bf16x2"))
+UNPACK_FP16 = tl.constexpr(_unpack_asm("0x64006400", "0x3C003C00", "f16x2"))
 
 
 @triton.jit
 def _nibbles_asm(words, s, zc, IS_BF16: tl.constexpr):
-    """Eight [R, C] tensors: nibble j of each word as (q - z) * s in s's dtype (inline PTX)."""
+    """Eight [R, C] tensors: nibble j of each word as (q - z) * s in s's dtype (inline PTX; zc is
+    -(magic + z))."""
     s = tl.broadcast_to(s, words.shape)
     zc = tl.broadcast_to(zc, words.shape)
     if IS_BF16:
@@ -95,17 +100,19 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.
     """W^T's tile [BLOCK_N, BLOCK_K] of K-rows k0 .. k0 + BLOCK_K in DTYPE."""
     w2, n2, mn = (k0 // 8 + offs_w)[None, :], offs_n[:, None], mask_n[:, None]
     words = tl.load(qw_ptr + w2 * N + n2, mask=mn, other=0)  # [BLOCK_N, BLOCK_K / 8]
-    if GROUP >= BLOCK_K:  # one group for the whole tile: a scale per column
+    if GROUP % BLOCK_K == 0:  # the tile lies in one group: a scale per column
         sz = (k0 // GROUP) * N + n2
-    else:  # each word's own group
+    else:  # each word's own group (8 divides every group)
         sz = (w2 * 8 // GROUP) * N + n2
     s = tl.load(s_ptr + sz, mask=mn, other=0.0)
     z = tl.load(z_ptr + sz, mask=mn, other=0.0)
     if ASM:
         if DTYPE == tl.bfloat16:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, (z.to(tl.float32) + 128.0).to(DTYPE), True)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s.to(DTYPE), (-128.0 - z.to(tl.float32)).to(DTYPE),
+                                                          True)
         else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, (z.to(tl.float32) + 1024.0).to(DTYPE), False)
+            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s.to(DTYPE), (-1024.0 - z.to(tl.float32)).to(DTYPE),
+                                                          False)
     else:
         sf, zc = s.to(tl.float32), z.to(tl.float32) + 128.0
         v0, v1, v2, v3 = (_nibble(words, sf, zc, 0, DTYPE), _nibble(words, sf, zc, 1, DTYPE),
@@ -127,7 +134,7 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = tl.program_id(2) * k_per_split
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         w = _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP, BLOCK_K, ASM,
                          x_ptr.dtype.element_ty)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
@@ -141,7 +148,7 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 
 class Mma(NamedTuple):
-    block_m: int  # rows of x per program (the MMA's N side: 16 at least)
+    block_m: int  # rows of x per program (the MMA's N side: 16 to 64)
     block_n: int  # output columns per program (the MMA's M side)
     block_k: int  # K-rows per step (a power of two from 32 that divides K)
     splits: int = 1  # K split into this many programs per tile (atomic fp32 sums when > 1)
@@ -152,12 +159,15 @@ class Mma(NamedTuple):
 
 def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, cfg: Mma) -> torch.Tensor:
-    """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype)."""
+    """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype). Tiles of
+    more than 64 rows are refused: on the H200 one 128-row launch returned wrong sums (not
+    understood; BENCHMARKS.md), and `choose` never takes them."""
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
-    k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
+    if k % cfg.block_k or cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1) or not 16 <= cfg.block_m <= 64:
+        raise ValueError(f"mma_matmul: {cfg} does not fit K = {k} (block_k: a power of two from 32 dividing K, "
+                         f"no mask along K; block_m: 16 to 64)")
+    k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k  # whole tiles (the last split shorter)
     splits = triton.cdiv(k, k_per_split)
-    if k % k_per_split:  # (every split whole tiles: the kernel has no mask along K)
-        k_per_split, splits = cfg.block_k, k // cfg.block_k
     out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
         torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
