@@ -24,6 +24,7 @@ import triton.language as tl
 
 from nanovllm.kernels.moe_align import align_tokens_to_experts
 from nanovllm.kernels.w4a16 import can_run
+from nanovllm.kernels.w4a16_mma import float_128
 
 
 class Int4Stack(NamedTuple):
@@ -52,7 +53,7 @@ def _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl
 @triton.jit
 def _dequantized_tile(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, shifts, GROUP: tl.constexpr):
     words, s, c = _tile_step(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, GROUP)
-    q = ((((words >> shifts) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+    q = float_128(((words >> shifts) & 0xF) << 16)
     return tl.fma(q, s, -c)
 
 

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.w4a16_mma import Mma, mma_matmul, nibble_128
+from nanovllm.kernels.w4a16_mma import Mma, float_128, mma_matmul, nibble_128
 
 GEMV_MAX_M = 4
 DEQUANT_MIN_M = 128
@@ -126,7 +126,7 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, BL
     sz = (w3 * 8 // GROUP) * N + n3
     s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
     c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
-    q = ((((words >> (4 * j3)) & 0xF) << 16) | 0x43000000).to(tl.float32, bitcast=True)
+    q = float_128(((words >> (4 * j3)) & 0xF) << 16)
     tl.store(out_ptr + (w3 * 8 + j3) * N + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty), mask=mask & (j3 < 8))
 
 

@@ -16,8 +16,8 @@ step: `lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the
 16-bit float pair {128, 128} (bf16: 0x4300; fp16 1024: 0x6400), which is exactly {128 + q_t,
 128 + q_t+4}; one packed FMA takes 128 + z (exact, small integers) and another multiplies by the
 scale, rounded once: the weight equals (q - z) * s rounded to 16 bits, as a dequantized
-checkpoint holds it. The interpreter (and ASM=False) computes the same values in fp32 and
-rounds once.
+checkpoint holds it. Under the interpreter (no PTX there) the same values are computed in fp32
+and rounded once.
 """
 
 from __future__ import annotations
@@ -55,30 +55,37 @@ UNPACK_FP16 = tl.constexpr(_unpack_asm("0x64006400", "0x3C003C00", "f16x2"))
 
 
 @triton.jit
-def _nibbles_asm(words, s, zc, IS_BF16: tl.constexpr):
-    """Eight [R, C] tensors: nibble j of each word as (q - z) * s in s's dtype (inline PTX; zc is
-    -(magic + z))."""
-    s = tl.broadcast_to(s, words.shape)
-    zc = tl.broadcast_to(zc, words.shape)
-    if IS_BF16:
+def _nibbles_asm(words, s, z, DTYPE: tl.constexpr):
+    """Eight [R, C] tensors: nibble j of each word as (q - z) * s in DTYPE (bf16 or fp16; inline
+    PTX, which takes -(magic + z))."""
+    s = tl.broadcast_to(s.to(DTYPE), words.shape)
+    if DTYPE == tl.bfloat16:
+        zc = tl.broadcast_to((-128.0 - z.to(tl.float32)).to(DTYPE), words.shape)
         return tl.inline_asm_elementwise(UNPACK_BF16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, zc],
                                          dtype=(tl.bfloat16,) * 8, is_pure=True, pack=1)
     else:
+        zc = tl.broadcast_to((-1024.0 - z.to(tl.float32)).to(DTYPE), words.shape)
         return tl.inline_asm_elementwise(UNPACK_FP16, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [words, s, zc],
                                          dtype=(tl.float16,) * 8, is_pure=True, pack=1)
 
 
 @triton.jit
+def float_128(q16):
+    """The float 128 + q from q (0..15) already at bits 16..19: OR-ed into 128.0's bits (the
+    float's ulp at 128 is 2^-16, bit 16's weight), with no int-to-float conversion."""
+    return (q16 | 0x43000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def nibble_128(words, J: tl.constexpr):
-    """Nibble J of each word as the float 128 + q: moved to bits 16..19 and OR-ed into 128.0's
-    bits (the float's ulp at 128 is 2^-16, bit 16's weight), with no int-to-float conversion."""
+    """Nibble J of each word as the float 128 + q (float_128), moved to bits 16..19 by one shift."""
     if J < 4:
         t = words << (16 - 4 * J)
     elif J == 4:
         t = words
     else:
         t = words >> (4 * J - 16)
-    return ((t & 0xF0000) | 0x43000000).to(tl.float32, bitcast=True)
+    return float_128(t & 0xF0000)
 
 
 @triton.jit
@@ -107,12 +114,7 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.
     s = tl.load(s_ptr + sz, mask=mn, other=0.0)
     z = tl.load(z_ptr + sz, mask=mn, other=0.0)
     if ASM:
-        if DTYPE == tl.bfloat16:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s.to(DTYPE), (-128.0 - z.to(tl.float32)).to(DTYPE),
-                                                          True)
-        else:
-            v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s.to(DTYPE), (-1024.0 - z.to(tl.float32)).to(DTYPE),
-                                                          False)
+        v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, z, DTYPE)
     else:
         sf, zc = s.to(tl.float32), z.to(tl.float32) + 128.0
         v0, v1, v2, v3 = (_nibble(words, sf, zc, 0, DTYPE), _nibble(words, sf, zc, 1, DTYPE),
@@ -154,7 +156,6 @@ class Mma(NamedTuple):
     splits: int = 1  # K split into this many programs per tile (atomic fp32 sums when > 1)
     warps: int = 4
     stages: int = 3
-    asm: bool = True  # inline-PTX unpacking (CUDA only)
 
 
 def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -173,5 +174,5 @@ def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     mma_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split,
                      GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     ASM=cfg.asm and not INTERPRETED, ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
+                     ASM=not INTERPRETED, ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
