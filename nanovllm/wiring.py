@@ -281,3 +281,19 @@ def package_attribute(name: str):
 
         return LLMEngine
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------- slim4a: what the plain path's front modules load late
+
+import nanovllm.sampling_params as _sampling_params  # noqa: E402 (registered into below)
+
+
+def sampling_checks():
+    """sampling_params.py's FeatureChecks (features/sampling_checks.py), loaded by the first
+    SamplingParams that sets a feature field or names a vLLM field nano-vllm lacks."""
+    from nanovllm.features import sampling_checks as checks
+
+    return checks
+
+
+_sampling_params.FEATURE_CHECKS.append(sampling_checks)
