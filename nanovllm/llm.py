@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
 from typing import Iterator
 
 import nanovllm.wiring as wiring
@@ -13,24 +12,13 @@ from nanovllm.config import wants_data_parallel
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput, StreamOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
-__all__ = ["LLM", "StreamOutput"]
+__all__ = ["LLM"]
 
 
-class _FrontForOptions(type):
-    """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM
-    (data_parallel_front.py), any other `LLM(...)` an LLM: the one choice of front, made on the
-    options before either is built."""
-
-    def __call__(cls, *args, **kwargs):
-        if cls is LLM and wants_data_parallel(kwargs):
-            cls = wiring.data_parallel_llm(LLM)
-        return type.__call__(cls, *args, **kwargs)
-
-
-class LLM(LLMEngine, metaclass=_FrontForOptions):
+class LLM(LLMEngine):
     """An offline engine for one model. See README for every keyword argument.
 
     >>> llm = LLM("/path/to/Qwen3-0.6B")
@@ -38,6 +26,13 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
     >>> out.outputs[0].text == out["text"]   # vLLM's RequestOutput, also nano-vllm's dict
     True
     """
+
+    def __new__(cls, *args, **kwargs):
+        """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM
+        (data_parallel_front.py, a subclass), any other `LLM(...)` an LLM."""
+        if cls is LLM and wants_data_parallel(kwargs):
+            cls = wiring.data_parallel_llm(LLM)
+        return super().__new__(cls)
 
     def __init__(self, model: str, **kwargs):
         # Taken by generate / stream / chat, so that a second caller (another thread, or an open
@@ -183,18 +178,8 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                                              adapter=adapters[i] if adapters else 0))
 
     def _release(self, seqs) -> None:
-        """A generate / stream ended early: abort its unfinished requests, the launched step and
-        every request's text state (nobody will read it). A second Ctrl-C waits until this is done."""
-        with deferred_interrupts():
-            for seq in seqs:
-                for sample in seq.samples:
-                    self.abort(sample)
-            self.cancel_in_flight()
-            for seq in seqs:
-                for sample in seq.samples:
-                    self.forget_text(sample)
-                self.request_metrics(seq)  # (statistics on: drop its times)
-            self._call_seqs = []
+        """A generate / stream ended early (or a stream ended): end its requests (llm_calls.py)."""
+        wiring.llm_calls().release_call(self, seqs)
 
     def _clear_leftovers(self) -> None:
         """End the previous call's requests if an exception cut its clean-up short (see _release)."""
@@ -245,43 +230,18 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         """A finished request's RequestMetrics (nanovllm/metrics.py) with statistics on, else None."""
         return None if self._stats_recorder is None else self._stats_recorder.request_metrics(seq)
 
-    @staticmethod
-    def _progress_bar(use_tqdm, total: int):
-        """The generate() progress bar over `total` completions, or None without one."""
-        if not use_tqdm:
-            return None
-        if not callable(use_tqdm):  # as in vLLM, it may be a callable that makes the bar (tqdm's keywords)
-            from tqdm.auto import tqdm as use_tqdm
-        return use_tqdm(total=total, desc="Generating", dynamic_ncols=True)
-
     def _run_to_completion(self, total: int, use_tqdm) -> None:
-        bar = self._progress_bar(use_tqdm, total)
-        try:
-            prefill_tps = decode_tps = 0.0
-            while self.has_unfinished():
-                t = time.perf_counter()
-                outputs, num_tokens, is_prefill = self.step()
-                if bar is not None:
-                    dt = max(time.perf_counter() - t, 1e-9)
-                    if is_prefill:
-                        prefill_tps = num_tokens / dt
-                    else:
-                        decode_tps = num_tokens / dt
-                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-                    bar.update(sum(o.finished for o in outputs))
-        finally:
-            if bar is not None:
-                bar.close()
+        """Step until every request has ended, with a progress bar over `total` completions when
+        `use_tqdm` asks for one (llm_calls.py)."""
+        if use_tqdm:
+            return wiring.llm_calls().run_with_progress_bar(self, total, use_tqdm)
+        while self.has_unfinished():
+            self.step()
 
-    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[StreamOutput]:
-        """Yield per-completion increments as the engine produces them (StreamOutput: vLLM's
-        streamed RequestOutput in delta form, plus nano-vllm's `index`, `text`, `token_ids`,
-        `finish_reason`).
-
-        Concatenating a completion's `text` increments gives exactly the `text` that `generate`
-        returns; stop strings are never shown partially. Bad input raises here, at the call;
-        the requests start when iteration starts, and closing the iterator early aborts them.
-        """
+    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator:
+        """Yield a StreamOutput (streaming.py) per completion increment as the engine makes them;
+        their `text`s add up to generate()'s. Bad input raises here; the requests start when
+        iteration does, and closing the iterator early aborts them."""
         requests = self._normalize(prompts, sampling_params)
         return wiring.stream(self, requests, wiring.lora_adapters(self, lora_request, len(requests)))
 
@@ -289,13 +249,10 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
              chat_template_content_format="auto", add_generation_prompt=True, continue_final_message=False,
              tools=None, documents=None, chat_template_kwargs=None, mm_processor_kwargs=None,
              **template_kwargs) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts, content a
-        string or OpenAI's text parts) or to a list of them, through the chat template: vLLM's
-        signature (chat_template_content_format, add_generation_prompt, ... see ChatOptions).
-        The template's own variables go in `chat_template_kwargs` (e.g. Qwen3's
-        {"enable_thinking": False}); given as keywords of chat() itself they are merged in
-        (nano-vllm's earlier form). One the template never reads is a TypeError. Each output's
-        `prompt` is the rendered prompt. lora_request: as generate's."""
+        """vLLM's: replies to one conversation (a list of {"role", "content"} dicts) or to a list of
+        them, through the chat template (ChatOptions in chat_template.py says how each argument is
+        read; the template's variables in `chat_template_kwargs`, or as chat()'s own keywords);
+        each output's `prompt` is the rendered prompt."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         options = dict(template=chat_template, content_format=chat_template_content_format,
