@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
@@ -14,6 +14,9 @@ from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
+
+if TYPE_CHECKING:
+    from nanovllm.streaming import StreamOutput
 
 __all__ = ["LLM"]
 
@@ -70,18 +73,13 @@ class LLM(LLMEngine):
                             f"{{'prompt': ...}} / {{'prompt_token_ids': ...}} dicts, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                                 f"pass one for all or exactly one per prompt")
-            if not all(isinstance(p, SamplingParams) for p in sampling_params):
-                raise TypeError("sampling_params must be SamplingParams objects")
-            params = list(sampling_params)
-        else:
-            raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of SamplingParams, "
                             f"got {type(sampling_params).__name__}")
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                             f"pass one for all or exactly one per prompt")
         requests, prepared = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
@@ -107,13 +105,10 @@ class LLM(LLMEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list[RequestOutput]:
-        """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
-        fields; also a dict: out["text"], out["token_ids"], out["finish_reason"] read the first
-        completion). Without sampling_params, the model's generation defaults apply
-        (get_default_sampling_params). use_tqdm: show a progress bar; or, as in vLLM, a
-        callable that makes one from tqdm's keywords (total, desc, ...). lora_request: a
-        LoRARequest for every prompt, a list of them (None entries: the base model), or None;
-        needs LLM(enable_lora=True)."""
+        """One RequestOutput per prompt, in input order (docs/api.md). Without sampling_params, the
+        model's generation defaults apply. use_tqdm: a progress bar, or (vLLM's) a callable making
+        one from tqdm's keywords. lora_request: a LoRARequest for every prompt, a list of them
+        (None: the base model), or None."""
         requests = self._normalize(prompts, sampling_params)
         return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
@@ -195,10 +190,9 @@ class LLM(LLMEngine):
             with deferred_interrupts():
                 claimed = self._busy.acquire(blocking=False)
             if not claimed:
-                raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
-                                   "another thread, or a server's engine loop); an LLM serves one "
-                                   "generate/stream/chat at a time: finish or close the other one first, or "
-                                   "give each thread its own LLM")
+                raise RuntimeError("this LLM is already generating (an open stream() iterator, another thread, a "
+                                   "server's engine loop): finish or close that call first, or give each thread "
+                                   "its own LLM")
             yield
         finally:
             if claimed:
@@ -238,7 +232,7 @@ class LLM(LLMEngine):
         while self.has_unfinished():
             self.step()
 
-    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator:
+    def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[StreamOutput]:
         """Yield a StreamOutput (streaming.py) per completion increment as the engine makes them;
         their `text`s add up to generate()'s. Bad input raises here; the requests start when
         iteration does, and closing the iterator early aborts them."""

@@ -29,7 +29,7 @@ class RequestOutputKind(enum.Enum):
 
 
 # The fields a plain request leaves at their defaults: features/sampling_checks.py checks one only
-# when it is not (`is` its default, or of its type and equal to it).
+# when it is not at its default (the same object, or of its type and equal to it).
 FEATURE_FIELDS = ("stop", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
                   "logit_bias", "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs", "structured_outputs")
 # What those fields' defaults give the engine (the normalised forms the properties read).
@@ -38,7 +38,10 @@ _FEATURES_OFF = {"_stop_strings": (), "_stop_ids": frozenset(), "_logit_bias": N
 
 
 class FeatureChecks(Protocol):
-    """What SamplingParams asks of features/sampling_checks.py (FEATURE_CHECKS: wiring.py's loader)."""
+    """What SamplingParams asks of features/sampling_checks.py (FEATURE_CHECKS: wiring.py's loader),
+    which also holds this module's names that a plain request does not load (see __getattr__)."""
+
+    NOT_IMPLEMENTED: dict
 
     def check_fields(self, params: SamplingParams, names: list[str]) -> dict:
         """Check the FEATURE_FIELDS `names` of `params` (ValueError naming one); returns the
@@ -48,9 +51,6 @@ class FeatureChecks(Protocol):
         """Whether `name` is a vLLM field nano-vllm lacks given its off value (then dropped);
         another value of one is a NotImplementedError naming it."""
 
-    def attribute(self, name: str):
-        """This module's names a plain request does not load (NOT_IMPLEMENTED, vllm_params.py's classes)."""
-
 
 FEATURE_CHECKS: list[Callable[[], FeatureChecks]] = []  # filled by wiring.py at import
 
@@ -59,7 +59,7 @@ def __getattr__(name: str):
     """NOT_IMPLEMENTED and vLLM's classes beside SamplingParams, loaded when first named."""
     if name not in ("NOT_IMPLEMENTED", "BeamSearchParams", "StructuredOutputsParams"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return FEATURE_CHECKS[0]().attribute(name)
+    return getattr(FEATURE_CHECKS[0](), name)
 
 
 def derive_sample_seed(seed: int, index: int) -> int:

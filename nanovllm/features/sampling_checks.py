@@ -10,7 +10,7 @@ import math
 from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
                              MAX_TOKEN_ID_ENTRIES, clip_repr)
 from nanovllm.values import is_integer, is_real
-from nanovllm.vllm_params import BeamSearchParams, StructuredOutputsParams  # noqa: F401 (attribute() reads them)
+from nanovllm.vllm_params import BeamSearchParams, StructuredOutputsParams  # noqa: F401 (sampling_params' names)
 
 # vLLM SamplingParams fields that nano-vllm does not implement, with the value that asks for
 # nothing (accepted and dropped). Any other value is a NotImplementedError naming the field: a
@@ -36,12 +36,6 @@ def vllm_only(name: str, value) -> bool:
         return True
     raise NotImplementedError(f"SamplingParams.{name}={clip_repr(value)}: vLLM's {name} is not implemented by "
                               f"nano-vllm (leave it at {off!r})")
-
-
-def attribute(name: str):
-    """A name of nanovllm.sampling_params that a plain request does not load: NOT_IMPLEMENTED or
-    vLLM's classes beside SamplingParams (vllm_params.py)."""
-    return globals()[name]
 
 
 def check_size(name: str, values, limit: int, what: str = "entries", chars: int = 0) -> None:
