@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 
 from nanovllm.launch.data_parallel import ReplicaSet
+from nanovllm.llm_calls import progress_bar
 from nanovllm.outputs import RequestOutput
 
 
@@ -48,7 +49,7 @@ class DataParallelFront:
         failure raises ReplicaFailed (see launch/data_parallel.py). (`adapters`: always None,
         since enable_lora does not go with data parallelism yet: Config refuses it.)"""
         with self._exclusive():
-            return self.replicas.generate(requests, self._rng, lambda total: self._progress_bar(use_tqdm, total))
+            return self.replicas.generate(requests, self._rng, lambda total: progress_bar(use_tqdm, total))
 
     def reset_prefix_cache(self) -> bool:
         """Every replica forgets its cached prompt prefixes; False if any had requests running."""

@@ -1,5 +1,4 @@
-"""vLLM's `EngineArgs`: a model and LLM's keyword arguments, checked when made, or read from the
-command line's flags (cli_options.py)."""
+"""vLLM's `EngineArgs`, made from LLM's keywords or the command line's flags (cli_options.py)."""
 
 from __future__ import annotations
 
@@ -9,9 +8,8 @@ from nanovllm.llm import LLM
 
 
 class EngineArgs:
-    """vLLM's EngineArgs: a model and LLM's keyword arguments (vLLM's names too), checked now
-    with no I/O (Config.from_kwargs). `LLM(args.model, **args.kwargs)` or
-    `LLMEngine.from_engine_args(args)` builds the engine."""
+    """A model and LLM's keyword arguments (vLLM's names too), checked now with no I/O;
+    `LLM(args.model, **args.kwargs)` or `LLMEngine.from_engine_args(args)` builds the engine."""
 
     def __init__(self, model: str, **kwargs):
         Config.from_kwargs(model, **kwargs)

@@ -6,23 +6,13 @@ from __future__ import annotations
 import itertools
 import re
 
-# What one request may carry (a ValueError beyond): generous for real use, and small enough that
-# no request makes the engine build huge structures or scan huge lists.
+# What one request may carry (a ValueError beyond: features/sampling_checks.py): generous for real
+# use, and small enough that no request makes the engine build huge structures or scan huge lists.
 MAX_STOP_STRINGS = 128
 MAX_STOP_STRING_CHARS = 4096
 MAX_BAD_WORDS = 1024
 MAX_BAD_WORD_CHARS = 1024
 MAX_TOKEN_ID_ENTRIES = 1 << 18  # stop_token_ids, logit_bias, allowed_token_ids: the largest vocabularies
-
-
-def check_size(name: str, values, limit: int, what: str = "entries", chars: int = 0) -> None:
-    """A ValueError naming `name` if there are more than `limit` values or, with `chars`, a
-    string value longer than that."""
-    if len(values) > limit:
-        raise ValueError(f"{name}: {len(values)} {what}, more than the {limit} a request may carry")
-    longest = max(map(len, values), default=0) if chars else 0
-    if longest > chars:
-        raise ValueError(f"{name}: one of the {what} has {longest} characters, more than the {chars} allowed")
 
 
 def clip_repr(value, items: int = 5, chars: int = 80) -> str:

@@ -5,32 +5,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import time
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import nanovllm.wiring as wiring
 from nanovllm.config import wants_data_parallel
 from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence
-from nanovllm.outputs import CompletionOutput, RequestOutput, StreamOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams, is_integer
 
-__all__ = ["LLM", "StreamOutput"]
+if TYPE_CHECKING:
+    from nanovllm.streaming import StreamOutput
+
+__all__ = ["LLM"]
 
 
-class _FrontForOptions(type):
-    """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM
-    (data_parallel_front.py), any other `LLM(...)` an LLM: the one choice of front, made on the
-    options before either is built."""
-
-    def __call__(cls, *args, **kwargs):
-        if cls is LLM and wants_data_parallel(kwargs):
-            cls = wiring.data_parallel_llm(LLM)
-        return type.__call__(cls, *args, **kwargs)
-
-
-class LLM(LLMEngine, metaclass=_FrontForOptions):
+class LLM(LLMEngine):
     """An offline engine for one model. See README for every keyword argument.
 
     >>> llm = LLM("/path/to/Qwen3-0.6B")
@@ -38,6 +29,13 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
     >>> out.outputs[0].text == out["text"]   # vLLM's RequestOutput, also nano-vllm's dict
     True
     """
+
+    def __new__(cls, *args, **kwargs):
+        """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM
+        (data_parallel_front.py, a subclass), any other `LLM(...)` an LLM."""
+        if cls is LLM and wants_data_parallel(kwargs):
+            cls = wiring.data_parallel_llm(LLM)
+        return super().__new__(cls)
 
     def __init__(self, model: str, **kwargs):
         # Taken by generate / stream / chat, so that a second caller (another thread, or an open
@@ -75,18 +73,13 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                             f"{{'prompt': ...}} / {{'prompt_token_ids': ...}} dicts, got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
-        if isinstance(sampling_params, SamplingParams):
-            params = [sampling_params] * len(prompts)
-        elif isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts; "
-                                 f"pass one for all or exactly one per prompt")
-            if not all(isinstance(p, SamplingParams) for p in sampling_params):
-                raise TypeError("sampling_params must be SamplingParams objects")
-            params = list(sampling_params)
-        else:
-            raise TypeError(f"sampling_params must be SamplingParams or a list of them, "
+        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
+        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
+            raise TypeError(f"sampling_params must be SamplingParams or a list of SamplingParams, "
                             f"got {type(sampling_params).__name__}")
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
+                             f"pass one for all or exactly one per prompt")
         requests, prepared = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
@@ -112,13 +105,10 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list[RequestOutput]:
-        """Generate for every prompt; one RequestOutput per prompt, in input order (vLLM's
-        fields; also a dict: out["text"], out["token_ids"], out["finish_reason"] read the first
-        completion). Without sampling_params, the model's generation defaults apply
-        (get_default_sampling_params). use_tqdm: show a progress bar; or, as in vLLM, a
-        callable that makes one from tqdm's keywords (total, desc, ...). lora_request: a
-        LoRARequest for every prompt, a list of them (None entries: the base model), or None;
-        needs LLM(enable_lora=True)."""
+        """One RequestOutput per prompt, in input order (docs/api.md). Without sampling_params, the
+        model's generation defaults apply. use_tqdm: a progress bar, or (vLLM's) a callable making
+        one from tqdm's keywords. lora_request: a LoRARequest for every prompt, a list of them
+        (None: the base model), or None."""
         requests = self._normalize(prompts, sampling_params)
         return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
@@ -183,18 +173,8 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
                                              adapter=adapters[i] if adapters else 0))
 
     def _release(self, seqs) -> None:
-        """A generate / stream ended early: abort its unfinished requests, the launched step and
-        every request's text state (nobody will read it). A second Ctrl-C waits until this is done."""
-        with deferred_interrupts():
-            for seq in seqs:
-                for sample in seq.samples:
-                    self.abort(sample)
-            self.cancel_in_flight()
-            for seq in seqs:
-                for sample in seq.samples:
-                    self.forget_text(sample)
-                self.request_metrics(seq)  # (statistics on: drop its times)
-            self._call_seqs = []
+        """A generate / stream ended early (or a stream ended): end its requests (llm_calls.py)."""
+        wiring.llm_calls().release_call(self, seqs)
 
     def _clear_leftovers(self) -> None:
         """End the previous call's requests if an exception cut its clean-up short (see _release)."""
@@ -210,10 +190,9 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
             with deferred_interrupts():
                 claimed = self._busy.acquire(blocking=False)
             if not claimed:
-                raise RuntimeError("this LLM is already generating (an open stream() iterator, a call from "
-                                   "another thread, or a server's engine loop); an LLM serves one "
-                                   "generate/stream/chat at a time: finish or close the other one first, or "
-                                   "give each thread its own LLM")
+                raise RuntimeError("this LLM is already generating (an open stream() iterator, another thread, a "
+                                   "server's engine loop): finish or close that call first, or give each thread "
+                                   "its own LLM")
             yield
         finally:
             if claimed:
@@ -245,43 +224,18 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
         """A finished request's RequestMetrics (nanovllm/metrics.py) with statistics on, else None."""
         return None if self._stats_recorder is None else self._stats_recorder.request_metrics(seq)
 
-    @staticmethod
-    def _progress_bar(use_tqdm, total: int):
-        """The generate() progress bar over `total` completions, or None without one."""
-        if not use_tqdm:
-            return None
-        if not callable(use_tqdm):  # as in vLLM, it may be a callable that makes the bar (tqdm's keywords)
-            from tqdm.auto import tqdm as use_tqdm
-        return use_tqdm(total=total, desc="Generating", dynamic_ncols=True)
-
     def _run_to_completion(self, total: int, use_tqdm) -> None:
-        bar = self._progress_bar(use_tqdm, total)
-        try:
-            prefill_tps = decode_tps = 0.0
-            while self.has_unfinished():
-                t = time.perf_counter()
-                outputs, num_tokens, is_prefill = self.step()
-                if bar is not None:
-                    dt = max(time.perf_counter() - t, 1e-9)
-                    if is_prefill:
-                        prefill_tps = num_tokens / dt
-                    else:
-                        decode_tps = num_tokens / dt
-                    bar.set_postfix(prefill=f"{prefill_tps:.0f}tok/s", decode=f"{decode_tps:.0f}tok/s")
-                    bar.update(sum(o.finished for o in outputs))
-        finally:
-            if bar is not None:
-                bar.close()
+        """Step until every request has ended, with a progress bar over `total` completions when
+        `use_tqdm` asks for one (llm_calls.py)."""
+        if use_tqdm:
+            return wiring.llm_calls().run_with_progress_bar(self, total, use_tqdm)
+        while self.has_unfinished():
+            self.step()
 
     def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[StreamOutput]:
-        """Yield per-completion increments as the engine produces them (StreamOutput: vLLM's
-        streamed RequestOutput in delta form, plus nano-vllm's `index`, `text`, `token_ids`,
-        `finish_reason`).
-
-        Concatenating a completion's `text` increments gives exactly the `text` that `generate`
-        returns; stop strings are never shown partially. Bad input raises here, at the call;
-        the requests start when iteration starts, and closing the iterator early aborts them.
-        """
+        """Yield a StreamOutput (streaming.py) per completion increment as the engine makes them;
+        their `text`s add up to generate()'s. Bad input raises here; the requests start when
+        iteration does, and closing the iterator early aborts them."""
         requests = self._normalize(prompts, sampling_params)
         return wiring.stream(self, requests, wiring.lora_adapters(self, lora_request, len(requests)))
 
@@ -289,13 +243,10 @@ class LLM(LLMEngine, metaclass=_FrontForOptions):
              chat_template_content_format="auto", add_generation_prompt=True, continue_final_message=False,
              tools=None, documents=None, chat_template_kwargs=None, mm_processor_kwargs=None,
              **template_kwargs) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of {"role", "content"} dicts, content a
-        string or OpenAI's text parts) or to a list of them, through the chat template: vLLM's
-        signature (chat_template_content_format, add_generation_prompt, ... see ChatOptions).
-        The template's own variables go in `chat_template_kwargs` (e.g. Qwen3's
-        {"enable_thinking": False}); given as keywords of chat() itself they are merged in
-        (nano-vllm's earlier form). One the template never reads is a TypeError. Each output's
-        `prompt` is the rendered prompt. lora_request: as generate's."""
+        """vLLM's: replies to one conversation (a list of {"role", "content"} dicts) or to a list of
+        them, through the chat template (ChatOptions in chat_template.py says how each argument is
+        read; the template's variables in `chat_template_kwargs`, or as chat()'s own keywords);
+        each output's `prompt` is the rendered prompt."""
         if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
             raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         options = dict(template=chat_template, content_format=chat_template_content_format,

@@ -1,12 +1,31 @@
 """Logprobs in vLLM's output form: `{token id: Logprob}` per position, the chosen token first,
 each token's text decoded once per LLM (its `_token_texts`). Loaded, through wiring.py, by the
-first request that asks for logprobs; the server's preparers decode first tokens with token_texts."""
+first request that asks for logprobs (or the first that names `nanovllm.outputs.Logprob`, which
+this module defines); the server's preparers decode first tokens with token_texts."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nanovllm.core.detokenizer import decode_tokens
-from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    """One token's log-probability (vLLM's Logprob): `logprob`, its `rank` in the model's
+    distribution (1 = most likely; ties share the larger rank), and the token's text
+    (`decoded_token`, None with detokenize=False)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per generated token, {token id: Logprob} of the sampled token and the top `logprobs` tokens.
+SampleLogprobs = list[dict[int, Logprob]]
+# Per prompt token: None for the first one (nothing predicts it), then as SampleLogprobs.
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 def logprob_dicts(owner, entries, tokens, params: SamplingParams) -> list[dict[int, Logprob]]:

@@ -5,23 +5,20 @@ with: a read-only view in intent, like the object."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from nanovllm.logprob_outputs import PromptLogprobs, SampleLogprobs
+
+# Logprob (logprob_outputs.py) and StreamOutput (streaming.py), which a plain generate never makes,
+# load when first named: wiring.py registers the loader.
+LATE_TYPES: list[Callable[[str], type]] = []
 
 
-@dataclass
-class Logprob:
-    """One token's log-probability (vLLM's Logprob): `logprob`, its `rank` in the model's
-    distribution (1 = most likely; ties share the larger rank), and the token's text
-    (`decoded_token`, None with detokenize=False)."""
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
-
-
-# Per generated token, {token id: Logprob} of the sampled token and the top `logprobs` tokens.
-SampleLogprobs = list[dict[int, Logprob]]
-# Per prompt token: None for the first one (nothing predicts it), then as SampleLogprobs.
-PromptLogprobs = list[dict[int, Logprob] | None]
+def __getattr__(name: str):
+    if name not in ("Logprob", "SampleLogprobs", "PromptLogprobs", "StreamOutput"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return LATE_TYPES[0](name)
 
 
 @dataclass
@@ -102,38 +99,6 @@ def _rebuild(cls, state):
     dict.update(obj, _dict_form(state["outputs"], state["prompt_token_ids"]))
     obj.__dict__.update(state)
     return obj
-
-
-def _of_completion(name: str) -> property:
-    """A read-only attribute of a StreamOutput: its completion's `name`."""
-    return property(lambda self: getattr(self.outputs[0], name))
-
-
-class StreamOutput(RequestOutput):
-    """One increment of one completion while it is generated (`LLM.stream`), in the shape of
-    vLLM's streamed RequestOutput with output_kind=DELTA: `outputs` holds the one completion the
-    increment belongs to, with only what this step added (`text`, `token_ids`, `logprobs`);
-    `cumulative_logprob`, `finish_reason` and `stop_reason` are its current values. `finished`
-    is True once every completion of the request has ended.
-
-    nano-vllm's StreamOutput fields stay: `index` (the prompt's position in the call's
-    prompts), and `token_ids`, `text`, `finish_reason`, `stop_reason` as attributes reading the
-    increment's completion (`outputs[0]`); `sample` is its completion index.
-    """
-
-    sample = _of_completion("index")
-    text = _of_completion("text")
-    token_ids = _of_completion("token_ids")
-    finish_reason = _of_completion("finish_reason")
-    stop_reason = _of_completion("stop_reason")
-    logprobs = _of_completion("logprobs")
-
-    def __init__(self, index: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                 prompt_logprobs: PromptLogprobs | None, completion: CompletionOutput, finished: bool,
-                 num_cached_tokens: int | None = None):
-        super().__init__(request_id, prompt, prompt_token_ids, prompt_logprobs, [completion], finished,
-                         num_cached_tokens)
-        self.index = index
 
 
 __all__ = ["CompletionOutput", "Logprob", "PromptLogprobs", "RequestOutput", "SampleLogprobs", "StreamOutput"]

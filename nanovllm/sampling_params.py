@@ -4,37 +4,62 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import functools
-import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import xxhash
 
-from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                             MAX_TOKEN_ID_ENTRIES, check_size, clip_repr)
+from nanovllm.limits import clip_repr
 from nanovllm.values import as_token_ids, is_integer, is_real  # noqa: F401 (imported from here too)
-from nanovllm.vllm_params import BeamSearchParams, RequestOutputKind, StructuredOutputsParams  # noqa: F401
+
+if TYPE_CHECKING:
+    from nanovllm.vllm_params import StructuredOutputsParams
 
 
-# vLLM SamplingParams fields that nano-vllm does not implement, with the value that asks for
-# nothing (accepted and dropped). Any other value is a NotImplementedError naming the field: a
-# script that relies on one must not run silently without it.
-NOT_IMPLEMENTED = {
-    "best_of": None, "use_beam_search": False, "length_penalty": 1.0, "early_stopping": False,
-    "logits_processors": None, "guided_decoding": None,
-    "truncate_prompt_tokens": None, "extra_args": None, "stream_interval": None,
-    "logprob_token_ids": None, "prompt_logprob_token_ids": None, "prompt_logprob_start": None,
-    "flat_logprobs": False, "thinking_token_budget": None, "repetition_detection": None,
-    "skip_reading_prefix_cache": None, "trace_decode_token_ids": None, "skip_clone": False,
-}
+class RequestOutputKind(enum.Enum):
+    """What each output of a request holds: everything so far, only the new part, or only the
+    final result. LLM.generate and chat return final results whatever the kind (as vLLM's LLM
+    does); the engine's step API is what would honour DELTA."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
-def _refuse_not_implemented(name: str, value) -> None:
-    off = NOT_IMPLEMENTED[name]
-    if value is off or (is_real(off) and is_real(value) and value == off):
-        return
-    raise NotImplementedError(f"SamplingParams.{name}={clip_repr(value)}: vLLM's {name} is not implemented by "
-                              f"nano-vllm (leave it at {off!r})")
+# The fields a plain request leaves at their defaults: features/sampling_checks.py checks one only
+# when it is not at its default (the same object, or of its type and equal to it).
+FEATURE_FIELDS = ("stop", "stop_token_ids", "n", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                  "logit_bias", "allowed_token_ids", "bad_words", "logprobs", "prompt_logprobs", "structured_outputs")
+# What those fields' defaults give the engine (the normalised forms the properties read).
+_FEATURES_OFF = {"_stop_strings": (), "_stop_ids": frozenset(), "_logit_bias": None, "_allowed": None,
+                 "_bad_words": (), "_uses_penalties": False, "_processes_logits": False}
+
+
+class FeatureChecks(Protocol):
+    """What SamplingParams asks of features/sampling_checks.py (FEATURE_CHECKS: wiring.py's loader),
+    which also holds this module's names that a plain request does not load (see __getattr__)."""
+
+    NOT_IMPLEMENTED: dict
+
+    def check_fields(self, params: SamplingParams, names: list[str]) -> dict:
+        """Check the FEATURE_FIELDS `names` of `params` (ValueError naming one); returns the
+        attributes to store: those fields as Python's own numbers and their normalised forms."""
+
+    def vllm_only(self, name: str, value) -> bool:
+        """Whether `name` is a vLLM field nano-vllm lacks given its off value (then dropped);
+        another value of one is a NotImplementedError naming it."""
+
+
+FEATURE_CHECKS: list[Callable[[], FeatureChecks]] = []  # filled by wiring.py at import
+
+
+def __getattr__(name: str):
+    """NOT_IMPLEMENTED and vLLM's classes beside SamplingParams, loaded when first named."""
+    if name not in ("NOT_IMPLEMENTED", "BeamSearchParams", "StructuredOutputsParams"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(FEATURE_CHECKS[0](), name)
 
 
 def derive_sample_seed(seed: int, index: int) -> int:
@@ -68,7 +93,7 @@ class SamplingParams:
     validated at construction and again when a request is added, and the engine keeps its own
     validated copy (`snapshot()`), so changing a SamplingParams never affects requests already
     added. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
-    (NOT_IMPLEMENTED) are a NotImplementedError.
+    (NOT_IMPLEMENTED: features/sampling_checks.py) are a NotImplementedError.
     """
 
     temperature: float = 1.0
@@ -105,12 +130,10 @@ class SamplingParams:
             raise dataclasses.FrozenInstanceError(
                 f"cannot set {name!r}: this is the engine's validated copy of a request's SamplingParams "
                 "(set the field on the SamplingParams you pass instead)")
-        if name in _FIELDS:
+        if name in _DEFAULTS:
             object.__setattr__(self, name, value)
             object.__setattr__(self, "_checked", False)
-        elif name in NOT_IMPLEMENTED:
-            _refuse_not_implemented(name, value)
-        else:
+        elif not FEATURE_CHECKS[0]().vllm_only(name, value):
             raise AttributeError(f"SamplingParams has no field {name!r}")
 
     # ---------------------------------------------------------------- validation
@@ -118,37 +141,9 @@ class SamplingParams:
         raise ValueError(f"SamplingParams.{name}={clip_repr(getattr(self, name))}: {why}")
 
     def _validate(self) -> None:
-        """Check every field (ValueError naming it), store numbers as Python's own, and derive
-        the normalised forms the engine reads."""
-        def put(name, value):
-            object.__setattr__(self, name, value)
-
-        self._check_numbers()
-        stops, ids = self._check_stops()
-        bias, allowed, words = self._check_token_lists()
-        # Numbers are stored as Python's own (numpy's would reach the sampler's tensors).
-        for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float),
-                           ("min_tokens", int), ("n", int), ("presence_penalty", float),
-                           ("frequency_penalty", float), ("repetition_penalty", float)):
-            put(name, kind(getattr(self, name)))
-        for name in ("max_tokens", "seed", "logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                put(name, int(getattr(self, name)))
-        put("_stop_strings", stops)
-        put("_stop_ids", frozenset(int(t) for t in ids))
-        put("_logit_bias", bias)
-        put("_allowed", allowed)
-        put("_bad_words", words)
-        put("_uses_penalties", self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-            or self.repetition_penalty != 1.0)
-        put("_processes_logits", self._uses_penalties or bias is not None or allowed is not None or bool(words)
-            or self.structured_outputs is not None)
-        put("_checked", True)
-
-    def _check_numbers(self) -> None:
-        """The sampling and length numbers, the flags, n, the penalties and the logprob counts."""
-        bad, put = self._bad, lambda name, value: object.__setattr__(self, name, value)
-        is_int, is_num = is_integer, is_real
+        """Check every field (ValueError naming it), store numbers as Python's own (numpy's would
+        reach the sampler's tensors), and derive the normalised forms the engine reads."""
+        bad, is_int, is_num = self._bad, is_integer, is_real
         if not is_num(self.temperature) or not (self.temperature >= 0.0) or self.temperature == float("inf"):
             bad("temperature", "must be a finite number >= 0 (0 means greedy)")
         if self.temperature != 0 and self.temperature < 1e-5:
@@ -167,91 +162,20 @@ class SamplingParams:
             bad("min_tokens", f"must not exceed max_tokens={self.max_tokens}")
         if not isinstance(self.output_kind, RequestOutputKind):
             bad("output_kind", "must be a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
-        if not isinstance(self.structured_outputs, (StructuredOutputsParams, type(None))):
-            bad("structured_outputs", "must be a StructuredOutputsParams or None")
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens",
                      "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 bad(name, "must be a bool")
         if self.seed is not None and not is_int(self.seed):
             bad("seed", "must be an integer or None")
-        if not is_int(self.n) or self.n < 1:
-            bad("n", "must be an integer >= 1")
-        for name in ("presence_penalty", "frequency_penalty"):
-            v = getattr(self, name)
-            if not is_num(v) or not (-2.0 <= v <= 2.0):
-                bad(name, "must be a number in [-2, 2] (0 = off)")
-        if not is_num(self.repetition_penalty) or not (0.0 < self.repetition_penalty < math.inf):
-            bad("repetition_penalty", "must be a finite number > 0 (1 = off)")
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is True:  # vLLM takes True as 1
-                put(name, 1)
-            elif v is not None and (not is_int(v) or v < -1):
-                bad(name, "must be None (off), an integer >= 0, or -1 (the whole vocabulary)")
-
-    def _check_stops(self) -> tuple[tuple[str, ...], list]:
-        """(stop strings, stop token ids), checked."""
-        bad, is_int = self._bad, is_integer
-        stop = self.stop
-        if stop is None:
-            stops: tuple[str, ...] = ()
-        elif isinstance(stop, str):
-            stops = (stop,)
-        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
-            stops = tuple(stop)
-        else:
-            bad("stop", "must be a string, a list of strings or None")
-        if any(s == "" for s in stops):
-            bad("stop", "stop strings must not be empty")
-        check_size("SamplingParams.stop", stops, MAX_STOP_STRINGS, "stop strings", MAX_STOP_STRING_CHARS)
-        if stops and not self.detokenize:
-            bad("stop", "stop strings need detokenize=True")
-        ids = self.stop_token_ids
-        if ids is None:
-            ids = []
-        if isinstance(ids, (list, tuple, set, frozenset)):
-            check_size("SamplingParams.stop_token_ids", ids, MAX_TOKEN_ID_ENTRIES)
-        if not isinstance(ids, (list, tuple, set, frozenset)) or not all(is_int(t) and t >= 0 for t in ids):
-            bad("stop_token_ids", "must be a list of non-negative integers or None")
-        return stops, ids
-
-    def _check_token_lists(self):
-        """(logit_bias as {id: float} or None, allowed_token_ids as a sorted tuple or None,
-        bad_words as a tuple), checked."""
-        bad, is_int, is_num = self._bad, is_integer, is_real
-        bias = self.logit_bias
-        if bias is not None:
-            if not isinstance(bias, dict):
-                bad("logit_bias", "must be a dict {token id: bias} or None")
-            check_size("SamplingParams.logit_bias", bias, MAX_TOKEN_ID_ENTRIES)
-            norm = {}
-            for k, v in bias.items():
-                if isinstance(k, str) and k.strip().lstrip("-").isdigit():
-                    k = int(k)  # OpenAI-style JSON keys
-                if not is_int(k) or k < 0:
-                    bad("logit_bias", f"key {k!r} is not a token id (a non-negative integer)")
-                if not is_num(v) or not math.isfinite(v):
-                    bad("logit_bias", f"bias {v!r} of token {k} must be a finite number")
-                norm[int(k)] = float(v)
-            bias = norm
-        allowed = self.allowed_token_ids
-        if allowed is not None:
-            if isinstance(allowed, (list, tuple, set, frozenset)):
-                check_size("SamplingParams.allowed_token_ids", allowed, MAX_TOKEN_ID_ENTRIES)
-            if not isinstance(allowed, (list, tuple, set, frozenset)) or not allowed \
-                    or not all(is_int(t) and t >= 0 for t in allowed):
-                bad("allowed_token_ids", "must be None or a non-empty list of non-negative integers")
-            allowed = tuple(sorted({int(t) for t in allowed}))
-        words = self.bad_words
-        if words is None:
-            words = ()
-        elif isinstance(words, (list, tuple)) and all(isinstance(w, str) and w.strip() for w in words):
-            words = tuple(dict.fromkeys(words))
-        else:
-            bad("bad_words", "must be None or a list of non-empty strings")
-        check_size("SamplingParams.bad_words", words, MAX_BAD_WORDS, "words", MAX_BAD_WORD_CHARS)
-        return bias, allowed, words
+        values = {name: kind(getattr(self, name)) for name, kind in _NUMBERS if getattr(self, name) is not None}
+        values.update(_FEATURES_OFF)
+        changed = [name for name in FEATURE_FIELDS if not _is_default(getattr(self, name), _DEFAULTS[name])]
+        if changed:
+            values.update(FEATURE_CHECKS[0]().check_fields(self, changed))
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_checked", True)
 
     def snapshot(self) -> "SamplingParams":
         """A validated, immutable copy for the engine to keep (ValueError if a field set after
@@ -292,16 +216,23 @@ class SamplingParams:
         object.__setattr__(self, "_bad_word_ids", ids)
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SamplingParams)}
+_NUMBERS = (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float), ("max_tokens", int),
+            ("min_tokens", int), ("seed", int))
 _dataclass_init = SamplingParams.__init__
+
+
+def _is_default(value, default) -> bool:
+    return value is default or (type(value) is type(default) and value == default)
 
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs):
     # vLLM fields nano-vllm lacks: their "off" value is dropped, any other is refused by name
-    # (the dataclass's own __init__ would call them unknown).
-    for name in NOT_IMPLEMENTED.keys() & kwargs.keys():
-        _refuse_not_implemented(name, kwargs.pop(name))
+    # (the dataclass's own __init__ calls the other unknown names a TypeError).
+    for name in kwargs.keys() - _DEFAULTS.keys():
+        if FEATURE_CHECKS[0]().vllm_only(name, kwargs[name]):
+            del kwargs[name]
     _dataclass_init(self, *args, **kwargs)
 
 

@@ -1,12 +1,44 @@
-"""LLM.stream's increments (loaded, through wiring.py, by the first stream: a plain generate
-never streams)."""
+"""LLM.stream's increments, StreamOutputs (loaded, through wiring.py, by the first stream or the
+first that names `nanovllm.outputs.StreamOutput`: a plain generate never streams)."""
 
 from __future__ import annotations
 
 from typing import Iterator
 
 from nanovllm.core.sequence import SequenceStatus
-from nanovllm.outputs import CompletionOutput, StreamOutput
+from nanovllm.outputs import CompletionOutput, RequestOutput
+
+
+def _of_completion(name: str) -> property:
+    """A read-only attribute of a StreamOutput: its completion's `name`."""
+    return property(lambda self: getattr(self.outputs[0], name))
+
+
+class StreamOutput(RequestOutput):
+    """One increment of one completion while it is generated (`LLM.stream`), in the shape of
+    vLLM's streamed RequestOutput with output_kind=DELTA: `outputs` holds the one completion the
+    increment belongs to, with only what this step added (`text`, `token_ids`, `logprobs`);
+    `cumulative_logprob`, `finish_reason` and `stop_reason` are its current values. `finished`
+    is True once every completion of the request has ended.
+
+    nano-vllm's StreamOutput fields stay: `index` (the prompt's position in the call's
+    prompts), and `token_ids`, `text`, `finish_reason`, `stop_reason` as attributes reading the
+    increment's completion (`outputs[0]`); `sample` is its completion index.
+    """
+
+    sample = _of_completion("index")
+    text = _of_completion("text")
+    token_ids = _of_completion("token_ids")
+    finish_reason = _of_completion("finish_reason")
+    stop_reason = _of_completion("stop_reason")
+    logprobs = _of_completion("logprobs")
+
+    def __init__(self, index: int, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 prompt_logprobs: list | None, completion: CompletionOutput, finished: bool,
+                 num_cached_tokens: int | None = None):
+        super().__init__(request_id, prompt, prompt_token_ids, prompt_logprobs, [completion], finished,
+                         num_cached_tokens)
+        self.index = index
 
 
 def stream_outputs(llm, requests, adapters=None) -> Iterator[StreamOutput]:

@@ -1,10 +1,6 @@
-"""vLLM's engine keywords as nano-vllm reads them.
-
-vLLM scripts pass `LLM(...)` keywords that nano-vllm names otherwise (`block_size`) or does
-without: those whose meaning nano-vllm has anyway are accepted (`enable_chunked_prefill=True`:
-long prompts are always split into chunks), the others are a NotImplementedError saying why,
-before any work. `translate_vllm_keywords` is applied by Config.from_kwargs.
-"""
+"""vLLM's `LLM(...)` keywords that nano-vllm names otherwise (`block_size`) or does without: a
+value whose meaning nano-vllm has anyway is accepted (`enable_chunked_prefill=True`: long prompts
+are always split into chunks), another is a NotImplementedError saying why (Config.from_kwargs)."""
 
 from __future__ import annotations
 
@@ -22,8 +18,7 @@ VLLM_ONLY_DEFAULTS = {
 
 
 def translate_vllm_keywords(kwargs: dict) -> dict:
-    """LLM's keywords with vLLM's names mapped onto nano-vllm's and the vLLM-only ones checked
-    and dropped (see the module docstring)."""
+    """LLM's keywords with vLLM's names mapped onto nano-vllm's, the vLLM-only ones checked and dropped."""
     out = dict(kwargs)
     for theirs, ours in VLLM_ALIASES.items():
         if theirs in out:

@@ -1,20 +1,10 @@
 """vLLM's parameter classes that live beside SamplingParams in `vllm.sampling_params`, so that
-scripts import them from `nanovllm.sampling_params` as they do from vLLM."""
+scripts import them from `nanovllm.sampling_params` as they do from vLLM (which loads this module
+at the first that names one: a plain request does not)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
-
-
-class RequestOutputKind(enum.Enum):
-    """What each output of a request holds: everything so far, only the new part, or only the
-    final result. LLM.generate and chat return final results whatever the kind (as vLLM's LLM
-    does); the engine's step API is what would honour DELTA."""
-
-    CUMULATIVE = 0
-    DELTA = 1
-    FINAL_ONLY = 2
 
 
 @dataclass

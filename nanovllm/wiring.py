@@ -281,3 +281,42 @@ def package_attribute(name: str):
 
         return LLMEngine
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------- slim4a: what the plain path's front modules load late
+
+import nanovllm.outputs as _outputs  # noqa: E402 (registered into below)
+import nanovllm.sampling_params as _sampling_params  # noqa: E402
+
+
+def sampling_checks():
+    """sampling_params.py's FeatureChecks (features/sampling_checks.py), loaded by the first
+    SamplingParams that sets a feature field or names a vLLM field nano-vllm lacks."""
+    from nanovllm.features import sampling_checks as checks
+
+    return checks
+
+
+_sampling_params.FEATURE_CHECKS.append(sampling_checks)
+
+
+def llm_calls():
+    """llm_calls.py: what LLM's calls need only at times (a progress bar, a call cut short)."""
+    import nanovllm.llm_calls as calls
+
+    return calls
+
+
+def output_type(name: str) -> type:
+    """outputs.py's types that a plain generate never makes: StreamOutput (streaming.py), Logprob
+    and its list types (logprob_outputs.py)."""
+    if name == "StreamOutput":
+        from nanovllm.streaming import StreamOutput
+
+        return StreamOutput
+    import nanovllm.logprob_outputs as logprob_outputs
+
+    return getattr(logprob_outputs, name)
+
+
+_outputs.LATE_TYPES.append(output_type)
