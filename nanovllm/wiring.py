@@ -281,3 +281,15 @@ def package_attribute(name: str):
 
         return LLMEngine
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------- slim4b: the engine's rarely run paths
+
+
+def check_processes(config, hf_config) -> None:
+    """Config.resolve's check that an engine of several processes fits the model and this node's
+    GPUs (launch/fit.py)."""
+    if config.parallel.tensor_parallel_size * config.parallel.data_parallel_size > 1:
+        from nanovllm.launch.fit import check_processes as check
+
+        check(config, hf_config)

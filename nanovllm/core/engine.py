@@ -302,13 +302,8 @@ class LLMEngine:
 
 def start_in_process(config: Config, forward_strategy: ForwardStrategy | None = None) -> Executor:
     """The executor of a model in this process: a ModelRunner (LLMEngine's default). Several
-    processes (tensor and data parallelism, torchrun) are the front's to start: LLM does."""
-    if config.parallel.data_parallel_size > 1 or config.parallel.distributed_executor_backend == "ray":
-        raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
-                         "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "external_launcher":
-        raise ValueError("tensor_parallel_size > 1 and torchrun start processes through LLM's executors "
-                         "(launch/): create LLM(model, ...), not an LLMEngine")
+    processes (tensor and data parallelism, torchrun) are the front's to start (LLM does: a bare
+    LLMEngine's Config refuses them)."""
     return ModelRunner(config, forward_strategy)
 
 

@@ -265,3 +265,7 @@ class ModelFeatures(Protocol):
     def adapters(self, lora_config, hf_config):
         """A factory (picklable: each rank calls it with its model runner and the most tokens a
         step holds) of the rank's Adapters for LLM(enable_lora=True, ...), or None."""
+
+    def check_processes(self, config, hf_config) -> None:
+        """A ValueError unless the engine's processes (tensor_parallel_size x data_parallel_size)
+        fit the model's heads and this node's GPUs."""

@@ -16,7 +16,7 @@ def check_model_fits(hf_config, dtype: torch.dtype, fp8_layers: bool, device: st
     """rope_theta and rms_norm_eps (as the family reads them) positive and finite, and the weights'
     size against the device (each GPU holds 1/tp of them; on the CPU the ranks and replicas
     share the RAM): a ValueError naming the config.json field, before any allocation."""
-    opts = registry.model_class(hf_config).options_from_config(hf_config)
+    opts = registry.decoder_options(hf_config)
     for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
         if not 0 < value < float("inf"):
             raise ValueError(f"config.json: {name}={value!r}: must be a positive finite number")
@@ -33,7 +33,7 @@ def check_model_fits(hf_config, dtype: torch.dtype, fp8_layers: bool, device: st
 def weight_bytes(hf_config, dtype: torch.dtype, fp8_layers: bool) -> dict[str, int]:
     """A lower bound of the model's weight bytes, in two parts named by the config.json field
     that scales them: "vocab_size" (embedding and LM head), "num_hidden_layers" (the layers)."""
-    o = registry.model_class(hf_config).options_from_config(hf_config)
+    o = registry.decoder_options(hf_config)
     h, q, kv = o.hidden_size, o.num_heads * o.head_dim, o.num_kv_heads * o.head_dim
     dense_layers = o.num_layers - len(o.moe_layers)
     params = o.num_layers * (h * (q + 2 * kv) + q * h) + dense_layers * 3 * h * o.intermediate_size

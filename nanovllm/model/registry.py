@@ -60,10 +60,10 @@ def load_hf_config(path: str, raw: dict, overrides: dict | None = None):
 
     name = architecture_name(raw.get("architectures"), raw.get("model_type"), f"{path}/config.json")
     config = getattr(transformers, ARCHITECTURES[name].config_class).from_pretrained(path, **(overrides or {}))
-    model_class(config).options_from_config(config)
+    decoder_options(config)
     return config
 
 
-def tensor_parallel_sizes(hf_config) -> dict[str, int]:
-    """The sizes of this model that tensor parallelism splits, by name."""
-    return model_class(hf_config).options_from_config(hf_config).tensor_parallel_sizes()
+def decoder_options(hf_config):
+    """The DecoderOptions (model/decoder.py) its family reads from a config `load_hf_config` accepted."""
+    return model_class(hf_config).options_from_config(hf_config)
