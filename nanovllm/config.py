@@ -180,7 +180,8 @@ class Config:
     def _resolve_features(self, hf, features: ModelFeatures | None) -> None:
         """The fields the features answer; without them (a bare LLMEngine) a model or option that
         needs one is a ValueError naming it."""
-        p, checkpoint_quant, opts = self.parallel, getattr(hf, "quantization_config", None), registry.decoder_options(hf)
+        p, opts = self.parallel, registry.decoder_options(hf)
+        checkpoint_quant = getattr(hf, "quantization_config", None)
         if features is None:  # a bare LLMEngine
             needs = {"quantized weights": checkpoint_quant or self.quantization.method is not None,
                      "calculate_kv_scales=True": self.quantization.calculate_kv_scales,

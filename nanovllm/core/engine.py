@@ -7,13 +7,12 @@ import itertools
 import logging
 import os
 import random
-import time
 from typing import TYPE_CHECKING, Callable
 
 from nanovllm.config import Config, read_json
 from nanovllm.core.block_manager import BlockManager, KVUsage
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
+from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult
 from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
@@ -21,12 +20,19 @@ from nanovllm.limits import check_unicode, describe_ids
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from nanovllm.core.executor import Executor, ExecutorFactory
     from nanovllm.core.hooks import ForwardStrategy, ModelFeatures
+    from nanovllm.core.step_timing import StepTiming
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "StepOutput", "StepResult", "StepTiming"]
+__all__ = ["LLMEngine", "StepOutput", "StepResult"]
+
+# core/step_timing.py (StepTiming, what `step_observers` get), loaded at the first observed step
+# by this loader, which nanovllm/wiring.py registers when the package loads.
+load_step_timing: Callable[[], ModuleType]
 
 
 def _as_id_list(value) -> list[int]:
@@ -38,7 +44,7 @@ def _as_id_list(value) -> list[int]:
 class LLMEngine:
     """Validates requests and drives the loop: schedule -> run the model -> account for the step.
     `LLM` (nanovllm/llm.py) is the user-facing subclass. One thread drives an engine.
-    `step_observers`: callables that get a `StepTiming` at the end of every step."""
+    `step_observers`: callables that get a StepTiming (core/step_timing.py) at the end of every step."""
 
     def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None,
                  model_features: ModelFeatures | None = None, **kwargs):
@@ -67,7 +73,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
-        self._broken: str | None = None  # why the requests' state is unknown (see _bookkeeping)
+        self._broken: str | None = None  # why the requests' state is unknown (see _guarded)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt) -> list[int]:
@@ -209,7 +215,8 @@ class LLMEngine:
         device may still be running it; later steps queue behind it, so the KV blocks it writes
         are never read before it is done."""
         step, self._in_flight = self._in_flight, None
-        self._abandon(step)
+        if step is not None:
+            self.requests.abandon(step.batch.rows)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -225,7 +232,7 @@ class LLMEngine:
         """
         self._check_usable()
         with deferred_interrupts():
-            batch = self._bookkeeping(self.scheduler.schedule)
+            batch = self._guarded(self.scheduler.schedule, breaks=True)
             done, self._in_flight = self._in_flight, None
             if batch is None and done is None:
                 raise RuntimeError("scheduler produced no work although requests are pending")
@@ -234,7 +241,7 @@ class LLMEngine:
             if launched is not None:
                 # After resolving step n: a request that step n stopped is skipped in n+1 (its
                 # row was computed for nothing, one row once per request).
-                self._bookkeeping(self.requests.launched, batch)
+                self._guarded(lambda: self.requests.launched(batch), breaks=True)
                 self._in_flight = launched
             return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
 
@@ -245,51 +252,38 @@ class LLMEngine:
             raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
                                f"({self._broken}); create a new LLM")
 
-    def _bookkeeping(self, fn, *args):
-        """fn(*args), a change of the scheduler's state that must not fail: if it does, its
-        requests are half-moved, and every later step refuses to run (see step)."""
+    def _guarded(self, work, *batches: ScheduledBatch | None, breaks: bool = False):
+        """work(); if it raises, the requests of `batches` end (their tokens will never be read)
+        or, with `breaks` (a change of the scheduler's state that must not fail, so half done),
+        every later step refuses to run; the exception propagates."""
         try:
-            return fn(*args)
+            return work()
         except BaseException as e:
-            self._broken = f"{type(e).__name__}: {str(e)[:200]}"
+            if breaks:
+                self._broken = f"{type(e).__name__}: {str(e)[:200]}"
+            for batch in batches:
+                if batch is not None:
+                    self.requests.abandon(batch.rows)
             raise
 
     def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
-        try:
-            shape = StepShape.of(batch) if self.step_observers else None  # before the launch advances it
-            return InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids), shape)
-        except BaseException:
-            # Part of step n+1 may be queued already, overwriting step n's tokens on the device
-            # that a later step would read: neither can be trusted.
-            self._abandon(done, InFlightStep(batch, None))
-            raise
+        shape = load_step_timing().StepShape.of(batch) if self.step_observers else None  # before it advances
+        # A failed launch may have queued part of step n+1, overwriting step n's tokens on the
+        # device that a later step would read: neither can be trusted.
+        return self._guarded(lambda: InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids), shape),
+                             done and done.batch, batch)
 
     def _resolve(self, done: InFlightStep, launched: InFlightStep | None) -> tuple[list[StepOutput], float]:
-        try:
-            return done.resolve(self.requests)
-        except BaseException:
-            # Waiting for step n failed with n+1 already launched on n's tokens: neither step
-            # can be accounted for any more, so their requests end.
-            self._abandon(done, launched)
-            raise
-
-    def _abandon(self, *steps: InFlightStep | None) -> None:
-        for step in steps:
-            if step is not None:
-                step.abort(self.requests)
+        # Waiting for step n failed with n+1 already launched on n's tokens: neither step can be
+        # accounted for any more, so their requests end.
+        return self._guarded(lambda: done.resolve(self.requests), done.batch, launched and launched.batch)
 
     def _step_result(self, step: InFlightStep, resolved: bool, outputs: list[StepOutput],
                      waited: float) -> StepResult:
         """`step`: the step resolved, or (resolved False) the first one, which only launched."""
-        batch = step.batch
-        num_tokens = batch.num_tokens if resolved else 0
         if self.step_observers:
-            # A step launched before the first observer came has no shape: zeros, as unresolved.
-            shape = step.shape if resolved and step.shape is not None else (0, 0, 0)
-            timing = StepTiming(batch.is_prefill, num_tokens, waited, time.perf_counter(), *shape)
-            for observer in self.step_observers:
-                observer(timing)
-        return StepResult(outputs, num_tokens, batch.is_prefill)
+            load_step_timing().observe(self.step_observers, step, resolved, waited)
+        return StepResult(outputs, step.batch.num_tokens if resolved else 0, step.batch.is_prefill)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:

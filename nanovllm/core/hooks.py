@@ -49,14 +49,18 @@ class LogitsExtension(Protocol):
         """`seq` ended: drop what the extension keeps for it."""
 
 
-@dataclass
-class StepLogprobs:
-    """A step's logprob entries on the host, as the lifecycle stores them: `sample[row]` for the
-    sampling rows that asked, `prompt` as (batch row, entries of its next prompt positions).
-    An entry is (logprob, rank, top ids, top logprobs) of one token (Sequence.logprobs)."""
+class StepLogprobs(Protocol):
+    """A step's logprob entries on the host, which the lifecycle (RequestLifecycle.accept) hands
+    to their requests: `sample[row]` for the sampling rows that asked. An entry is (logprob,
+    rank, top ids, top logprobs) of one token (Sequence.logprobs)."""
 
     sample: dict[int, tuple]
-    prompt: list[tuple[int, list[tuple]]]
+
+    def add_prompt_entries(self, batch: ScheduledBatch) -> None:
+        """Extend the prompt_logprobs of the batch's requests that ask by their entries."""
+
+    def take(self, seq: Sequence, row: int) -> tuple:
+        """The entry of `seq`'s token sampled in `row`, added to its logprobs and cumulative_logprob."""
 
 
 class PendingLogprobs(Protocol):
