@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -110,8 +109,8 @@ class Config:
         keyword is named in one TypeError. vLLM's names and vLLM-only keywords are read first
         (vllm_keywords.py)."""
         kwargs = translate_vllm_keywords(kwargs)
-        known = cls.option_names()
-        unknown = sorted(set(kwargs) - set(known))
+        known = set(FEATURE_OPTIONS) | {f.name for f in dataclasses.fields(cls) if f.init} - {"model", *SUB_CONFIGS}
+        unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}. "
                             f"Known: {', '.join(sorted(known))}")
@@ -120,19 +119,6 @@ class Config:
             sub, name = FEATURE_OPTIONS[key]
             subs[sub][name] = kwargs.pop(key)
         return cls(model, **kwargs, **{name: SUB_CONFIGS[name](**v) for name, v in subs.items()})
-
-    @classmethod
-    def option_names(cls) -> dict[str, tuple[object, object]]:
-        """LLM's keywords but `model`: name -> (type, default), the features' options included."""
-        options = {}
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.init and f.name != "model" and f.name not in SUB_CONFIGS:
-                options[f.name] = (hints[f.name], f.default)
-        for key, (sub, name) in FEATURE_OPTIONS.items():
-            f = next(x for x in dataclasses.fields(SUB_CONFIGS[sub]) if x.name == name)
-            options[key] = (typing.get_type_hints(SUB_CONFIGS[sub])[name], f.default)
-        return options
 
     def __post_init__(self):
         if callable(self.hf_overrides):

@@ -4,7 +4,7 @@ first request that asks for logprobs; the server's preparers decode first tokens
 
 from __future__ import annotations
 
-from nanovllm.core.detokenizer import decode_tokens
+from nanovllm.core.detokenizer import decoder
 from nanovllm.outputs import Logprob
 from nanovllm.sampling_params import SamplingParams
 
@@ -30,6 +30,7 @@ def _logprob_dict(owner, entry: tuple, token: int, params: SamplingParams) -> di
 def token_texts(owner, ids: list[int]) -> list[str]:
     """The texts of token `ids`, each decoded once per `owner` (kept in its `_token_texts`)."""
     missing = [t for t in ids if t not in owner._token_texts]
-    if missing:
-        owner._token_texts.update(zip(missing, decode_tokens(owner.tokenizer, missing)))
+    if missing:  # each token decoded alone, special tokens kept (Logprob.decoded_token)
+        decode = decoder(owner.tokenizer, skip_special_tokens=False)
+        owner._token_texts.update((t, decode([t])) for t in missing)
     return [owner._token_texts[t] for t in ids]

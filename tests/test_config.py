@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import copy_checkpoint, edit_json, tiny_checkpoint  # noqa: E402
 
+from nanovllm.cli_options import option_names  # noqa: E402
 from nanovllm.config import FEATURE_OPTIONS, Config  # noqa: E402
 import nanovllm.wiring as wiring  # noqa: E402
 
@@ -44,7 +45,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_keywords_and_defaults_are_the_spec(ckpt):
-    fields = {name: default for name, (_, default) in Config.option_names().items()}
+    fields = {name: default for name, (_, default) in option_names().items()}
     for name, default in SPEC_DEFAULTS.items():
         assert name in fields, f"LLM keyword {name} missing"
         assert fields[name] == default, f"{name} defaults to {fields[name]!r}, SPEC says {default!r}"

@@ -35,12 +35,6 @@ __all__ = ["LLMEngine", "StepOutput", "StepResult"]
 load_step_timing: Callable[[], ModuleType]
 
 
-def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
-
-
 class LLMEngine:
     """Validates requests and drives the loop: schedule -> run the model -> account for the step.
     `LLM` (nanovllm/llm.py) is the user-facing subclass. One thread drives an engine.
@@ -57,7 +51,7 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
                                             config.trust_remote_code, config.revision)
-        self.eos_token_ids = frozenset(find_eos_token_ids(config.model, hf, self.tokenizer))
+        self.eos_token_ids = find_eos_token_ids(config.model, hf, self.tokenizer)
         gc = config.generation_config
         self.generation_defaults = {} if gc == "vllm" else read_generation_defaults(config.model if gc == "auto" else gc)
         self.vocab_size = hf.vocab_size
@@ -81,12 +75,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
-            if not prompt:
-                raise ValueError("empty prompt")
-            ids = encode_text(self.tokenizer, prompt, "the prompt")
-        elif isinstance(prompt, (list, tuple)) and (ids := as_token_ids(prompt)) is not None:
-            pass
-        else:
+            ids = encode_text(self.tokenizer, prompt, "the prompt") if prompt else []
+        elif not isinstance(prompt, (list, tuple)) or (ids := as_token_ids(prompt)) is None:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt")
@@ -338,13 +328,16 @@ def load_tokenizer(path: str, mode: str = "auto", trust_remote_code: bool = Fals
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def read_generation_config(path: str) -> tuple[str, dict]:
+    """The path of a checkpoint folder's generation_config.json and what it holds ({} if none)."""
+    gen_file = os.path.join(path, "generation_config.json")
+    return gen_file, read_json(gen_file) if os.path.isfile(gen_file) else {}
+
+
 def read_generation_defaults(path: str) -> dict:
     """The sampling defaults that the checkpoint's generation_config.json sets (vLLM's
     generation_config="auto"), checked: a bad value is a ValueError naming the file."""
-    gen_file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(gen_file):
-        return {}
-    data = read_json(gen_file)
+    gen_file, data = read_generation_config(path)
     defaults = {k: data[k] for k in GENERATION_DEFAULT_FIELDS if data.get(k) is not None}
     try:
         SamplingParams(**defaults)
@@ -353,14 +346,11 @@ def read_generation_defaults(path: str) -> dict:
     return defaults
 
 
-def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
+def find_eos_token_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
     """EOS ids from the tokenizer, config.json and generation_config.json (Qwen3 lists several)."""
-    ids = set(_as_id_list(getattr(hf_config, "eos_token_id", None)))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_file):
-        ids.update(_as_id_list(read_json(gen_file).get("eos_token_id")))
+    found = [getattr(hf_config, "eos_token_id", None), read_generation_config(path)[1].get("eos_token_id"),
+             tokenizer.eos_token_id if tokenizer is not None else None]
+    ids = [i for v in found if v is not None for i in ([v] if isinstance(v, int) else v)]
     # An id the model can never produce cannot end a request, and must not reach the sampler's
     # min_tokens mask (an out-of-range index is a device-side assert on CUDA).
-    return {i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size}
+    return frozenset(i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size)
