@@ -17,8 +17,7 @@ import torch
 from nanovllm.limits import clip_repr
 from nanovllm.model import registry
 from nanovllm.model.attention.backend import flash_attn_available
-from nanovllm.model.fit import check_model_fits
-from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
+from nanovllm.model.checkpoint import check_model_fits, load_hf_config, resolve_model_path
 from nanovllm.sampling_params import is_integer
 from nanovllm.feature_options import (FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS, LoraConfig,  # noqa: F401
                                       ParallelConfig, PrefillGraphConfig, QuantizationConfig, SchedulingConfig,
@@ -37,9 +36,6 @@ _PATH = (str, os.PathLike, type(None))
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
-
-
-# ---------------------------------------------------------------- the engine's config
 
 
 @dataclass
@@ -65,10 +61,7 @@ class Config:
     skip_tokenizer_init: bool = option(False, "True or False")
     attention_backend: str | None = option(None, f"None or one of {ATTENTION_BACKENDS}",
                                            lambda b: b is None or b in ATTENTION_BACKENDS)
-    # vLLM's options of the same names: another tokenizer folder (or Hub id); "auto" | "slow";
-    # passed to transformers; the Hub revision of model and tokenizer; the most logprobs a request
-    # may ask for (-1: the whole vocabulary); where the default SamplingParams come from ("auto":
-    # the model's generation_config.json, "vllm": none, or a folder holding one).
+    # vLLM's options of the same names from here on (docs/api.md).
     tokenizer: str | None = option(None, "None or a string", kind=_PATH)
     tokenizer_mode: str = option("auto", f"one of {TOKENIZER_MODES}", lambda m: m in TOKENIZER_MODES)
     trust_remote_code: bool = option(False, "True or False")
@@ -77,24 +70,19 @@ class Config:
     generation_config: str = option("auto", "'auto' (the model's), 'vllm' (none) or a folder holding a "
                                     "generation_config.json", lambda g: g in ("auto", "vllm") or os.path.isdir(g),
                                     kind=(str, os.PathLike))
-    # vLLM's: where a Hub checkpoint is downloaded (None: the Hub's cache); config.json entries
-    # to replace (a dict, nested dicts merged); whether to skip the engine's stats (get_metrics).
     download_dir: str | None = option(None, "None or a string", kind=_PATH)
     hf_overrides: dict | None = option(None, "None or a dict", kind=(dict, type(None)))
     disable_log_stats: bool = option(True, "True or False")
-    # vLLM's: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}
-    # (features/speculative/options.py checks it in resolve(), before any weight loads).
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}: checked by resolve() (features/speculative/options.py)
     speculative_config: dict | None = option(None, "None or a dict", kind=(dict, type(None)))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # Filled by resolve(): the checkpoint's transformers config; the linear layers' weight scheme
-    # (model/quant.py's QuantScheme, or None); the KV cache's element type; the FP8 cache's scale
-    # calibrator (calculate_kv_scales); the MoE block factory of a model with MoE layers
-    # (model/decoder.py's SparseMlpFactory); the checked speculative_config. All but kv_dtype
-    # come from the features the front wires in (ModelFeatures).
+    # Filled by resolve(): the checkpoint's transformers config, the KV cache's element type, and
+    # what the features the front wires in answer (core/hooks.py's ModelFeatures): the weight
+    # scheme, the FP8 cache's scale calibrator, the MoE block factory, the checked speculative_config.
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
@@ -131,7 +119,6 @@ class Config:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
                              f"got {self.kvcache_block_size}")
 
-    # ------------------------------------------------------------------ resolve (I/O)
     def resolve(self, features: ModelFeatures | None = None) -> "Config":
         """Read the checkpoint and the machine, once: the device, the model and tokenizer folders
         (a Hub download when online), config.json (checked by its model family), the dtypes, what
@@ -139,8 +126,11 @@ class Config:
         KV-scale calibration, MoE layers, parallelism) and whether it fits. Returns self."""
         if self.hf_config is not None:
             return self
-        self.device = self._resolve_device(self.device)
-        self._check_backend_on_device()
+        self.device, backend = self._resolve_device(self.device), self.attention_backend
+        if backend in ("triton", "flash_attn") and self.device != "cuda":
+            raise ValueError(f"attention_backend={backend!r} needs CUDA; this engine runs on {self.device}")
+        if backend == "flash_attn" and not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
         self.model = resolve_model_path(self.model, self.revision, cache_dir=self.download_dir)
         if self.tokenizer is not None and not self.skip_tokenizer_init:
             self.tokenizer = resolve_model_path(self.tokenizer, self.revision, "tokenizer", self.download_dir)
@@ -191,13 +181,6 @@ class Config:
         if self.lora.enable_lora and (self.speculative_config or p.data_parallel_size > 1):
             raise ValueError("enable_lora=True does not go with speculative_config or data_parallel_size > 1 yet")
         features.check_processes(self, hf)
-
-    def _check_backend_on_device(self) -> None:
-        backend = self.attention_backend
-        if backend in ("triton", "flash_attn") and self.device != "cuda":
-            raise ValueError(f"attention_backend={backend!r} needs CUDA; this engine runs on {self.device}")
-        if backend == "flash_attn" and not flash_attn_available():
-            raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
 
     @staticmethod
     def _resolve_device(device) -> str:

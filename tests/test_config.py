@@ -254,7 +254,7 @@ def test_weight_estimate_of_the_tiny_model_is_its_parameter_bytes(ckpt):
     """The estimate is a lower bound: the real parameters (norms, biases aside) in float32."""
     from safetensors import safe_open
 
-    from nanovllm.model.fit import weight_bytes
+    from nanovllm.model.checkpoint import weight_bytes
 
     cfg = make(ckpt, device="cpu")
     real = 0

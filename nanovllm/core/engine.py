@@ -9,7 +9,7 @@ import os
 import random
 from typing import TYPE_CHECKING, Callable
 
-from nanovllm.config import Config, read_json
+from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager, KVUsage
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult
@@ -17,6 +17,7 @@ from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
 from nanovllm.limits import check_unicode, describe_ids
+from nanovllm.model.checkpoint import read_json
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 if TYPE_CHECKING:
@@ -46,15 +47,14 @@ class LLMEngine:
         `model_features` (core/hooks.py): what the front wires in; without them a model or option
         that needs one is a ValueError."""
         self.config = config = Config.from_kwargs(model, **kwargs).resolve(model_features)
-        hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
                                             config.trust_remote_code, config.revision)
-        self.eos_token_ids = find_eos_token_ids(config.model, hf, self.tokenizer)
-        gc = config.generation_config
+        self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, self.tokenizer)
+        gc = config.generation_config  # "auto": the model's, "vllm": none, or a folder holding one
         self.generation_defaults = {} if gc == "vllm" else read_generation_defaults(config.model if gc == "auto" else gc)
-        self.vocab_size = hf.vocab_size
+        self.vocab_size = config.hf_config.vocab_size
         self.model_runner: Executor = (start_executor or start_in_process)(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
@@ -104,10 +104,8 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after
-        the checks that need the model: token ids inside the vocabulary, logprobs within
-        max_logprobs, a tokenizer for stop strings, n within max_num_seqs. ValueError naming the
-        field otherwise. (LLM's override tokenizes bad words, a feature.)"""
+        """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after the
+        checks that need the model and the engine's options: a ValueError naming the field."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()
@@ -172,9 +170,8 @@ class LLMEngine:
         `adapter`: its adapter's id (LoRA; 0: none)."""
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
-        request_id = str(next(self._request_ids))
         seq = self._new_sample(prompt_ids, params, 0, adapter)
-        seq.request_id, seq.prompt_text = request_id, prompt
+        seq.request_id, seq.prompt_text = str(next(self._request_ids)), prompt
         for hook in self.scheduler.hooks:  # (n > 1: the request's other samples)
             hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i, adapter))
         if len(seq.samples) != params.n:

@@ -1,10 +1,6 @@
-"""Which model class serves a checkpoint: config.json's `architectures` -> one family module.
-
-    load_hf_config(path, raw)  the transformers config of a checkpoint, checked (Config calls it)
-    model_class(hf_config)     the nanovllm model class to build (the ModelRunner calls it)
-
-Family modules are imported on first use only.
-"""
+"""Which model class serves a checkpoint: config.json's `architectures` -> one family module,
+imported on first use only. Config reads a checkpoint's config through `load_hf_config`; the
+ModelRunner builds `model_class(hf_config)`."""
 
 from __future__ import annotations
 
@@ -22,13 +18,12 @@ class Architecture:
     module: str
 
 
-ARCHITECTURES = {
+ARCHITECTURES = {  # the supported ones
     "Qwen3ForCausalLM": Architecture("qwen3", "Qwen3Config", "nanovllm.model.families.qwen3"),
     "Qwen2ForCausalLM": Architecture("qwen2", "Qwen2Config", "nanovllm.model.families.qwen2"),
     "LlamaForCausalLM": Architecture("llama", "LlamaConfig", "nanovllm.model.families.llama"),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "Qwen3MoeConfig", "nanovllm.model.families.qwen3_moe"),
 }
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 def architecture_name(architectures, model_type, where: str = "config.json") -> str:
@@ -36,7 +31,7 @@ def architecture_name(architectures, model_type, where: str = "config.json") -> 
     names = [a for a in (architectures or []) if a in ARCHITECTURES]
     if not names:
         raise ValueError(f"unsupported model in {where}: architectures={list(architectures or [])}, "
-                         f"model_type={model_type!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"model_type={model_type!r}; supported architectures: {', '.join(ARCHITECTURES)}")
     name = names[0]
     expected = ARCHITECTURES[name].model_type
     if model_type != expected:
