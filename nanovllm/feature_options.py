@@ -1,7 +1,6 @@
-"""Each feature's LLM options, one sub-config per feature (tensor / data parallelism, quantization,
-the scheduling policy, prefill graphs, LoRA adapters), checked with no I/O. Their fields, and
-config.py's Config's, are `option()`s that carry their rule; `FEATURE_OPTIONS` maps LLM's flat
-keywords onto the sub-configs."""
+"""Each feature's LLM options (docs/api.md says what each does), one sub-config per feature,
+checked with no I/O. Their fields, and config.py's Config's, are `option()`s that carry their
+rule; `FEATURE_OPTIONS` maps LLM's flat keywords onto the sub-configs."""
 
 from __future__ import annotations
 
@@ -59,9 +58,7 @@ def check_options(config) -> None:
 
 @dataclass
 class ParallelConfig:
-    """Tensor and data parallelism (parallel/, launch/). `custom_all_reduce`: on CUDA, fuse
-    all-reduces up to 8 MiB with the RMSNorm after them (parallel/fused_all_reduce.py); False
-    keeps every all-reduce on NCCL."""
+    """Tensor and data parallelism (parallel/, launch/; `custom_all_reduce`: parallel/fused_all_reduce.py)."""
 
     tensor_parallel_size: int = option(1, "an integer >= 1", _at_least(1))
     data_parallel_size: int = option(1, "an integer >= 1", _at_least(1))
@@ -96,9 +93,7 @@ class QuantizationConfig:
 
 @dataclass
 class SchedulingConfig:
-    """The scheduling policy (features/mixed_steps.py): with `mixed_steps`, decode rows ride
-    along with prompt chunks in one step, so running requests keep getting tokens while a long
-    prompt prefills (the server's policy, for latency)."""
+    """The scheduling policy: `mixed_steps` (features/mixed_steps.py), decode rows beside prompt chunks."""
 
     mixed_steps: bool = option(False, "True or False")
     __post_init__ = check_options
@@ -106,8 +101,7 @@ class SchedulingConfig:
 
 @dataclass
 class PrefillGraphConfig:
-    """Piecewise prefill CUDA graphs (features/prefill_graphs.py): prefill-shaped steps of up to
-    `max_tokens` tokens replay them, attention eager between the pieces; 0 runs all eagerly."""
+    """Piecewise prefill CUDA graphs (features/prefill_graphs.py) for steps of up to `max_tokens` tokens."""
 
     max_tokens: int = option(2048, "an integer >= 0 (0: no prefill graphs)", _at_least(0),
                              name="max_prefill_graph_tokens")
@@ -116,10 +110,8 @@ class PrefillGraphConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (features/lora/): `enable_lora` lets requests name one (LoRARequest);
-    `max_loras` adapters sit in the model's slots at once (a request whose adapter finds no free
-    slot waits), each of rank at most `max_lora_rank`; `max_cpu_loras` loaded adapters are kept
-    in host memory (default: max_loras)."""
+    """LoRA adapters (features/lora/): `max_loras` in the model's slots at once, `max_cpu_loras`
+    (default: max_loras) kept in host memory."""
 
     enable_lora: bool = option(False, "True or False")
     max_loras: int = option(1, "an integer >= 1", _at_least(1))
