@@ -105,7 +105,8 @@ class LLMEngine:
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after the
-        checks that need the model and the engine's options: a ValueError naming the field."""
+        checks that need the model: token ids inside the vocabulary, logprobs within max_logprobs,
+        a tokenizer for stop strings, n within max_num_seqs (a ValueError naming the field)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()

@@ -5,7 +5,6 @@ annotations only (imported under TYPE_CHECKING), so a plain generate does not lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable  # noqa: F401
 
 if TYPE_CHECKING:

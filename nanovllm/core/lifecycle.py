@@ -18,7 +18,7 @@ from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence, SequenceStatus
 
 if TYPE_CHECKING:
-    from nanovllm.core.hooks import DraftVerifier, StepLogprobs, TextTracker, TextTrackerFactory
+    from nanovllm.core.hooks import DraftVerifier, TextTracker, TextTrackerFactory
 
 
 @dataclass
@@ -122,11 +122,10 @@ class RequestLifecycle:
         """A step was launched: hold its tokens' places, retire requests that reached their length."""
         self.scheduler.advance(batch, self.max_model_len)
 
-    def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs: StepLogprobs | None = None
-               ) -> list[StepOutput]:
+    def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
         """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
-        in, decide finishes, build the outputs. `logprobs`: the step's logprob entries, when a
-        row or a prompt asks for them (features/logits/logprobs.py)."""
+        in, decide finishes, build the outputs. `logprobs` (core/hooks.py's StepLogprobs): the
+        step's logprob entries, when a row or a prompt asks for them."""
         outputs = []
         if logprobs is not None:
             logprobs.add_prompt_entries(batch)
@@ -145,8 +144,7 @@ class RequestLifecycle:
             outputs.append(StepOutput(seq, new, text, seq.is_finished, seq.finish_reason, entries or None))
         return outputs
 
-    def _take(self, seq: Sequence, token_id: int, logprobs: StepLogprobs | None, row: int, detok,
-              entries: list) -> bool:
+    def _take(self, seq: Sequence, token_id: int, logprobs, row: int, detok, entries: list) -> bool:
         """Account for `seq`'s token just filled in, sampled in `row`: its logprob entry (kept in
         `entries` too) when the request asks for them, then the finish rule; whether it ended."""
         if seq.logprobs is not None:
