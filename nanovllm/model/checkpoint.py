@@ -55,9 +55,12 @@ def read_json(path: str) -> dict:
 
 
 def load_hf_config(path: str, overrides: dict | None = None):
-    """The checkpoint's `config.json` as a transformers config (registry.py: its family's config
-    class reads it, the family refuses what it does not implement); `overrides` (vLLM's
-    hf_overrides) replace entries first, nested dicts merged."""
+    """The checkpoint's `config.json` as a transformers config, read by its family's config class
+    (registry.py) and checked: sizes positive, then the family refuses an unknown architecture or
+    an unsupported option (sliding window, rope type, activation ...) before any weights load.
+    `overrides` (vLLM's hf_overrides) replace entries first, nested dicts merged."""
+    import transformers
+
     cfg_file = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_file):
         raise FileNotFoundError(f"checkpoint folder {path!r} has no config.json")
@@ -65,7 +68,11 @@ def load_hf_config(path: str, overrides: dict | None = None):
     for key, value in (overrides or {}).items():
         raw[key] = {**raw[key], **value} if isinstance(value, dict) and isinstance(raw.get(key), dict) else value
     check_sizes(raw)
-    return registry.load_hf_config(path, raw, {key: raw[key] for key in overrides or {}})
+    name = registry.architecture_name(raw.get("architectures"), raw.get("model_type"), cfg_file)
+    config_class = getattr(transformers, registry.ARCHITECTURES[name].config_class)
+    config = config_class.from_pretrained(path, **{key: raw[key] for key in overrides or {}})
+    registry.decoder_options(config)
+    return config
 
 
 # config.json sizes that must be positive integers where given (a family may fall back from a 0).

@@ -1,6 +1,6 @@
 """Which model class serves a checkpoint: config.json's `architectures` -> one family module,
-imported on first use only. Config reads a checkpoint's config through `load_hf_config`; the
-ModelRunner builds `model_class(hf_config)`."""
+imported on first use only: its transformers config class reads config.json (checkpoint.py's
+load_hf_config), and the ModelRunner builds `model_class(hf_config)`."""
 
 from __future__ import annotations
 
@@ -41,24 +41,12 @@ def architecture_name(architectures, model_type, where: str = "config.json") -> 
 
 
 def model_class(hf_config):
-    """The nanovllm class (a DecoderForCausalLM) for a config that `load_hf_config` accepted."""
+    """The nanovllm class (a DecoderForCausalLM) for a config that checkpoint.load_hf_config accepted."""
     name = architecture_name(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     return getattr(importlib.import_module(ARCHITECTURES[name].module), name)
 
 
-def load_hf_config(path: str, raw: dict, overrides: dict | None = None):
-    """config.json (already parsed as `raw`) read by its family's transformers config class, with
-    `overrides` replacing entries, then checked by the family (`options_from_config`): an unknown
-    architecture or an unsupported option (sliding window, rope type, activation ...) is a
-    ValueError before any weights load."""
-    import transformers
-
-    name = architecture_name(raw.get("architectures"), raw.get("model_type"), f"{path}/config.json")
-    config = getattr(transformers, ARCHITECTURES[name].config_class).from_pretrained(path, **(overrides or {}))
-    decoder_options(config)
-    return config
-
-
 def decoder_options(hf_config):
-    """The DecoderOptions (model/decoder.py) its family reads from a config `load_hf_config` accepted."""
+    """The DecoderOptions (model/decoder.py) its family reads from a transformers config (the
+    family's check: a ValueError for what it does not implement)."""
     return model_class(hf_config).options_from_config(hf_config)
