@@ -164,9 +164,9 @@ class Config:
                      "a mixture-of-experts model": opts.moe_layers,
                      "speculative_config": self.speculative_config is not None,
                      "enable_lora=True": self.lora.enable_lora,
-                     "tensor_parallel_size or data_parallel_size > 1 (or the ray / external_launcher backend)":
-                         p.tensor_parallel_size * p.data_parallel_size > 1 or p.distributed_executor_backend
-                         not in (None, "mp")}
+                     "tensor_parallel_size > 1, data_parallel_size > 1 or distributed_executor_backend='ray' / "
+                     "'external_launcher'": p.tensor_parallel_size * p.data_parallel_size > 1
+                     or p.distributed_executor_backend not in (None, "mp")}
             if wanted := [what for what, needed in needs.items() if needed]:
                 raise ValueError(f"{wanted[0]} need(s) the features that LLM wires in: create LLM(model, ...), "
                                  f"not a bare LLMEngine")

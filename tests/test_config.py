@@ -278,10 +278,13 @@ def test_invalid_values_are_quoted_not_echoed_whole(ckpt):
 @pytest.mark.parametrize("kwargs, what", [(dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                                            "speculative_config"),
                                           (dict(enable_lora=True), "enable_lora=True"),
-                                          (dict(quantization="fp8"), "quantized weights")])
+                                          (dict(quantization="fp8"), "quantized weights"),
+                                          (dict(tensor_parallel_size=2), "tensor_parallel_size > 1, "
+                                           "data_parallel_size > 1 or distributed_executor_backend='ray' / "
+                                           "'external_launcher'")])
 def test_a_bare_engine_config_refuses_what_needs_a_feature(ckpt, kwargs, what):
-    """Config.resolve without the features LLM wires in (NoFeatures, a bare LLMEngine's) says so
-    for an option that needs one; a plain config resolves."""
+    """Config.resolve without the features LLM wires in (a bare LLMEngine's) says so for an
+    option that needs one; a plain config resolves."""
     assert Config.from_kwargs(ckpt).resolve().hf_config is not None
     with pytest.raises(ValueError, match=f"{what} need\\(s\\) the features that LLM wires in"):
         Config.from_kwargs(ckpt, **kwargs).resolve()

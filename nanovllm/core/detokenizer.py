@@ -19,11 +19,9 @@ def _fast_backend(tokenizer) -> tokenizers.Tokenizer | None:
     that would dominate the per-token cost."""
     if isinstance(tokenizer, tokenizers.Tokenizer):
         return tokenizer
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        return None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
     cls = type(tokenizer)
     if isinstance(tokenizer, PreTrainedTokenizerFast) and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode \
             and getattr(cls, "_decode", None) is PreTrainedTokenizerFast._decode:
