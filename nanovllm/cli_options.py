@@ -1,13 +1,27 @@
-"""The command-line flags of every LLM option (one flag per option of Config.option_names):
+"""The command-line flags of every LLM option (one flag per option of option_names):
 EngineArgs.add_cli_args / from_cli_args (through wiring.py) and the server's command line."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import typing
 
-from nanovllm.config import Config
+from nanovllm.config import FEATURE_OPTIONS, SUB_CONFIGS, Config
+
+
+def option_names() -> dict[str, tuple[object, object]]:
+    """LLM's keywords but `model`: name -> (type, default), the features' options included."""
+    options = {}
+    hints = typing.get_type_hints(Config)
+    for f in dataclasses.fields(Config):
+        if f.init and f.name != "model" and f.name not in SUB_CONFIGS:
+            options[f.name] = (hints[f.name], f.default)
+    for key, (sub, name) in FEATURE_OPTIONS.items():
+        f = next(x for x in dataclasses.fields(SUB_CONFIGS[sub]) if x.name == name)
+        options[key] = (typing.get_type_hints(SUB_CONFIGS[sub])[name], f.default)
+    return options
 
 
 def _flag_type(hint):
@@ -26,7 +40,7 @@ def add_option_flags(group, defaults: dict | None = None, helps: dict | None = N
     booleans as `--name` / `--no-name`; unset flags are absent from the parsed namespace.
     `defaults` / `helps`: what the help text says of an option's default and meaning."""
     defaults, helps = defaults or {}, helps or {}
-    for name, (hint, default) in Config.option_names().items():
+    for name, (hint, default) in option_names().items():
         default = defaults.get(name, default)
         text = helps.get(name, f"LLM option {name} (see docs/api.md)") + f" [default: {default!r}]"
         flag = "--" + name.replace("_", "-")
@@ -46,5 +60,5 @@ def add_cli_args(parser):
 
 def option_values(args: argparse.Namespace) -> dict:
     """The LLM options the parsed flags give (those set on the command line)."""
-    names = set(Config.option_names())
+    names = set(option_names())
     return {k: v for k, v in vars(args).items() if k in names}

@@ -1,10 +1,7 @@
-"""Engine configuration: every `LLM(...)` keyword in two steps.
-
-`Config.from_kwargs(model, **kwargs)` checks each value and does no I/O: core fields flat, and one
-sub-config per feature (feature_options.py: `parallel`, `quantization`, `scheduling`,
-`prefill_graphs`, `lora`), each checking its own fields. `config.resolve(...)` then reads the checkpoint's config.json, picks the device and
-dtypes, probes the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`,
-`kv_calibrator`, `sparse_mlp`).
+"""Engine configuration: every `LLM(...)` keyword in two steps. `Config.from_kwargs(model, **kwargs)`
+checks each value with no I/O: core fields flat, one sub-config per feature (feature_options.py).
+`config.resolve(...)` then reads the checkpoint's config.json, picks the device and dtypes, probes
+the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`, ...).
 """
 
 from __future__ import annotations
@@ -12,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import typing
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -21,12 +17,11 @@ import torch
 from nanovllm.limits import clip_repr
 from nanovllm.model import registry
 from nanovllm.model.attention.backend import flash_attn_available
-from nanovllm.model.fit import check_model_fits
-from nanovllm.model.checkpoint import load_hf_config, read_json, resolve_model_path  # noqa: F401
+from nanovllm.model.checkpoint import check_model_fits, load_hf_config, resolve_model_path
 from nanovllm.sampling_params import is_integer
-from nanovllm.feature_options import (FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS,  # noqa: F401
-                                      LoraConfig, ParallelConfig, PrefillGraphConfig, QuantizationConfig,
-                                      SchedulingConfig, _at_least, checked)
+from nanovllm.feature_options import (FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS, LoraConfig,  # noqa: F401
+                                      ParallelConfig, PrefillGraphConfig, QuantizationConfig, SchedulingConfig,
+                                      _at_least, check_options, option)
 from nanovllm.vllm_keywords import translate_vllm_keywords
 
 if TYPE_CHECKING:
@@ -37,63 +32,57 @@ logger = logging.getLogger(__name__)
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 TOKENIZER_MODES = ("auto", "slow")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_PATH = (str, os.PathLike, type(None))
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
            "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
-# ---------------------------------------------------------------- the engine's config
-
-
 @dataclass
 class Config:
-    """Everything `LLM(model, **kwargs)` accepts (docs/api.md says what each does). Core fields
-    here, the features' options in their sub-configs (FEATURE_OPTIONS maps the keywords).
-    `attention_backend` (None = automatic) forces one of ATTENTION_BACKENDS, for tests."""
+    """Everything `LLM(model, **kwargs)` accepts (docs/api.md says what each does), each checked
+    by its option() rule: core fields here, the features' options in their sub-configs
+    (FEATURE_OPTIONS maps the keywords). `attention_backend` (None = automatic) forces one of
+    ATTENTION_BACKENDS, for tests."""
 
     model: str
-    max_num_seqs: int = 512
-    max_num_batched_tokens: int = 16384
-    max_model_len: int = 4096
-    gpu_memory_utilization: float = 0.9
-    kvcache_block_size: int = 256
-    num_kvcache_blocks: int = -1
-    enforce_eager: bool = False
-    enable_prefix_caching: bool = True
-    device: str | None = None
+    max_num_seqs: int = option(512, "an integer >= 1", _at_least(1))
+    max_num_batched_tokens: int = option(16384, "an integer >= 1", _at_least(1))
+    max_model_len: int = option(4096, "an integer >= 1", _at_least(1))
+    gpu_memory_utilization: float = option(0.9, "a number in (0, 1]", lambda u: 0.0 < u <= 1.0)
+    kvcache_block_size: int = option(256, "a power of two >= 16", lambda b: b >= 16 and not b & (b - 1))
+    num_kvcache_blocks: int = option(-1, "-1 (automatic) or an integer >= 1", lambda n: n == -1 or n >= 1)
+    enforce_eager: bool = option(False, "True or False")
+    enable_prefix_caching: bool = option(True, "True or False")
+    device: str | None = option(None, "None, 'cpu' or 'cuda'", lambda d: d is None or str(d) in ("cpu", "cuda"))
     dtype: str | torch.dtype | None = None
-    load_format: str = "auto"
-    seed: int = 0
-    skip_tokenizer_init: bool = False
-    attention_backend: str | None = None
-    # vLLM's options of the same names: another tokenizer folder (or Hub id); "auto" | "slow";
-    # passed to transformers; the Hub revision of model and tokenizer; the most logprobs a request
-    # may ask for (-1: the whole vocabulary); where the default SamplingParams come from ("auto":
-    # the model's generation_config.json, "vllm": none, or a folder holding one).
-    tokenizer: str | None = None
-    tokenizer_mode: str = "auto"
-    trust_remote_code: bool = False
-    revision: str | None = None
-    max_logprobs: int = 20
-    generation_config: str = "auto"
-    # vLLM's: where a Hub checkpoint is downloaded (None: the Hub's cache); config.json entries
-    # to replace (a dict, nested dicts merged); whether to skip the engine's stats (get_metrics).
-    download_dir: str | None = None
-    hf_overrides: dict | None = None
-    disable_log_stats: bool = True
-    # vLLM's: speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}
-    # (features/speculative/options.py checks it in resolve(), before any weight loads).
-    speculative_config: dict | None = None
+    load_format: str = option("auto", f"one of {LOAD_FORMATS}", lambda f: f in LOAD_FORMATS)
+    seed: int = option(0, "an integer")
+    skip_tokenizer_init: bool = option(False, "True or False")
+    attention_backend: str | None = option(None, f"None or one of {ATTENTION_BACKENDS}",
+                                           lambda b: b is None or b in ATTENTION_BACKENDS)
+    # vLLM's options of the same names from here on (docs/api.md).
+    tokenizer: str | None = option(None, "None or a string", kind=_PATH)
+    tokenizer_mode: str = option("auto", f"one of {TOKENIZER_MODES}", lambda m: m in TOKENIZER_MODES)
+    trust_remote_code: bool = option(False, "True or False")
+    revision: str | None = option(None, "None or a string", kind=_PATH)
+    max_logprobs: int = option(20, "-1 (no limit) or an integer >= 0", _at_least(-1))
+    generation_config: str = option("auto", "'auto' (the model's), 'vllm' (none) or a folder holding a "
+                                    "generation_config.json", lambda g: g in ("auto", "vllm") or os.path.isdir(g),
+                                    kind=(str, os.PathLike))
+    download_dir: str | None = option(None, "None or a string", kind=_PATH)
+    hf_overrides: dict | None = option(None, "None or a dict", kind=(dict, type(None)))
+    disable_log_stats: bool = option(True, "True or False")
+    # e.g. {"method": "ngram", "num_speculative_tokens": 4}: checked by resolve() (features/speculative/options.py)
+    speculative_config: dict | None = option(None, "None or a dict", kind=(dict, type(None)))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # Filled by resolve(): the checkpoint's transformers config; the linear layers' weight scheme
-    # (model/quant.py's QuantScheme, or None); the KV cache's element type; the FP8 cache's scale
-    # calibrator (calculate_kv_scales); the MoE block factory of a model with MoE layers
-    # (model/decoder.py's SparseMlpFactory); the checked speculative_config. All but kv_dtype
-    # come from the features the front wires in (ModelFeatures).
+    # Filled by resolve(): the checkpoint's transformers config, the KV cache's element type, and
+    # what the features the front wires in answer (core/hooks.py's ModelFeatures): the weight
+    # scheme, the FP8 cache's scale calibrator, the MoE block factory, the checked speculative_config.
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
@@ -108,148 +97,90 @@ class Config:
         keyword is named in one TypeError. vLLM's names and vLLM-only keywords are read first
         (vllm_keywords.py)."""
         kwargs = translate_vllm_keywords(kwargs)
-        known = cls.option_names()
-        unknown = sorted(set(kwargs) - set(known))
+        known = set(FEATURE_OPTIONS) | {f.name for f in dataclasses.fields(cls) if f.init} - {"model", *SUB_CONFIGS}
+        unknown = sorted(set(kwargs) - known)
         if unknown:
             raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}. "
                             f"Known: {', '.join(sorted(known))}")
-        core = {k: v for k, v in kwargs.items() if k not in FEATURE_OPTIONS}
         subs: dict[str, dict] = {name: {} for name in SUB_CONFIGS}
-        for key, value in kwargs.items():
-            if key in FEATURE_OPTIONS:
-                sub, name = FEATURE_OPTIONS[key]
-                subs[sub][name] = value
-        return cls(model, **core, **{name: SUB_CONFIGS[name](**v) for name, v in subs.items()})
-
-    @classmethod
-    def option_names(cls) -> dict[str, tuple[object, object]]:
-        """LLM's keywords but `model`: name -> (type, default), the features' options included."""
-        options = {}
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.init and f.name != "model" and f.name not in SUB_CONFIGS:
-                options[f.name] = (hints[f.name], f.default)
-        for key, (sub, name) in FEATURE_OPTIONS.items():
-            f = next(x for x in dataclasses.fields(SUB_CONFIGS[sub]) if x.name == name)
-            options[key] = (typing.get_type_hints(SUB_CONFIGS[sub])[name], f.default)
-        return options
+        for key in set(kwargs) & set(FEATURE_OPTIONS):
+            sub, name = FEATURE_OPTIONS[key]
+            subs[sub][name] = kwargs.pop(key)
+        return cls(model, **kwargs, **{name: SUB_CONFIGS[name](**v) for name, v in subs.items()})
 
     def __post_init__(self):
-        for name, kind, what, ok in (
-                ("max_num_seqs", int, "an integer >= 1", _at_least(1)),
-                ("max_num_batched_tokens", int, "an integer >= 1", _at_least(1)),
-                ("max_model_len", int, "an integer >= 1", _at_least(1)),
-                ("kvcache_block_size", int, "a power of two >= 16", lambda b: b >= 16 and not b & (b - 1)),
-                ("num_kvcache_blocks", int, "-1 (automatic) or an integer >= 1", lambda n: n == -1 or n >= 1),
-                ("gpu_memory_utilization", float, "a number in (0, 1]", lambda u: 0.0 < u <= 1.0),
-                ("seed", int, "an integer", lambda s: True),
-                ("max_logprobs", int, "-1 (no limit) or an integer >= 0", _at_least(-1))):
-            setattr(self, name, checked(name, getattr(self, name), kind, what, ok))
-        for name in ("enforce_eager", "enable_prefix_caching", "skip_tokenizer_init", "trust_remote_code"):
-            checked(name, getattr(self, name), bool, "True or False")
+        if callable(self.hf_overrides):
+            raise NotImplementedError("hf_overrides as a function is not supported: pass a dict of config.json entries")
+        check_options(self)
         for name, cls in SUB_CONFIGS.items():
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"Config.{name} must be a {cls.__name__}")
-        self._check_names()
-
-    def _check_names(self) -> None:
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format={clip_repr(self.load_format)}: must be one of {LOAD_FORMATS}")
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={clip_repr(self.attention_backend)}: must be None or one of {ATTENTION_BACKENDS}")
         if self.attention_backend == "flash_attn" and self.kvcache_block_size % 256:
             raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
                              f"got {self.kvcache_block_size}")
-        if self.tokenizer_mode not in TOKENIZER_MODES:
-            raise ValueError(f"tokenizer_mode={clip_repr(self.tokenizer_mode)}: must be one of {TOKENIZER_MODES}")
-        for name in ("tokenizer", "revision", "download_dir"):
-            value = getattr(self, name)
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise ValueError(f"{name}={clip_repr(value)}: must be None or a string")
-        gc = self.generation_config
-        if not isinstance(gc, (str, os.PathLike)) or (gc not in ("auto", "vllm") and not os.path.isdir(gc)):
-            raise ValueError(f"generation_config={clip_repr(gc)}: must be 'auto' (the model's), 'vllm' (none) "
-                             "or a folder holding a generation_config.json")
-        if self.device is not None and str(self.device) not in ("cpu", "cuda"):
-            raise ValueError(f"device={clip_repr(self.device)}: must be None, 'cpu' or 'cuda'")
-        if callable(self.hf_overrides):
-            raise NotImplementedError("hf_overrides as a function is not supported: pass a dict of config.json entries")
-        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
-            raise ValueError(f"hf_overrides={clip_repr(self.hf_overrides)}: must be None or a dict")
-        checked("disable_log_stats", self.disable_log_stats, bool, "True or False")
-        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
-            raise ValueError(f"speculative_config={clip_repr(self.speculative_config)}: must be None or a dict")
 
-    # ------------------------------------------------------------------ resolve (I/O)
     def resolve(self, features: ModelFeatures | None = None) -> "Config":
         """Read the checkpoint and the machine, once: the device, the model and tokenizer folders
         (a Hub download when online), config.json (checked by its model family), the dtypes, what
         the model needs from the features the front wires in (`features`: quantized weights,
-        KV-scale calibration, MoE layers) and the fit of the parallel sizes. Returns self."""
+        KV-scale calibration, MoE layers, parallelism) and whether it fits. Returns self."""
         if self.hf_config is not None:
             return self
-        self.device = self._resolve_device(self.device)
-        self._check_backend_on_device()
+        self.device, backend = self._resolve_device(self.device), self.attention_backend
+        if backend in ("triton", "flash_attn") and self.device != "cuda":
+            raise ValueError(f"attention_backend={backend!r} needs CUDA; this engine runs on {self.device}")
+        if backend == "flash_attn" and not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
         self.model = resolve_model_path(self.model, self.revision, cache_dir=self.download_dir)
         if self.tokenizer is not None and not self.skip_tokenizer_init:
             self.tokenizer = resolve_model_path(self.tokenizer, self.revision, "tokenizer", self.download_dir)
         hf = load_hf_config(self.model, self.hf_overrides)
         self.dtype = self._resolve_dtype(self.dtype, hf)
-        self._resolve_features(hf, features or NoFeatures())
+        self._resolve_features(hf, features)
         self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype
-        self._check_fp8_device()
+        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
+            major, minor = torch.cuda.get_device_capability()
+            if (major, minor) < (8, 9):
+                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
+                                 f"(Ada, Hopper); this one is {major}.{minor}")
         if self.max_model_len > hf.max_position_embeddings:  # RoPE would silently extrapolate
             logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
                            self.max_model_len, hf.max_position_embeddings)
             self.max_model_len = hf.max_position_embeddings
-        tp = self.parallel.tensor_parallel_size
-        sizes = registry.tensor_parallel_sizes(hf)
-        if any(n % tp for n in sizes.values()):
-            raise ValueError(f"tensor_parallel_size={tp} must divide the model's "
-                             + ", ".join(f"{what} ({n})" for what, n in sizes.items()))
-        self._check_gpu_count()
         if self.parallel.distributed_executor_backend != "ray":  # a Ray front's replicas check on their own
             check_model_fits(hf, self.dtype, self.quant is not None, self.device,
                              self.parallel.tensor_parallel_size, self.parallel.data_parallel_size)
         self.hf_config = hf
         return self
 
-    def _resolve_features(self, hf, features: ModelFeatures) -> None:
-        self.quant = features.quantization_scheme(getattr(hf, "quantization_config", None), self.quantization.method)
-        if self.quant is not None:
-            self.quant.check_model(hf, self.parallel.tensor_parallel_size, self.load_format)
-        self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
-        self.sparse_mlp = features.sparse_mlp(registry.model_class(hf).options_from_config(hf))
-        self.speculation = features.speculation(self.speculative_config, hf, self.parallel.tensor_parallel_size)
-        self.adapters = features.adapters(self.lora, hf)
-        if self.lora.enable_lora and (self.speculative_config or self.parallel.data_parallel_size > 1):
-            raise ValueError("enable_lora=True does not go with speculative_config or data_parallel_size > 1 yet")
-
-    def _check_backend_on_device(self) -> None:
-        backend = self.attention_backend
-        if backend in ("triton", "flash_attn") and self.device != "cuda":
-            raise ValueError(f"attention_backend={backend!r} needs CUDA; this engine runs on {self.device}")
-        if backend == "flash_attn" and not flash_attn_available():
-            raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
-
-    def _check_fp8_device(self) -> None:
-        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
-            major, minor = torch.cuda.get_device_capability()
-            if (major, minor) < (8, 9):
-                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
-                                 f"(Ada, Hopper); this one is {major}.{minor}")
-
-    def _check_gpu_count(self) -> None:
-        """The engine's own processes must fit on this node's GPUs; Ray places replicas on the
-        cluster's GPUs, and torchrun's ranks may span nodes (launch/torchrun.py checks those)."""
-        p = self.parallel
-        tp, dp = p.tensor_parallel_size, p.data_parallel_size
-        if self.device != "cuda" or p.distributed_executor_backend not in (None, "mp"):
+    def _resolve_features(self, hf, features: ModelFeatures | None) -> None:
+        """The fields the features answer; without them (a bare LLMEngine) a model or option that
+        needs one is a ValueError naming it."""
+        p, opts = self.parallel, registry.decoder_options(hf)
+        checkpoint_quant = getattr(hf, "quantization_config", None)
+        if features is None:  # a bare LLMEngine
+            needs = {"quantized weights": checkpoint_quant or self.quantization.method is not None,
+                     "calculate_kv_scales=True": self.quantization.calculate_kv_scales,
+                     "a mixture-of-experts model": opts.moe_layers,
+                     "speculative_config": self.speculative_config is not None,
+                     "enable_lora=True": self.lora.enable_lora,
+                     "tensor_parallel_size > 1, data_parallel_size > 1 or distributed_executor_backend='ray' / "
+                     "'external_launcher'": p.tensor_parallel_size * p.data_parallel_size > 1
+                     or p.distributed_executor_backend not in (None, "mp")}
+            if wanted := [what for what, needed in needs.items() if needed]:
+                raise ValueError(f"{wanted[0]} need(s) the features that LLM wires in: create LLM(model, ...), "
+                                 f"not a bare LLMEngine")
             return
-        if tp * dp > torch.cuda.device_count():
-            what = f"tensor_parallel_size={tp}" if dp == 1 else \
-                f"data_parallel_size={dp} x tensor_parallel_size={tp} = {tp * dp} GPUs"
-            raise ValueError(f"{what} but only {torch.cuda.device_count()} GPU(s) are visible")
+        self.quant = features.quantization_scheme(checkpoint_quant, self.quantization.method)
+        if self.quant is not None:
+            self.quant.check_model(hf, p.tensor_parallel_size, self.load_format)
+        self.kv_calibrator = features.kv_scale_calibrator(self.quantization.calculate_kv_scales)
+        self.sparse_mlp = features.sparse_mlp(opts)
+        self.speculation = features.speculation(self.speculative_config, hf, p.tensor_parallel_size)
+        self.adapters = features.adapters(self.lora, hf)
+        if self.lora.enable_lora and (self.speculative_config or p.data_parallel_size > 1):
+            raise ValueError("enable_lora=True does not go with speculative_config or data_parallel_size > 1 yet")
+        features.check_processes(self, hf)
 
     @staticmethod
     def _resolve_device(device) -> str:
@@ -269,35 +200,6 @@ class Config:
         if resolved not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"dtype={clip_repr(dtype)}: must be None, 'auto', float32, bfloat16 or float16")
         return resolved
-
-
-class NoFeatures:
-    """A bare LLMEngine's ModelFeatures: none, and a clear error for a model or option that needs one."""
-
-    @staticmethod
-    def _refuse(what: str):
-        raise ValueError(f"{what} need(s) the features that LLM wires in: create LLM(model, ...), "
-                         f"not a bare LLMEngine")
-
-    def quantization_scheme(self, checkpoint_config, requested):
-        if checkpoint_config or requested is not None:
-            self._refuse("quantized weights")
-
-    def kv_scale_calibrator(self, calculate_kv_scales):
-        if calculate_kv_scales:
-            self._refuse("calculate_kv_scales=True")
-
-    def sparse_mlp(self, decoder_options):
-        if decoder_options.moe_layers:
-            self._refuse("a mixture-of-experts model")
-
-    def speculation(self, speculative_config, hf_config, tensor_parallel_size):
-        if speculative_config is not None:
-            self._refuse("speculative_config")
-
-    def adapters(self, lora_config, hf_config):
-        if lora_config.enable_lora:
-            self._refuse("enable_lora=True")
 
 
 def wants_data_parallel(kwargs: dict) -> bool:

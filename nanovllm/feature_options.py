@@ -1,6 +1,6 @@
-"""Each feature's LLM options, one sub-config per feature, each checking its own fields (no I/O):
-tensor / data parallelism, quantization, the scheduling policy, prefill graphs, LoRA adapters.
-`FEATURE_OPTIONS` maps LLM's flat keywords onto them; config.py's Config holds one of each."""
+"""Each feature's LLM options (docs/api.md says what each does), one sub-config per feature,
+checked with no I/O. Their fields, and config.py's Config's, are `option()`s that carry their
+rule; `FEATURE_OPTIONS` maps LLM's flat keywords onto the sub-configs."""
 
 from __future__ import annotations
 
@@ -41,27 +41,34 @@ def _at_least(n):
     return lambda v: v >= n
 
 
+def option(default, what: str, ok: Callable = lambda v: True, kind=None, name: str | None = None):
+    """A field `check_options` checks: a `kind` (the default's type unless given; any for a
+    None default) for which `ok` holds, `what` saying so. `name`: LLM's keyword, if not the field's."""
+    kind = kind or (object if default is None else type(default))
+    return field(default=default, metadata={"check": (kind, what, ok)} | ({"option": name} if name else {}))
+
+
+def check_options(config) -> None:
+    """Check each option() field of the dataclass `config`, keeping numbers as Python's own."""
+    for f in dataclasses.fields(config):
+        if "check" in f.metadata:
+            value = checked(f.metadata.get("option", f.name), getattr(config, f.name), *f.metadata["check"])
+            setattr(config, f.name, value)
+
+
 @dataclass
 class ParallelConfig:
-    """Tensor and data parallelism (parallel/, launch/). `custom_all_reduce`: on CUDA, fuse
-    all-reduces up to 8 MiB with the RMSNorm after them (parallel/fused_all_reduce.py); False
-    keeps every all-reduce on NCCL."""
+    """Tensor and data parallelism (parallel/, launch/; `custom_all_reduce`: parallel/fused_all_reduce.py)."""
 
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
-    distributed_executor_backend: str | None = None
-    custom_all_reduce: bool = True
+    tensor_parallel_size: int = option(1, "an integer >= 1", _at_least(1))
+    data_parallel_size: int = option(1, "an integer >= 1", _at_least(1))
+    distributed_executor_backend: str | None = option(None, f"one of {EXECUTOR_BACKENDS}",
+                                                      lambda b: b in EXECUTOR_BACKENDS)
+    custom_all_reduce: bool = option(True, "True or False")
 
     def __post_init__(self):
-        self.tensor_parallel_size = checked("tensor_parallel_size", self.tensor_parallel_size, int,
-                                            "an integer >= 1", _at_least(1))
-        self.data_parallel_size = checked("data_parallel_size", self.data_parallel_size, int, "an integer >= 1",
-                                          _at_least(1))
-        checked("custom_all_reduce", self.custom_all_reduce, bool, "True or False")
-        backend = self.distributed_executor_backend
-        if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend={clip_repr(backend)}: must be one of {EXECUTOR_BACKENDS}")
-        if backend == "external_launcher" and self.data_parallel_size != 1:
+        check_options(self)
+        if self.distributed_executor_backend == "external_launcher" and self.data_parallel_size != 1:
             raise ValueError("distributed_executor_backend='external_launcher' runs one tensor-parallel engine "
                              "over torchrun's ranks; data_parallel_size must be 1 (launch one torchrun job per "
                              "replica, or use the 'mp' / 'ray' backends for data parallelism)")
@@ -72,62 +79,47 @@ class QuantizationConfig:
     """Quantized weights and KV cache (features/quantization/). `method`: LLM(quantization=...),
     None to follow the checkpoint's quantization_config."""
 
-    method: str | None = field(default=None, metadata={"option": "quantization"})
-    kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
+    method: str | None = option(None, "None or a method's name", kind=(str, type(None)), name="quantization")
+    kv_cache_dtype: str = option("auto", f"one of {', '.join(map(repr, KV_CACHE_DTYPES))}",
+                                 lambda d: d in KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = option(False, "True or False")
 
     def __post_init__(self):
-        if not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype={clip_repr(self.kv_cache_dtype)} is not supported; use one of "
-                             f"{', '.join(map(repr, KV_CACHE_DTYPES))}")
-        checked("calculate_kv_scales", self.calculate_kv_scales, bool, "True or False")
+        check_options(self)
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales=True calibrates the scales of an FP8 KV cache: it needs "
                              "kv_cache_dtype='fp8'")
-        if self.method is not None and not isinstance(self.method, str):
-            raise ValueError(f"quantization={clip_repr(self.method)}: must be None or a method's name")
 
 
 @dataclass
 class SchedulingConfig:
-    """The scheduling policy (features/mixed_steps.py): with `mixed_steps`, decode rows ride
-    along with prompt chunks in one step, so running requests keep getting tokens while a long
-    prompt prefills (the server's policy, for latency)."""
+    """The scheduling policy: `mixed_steps` (features/mixed_steps.py), decode rows beside prompt chunks."""
 
-    mixed_steps: bool = False
-
-    def __post_init__(self):
-        checked("mixed_steps", self.mixed_steps, bool, "True or False")
+    mixed_steps: bool = option(False, "True or False")
+    __post_init__ = check_options
 
 
 @dataclass
 class PrefillGraphConfig:
-    """Piecewise prefill CUDA graphs (features/prefill_graphs.py): prefill-shaped steps of up to
-    `max_tokens` tokens replay them, attention eager between the pieces; 0 runs all eagerly."""
+    """Piecewise prefill CUDA graphs (features/prefill_graphs.py) for steps of up to `max_tokens` tokens."""
 
-    max_tokens: int = field(default=2048, metadata={"option": "max_prefill_graph_tokens"})
-
-    def __post_init__(self):
-        self.max_tokens = checked("max_prefill_graph_tokens", self.max_tokens, int,
-                                  "an integer >= 0 (0: no prefill graphs)", _at_least(0))
+    max_tokens: int = option(2048, "an integer >= 0 (0: no prefill graphs)", _at_least(0),
+                             name="max_prefill_graph_tokens")
+    __post_init__ = check_options
 
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (features/lora/): `enable_lora` lets requests name one (LoRARequest);
-    `max_loras` adapters sit in the model's slots at once (a request whose adapter finds no free
-    slot waits), each of rank at most `max_lora_rank`; `max_cpu_loras` loaded adapters are kept
-    in host memory (default: max_loras)."""
+    """LoRA adapters (features/lora/): `max_loras` in the model's slots at once, `max_cpu_loras`
+    (default: max_loras) kept in host memory."""
 
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
+    enable_lora: bool = option(False, "True or False")
+    max_loras: int = option(1, "an integer >= 1", _at_least(1))
+    max_lora_rank: int = option(16, "an integer >= 1", _at_least(1))
     max_cpu_loras: int | None = None
 
     def __post_init__(self):
-        checked("enable_lora", self.enable_lora, bool, "True or False")
-        self.max_loras = checked("max_loras", self.max_loras, int, "an integer >= 1", _at_least(1))
-        self.max_lora_rank = checked("max_lora_rank", self.max_lora_rank, int, "an integer >= 1", _at_least(1))
+        check_options(self)
         if self.max_cpu_loras is None:
             self.max_cpu_loras = self.max_loras
         self.max_cpu_loras = checked("max_cpu_loras", self.max_cpu_loras, int,

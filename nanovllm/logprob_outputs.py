@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanovllm.core.detokenizer import decode_tokens
+from nanovllm.core.detokenizer import decoder
 from nanovllm.sampling_params import SamplingParams
 
 
@@ -49,6 +49,7 @@ def _logprob_dict(owner, entry: tuple, token: int, params: SamplingParams) -> di
 def token_texts(owner, ids: list[int]) -> list[str]:
     """The texts of token `ids`, each decoded once per `owner` (kept in its `_token_texts`)."""
     missing = [t for t in ids if t not in owner._token_texts]
-    if missing:
-        owner._token_texts.update(zip(missing, decode_tokens(owner.tokenizer, missing)))
+    if missing:  # each token decoded alone, special tokens kept (Logprob.decoded_token)
+        decode = decoder(owner.tokenizer, skip_special_tokens=False)
+        owner._token_texts.update((t, decode([t])) for t in missing)
     return [owner._token_texts[t] for t in ids]

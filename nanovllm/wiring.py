@@ -12,6 +12,8 @@ them here and nowhere else.
 
 from __future__ import annotations
 
+import nanovllm.core.engine as _engine  # (its load_step_timing is registered at the end)
+
 # ---------------------------------------------------------------- executors, forward strategy, data parallelism
 
 
@@ -320,3 +322,26 @@ def output_type(name: str) -> type:
 
 
 _outputs.LATE_TYPES.append(output_type)
+
+
+# ---------------------------------------------------------------- slim4b: the engine's rarely run paths
+
+
+def check_processes(config, hf_config) -> None:
+    """Config.resolve's check that an engine of several processes fits the model and this node's
+    GPUs (launch/fit.py)."""
+    if config.parallel.tensor_parallel_size * config.parallel.data_parallel_size > 1:
+        from nanovllm.launch.fit import check_processes as check
+
+        check(config, hf_config)
+
+
+def step_timing():
+    """core/step_timing.py, loaded at the first step an engine's step_observers watch: the loader
+    core/engine.py calls (registered below when the package loads)."""
+    from nanovllm.core import step_timing as module
+
+    return module
+
+
+_engine.load_step_timing = step_timing

@@ -183,7 +183,7 @@ def test_workload_of_small_settings():
 def test_progress_prints_at_most_every_interval():
     import io
 
-    from nanovllm.core.lifecycle import StepTiming
+    from nanovllm.core.step_timing import StepTiming
 
     out = io.StringIO()
     progress = bench.Progress("timed run", interval_s=10.0, out=out)
@@ -242,7 +242,7 @@ def test_kernel_breakdown_sorts_profiled_kernels_by_kind():
 def test_step_timeline_groups_steps_and_counts_the_waits():
     import time
 
-    from nanovllm.core.lifecycle import StepTiming
+    from nanovllm.core.step_timing import StepTiming
 
     class FakeEngine:  # calls its step observers as LLMEngine.step does
         def __init__(self):
@@ -282,7 +282,7 @@ PEAK, BW = 790e12, 4.3e12
 
 
 def _step(is_prefill, num_tokens, num_seqs, context_tokens, attention_pairs):
-    from nanovllm.core.lifecycle import StepTiming
+    from nanovllm.core.step_timing import StepTiming
 
     return StepTiming(is_prefill, num_tokens, 0.0, 0.0, num_seqs, context_tokens, attention_pairs)
 

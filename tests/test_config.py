@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from helpers import copy_checkpoint, edit_json, tiny_checkpoint  # noqa: E402
 
+from nanovllm.cli_options import option_names  # noqa: E402
 from nanovllm.config import FEATURE_OPTIONS, Config  # noqa: E402
 import nanovllm.wiring as wiring  # noqa: E402
 
@@ -44,7 +45,7 @@ def ckpt(tmp_path_factory):
 
 
 def test_keywords_and_defaults_are_the_spec(ckpt):
-    fields = {name: default for name, (_, default) in Config.option_names().items()}
+    fields = {name: default for name, (_, default) in option_names().items()}
     for name, default in SPEC_DEFAULTS.items():
         assert name in fields, f"LLM keyword {name} missing"
         assert fields[name] == default, f"{name} defaults to {fields[name]!r}, SPEC says {default!r}"
@@ -253,7 +254,7 @@ def test_weight_estimate_of_the_tiny_model_is_its_parameter_bytes(ckpt):
     """The estimate is a lower bound: the real parameters (norms, biases aside) in float32."""
     from safetensors import safe_open
 
-    from nanovllm.model.fit import weight_bytes
+    from nanovllm.model.checkpoint import weight_bytes
 
     cfg = make(ckpt, device="cpu")
     real = 0
@@ -277,10 +278,13 @@ def test_invalid_values_are_quoted_not_echoed_whole(ckpt):
 @pytest.mark.parametrize("kwargs, what", [(dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
                                            "speculative_config"),
                                           (dict(enable_lora=True), "enable_lora=True"),
-                                          (dict(quantization="fp8"), "quantized weights")])
+                                          (dict(quantization="fp8"), "quantized weights"),
+                                          (dict(tensor_parallel_size=2), "tensor_parallel_size > 1, "
+                                           "data_parallel_size > 1 or distributed_executor_backend='ray' / "
+                                           "'external_launcher'")])
 def test_a_bare_engine_config_refuses_what_needs_a_feature(ckpt, kwargs, what):
-    """Config.resolve without the features LLM wires in (NoFeatures, a bare LLMEngine's) says so
-    for an option that needs one; a plain config resolves."""
+    """Config.resolve without the features LLM wires in (a bare LLMEngine's) says so for an
+    option that needs one; a plain config resolves."""
     assert Config.from_kwargs(ckpt).resolve().hf_config is not None
     with pytest.raises(ValueError, match=f"{what} need\\(s\\) the features that LLM wires in"):
         Config.from_kwargs(ckpt, **kwargs).resolve()

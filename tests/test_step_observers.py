@@ -9,7 +9,7 @@ import pytest
 
 from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint
 from nanovllm.core.block_manager import BlockManager, KVUsage
-from nanovllm.core.lifecycle import StepShape
+from nanovllm.core.step_timing import StepShape
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams

@@ -14,24 +14,17 @@ _PROMPT_CONTEXT = 5
 
 
 def _fast_backend(tokenizer) -> tokenizers.Tokenizer | None:
-    """The Rust tokenizer behind `tokenizer`, if calling it directly decodes identically.
-
-    transformers' decode wraps the Rust call in a layer of Python that would dominate the
-    per-token cost; only take the shortcut when the class does not customise decoding.
-    """
+    """The Rust tokenizer behind `tokenizer` if calling it directly decodes identically (its class
+    does not customise decoding): transformers' decode wraps the Rust call in a layer of Python
+    that would dominate the per-token cost."""
     if isinstance(tokenizer, tokenizers.Tokenizer):
         return tokenizer
-    try:
-        from transformers import PreTrainedTokenizerFast
-        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-    except ImportError:
-        return None
+    from transformers import PreTrainedTokenizerFast
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
     cls = type(tokenizer)
-    if (
-        isinstance(tokenizer, PreTrainedTokenizerFast)
-        and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode
-        and getattr(cls, "_decode", None) is PreTrainedTokenizerFast._decode
-    ):
+    if isinstance(tokenizer, PreTrainedTokenizerFast) and getattr(cls, "decode", None) is PreTrainedTokenizerBase.decode \
+            and getattr(cls, "_decode", None) is PreTrainedTokenizerFast._decode:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if isinstance(backend, tokenizers.Tokenizer):
             return backend
@@ -48,15 +41,8 @@ def decoder(tokenizer, skip_special_tokens: bool,
     # The clean-up heuristic ("a ." -> "a.") depends on neighbouring tokens, so it cannot be
     # applied piecewise; it is off everywhere so that incremental and full decodes agree.
     extra = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
-    return lambda ids: tokenizer.decode(
-        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False, **extra
-    )
-
-
-def decode_tokens(tokenizer, ids: Sequence[int]) -> list[str]:
-    """Each token's own text (decoded alone, special tokens kept): Logprob.decoded_token."""
-    decode = decoder(tokenizer, skip_special_tokens=False)
-    return [decode([t]) for t in ids]
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                        clean_up_tokenization_spaces=False, **extra)
 
 
 def prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:

@@ -7,38 +7,39 @@ import itertools
 import logging
 import os
 import random
-import time
 from typing import TYPE_CHECKING, Callable
 
-from nanovllm.config import Config, read_json
+from nanovllm.config import Config
 from nanovllm.core.block_manager import BlockManager, KVUsage
 from nanovllm.core.interrupts import deferred_interrupts
-from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult, StepShape, StepTiming
+from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult
 from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
 from nanovllm.limits import check_unicode, describe_ids
+from nanovllm.model.checkpoint import read_json
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from nanovllm.core.executor import Executor, ExecutorFactory
     from nanovllm.core.hooks import ForwardStrategy, ModelFeatures
+    from nanovllm.core.step_timing import StepTiming
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LLMEngine", "StepOutput", "StepResult", "StepTiming"]
+__all__ = ["LLMEngine", "StepOutput", "StepResult"]
 
-
-def _as_id_list(value) -> list[int]:
-    if value is None:
-        return []
-    return [value] if isinstance(value, int) else list(value)
+# core/step_timing.py (StepTiming, what `step_observers` get), loaded at the first observed step
+# by this loader, which nanovllm/wiring.py registers when the package loads.
+load_step_timing: Callable[[], ModuleType]
 
 
 class LLMEngine:
     """Validates requests and drives the loop: schedule -> run the model -> account for the step.
     `LLM` (nanovllm/llm.py) is the user-facing subclass. One thread drives an engine.
-    `step_observers`: callables that get a `StepTiming` at the end of every step."""
+    `step_observers`: callables that get a StepTiming (core/step_timing.py) at the end of every step."""
 
     def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None,
                  model_features: ModelFeatures | None = None, **kwargs):
@@ -46,15 +47,14 @@ class LLMEngine:
         `model_features` (core/hooks.py): what the front wires in; without them a model or option
         that needs one is a ValueError."""
         self.config = config = Config.from_kwargs(model, **kwargs).resolve(model_features)
-        hf = config.hf_config
         self.tokenizer = None
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.tokenizer_mode,
                                             config.trust_remote_code, config.revision)
-        self.eos_token_ids = frozenset(find_eos_token_ids(config.model, hf, self.tokenizer))
-        gc = config.generation_config
+        self.eos_token_ids = find_eos_token_ids(config.model, config.hf_config, self.tokenizer)
+        gc = config.generation_config  # "auto": the model's, "vllm": none, or a folder holding one
         self.generation_defaults = {} if gc == "vllm" else read_generation_defaults(config.model if gc == "auto" else gc)
-        self.vocab_size = hf.vocab_size
+        self.vocab_size = config.hf_config.vocab_size
         self.model_runner: Executor = (start_executor or start_in_process)(config)
         self.block_manager = BlockManager(self.model_runner.num_blocks, config.kvcache_block_size,
                                           config.enable_prefix_caching)
@@ -67,7 +67,7 @@ class LLMEngine:
         self._request_ids = itertools.count()
         self._in_flight: InFlightStep | None = None  # the launched step not yet accounted for
         self._closed = False
-        self._broken: str | None = None  # why the requests' state is unknown (see _bookkeeping)
+        self._broken: str | None = None  # why the requests' state is unknown (see _guarded)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt) -> list[int]:
@@ -75,12 +75,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
-            if not prompt:
-                raise ValueError("empty prompt")
-            ids = encode_text(self.tokenizer, prompt, "the prompt")
-        elif isinstance(prompt, (list, tuple)) and (ids := as_token_ids(prompt)) is not None:
-            pass
-        else:
+            ids = encode_text(self.tokenizer, prompt, "the prompt") if prompt else []
+        elif not isinstance(prompt, (list, tuple)) or (ids := as_token_ids(prompt)) is None:
             raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise ValueError("empty prompt")
@@ -108,10 +104,9 @@ class LLMEngine:
         return self.block_manager.reset_prefix_cache()
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
-        """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after
-        the checks that need the model: token ids inside the vocabulary, logprobs within
-        max_logprobs, a tokenizer for stop strings, n within max_num_seqs. ValueError naming the
-        field otherwise. (LLM's override tokenizes bad words, a feature.)"""
+        """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after the
+        checks that need the model: token ids inside the vocabulary, logprobs within max_logprobs,
+        a tokenizer for stop strings, n within max_num_seqs (a ValueError naming the field)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()
@@ -176,9 +171,8 @@ class LLMEngine:
         `adapter`: its adapter's id (LoRA; 0: none)."""
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
-        request_id = str(next(self._request_ids))
         seq = self._new_sample(prompt_ids, params, 0, adapter)
-        seq.request_id, seq.prompt_text = request_id, prompt
+        seq.request_id, seq.prompt_text = str(next(self._request_ids)), prompt
         for hook in self.scheduler.hooks:  # (n > 1: the request's other samples)
             hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i, adapter))
         if len(seq.samples) != params.n:
@@ -209,7 +203,8 @@ class LLMEngine:
         device may still be running it; later steps queue behind it, so the KV blocks it writes
         are never read before it is done."""
         step, self._in_flight = self._in_flight, None
-        self._abandon(step)
+        if step is not None:
+            self.requests.abandon(step.batch.rows)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
@@ -225,7 +220,7 @@ class LLMEngine:
         """
         self._check_usable()
         with deferred_interrupts():
-            batch = self._bookkeeping(self.scheduler.schedule)
+            batch = self._guarded(self.scheduler.schedule, breaks=True)
             done, self._in_flight = self._in_flight, None
             if batch is None and done is None:
                 raise RuntimeError("scheduler produced no work although requests are pending")
@@ -234,7 +229,7 @@ class LLMEngine:
             if launched is not None:
                 # After resolving step n: a request that step n stopped is skipped in n+1 (its
                 # row was computed for nothing, one row once per request).
-                self._bookkeeping(self.requests.launched, batch)
+                self._guarded(lambda: self.requests.launched(batch), breaks=True)
                 self._in_flight = launched
             return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
 
@@ -245,51 +240,38 @@ class LLMEngine:
             raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
                                f"({self._broken}); create a new LLM")
 
-    def _bookkeeping(self, fn, *args):
-        """fn(*args), a change of the scheduler's state that must not fail: if it does, its
-        requests are half-moved, and every later step refuses to run (see step)."""
+    def _guarded(self, work, *batches: ScheduledBatch | None, breaks: bool = False):
+        """work(); if it raises, the requests of `batches` end (their tokens will never be read)
+        or, with `breaks` (a change of the scheduler's state that must not fail, so half done),
+        every later step refuses to run; the exception propagates."""
         try:
-            return fn(*args)
+            return work()
         except BaseException as e:
-            self._broken = f"{type(e).__name__}: {str(e)[:200]}"
+            if breaks:
+                self._broken = f"{type(e).__name__}: {str(e)[:200]}"
+            for batch in batches:
+                if batch is not None:
+                    self.requests.abandon(batch.rows)
             raise
 
     def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
-        try:
-            shape = StepShape.of(batch) if self.step_observers else None  # before the launch advances it
-            return InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids), shape)
-        except BaseException:
-            # Part of step n+1 may be queued already, overwriting step n's tokens on the device
-            # that a later step would read: neither can be trusted.
-            self._abandon(done, InFlightStep(batch, None))
-            raise
+        shape = load_step_timing().StepShape.of(batch) if self.step_observers else None  # before it advances
+        # A failed launch may have queued part of step n+1, overwriting step n's tokens on the
+        # device that a later step would read: neither can be trusted.
+        return self._guarded(lambda: InFlightStep(batch, self.model_runner.launch(batch, self.eos_token_ids), shape),
+                             done and done.batch, batch)
 
     def _resolve(self, done: InFlightStep, launched: InFlightStep | None) -> tuple[list[StepOutput], float]:
-        try:
-            return done.resolve(self.requests)
-        except BaseException:
-            # Waiting for step n failed with n+1 already launched on n's tokens: neither step
-            # can be accounted for any more, so their requests end.
-            self._abandon(done, launched)
-            raise
-
-    def _abandon(self, *steps: InFlightStep | None) -> None:
-        for step in steps:
-            if step is not None:
-                step.abort(self.requests)
+        # Waiting for step n failed with n+1 already launched on n's tokens: neither step can be
+        # accounted for any more, so their requests end.
+        return self._guarded(lambda: done.resolve(self.requests), done.batch, launched and launched.batch)
 
     def _step_result(self, step: InFlightStep, resolved: bool, outputs: list[StepOutput],
                      waited: float) -> StepResult:
         """`step`: the step resolved, or (resolved False) the first one, which only launched."""
-        batch = step.batch
-        num_tokens = batch.num_tokens if resolved else 0
         if self.step_observers:
-            # A step launched before the first observer came has no shape: zeros, as unresolved.
-            shape = step.shape if resolved and step.shape is not None else (0, 0, 0)
-            timing = StepTiming(batch.is_prefill, num_tokens, waited, time.perf_counter(), *shape)
-            for observer in self.step_observers:
-                observer(timing)
-        return StepResult(outputs, num_tokens, batch.is_prefill)
+            load_step_timing().observe(self.step_observers, step, resolved, waited)
+        return StepResult(outputs, step.batch.num_tokens if resolved else 0, step.batch.is_prefill)
 
     # ------------------------------------------------------------------ lifecycle
     def shutdown(self) -> None:
@@ -302,13 +284,8 @@ class LLMEngine:
 
 def start_in_process(config: Config, forward_strategy: ForwardStrategy | None = None) -> Executor:
     """The executor of a model in this process: a ModelRunner (LLMEngine's default). Several
-    processes (tensor and data parallelism, torchrun) are the front's to start: LLM does."""
-    if config.parallel.data_parallel_size > 1 or config.parallel.distributed_executor_backend == "ray":
-        raise ValueError("data_parallel_size > 1 and the Ray backend are LLM's (its data-parallel front): "
-                         "create LLM(model, data_parallel_size=..., ...), not an LLMEngine")
-    if config.parallel.tensor_parallel_size > 1 or config.parallel.distributed_executor_backend == "external_launcher":
-        raise ValueError("tensor_parallel_size > 1 and torchrun start processes through LLM's executors "
-                         "(launch/): create LLM(model, ...), not an LLMEngine")
+    processes (tensor and data parallelism, torchrun) are the front's to start (LLM does: a bare
+    LLMEngine's Config refuses them)."""
     return ModelRunner(config, forward_strategy)
 
 
@@ -349,13 +326,16 @@ def load_tokenizer(path: str, mode: str = "auto", trust_remote_code: bool = Fals
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
+def read_generation_config(path: str) -> tuple[str, dict]:
+    """The path of a checkpoint folder's generation_config.json and what it holds ({} if none)."""
+    gen_file = os.path.join(path, "generation_config.json")
+    return gen_file, read_json(gen_file) if os.path.isfile(gen_file) else {}
+
+
 def read_generation_defaults(path: str) -> dict:
     """The sampling defaults that the checkpoint's generation_config.json sets (vLLM's
     generation_config="auto"), checked: a bad value is a ValueError naming the file."""
-    gen_file = os.path.join(path, "generation_config.json")
-    if not os.path.isfile(gen_file):
-        return {}
-    data = read_json(gen_file)
+    gen_file, data = read_generation_config(path)
     defaults = {k: data[k] for k in GENERATION_DEFAULT_FIELDS if data.get(k) is not None}
     try:
         SamplingParams(**defaults)
@@ -364,14 +344,11 @@ def read_generation_defaults(path: str) -> dict:
     return defaults
 
 
-def find_eos_token_ids(path: str, hf_config, tokenizer) -> set[int]:
+def find_eos_token_ids(path: str, hf_config, tokenizer) -> frozenset[int]:
     """EOS ids from the tokenizer, config.json and generation_config.json (Qwen3 lists several)."""
-    ids = set(_as_id_list(getattr(hf_config, "eos_token_id", None)))
-    if tokenizer is not None and tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    gen_file = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen_file):
-        ids.update(_as_id_list(read_json(gen_file).get("eos_token_id")))
+    found = [getattr(hf_config, "eos_token_id", None), read_generation_config(path)[1].get("eos_token_id"),
+             tokenizer.eos_token_id if tokenizer is not None else None]
+    ids = [i for v in found if v is not None for i in ([v] if isinstance(v, int) else v)]
     # An id the model can never produce cannot end a request, and must not reach the sampler's
     # min_tokens mask (an out-of-range index is a device-side assert on CUDA).
-    return {i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size}
+    return frozenset(i for i in ids if isinstance(i, int) and 0 <= i < hf_config.vocab_size)

@@ -5,7 +5,6 @@ annotations only (imported under TYPE_CHECKING), so a plain generate does not lo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable  # noqa: F401
 
 if TYPE_CHECKING:
@@ -49,14 +48,18 @@ class LogitsExtension(Protocol):
         """`seq` ended: drop what the extension keeps for it."""
 
 
-@dataclass
-class StepLogprobs:
-    """A step's logprob entries on the host, as the lifecycle stores them: `sample[row]` for the
-    sampling rows that asked, `prompt` as (batch row, entries of its next prompt positions).
-    An entry is (logprob, rank, top ids, top logprobs) of one token (Sequence.logprobs)."""
+class StepLogprobs(Protocol):
+    """A step's logprob entries on the host, which the lifecycle (RequestLifecycle.accept) hands
+    to their requests: `sample[row]` for the sampling rows that asked. An entry is (logprob,
+    rank, top ids, top logprobs) of one token (Sequence.logprobs)."""
 
     sample: dict[int, tuple]
-    prompt: list[tuple[int, list[tuple]]]
+
+    def add_prompt_entries(self, batch: ScheduledBatch) -> None:
+        """Extend the prompt_logprobs of the batch's requests that ask by their entries."""
+
+    def take(self, seq: Sequence, row: int) -> tuple:
+        """The entry of `seq`'s token sampled in `row`, added to its logprobs and cumulative_logprob."""
 
 
 class PendingLogprobs(Protocol):
@@ -265,3 +268,7 @@ class ModelFeatures(Protocol):
     def adapters(self, lora_config, hf_config):
         """A factory (picklable: each rank calls it with its model runner and the most tokens a
         step holds) of the rank's Adapters for LLM(enable_lora=True, ...), or None."""
+
+    def check_processes(self, config, hf_config) -> None:
+        """A ValueError unless the engine's processes (tensor_parallel_size x data_parallel_size)
+        fit the model's heads and this node's GPUs."""

@@ -1,12 +1,10 @@
-"""Signals at safe points: an exception raised by a signal handler is held while the engine
-changes its state, then raised.
-
-An exception a signal handler raises (Ctrl-C's KeyboardInterrupt, an alarm-based timeout's
-TimeoutError) lands between any two bytecodes: inside a step (half the requests accounted for)
-or a tensor-parallel step (rank 0 leaving the collectives its workers are still in), it would
-leave the engine in a half-state. Under `deferred_interrupts()` the handlers still run at once
-(their side effects happen), but the first exception one raises is held and raised when the
-block ends (an inner one included). Only in the main thread, where Python runs signal handlers.
+"""Signals at safe points. An exception a signal handler raises (Ctrl-C's KeyboardInterrupt, an
+alarm-based timeout's TimeoutError) lands between any two bytecodes: inside a step (half the
+requests accounted for) or a tensor-parallel step (rank 0 leaving the collectives its workers are
+still in), it would leave the engine in a half-state. Under `deferred_interrupts()` the handlers
+still run at once (their side effects happen), but the first exception one raises is held and
+raised when the block ends (an inner one included). Only in the main thread, where Python runs
+signal handlers.
 """
 
 from __future__ import annotations

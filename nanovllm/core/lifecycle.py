@@ -43,46 +43,6 @@ class StepResult(NamedTuple):
     is_prefill: bool
 
 
-@dataclass(frozen=True)
-class StepTiming:
-    """One engine step as the host saw it, for `LLMEngine.step_observers`: the step resolved
-    (0 tokens: the first step only launched), how long the host waited for its tokens, the
-    time.perf_counter() at return, and its shape as launched (StepShape; zeros for the first)."""
-
-    is_prefill: bool
-    num_tokens: int
-    wait_s: float
-    ended_at: float
-    num_seqs: int = 0
-    context_tokens: int = 0
-    attention_pairs: int = 0
-
-
-class StepShape(NamedTuple):
-    """What a step computes, for roofline estimates: num_seqs sequences attending over
-    context_tokens K/V entries (cached + new, summed), in attention_pairs (query, key) pairs
-    under the causal mask (= context_tokens for a decode step)."""
-
-    num_seqs: int
-    context_tokens: int
-    attention_pairs: int
-
-    @classmethod
-    def of(cls, batch: ScheduledBatch) -> "StepShape":
-        """The shape of a batch about to launch (num_cached_tokens not yet advanced); one pass
-        over the batch, so the engine computes it only while someone observes its steps."""
-        seqs = batch.seqs
-        if not batch.is_prefill:  # one new token each, attending over its cached tokens and itself
-            context = sum(s.num_cached_tokens for s in seqs) + len(seqs)
-            return cls(len(seqs), context, context)
-        context = pairs = 0
-        for s, n in zip(seqs, batch.num_new_tokens):
-            c = s.num_cached_tokens
-            context += c + n
-            pairs += n * c + n * (n + 1) // 2  # new token j sees the c cached ones and j + 1 new ones
-        return cls(len(seqs), context, pairs)
-
-
 def is_stop_token(seq: Sequence, token_id: int, eos_token_ids: frozenset[int]) -> bool:
     """Whether `token_id`, just appended to `seq`, ends it (stop ids / EOS after min_tokens)."""
     p = seq.params
@@ -112,22 +72,19 @@ def decide_finish(seq: Sequence, token_id: int, eos_token_ids: frozenset[int], m
 
 @dataclass
 class InFlightStep:
-    """A launched step whose sampled tokens have not reached the host yet."""
+    """A launched step whose sampled tokens have not reached the host yet; `shape`: its StepShape
+    (core/step_timing.py), taken at launch while the engine's steps are observed."""
 
     batch: ScheduledBatch
-    tokens: object  # PendingTokens (engine/sampling.py)
-    shape: StepShape | None = None  # computed at launch while the engine's steps are observed
+    tokens: object  # PendingTokens (core/sampling.py)
+    shape: tuple[int, int, int] | None = None
 
-    def resolve(self, requests: "RequestLifecycle") -> tuple[list[StepOutput], float]:
+    def resolve(self, requests: RequestLifecycle) -> tuple[list[StepOutput], float]:
         """Wait for the tokens and account for them; (outputs, seconds waited)."""
         t = time.perf_counter()
         token_ids = self.tokens.result()
         waited = time.perf_counter() - t
         return requests.accept(self.batch, token_ids, self.tokens.logprobs()), waited
-
-    def abort(self, requests: "RequestLifecycle") -> None:
-        """Its tokens will never be read: end its unfinished requests."""
-        requests.abandon(self.batch)
 
 
 class RequestLifecycle:
@@ -167,42 +124,33 @@ class RequestLifecycle:
 
     def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
         """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
-        in, decide finishes, build the outputs. `logprobs` (StepLogprobs, core/sampling.py): the
-        step's logprob entries for the rows and prompts that ask for them."""
+        in, decide finishes, build the outputs. `logprobs` (core/hooks.py's StepLogprobs): the
+        step's logprob entries, when a row or a prompt asks for them."""
         outputs = []
-        sample_lps = None
         if logprobs is not None:
-            sample_lps = logprobs.sample
-            for row, entries in logprobs.prompt:
-                seq = batch.seqs[row]
-                # A DRAINING one (max_tokens=1: its prompt step makes its only token) still takes
-                # its prompt's logprobs; a FINISHED one (aborted meanwhile) does not.
-                if seq.prompt_logprobs is not None and seq.status != SequenceStatus.FINISHED:
-                    seq.prompt_logprobs.extend(entries)
+            logprobs.add_prompt_entries(batch)
         for i, (seq, token_id) in enumerate(zip(batch.rows, token_ids)):
             if seq.pending_row != i:
                 continue  # partial prompt chunk, aborted, or a row verifying a draft
             detok, entries = self._detok.get(seq.seq_id), []
             if seq.drafts:  # its rows i.. sampled after each draft
                 new = self.verifier.verify(seq, token_ids[i:i + 1 + len(seq.drafts)],
-                                         lambda j, t: self._take(seq, t, sample_lps, i + j, detok, entries))
+                                         lambda j, t: self._take(seq, t, logprobs, i + j, detok, entries))
             else:
                 new = [token_id]
                 seq.fill_pending_token(token_id)
-                self._take(seq, token_id, sample_lps, i, detok, entries)
+                self._take(seq, token_id, logprobs, i, detok, entries)
             text = detok.pop_delta(finished=seq.is_finished) if seq.seq_id in self._streamed else ""
             outputs.append(StepOutput(seq, new, text, seq.is_finished, seq.finish_reason, entries or None))
         return outputs
 
-    def _take(self, seq: Sequence, token_id: int, sample_lps: dict | None, row: int, detok, entries: list) -> bool:
+    def _take(self, seq: Sequence, token_id: int, logprobs, row: int, detok, entries: list) -> bool:
         """Account for `seq`'s token just filled in, sampled in `row`: its logprob entry (kept in
         `entries` too) when the request asks for them, then the finish rule; whether it ended."""
         if seq.logprobs is not None:
-            if sample_lps is None or row not in sample_lps:
+            if logprobs is None or row not in logprobs.sample:
                 raise RuntimeError(f"internal error: no logprobs for row {row} ({seq})")
-            entries.append(sample_lps[row])
-            seq.logprobs.append(sample_lps[row])
-            seq.cumulative_logprob += sample_lps[row][0]
+            entries.append(logprobs.take(seq, row))
         finish = decide_finish(seq, token_id, self.eos_token_ids, self.max_model_len, detok)
         if finish is not None:
             self.end(seq, *finish)
@@ -218,22 +166,17 @@ class RequestLifecycle:
         """Drop an unfinished request wherever it is, freeing its blocks (one that ended, also
         at launch with its last token on its way, is left alone)."""
         if not seq.is_finished:
-            self._end_now(seq, "abort")
+            self.abandon([seq])
 
-    def abandon(self, batch: ScheduledBatch) -> None:
-        """End the requests of a launched step whose tokens will never be read (also those
-        ended at launch: their last token never comes)."""
-        for seq in batch.rows:
+    def abandon(self, seqs: list[Sequence]) -> None:
+        """End `seqs` now, with the samples never forked off them: the rows of a launched step
+        whose tokens will never be read (also those ended at launch: their last token never comes)."""
+        for seq in seqs:
             if seq.status != SequenceStatus.FINISHED:
-                self._end_now(seq, "abort")
-
-    def _end_now(self, seq: Sequence, reason: str) -> None:
-        seq.drop_pending_token()
-        self.end(seq, reason)
-        self.forget_text(seq)
-        for child in seq.pending_forks:  # samples that were never forked end with it
-            if child.status != SequenceStatus.FINISHED:
-                self._end_now(child, reason)
+                seq.drop_pending_token()
+                self.end(seq, "abort")
+                self.forget_text(seq)
+                self.abandon(seq.pending_forks)
 
     def forget_text(self, seq: Sequence) -> None:
         """Drop a request's detokenizer state (its text will not be read)."""

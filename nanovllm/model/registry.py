@@ -1,10 +1,6 @@
-"""Which model class serves a checkpoint: config.json's `architectures` -> one family module.
-
-    load_hf_config(path, raw)  the transformers config of a checkpoint, checked (Config calls it)
-    model_class(hf_config)     the nanovllm model class to build (the ModelRunner calls it)
-
-Family modules are imported on first use only.
-"""
+"""Which model class serves a checkpoint: config.json's `architectures` -> one family module,
+imported on first use only: its transformers config class reads config.json (checkpoint.py's
+load_hf_config), and the ModelRunner builds `model_class(hf_config)`."""
 
 from __future__ import annotations
 
@@ -22,13 +18,12 @@ class Architecture:
     module: str
 
 
-ARCHITECTURES = {
+ARCHITECTURES = {  # the supported ones
     "Qwen3ForCausalLM": Architecture("qwen3", "Qwen3Config", "nanovllm.model.families.qwen3"),
     "Qwen2ForCausalLM": Architecture("qwen2", "Qwen2Config", "nanovllm.model.families.qwen2"),
     "LlamaForCausalLM": Architecture("llama", "LlamaConfig", "nanovllm.model.families.llama"),
     "Qwen3MoeForCausalLM": Architecture("qwen3_moe", "Qwen3MoeConfig", "nanovllm.model.families.qwen3_moe"),
 }
-SUPPORTED_ARCHITECTURES = tuple(ARCHITECTURES)
 
 
 def architecture_name(architectures, model_type, where: str = "config.json") -> str:
@@ -36,7 +31,7 @@ def architecture_name(architectures, model_type, where: str = "config.json") -> 
     names = [a for a in (architectures or []) if a in ARCHITECTURES]
     if not names:
         raise ValueError(f"unsupported model in {where}: architectures={list(architectures or [])}, "
-                         f"model_type={model_type!r}; supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"model_type={model_type!r}; supported architectures: {', '.join(ARCHITECTURES)}")
     name = names[0]
     expected = ARCHITECTURES[name].model_type
     if model_type != expected:
@@ -46,24 +41,12 @@ def architecture_name(architectures, model_type, where: str = "config.json") -> 
 
 
 def model_class(hf_config):
-    """The nanovllm class (a DecoderForCausalLM) for a config that `load_hf_config` accepted."""
+    """The nanovllm class (a DecoderForCausalLM) for a config that checkpoint.load_hf_config accepted."""
     name = architecture_name(getattr(hf_config, "architectures", None), getattr(hf_config, "model_type", None))
     return getattr(importlib.import_module(ARCHITECTURES[name].module), name)
 
 
-def load_hf_config(path: str, raw: dict, overrides: dict | None = None):
-    """config.json (already parsed as `raw`) read by its family's transformers config class, with
-    `overrides` replacing entries, then checked by the family (`options_from_config`): an unknown
-    architecture or an unsupported option (sliding window, rope type, activation ...) is a
-    ValueError before any weights load."""
-    import transformers
-
-    name = architecture_name(raw.get("architectures"), raw.get("model_type"), f"{path}/config.json")
-    config = getattr(transformers, ARCHITECTURES[name].config_class).from_pretrained(path, **(overrides or {}))
-    model_class(config).options_from_config(config)
-    return config
-
-
-def tensor_parallel_sizes(hf_config) -> dict[str, int]:
-    """The sizes of this model that tensor parallelism splits, by name."""
-    return model_class(hf_config).options_from_config(hf_config).tensor_parallel_sizes()
+def decoder_options(hf_config):
+    """The DecoderOptions (model/decoder.py) its family reads from a transformers config (the
+    family's check: a ValueError for what it does not implement)."""
+    return model_class(hf_config).options_from_config(hf_config)

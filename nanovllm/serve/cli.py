@@ -20,8 +20,8 @@ import logging
 import os
 import signal
 
-from nanovllm.cli_options import add_option_flags, option_values
-from nanovllm.config import Config, wants_data_parallel
+from nanovllm.cli_options import add_option_flags, option_names, option_values
+from nanovllm.config import wants_data_parallel
 from nanovllm.feature_options import LoraConfig
 from nanovllm.features.reasoning import PARSERS as REASONING_PARSERS
 from nanovllm.features.tools.parsers import PARSERS
@@ -70,8 +70,8 @@ SERVER_DEFAULTS = {"mixed_steps": True}
 
 
 def config_fields() -> dict[str, tuple[object, object]]:
-    """The LLM options but `model`: name -> (type, default) (Config.option_names)."""
-    return Config.option_names()
+    """The LLM options but `model`: name -> (type, default) (cli_options.option_names)."""
+    return option_names()
 
 
 def build_parser() -> argparse.ArgumentParser:

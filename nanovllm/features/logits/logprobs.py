@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.core.hooks import StepLogprobs
-from nanovllm.core.sequence import Sequence
+from nanovllm.core.scheduler import ScheduledBatch
+from nanovllm.core.sequence import Sequence, SequenceStatus
 from nanovllm.model.attention import host_to_device
 from nanovllm.sampling_params import SamplingParams
 
@@ -32,6 +32,29 @@ def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, k: int) -> tupl
         return target, rank
     top, ids = lp.topk(k, dim=-1)
     return torch.cat([target, top], dim=1), torch.cat([rank, ids], dim=1)
+
+
+@dataclass
+class StepLogprobs:
+    """A step's logprob entries on the host (core/hooks.py's StepLogprobs): `sample[row]` for
+    the sampling rows that asked, `prompt` as (batch row, entries of its next prompt positions)."""
+
+    sample: dict[int, tuple]
+    prompt: list[tuple[int, list[tuple]]]
+
+    def add_prompt_entries(self, batch: ScheduledBatch) -> None:
+        for row, entries in self.prompt:
+            seq = batch.seqs[row]
+            # A DRAINING one (max_tokens=1: its prompt step makes its only token) still takes
+            # its prompt's logprobs; a FINISHED one (aborted meanwhile) does not.
+            if seq.prompt_logprobs is not None and seq.status != SequenceStatus.FINISHED:
+                seq.prompt_logprobs.extend(entries)
+
+    def take(self, seq: Sequence, row: int) -> tuple:
+        entry = self.sample[row]
+        seq.logprobs.append(entry)
+        seq.cumulative_logprob += entry[0]
+        return entry
 
 
 def _entries(vals: list[list[float]], ids: list[list[int]], k: int) -> list[tuple]:
