@@ -281,3 +281,21 @@ def package_attribute(name: str):
 
         return LLMEngine
     raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+
+
+# ---------------------------------------------------------------- slim4c: what a plain CPU generate never runs
+# Registered into the core's hooks at import (nanovllm/__init__.py imports this module first): each
+# loads its module at its first use.
+
+import nanovllm.core.model_runner as _model_runner  # noqa: E402
+
+
+def cuda_runtime():
+    """What only a CUDA engine's model runner runs (core/cuda_runtime.py: the GPU's KV budget, the
+    decode graphs, the Triton sampler)."""
+    import nanovllm.core.cuda_runtime as runtime
+
+    return runtime
+
+
+_model_runner.CUDA_RUNTIME = cuda_runtime

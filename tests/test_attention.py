@@ -234,8 +234,7 @@ def test_triton_backend_decode_matches_torch_on_gpu(block_size):
 
 
 def test_gather_groups_and_varlen_gather_on_cpu():
-    from nanovllm.model.attention.paged_kv import gather_kv_varlen
-    from nanovllm.model.attention.triton_backend import groups_of_at_most
+    from nanovllm.model.attention.triton_backend import gather_kv_varlen, groups_of_at_most
 
     assert list(groups_of_at_most([5, 5, 5], 10)) == [(0, 2), (2, 3)]
     assert list(groups_of_at_most([20, 1, 1], 10)) == [(0, 1), (1, 3)]   # a long one alone

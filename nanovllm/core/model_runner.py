@@ -1,28 +1,25 @@
 """Runs the model for one scheduled batch on one tensor-parallel rank, and samples.
 
-The runner is the composition of small parts: the model and its weights, the paged KV cache
-(kv_cache.py), the packing of a batch into input tensors (step_inputs.py), the captured decode
-graphs (cuda_graphs.py), an optional forward strategy for prefill steps (hooks.py) and the
-sampler that keeps each step's tokens on the device and sends them to the host in the
-background (sampling.py). In one process it is the engine's Executor (executor.py); the
-executors of launch/ drive one per rank. It is device-agnostic: the same code runs on
-CPU (torch attention backend) and CUDA (triton / flash_attn backends).
-
-Overlap scheduling: `launch` returns as soon as the step is queued on the device; the next step
-takes the input tokens that the host has not seen yet straight from the device (StepInput.src_rows).
+The runner composes small parts: the model and its weights, the paged KV cache (kv_cache.py), the
+packing of a batch into input tensors (step_inputs.py), an optional forward strategy for prefill
+steps (hooks.py), the sampler that keeps each step's tokens on the device and sends them to the
+host in the background (sampling.py), and on CUDA the decode graphs (cuda_runtime.py). In one
+process it is the engine's Executor (executor.py); launch/'s executors drive one per rank.
+Overlap scheduling: `launch` returns once the step is queued; the next step takes the input tokens
+the host has not seen yet straight from the device (StepInput.src_rows).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from nanovllm.config import Config
-from nanovllm.core.cuda_graphs import DecodeGraphs
 from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit, copy_blocks
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
@@ -34,9 +31,15 @@ from nanovllm.parallel.group import TPGroup, use_tp_group
 from nanovllm.sampling_params import is_integer
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from nanovllm.core.hooks import AfterSampling, ForwardStrategy
 
 logger = logging.getLogger(__name__)
+
+# What only a CUDA engine runs (core/cuda_runtime.py: the GPU's KV budget, the decode graphs, the
+# Triton sampler): nanovllm/wiring.py registers its loader at import, so a CPU engine never loads it.
+CUDA_RUNTIME: Callable[[], ModuleType] | None = None
 
 
 class ModelRunner:
@@ -75,10 +78,9 @@ class ModelRunner:
         spec = KVCacheSpec(len(self.attn_layers), config.kvcache_block_size, self.attn_layers[0].num_kv_heads,
                            self.attn_layers[0].head_dim, config.kv_dtype)
         max_blocks_per_seq = math.ceil(config.max_model_len / config.kvcache_block_size)
-        graph_tokens = forward_strategy.max_prefill_tokens if forward_strategy is not None else 0
-        num_blocks = blocks_that_fit(config, spec, self.model, self.device, max_blocks_per_seq,
-                                     sampling_rank=self.rank == 0, other_bytes=self.tp.symmetric_memory_bytes(),
-                                     graph_tokens=graph_tokens)
+        cuda = CUDA_RUNTIME() if self.device.type == "cuda" else None
+        gpu_blocks = cuda and functools.partial(cuda.blocks_from_gpu_budget, self, forward_strategy)
+        num_blocks = blocks_that_fit(config, spec, max_blocks_per_seq, gpu_blocks)
         self.num_blocks = self.tp.agree_on_min(num_blocks, self.device)  # every rank holds the same blocks
         self.kv_cache = allocate_kv_cache(spec, self.num_blocks, self.attn_layers, self.device)
         t_kv = time.perf_counter()
@@ -86,8 +88,8 @@ class ModelRunner:
         max_rows = max(config.max_num_seqs, 1)
         self.inputs = StepInputs(max_rows, max_blocks_per_seq, config.kvcache_block_size, self.device,
                                  self.backend.name, spec.num_kv_heads)
-        self.sampler = TokenSampler(max_rows, self.device, self.tp)
-        self._capture_graphs(forward_strategy)
+        self.sampler = TokenSampler(max_rows, self.device, self.tp, cuda and cuda.TritonSampler())
+        self._capture_graphs(forward_strategy, cuda)
         if config.kv_calibrator is not None:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 if not getattr(layer, "kv_scales_from_checkpoint", False):
@@ -98,18 +100,21 @@ class ModelRunner:
         logger.info("model runner ready: %s seconds; graphs reserved %.0f MiB", self.startup_seconds,
                     self.graph_pool_bytes / 2**20)
 
-    def _capture_graphs(self, forward_strategy: ForwardStrategy | None) -> None:
-        """Sampler.warm_up's compiles; the decode graphs, then the forward strategy's (prefill graphs),
-        on CUDA without enforce_eager (the torch backend loops on the host: nothing to replay)."""
+    def _capture_graphs(self, forward_strategy: ForwardStrategy | None, cuda) -> None:
+        """On CUDA (`cuda`: core/cuda_runtime.py): TritonSampler.warm_up's compiles; then, without
+        enforce_eager, the decode graphs and the forward strategy's (prefill graphs). The torch
+        backend loops on the host: nothing to replay."""
         config = self.config
-        self.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, self.device)
         self.graphs = self.forward_strategy = None
         self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
-        if self.device.type != "cuda" or config.enforce_eager or self.backend.name == "torch":
+        if cuda is None:
+            return
+        self.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, self.device)
+        if config.enforce_eager or self.backend.name == "torch":
             return
         reserved = torch.cuda.memory_reserved(self.device)
-        self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens, min(config.max_num_seqs, 512),
-                                   config.hf_config.hidden_size, config.dtype)
+        self.graphs = cuda.DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
+                                        min(config.max_num_seqs, 512), config.hf_config.hidden_size, config.dtype)
         if forward_strategy is not None and forward_strategy.prepare(self):
             self.forward_strategy = forward_strategy
         self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
@@ -197,14 +202,10 @@ class ModelRunner:
         """hidden + the rows forked samples sample from + the prompt-logprob positions (of all
         the step's tokens, `every`), in that order: one LM-head call (one gather) for all."""
         parts = [hidden]
-        if step.fork_rows:
-            parts.append(hidden.index_select(0, self._index(step.fork_rows)))
-        if step.prompt_rows:
-            parts.append(every.index_select(0, self._index(step.prompt_rows)))
+        for rows, source in ((step.fork_rows, hidden), (step.prompt_rows, every)):
+            if rows:
+                parts.append(source.index_select(0, host_to_device(rows, torch.long, self.device, self.sampler.pin)))
         return torch.cat(parts)
-
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        return host_to_device(rows, torch.long, self.device, self.device.type == "cuda")
 
     def release(self, seq) -> None:
         """A request ended: drop its sampling state (penalty counts) on this rank."""

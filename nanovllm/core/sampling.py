@@ -65,10 +65,10 @@ class TokenSampler:
     logits extensions and the logprobs reader; the fronts install it at the first request that
     asks for one. Until then every step runs the basic sampler alone."""
 
-    def __init__(self, max_rows: int, device: torch.device, tp):
+    def __init__(self, max_rows: int, device: torch.device, tp, sampler: Sampler | None = None):
         self.device, self.tp = device, tp
         self.pin = device.type == "cuda"
-        self.sampler = Sampler()
+        self.sampler = Sampler() if sampler is None else sampler  # a CUDA engine's: TritonSampler
         self.processing: LogitsProcessing | None = None
         # The last step's sampled tokens, one row per scheduled sequence, kept on the device for
         # the next step's inputs; two pinned host copies alternate so that reading step n's

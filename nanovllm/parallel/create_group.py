@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from nanovllm.parallel.copy_engine import CopyEngineAllReduce
 from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
+from nanovllm.parallel.distributed_group import DistributedTPGroup
 from nanovllm.parallel.group import TPGroup
 
 
@@ -28,4 +29,4 @@ def create_tp_group(world_size: int, device: torch.device, dtype: torch.dtype, h
             # Up to 128 MiB per buffer half (16k rows of Qwen3-8B); longer prefill steps use NCCL.
             max_rows = min(max_num_batched_tokens, (128 << 20) // (hidden_size * dtype.itemsize))
             copy_engine = CopyEngineAllReduce.create(group, device, dtype, hidden_size, max_rows)
-    return TPGroup(rank, world_size, group, fused_norm, copy_engine)
+    return DistributedTPGroup(rank, world_size, group, fused_norm, copy_engine)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -41,17 +40,6 @@ class AttentionMetadata:
     kv_lens: list[int] | None = None
     num_splits: int = 1
     num_decode_rows: int = 0
-
-    def prefill_part(self) -> "AttentionMetadata":
-        """A mixed step's metadata for its prefill sequences alone (all but the trailing
-        num_decode_rows, whose tokens come first in the packing)."""
-        p = len(self.query_lens) - self.num_decode_rows
-        ql, kl = self.query_lens[:p], self.kv_lens[:p]
-        return dataclasses.replace(
-            self, slot_mapping=self.slot_mapping[:sum(ql)], context_lens=self.context_lens[:p],
-            block_tables=self.block_tables[:p], cu_seqlens_q=self.cu_seqlens_q[:p + 1],
-            cu_seqlens_k=self.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
-            has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
 
 
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:

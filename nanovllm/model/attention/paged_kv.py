@@ -63,19 +63,3 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> to
     block_size = cache.size(1)
     num_blocks = -(-length // block_size)
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:length]
-
-
-def gather_kv_varlen(cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                     total: int) -> torch.Tensor:
-    """The cached K (or V) of several sequences packed varlen as `cu_seqlens_k` describes.
-
-    Vectorised (no per-sequence loop): token t of sequence i is slot
-    block_tables[i, t // block_size] * block_size + t % block_size.
-    """
-    block_size = cache.size(1)
-    kv_lens = cu_seqlens_k.diff().long()
-    seq_idx = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cache.device), kv_lens,
-                                      output_size=total)
-    pos = torch.arange(total, device=cache.device) - cu_seqlens_k[seq_idx]
-    blocks = block_tables[seq_idx, pos // block_size].long()
-    return cache.view(-1, *cache.shape[2:])[blocks * block_size + pos % block_size]

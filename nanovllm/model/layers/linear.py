@@ -79,13 +79,6 @@ class LinearBase(nn.Module):
             return self.quant.apply(self, x, bias)
         return F.linear(x, self.weight, bias)
 
-    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out = x @ W^T (no bias), written into `out` (the copy-engine all-reduce's chunks)."""
-        if self.quant is None:
-            torch.mm(x, self.weight.t(), out=out)
-        else:
-            out.copy_(self.quant.apply(self, x, None))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
