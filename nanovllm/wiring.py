@@ -291,11 +291,19 @@ import nanovllm.core.model_runner as _model_runner  # noqa: E402
 
 
 def cuda_runtime():
-    """What only a CUDA engine's model runner runs (core/cuda_runtime.py: the GPU's KV budget, the
-    decode graphs, the Triton sampler)."""
+    """What only a CUDA engine's model runner runs (core/cuda_runtime.py: the attention backend's
+    choice, the GPU's KV budget, the decode graphs, the Triton sampler)."""
     import nanovllm.core.cuda_runtime as runtime
 
     return runtime
 
 
+def runner_extras():
+    """What a model runner runs only when asked (core/runner_extras.py: score(), dummy weights)."""
+    import nanovllm.core.runner_extras as extras
+
+    return extras
+
+
 _model_runner.CUDA_RUNTIME = cuda_runtime
+_model_runner.RUNNER_EXTRAS = runner_extras

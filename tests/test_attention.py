@@ -10,8 +10,9 @@ import torch
 
 from nanovllm.config import KV_CACHE_DTYPES, QuantizationConfig
 from nanovllm.features.quantization.fp8_kv import K_SCALE_HEADROOM, V_SCALE_HEADROOM, calibrate_kv_scales
-from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metadata, select_backend
-from nanovllm.model.attention import backend as backend_mod
+from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metadata
+from nanovllm.model.attention import selection as backend_mod
+from nanovllm.model.attention.selection import select_backend
 from nanovllm.model.attention.flash_attn_backend import FlashAttnBackend
 from nanovllm.model.attention.paged_kv import gather_kv, quantize_kv
 from nanovllm.model.attention.torch_backend import TorchBackend

@@ -187,25 +187,12 @@ class BlockManager:
         self.num_prefix_hit_tokens += seq.num_cached_tokens
         self.num_prefix_query_tokens += len(seq)
 
-    def share(self, block_ids: list[int]) -> None:
-        """One more holder for blocks already held (ref count + 1): a sequence that reads the
-        same computed K/V, e.g. a sample forked from another's prompt."""
-        for block_id in block_ids:
-            self.blocks[block_id].ref_count += 1
-        self.num_shared_refs += len(block_ids)
-
     def release_reserved(self, seq: Sequence) -> None:
         """Give back the blocks reserved for `seq` that it did not take."""
         while seq.reserved_blocks:
-            self._give_back(seq.reserved_blocks.pop())
+            self.give_back(seq.reserved_blocks.pop())
 
-    def trim(self, seq: Sequence) -> None:
-        """Give back the blocks past the sequence's tokens (taken for drafts that were rejected:
-        never committed, so nothing to forget but their slots)."""
-        while len(seq.block_table) > self.blocks_for(len(seq)):
-            self._give_back(seq.block_table.pop())
-
-    def _give_back(self, block_id: int) -> None:
+    def give_back(self, block_id: int) -> None:
         """Free a block its one holder never filled (reserved, or taken for rejected drafts)."""
         block = self.blocks[block_id]
         block.ref_count = 0

@@ -1,6 +1,7 @@
-"""What only a CUDA engine's model runner runs: the KV budget of the GPU's memory (here), the
-decode graphs (cuda_graphs.py) and the Triton sampler (triton_sampler.py). nanovllm/wiring.py
-registers this module's loader in core/model_runner.py (CUDA_RUNTIME): a CPU engine never loads it."""
+"""What only a CUDA engine's model runner runs: the choice of its attention backend
+(model/attention/selection.py), the KV budget of the GPU's memory (here), the decode graphs
+(cuda_graphs.py) and the Triton sampler (triton_sampler.py). nanovllm/wiring.py registers this
+module's loader in core/model_runner.py (CUDA_RUNTIME): a CPU engine never loads it."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from nanovllm.core.cuda_graphs import DecodeGraphs  # noqa: F401  (the runtime's parts)
 from nanovllm.core.triton_sampler import TritonSampler  # noqa: F401
 from nanovllm.model.attention import prefill_metadata
+from nanovllm.model.attention.selection import select_backend  # noqa: F401
 
 logger = logging.getLogger(__name__)
 

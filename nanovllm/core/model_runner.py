@@ -24,11 +24,11 @@ from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_f
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
-from nanovllm.model.attention import Attention, host_to_device, prefill_metadata, select_backend
-from nanovllm.model.loader import init_dummy, load_model
+from nanovllm.model.attention import Attention, host_to_device
+from nanovllm.model.attention.torch_backend import TorchBackend
+from nanovllm.model.loader import load_model
 from nanovllm.model.registry import model_class
 from nanovllm.parallel.group import TPGroup, use_tp_group
-from nanovllm.sampling_params import is_integer
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -37,9 +37,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# What only a CUDA engine runs (core/cuda_runtime.py: the GPU's KV budget, the decode graphs, the
-# Triton sampler): nanovllm/wiring.py registers its loader at import, so a CPU engine never loads it.
+# What only a CUDA engine runs (core/cuda_runtime.py: the attention backend's choice, the GPU's KV
+# budget, the decode graphs, the Triton sampler), and what runs only when asked (core/runner_extras.py:
+# score(), dummy weights): nanovllm/wiring.py registers their loaders at import.
 CUDA_RUNTIME: Callable[[], ModuleType] | None = None
+RUNNER_EXTRAS: Callable[[], ModuleType] | None = None
 
 
 class ModelRunner:
@@ -70,15 +72,16 @@ class ModelRunner:
         self.forward_inputs = None  # (positions, metadata) of the last forward, for after_sampling
         t_weights = time.perf_counter()
 
-        self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
-                                      config.kv_dtype)
+        cuda = CUDA_RUNTIME() if self.device.type == "cuda" else None
+        # A CPU engine runs the torch backend, the only one its config allows there.
+        self.backend = TorchBackend() if cuda is None else cuda.select_backend(
+            config.device, config.kvcache_block_size, config.attention_backend, config.kv_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
         spec = KVCacheSpec(len(self.attn_layers), config.kvcache_block_size, self.attn_layers[0].num_kv_heads,
                            self.attn_layers[0].head_dim, config.kv_dtype)
         max_blocks_per_seq = math.ceil(config.max_model_len / config.kvcache_block_size)
-        cuda = CUDA_RUNTIME() if self.device.type == "cuda" else None
         gpu_blocks = cuda and functools.partial(cuda.blocks_from_gpu_budget, self, forward_strategy)
         num_blocks = blocks_that_fit(config, spec, max_blocks_per_seq, gpu_blocks)
         self.num_blocks = self.tp.agree_on_min(num_blocks, self.device)  # every rank holds the same blocks
@@ -137,7 +140,7 @@ class ModelRunner:
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
         if config.load_format == "dummy":
-            init_dummy(model, config.seed, config.quant)
+            RUNNER_EXTRAS().init_dummy(model, config.seed, config.quant)
         else:
             load_model(model, config.model)
         if config.quant is not None:
@@ -211,28 +214,14 @@ class ModelRunner:
         """A request ended: drop its sampling state (penalty counts) on this rank."""
         self.sampler.release(seq)
 
-    # ------------------------------------------------------------------ scoring (tests)
+    # ------------------------------------------------------------------ scoring (tests): core/runner_extras.py
     def check_score_input(self, token_ids: list[int]) -> None:
-        """score()'s input checks, on the caller's rank before any rank starts (a worker that
-        raised would take the whole tensor-parallel group down)."""
-        n = len(token_ids)
-        if not 0 < n <= self.config.max_model_len:
-            raise ValueError(f"score() needs 1 to max_model_len={self.config.max_model_len} tokens, got {n}")
-        vocab = self.config.hf_config.vocab_size
-        if not all(is_integer(t) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"score() needs token ids in [0, {vocab})")
+        RUNNER_EXTRAS().check_score_input(self.config, token_ids)
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
         sequence, without touching the KV cache. Used to check the model against a reference."""
-        self.check_score_input(token_ids)
-        n = len(token_ids)
-        meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
-        logits = self.model.compute_logits(hidden)
-        return None if logits is None else logits.float()
+        return RUNNER_EXTRAS().score(self, token_ids)
 
     def shutdown(self, synchronize: bool = True) -> None:
         """Release the KV cache, graphs and weights (GPU memory goes back to the allocator).

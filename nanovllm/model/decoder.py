@@ -316,7 +316,3 @@ class DecoderForCausalLM(nn.Module):
         """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks) for the given
         rows only. Left unconverted: the sampler reads them once and computes in fp32."""
         return self.lm_head(hidden)
-
-    def compute_logit_shard(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's slice of the logits and its first token id (see ParallelLMHead)."""
-        return self.lm_head.shard_logits(hidden)

@@ -1,4 +1,4 @@
-"""Weight loading: streaming safetensors (never pickle), or random weights for benchmarks."""
+"""Weight loading: streaming safetensors (never pickle); random weights: dummy_weights.py."""
 
 from __future__ import annotations
 
@@ -6,14 +6,9 @@ import contextlib
 import glob
 import os
 import re
-from typing import TYPE_CHECKING
-
 import torch
 from safetensors import safe_open
 from torch import nn
-
-if TYPE_CHECKING:
-    from nanovllm.model.quant import QuantScheme
 
 
 def _resolve(params: dict, mapping: dict, name: str):
@@ -136,22 +131,3 @@ def _expected_names(mapping: dict, experts, params: dict, tied: bool) -> set[str
         else:
             names.add(pname)
     return names
-
-
-_DUMMY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@torch.no_grad()
-def init_dummy(model: nn.Module, seed: int = 0, scheme: QuantScheme | None = None) -> None:
-    """Random weights of realistic scale (benchmarks without the real checkpoint); parameters in
-    `scheme`'s stored format (FP8 codes, block scales) are drawn by their method (model/quant.py)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if param.dtype not in _DUMMY_DTYPES or getattr(param, "block", None):
-            continue
-        if "norm" in name:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.02, generator=gen)
-    if scheme is not None:
-        scheme.init_dummy(model, seed)
