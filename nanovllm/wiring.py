@@ -288,6 +288,8 @@ def package_attribute(name: str):
 # loads its module at its first use.
 
 import nanovllm.core.model_runner as _model_runner  # noqa: E402
+import nanovllm.model.attention.paged_kv as _paged_kv  # noqa: E402
+import nanovllm.model.decoder as _decoder  # noqa: E402
 
 
 def cuda_runtime():
@@ -305,5 +307,19 @@ def runner_extras():
     return extras
 
 
-_model_runner.CUDA_RUNTIME = cuda_runtime
-_model_runner.RUNNER_EXTRAS = runner_extras
+def llama3_rope_scaling():
+    """Llama 3's RoPE scaling (model/rope_scaling.py), for a config.json with rope_type "llama3"."""
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
+
+    return Llama3RopeScaling
+
+
+def fp8_cache():
+    """The FP8 KV cache's encoding in plain torch (model/attention/fp8_cache.py), for an FP8 cache."""
+    import nanovllm.model.attention.fp8_cache as codec
+
+    return codec
+
+
+_model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_extras
+_decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache

@@ -14,7 +14,8 @@ from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metad
 from nanovllm.model.attention import selection as backend_mod
 from nanovllm.model.attention.selection import select_backend
 from nanovllm.model.attention.flash_attn_backend import FlashAttnBackend
-from nanovllm.model.attention.paged_kv import gather_kv, quantize_kv
+from nanovllm.model.attention.fp8_cache import quantize_kv
+from nanovllm.model.attention.paged_kv import gather_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
 
 

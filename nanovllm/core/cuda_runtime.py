@@ -9,12 +9,28 @@ import logging
 
 import torch
 
-from nanovllm.core.cuda_graphs import DecodeGraphs  # noqa: F401  (the runtime's parts)
+from nanovllm.core.cuda_graphs import DecodeGraphs
 from nanovllm.core.triton_sampler import TritonSampler  # noqa: F401
 from nanovllm.model.attention import prefill_metadata
 from nanovllm.model.attention.selection import select_backend  # noqa: F401
 
 logger = logging.getLogger(__name__)
+
+
+def capture_graphs(runner, forward_strategy) -> None:
+    """TritonSampler.warm_up's compiles; then, without enforce_eager, the decode graphs and the
+    forward strategy's (prefill graphs) of `runner` (a ModelRunner with its KV cache). The torch
+    backend loops on the host: nothing to replay."""
+    config = runner.config
+    runner.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, runner.device)
+    if config.enforce_eager or runner.backend.name == "torch":
+        return
+    reserved = torch.cuda.memory_reserved(runner.device)
+    runner.graphs = DecodeGraphs(runner.model, runner.inputs, runner.sampler.input_tokens,
+                                 min(config.max_num_seqs, 512), config.hf_config.hidden_size, config.dtype)
+    if forward_strategy is not None and forward_strategy.prepare(runner):
+        runner.forward_strategy = forward_strategy
+    runner.graph_pool_bytes = torch.cuda.memory_reserved(runner.device) - reserved
 
 
 def blocks_from_gpu_budget(runner, forward_strategy, per_block: int) -> int:

@@ -46,11 +46,9 @@ RUNNER_EXTRAS: Callable[[], ModuleType] | None = None
 
 class ModelRunner:
     """The model, its KV cache, its CUDA graphs and its sampler on one tensor-parallel rank.
-
     `launch(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
-    `execute(step)`, then either every rank samples its vocabulary shard (StepInput.sampling)
-    or rank 0 samples the gathered logits (see launch/tensor_parallel.py).
-    """
+    `execute(step)`, then every rank samples its vocabulary shard (StepInput.sampling) or rank 0
+    the gathered logits (launch/tensor_parallel.py)."""
 
     def __init__(self, config: Config, forward_strategy: ForwardStrategy | None = None, tp: TPGroup | None = None):
         """`forward_strategy`: how prefill steps may run other than eagerly (None: eagerly);
@@ -92,7 +90,10 @@ class ModelRunner:
         self.inputs = StepInputs(max_rows, max_blocks_per_seq, config.kvcache_block_size, self.device,
                                  self.backend.name, spec.num_kv_heads)
         self.sampler = TokenSampler(max_rows, self.device, self.tp, cuda and cuda.TritonSampler())
-        self._capture_graphs(forward_strategy, cuda)
+        self.graphs = self.forward_strategy = None  # (decode graphs, prefill graphs: on CUDA)
+        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
+        if cuda is not None:
+            cuda.capture_graphs(self, forward_strategy)
         if config.kv_calibrator is not None:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 if not getattr(layer, "kv_scales_from_checkpoint", False):
@@ -102,25 +103,6 @@ class ModelRunner:
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
         logger.info("model runner ready: %s seconds; graphs reserved %.0f MiB", self.startup_seconds,
                     self.graph_pool_bytes / 2**20)
-
-    def _capture_graphs(self, forward_strategy: ForwardStrategy | None, cuda) -> None:
-        """On CUDA (`cuda`: core/cuda_runtime.py): TritonSampler.warm_up's compiles; then, without
-        enforce_eager, the decode graphs and the forward strategy's (prefill graphs). The torch
-        backend loops on the host: nothing to replay."""
-        config = self.config
-        self.graphs = self.forward_strategy = None
-        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
-        if cuda is None:
-            return
-        self.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, self.device)
-        if config.enforce_eager or self.backend.name == "torch":
-            return
-        reserved = torch.cuda.memory_reserved(self.device)
-        self.graphs = cuda.DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens,
-                                        min(config.max_num_seqs, 512), config.hf_config.hidden_size, config.dtype)
-        if forward_strategy is not None and forward_strategy.prepare(self):
-            self.forward_strategy = forward_strategy
-        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""
@@ -151,8 +133,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> PendingTokens:
         """Queue one step and its sampling on the device; the tokens arrive via the result. The
-        sampling may wait for the next launch (TokenSampler.flush) when a logits extension does
-        host work in the background, unless hooks run on the sampled tokens right after."""
+        sampling may wait for the next launch (TokenSampler.flush) while a logits extension does
+        host work, unless after_sampling hooks read the tokens right after."""
         self.sampler.flush()
         step = StepInput.from_batch(batch)
         logits = self.execute(step)

@@ -1,10 +1,10 @@
 """Batched token sampler: greedy, temperature, top-k, top-p, min-p and seeded sampling, on device.
 
-Every row of a batch carries its own parameters. Sampling uses the Gumbel-max trick with noise
-from a counter-based integer hash of (seed, offset, token id), so a row's token depends only
-on its logits, its parameters and its (seed, offset): not on the batch it sits in, nor on any
-torch.Generator state. Nothing here syncs with the host or has data-dependent shapes, so the
-forward pass can be captured in a CUDA graph (for fixed host-side flags, see SamplingTensors).
+Every row carries its own parameters. Sampling uses the Gumbel-max trick with noise from a
+counter-based integer hash of (seed, offset, token id): a row's token depends only on its logits,
+parameters and (seed, offset), not on its batch nor on any torch.Generator state. Nothing syncs
+with the host or has data-dependent shapes, so the forward pass can be captured in a CUDA graph
+(for fixed host-side flags, see SamplingTensors).
 """
 
 from __future__ import annotations
@@ -69,9 +69,8 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters on the logits' device, plus flags decided on the host that
-    pick which device work runs: a CUDA graph captured with one set of flags is only valid for
-    batches with the same flags."""
+    """Per-row sampling parameters on the logits' device, plus host-side flags that pick which
+    device work runs (a CUDA graph captured with one set of flags serves the same flags only)."""
 
     temperatures: torch.Tensor  # float32 [B], 0 = greedy
     top_ks: torch.Tensor  # int64 [B], <= 0 = off
@@ -92,8 +91,8 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], offsets: list[int],
               device, pin_memory: bool = False) -> SamplingTensors:
-        """One host->device copy per tensor (non-blocking if pinned); seeds taken mod 2**64.
-        Greedy rows get their filters switched off, so they never cause a sort."""
+        """One host->device copy per tensor (non-blocking if pinned); seeds taken mod 2**64. Greedy
+        rows get their filters switched off, so they never cause a sort."""
         temps, ks, ps, mps = [], [], [], []
         for p in params:
             greedy = p.temperature == 0.0
@@ -162,9 +161,8 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     cum = probs.cumsum_(dim=-1)
     total = cum[:, -1:]
     if vals.shape[-1] < vocab:
-        # Tokens tied with the k-th largest beyond the partial top-k belong to the top-k set too:
-        # its mass is summed over the whole row (so a row's tokens do not depend on whether
-        # another row's filters made this a full sort).
+        # Tokens tied with the k-th largest beyond the partial top-k belong to the top-k set too: its
+        # mass is summed over the whole row (a row's tokens never depend on another's filters).
         total = torch.where(x >= thr[:, None], (x - top).exp(), 0.0).sum(dim=-1, keepdim=True)
     # Position j is kept while the mass before it is < top_p; position 0 always is.
     n_keep = (cum < t.top_ps[:, None] * total).sum(dim=-1) + 1
@@ -177,8 +175,8 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def _thresholds(x: torch.Tensor, t: SamplingTensors):
     """(threshold, argmax) [B] each for temperature-scaled fp32 logits x [B, V]: a token survives
-    when its logit is >= the threshold (None: nothing filtered); the argmax (first maximum,
-    which no filter removes) only when some row is greedy, else None."""
+    when its logit is >= the threshold (None: nothing filtered); the argmax (first maximum, which
+    no filter removes) only when some row is greedy."""
     row_max = argmax = None
     if t.any_greedy or t.need_min_p:
         row_max, argmax = x.max(dim=-1)
@@ -213,15 +211,12 @@ def _filtered(logits: torch.Tensor, t: SamplingTensors, suppress):
 
 def apply_filters(logits: torch.Tensor, t: SamplingTensors,
                   suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The distribution the sampler draws from, as fp32 logits [B, V] (a new tensor).
-
-    Suppressed tokens are -inf, non-greedy rows are divided by their temperature, then:
-    top-k keeps tokens >= the k-th largest logit; top-p keeps the shortest prefix of the
-    (top-k renormalised) sorted distribution whose mass reaches top_p; min-p drops tokens with
-    p < min_p * p_max. Each filter is a per-row logit threshold, so tokens tied with the last
-    kept one are kept as well, and the top token always survives. softmax of the result is
-    the sampling distribution of non-greedy rows.
-    """
+    """The distribution the sampler draws from, as fp32 logits [B, V] (a new tensor): suppressed
+    tokens -inf, non-greedy rows divided by their temperature, then top-k keeps tokens >= the k-th
+    largest logit; top-p the shortest prefix of the (top-k renormalised) sorted distribution whose
+    mass reaches top_p; min-p drops tokens with p < min_p * p_max. Each filter is a per-row logit
+    threshold, so ties with the last kept token are kept and the top token always survives.
+    softmax of the result is the sampling distribution of non-greedy rows."""
     return _filtered(logits, t, suppress)[0]
 
 
@@ -245,9 +240,9 @@ class Sampler(torch.nn.Module):
 
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
                 suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Token ids int64 [B]; logits is not modified. suppress: optional (rows, cols) int64
-        index tensors; logits[rows[i], cols[i]] counts as -inf (repeats are fine). Greedy rows take
-        the first argmax; others draw argmax(filtered_logits - log(-log u)), u = hash_uniform."""
+        """Token ids int64 [B]; logits is not modified. suppress: optional (rows, cols) int64 index
+        tensors of logits that count as -inf (repeats are fine). Greedy rows take the first argmax;
+        others draw argmax(filtered_logits - log(-log u)), u = hash_uniform."""
         if t.all_greedy:
             return (logits if suppress is None else _scaled(logits, t, suppress)).argmax(dim=-1)
         x, argmax = _filtered(logits, t, suppress)

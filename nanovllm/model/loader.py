@@ -6,9 +6,12 @@ import contextlib
 import glob
 import os
 import re
+
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from nanovllm.model.attention import paged_kv
 
 
 def _resolve(params: dict, mapping: dict, name: str):
@@ -88,28 +91,24 @@ def _read_checked(f, name: str, file: str) -> torch.Tensor:
                          f"({type(e).__name__}: {e})") from None
 
 
-# FP8 KV-cache scales, as vLLM names them: <layer>.self_attn.{k,v}_scale, or the older
-# <layer>.self_attn.{k,v}_proj.output_scale. Read into the attention layer's k_scale / v_scale.
+# FP8 KV-cache scales as vLLM names them (<layer>.self_attn.{k,v}_scale, or the older
+# <layer>.self_attn.{k,v}_proj.output_scale), read into the attention layer's k_scale / v_scale.
 _KV_SCALE = re.compile(r"^(?P<attn>.+\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
 
 
 def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
     """Whether `name` is a KV-cache scale (then copied into its attention layer when the cache is
-    FP8, and ignored otherwise: a 16-bit cache needs no scale)."""
+    FP8: fp8_cache.py; ignored otherwise, a 16-bit cache needs no scale)."""
     m = _KV_SCALE.match(name)
     if m is None:
         return False
     try:
         attn = model.get_submodule(m["attn"]).attn
     except AttributeError:
-        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not have") from None
-    kind = m["kv"] or m["proj"]
+        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not "
+                         "have") from None
     if getattr(attn, "fp8_kv_cache", False):
-        value = read().float().reshape(-1)
-        if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
-            raise ValueError(f"{name}: a KV-cache scale must be one positive finite number, got {value.tolist()[:4]}")
-        getattr(attn, f"{kind}_scale").copy_(value)
-        attn.kv_scales_from_checkpoint = True
+        paged_kv.FP8_CACHE().load_scale(attn, m["kv"] or m["proj"], read(), name)
     return True
 
 

@@ -18,35 +18,25 @@ import torch
 @dataclass(frozen=True)
 class TPGroup:
     """One rank's view of its tensor-parallel group: here a single rank, whose collectives return
-    their input (distributed_group.py's DistributedTPGroup runs them over the ranks). `rank` and
-    `size` alone also build a rank's shard of the layers (tests)."""
+    their input (distributed_group.py's DistributedTPGroup runs them over the ranks and documents
+    them). `rank` and `size` alone also build a rank's shard of the layers (tests)."""
 
     rank: int = 0
     size: int = 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
         return x
 
     def row_parallel(self, x: torch.Tensor, layer) -> torch.Tensor:
-        """This rank's partial sums x @ W^T of a row-parallel layer (a LinearBase, no bias), to
-        hand to `all_reduce_rms_norm` as returned."""
         return layer.matmul(x)
 
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-        """(norm(s + residual) * weight, s + residual) with s = the sum of `x` over the ranks
-        through a fused path, or None (the caller all-reduces and normalises separately)."""
-        return None
+        return None  # no fused path: the caller normalises
 
     def symmetric_memory_bytes(self) -> int:
-        """Device memory held by the symmetric-memory paths (not in the caching allocator's count)."""
         return 0
 
-    def broadcast_from_rank0(self, x: torch.Tensor) -> None:
-        """Rank 0's `x` on every rank, in place."""
-
     def agree_on_min(self, value: int, device: torch.device) -> int:
-        """The smallest of every rank's `value` (e.g. KV blocks that fit on every GPU)."""
         return value
 
 

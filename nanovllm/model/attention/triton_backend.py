@@ -12,7 +12,7 @@ import torch
 from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.model.attention.metadata import AttentionMetadata
-from nanovllm.model.attention.paged_kv import dequantize_kv, fp8_kv, round_trip_kv
+from nanovllm.model.attention.fp8_cache import dequantize_kv, fp8_kv, round_trip_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
 
 
