@@ -1,8 +1,6 @@
-"""The paged KV cache of one rank: how many blocks fit, and the tensor that holds them.
-
-Layout: one tensor [2 (K, V), layers, blocks, block_size, kv_heads, head_dim]; each attention
-layer gets views of its K and V caches (flash-attn's paged layout per layer).
-"""
+"""The paged KV cache of one rank: how many blocks fit, and the tensor that holds them: one tensor
+[2 (K, V), layers, blocks, block_size, kv_heads, head_dim], each attention layer viewing its K and
+V caches (flash-attn's paged layout per layer)."""
 
 from __future__ import annotations
 

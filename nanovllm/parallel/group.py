@@ -1,10 +1,6 @@
-"""The tensor-parallel group a model is built for.
-
-Layers read their rank and group size once, at construction, from the group that the
-ModelRunner sets with `use_tp_group(...)`, and keep it. So an engine with TP=1 stays single-rank
-even in a process where another engine has initialised torch.distributed. A single-rank engine
-uses `TPGroup()`; a tensor-parallel launcher creates a DistributedTPGroup (create_group.py).
-"""
+"""The tensor-parallel group a model is built for. Layers read their rank and group size once, at
+construction, from the group the ModelRunner sets with `use_tp_group(...)`: an engine with TP=1
+stays single-rank even in a process where another engine has initialised torch.distributed."""
 
 from __future__ import annotations
 
