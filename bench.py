@@ -779,7 +779,7 @@ def run_result(llm, args, name: str, seconds: float, floor: float | None, cold_s
             "kv_tokens": llm.block_manager.num_blocks * args.block_size, "kv_cache_dtype": args.kv_cache_dtype,
             "quantization": quantization_name(llm.config.quant),
             "enforce_eager": args.enforce_eager, "custom_all_reduce": not args.nccl_all_reduce,
-            "copy_engine_all_reduce": rank0.tp.copy_engine is not None,
+            "copy_engine_all_reduce": getattr(rank0.tp, "copy_engine", None) is not None,
             "sample_on_every_rank": args.tp > 1 and not args.gather_logits and args.logprobs is None,
             "logprobs": args.logprobs, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,
             "startup_s": llm.model_runner.startup_seconds, **speculation_fields(llm, args)}

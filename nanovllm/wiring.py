@@ -345,3 +345,45 @@ def step_timing():
 
 
 _engine.load_step_timing = step_timing
+
+
+# ---------------------------------------------------------------- slim4c: what a plain CPU generate never runs
+# Registered into the core's hooks at import (nanovllm/__init__.py imports this module first): each
+# loads its module at its first use.
+
+import nanovllm.core.model_runner as _model_runner  # noqa: E402
+import nanovllm.model.attention.paged_kv as _paged_kv  # noqa: E402
+import nanovllm.model.decoder as _decoder  # noqa: E402
+
+
+def cuda_runtime():
+    """What only a CUDA engine's model runner runs (core/cuda_runtime.py: the attention backend's
+    choice, the GPU's KV budget, the decode graphs, the Triton sampler)."""
+    import nanovllm.core.cuda_runtime as runtime
+
+    return runtime
+
+
+def runner_extras():
+    """What a model runner runs only when asked (core/runner_extras.py: score(), dummy weights)."""
+    import nanovllm.core.runner_extras as extras
+
+    return extras
+
+
+def llama3_rope_scaling():
+    """Llama 3's RoPE scaling (model/rope_scaling.py), for a config.json with rope_type "llama3"."""
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
+
+    return Llama3RopeScaling
+
+
+def fp8_cache():
+    """The FP8 KV cache's encoding in plain torch (model/attention/fp8_cache.py), for an FP8 cache."""
+    import nanovllm.model.attention.fp8_cache as codec
+
+    return codec
+
+
+_model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_extras
+_decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache

@@ -188,9 +188,11 @@ def test_function_level_imports_only_where_they_are_the_point():
 # logits processing and quantization's model-wide steps load only when used, 5,745 since SamplingParams'
 # feature-field checks, Logprob, StreamOutput, vllm_params.py and LLM's progress bar load at first use,
 # 5,550 since step timing, the multi-process checks and NoFeatures leave the path and Config's checks
-# are table-driven. The architecture issue's goal is 4,000: lower this bound as code leaves the path,
-# and raise it only for API every generate needs, saying so in the commit.
-PLAIN_GENERATE_LINE_BUDGET = 5_550
+# are table-driven, 4,988 since what only CUDA, tensor parallelism, score(), dummy weights, Llama 3's
+# RoPE scaling or an FP8 cache runs loads through wiring when used (the Triton sampler, decode graphs,
+# GPU KV budget, backend choice). The architecture issue's goal is 4,000: lower this bound as code
+# leaves the path, and raise it only for API every generate needs, saying so in the commit.
+PLAIN_GENERATE_LINE_BUDGET = 4_988
 PLAIN_GENERATE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

@@ -10,10 +10,12 @@ import torch
 
 from nanovllm.config import KV_CACHE_DTYPES, QuantizationConfig
 from nanovllm.features.quantization.fp8_kv import K_SCALE_HEADROOM, V_SCALE_HEADROOM, calibrate_kv_scales
-from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metadata, select_backend
-from nanovllm.model.attention import backend as backend_mod
+from nanovllm.model.attention import Attention, AttentionMetadata, prefill_metadata
+from nanovllm.model.attention import selection as backend_mod
+from nanovllm.model.attention.selection import select_backend
 from nanovllm.model.attention.flash_attn_backend import FlashAttnBackend
-from nanovllm.model.attention.paged_kv import gather_kv, quantize_kv
+from nanovllm.model.attention.fp8_cache import quantize_kv
+from nanovllm.model.attention.paged_kv import gather_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
 
 
@@ -234,8 +236,7 @@ def test_triton_backend_decode_matches_torch_on_gpu(block_size):
 
 
 def test_gather_groups_and_varlen_gather_on_cpu():
-    from nanovllm.model.attention.paged_kv import gather_kv_varlen
-    from nanovllm.model.attention.triton_backend import groups_of_at_most
+    from nanovllm.model.attention.triton_backend import gather_kv_varlen, groups_of_at_most
 
     assert list(groups_of_at_most([5, 5, 5], 10)) == [(0, 2), (2, 3)]
     assert list(groups_of_at_most([20, 1, 1], 10)) == [(0, 1), (1, 3)]   # a long one alone

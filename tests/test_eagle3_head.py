@@ -13,7 +13,8 @@ import torch
 from safetensors.torch import save_file
 
 from nanovllm.features.speculative.eagle3_head import Eagle3Config, Eagle3Head, default_aux_layers, load_head
-from nanovllm.model.attention import prefill_metadata, select_backend
+from nanovllm.model.attention import prefill_metadata
+from nanovllm.model.attention.selection import select_backend
 from nanovllm.parallel.group import TPGroup, use_tp_group
 
 sys.path.insert(0, os.path.dirname(__file__))

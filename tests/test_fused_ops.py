@@ -188,7 +188,7 @@ def test_qk_norm_rope_matches_reference(dtype, num_heads, num_kv_heads, head_dim
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,tokens", QK_CONFIGS)
 def test_rope_without_norm_matches_reference(dtype, num_heads, num_kv_heads, head_dim, tokens):
     """q_weight = k_weight = None (Qwen2, Llama): RotaryEmbedding alone, with llama3 scaling."""
-    from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
 
     max_pos = 4096
     rotary = RotaryEmbedding(head_dim, max_pos, 500_000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 1024)).to(DEVICE)
@@ -330,7 +330,7 @@ def test_gpu_qk_norm_rope_bf16(num_heads, num_kv_heads, tokens):
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(28, 4), (32, 8)])  # Qwen2.5-7B, Llama-3.1-8B
 @pytest.mark.parametrize("tokens", [1, 256, 4096])
 def test_gpu_rope_without_norm_bf16(num_heads, num_kv_heads, tokens):
-    from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
 
     head_dim, max_pos = 128, 32768
     rotary = RotaryEmbedding(head_dim, max_pos, 500_000.0, Llama3RopeScaling(8.0, 1.0, 4.0, 8192)).cuda()

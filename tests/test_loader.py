@@ -25,7 +25,8 @@ from helpers import (  # noqa: E402
 
 import nanovllm.model.loader as loader_mod  # noqa: E402
 from nanovllm.model.families.qwen3 import Qwen3ForCausalLM  # noqa: E402
-from nanovllm.model.loader import init_dummy, load_model  # noqa: E402
+from nanovllm.model.dummy_weights import init_dummy  # noqa: E402
+from nanovllm.model.loader import load_model  # noqa: E402
 
 PACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

@@ -197,7 +197,8 @@ def test_llama3_inv_freq_equals_transformers():
     from transformers import LlamaConfig
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, rope_inv_freq
+    from nanovllm.model.layers.rotary_embedding import rope_inv_freq
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
 
     for head_dim, theta, scaling in ((128, 500000.0, (8.0, 1.0, 4.0, 8192)), (64, 500000.0, (32.0, 1.0, 4.0, 8192)),
                                      (16, 10000.0, (4.0, 1.0, 4.0, 64))):

@@ -642,7 +642,7 @@ def worker(rank, init, seed):
     from nanovllm.kernels.fused_ops import rms_norm
     from nanovllm.parallel.copy_engine import CopyEngineAllReduce
     from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
-    from nanovllm.parallel.group import TPGroup
+    from nanovllm.parallel.distributed_group import DistributedTPGroup
 
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
@@ -651,7 +651,7 @@ def worker(rank, init, seed):
     fused = FusedAllReduceNorm.create(group, device, dtype, hidden)
     ce = CopyEngineAllReduce.create(group, device, dtype, hidden, max_rows=12288)
     assert fused is not None and ce is not None, "a symmetric-memory path is unavailable"
-    tp = TPGroup(rank, 2, group, fused, ce)
+    tp = DistributedTPGroup(rank, 2, group, fused, ce)
     checked = ce.exchanges  # the start-up self-check's
     rows_of = random.Random(seed)  # the same row counts on both ranks
     gen = torch.Generator(device=device).manual_seed(seed + rank)
@@ -665,8 +665,8 @@ def worker(rank, init, seed):
         dist.broadcast(residual, src=0)
         inputs.append((torch.randn(rows, k, generator=gen, device=device).to(dtype), residual))
     torch.cuda.synchronize()
-    class Layer:  # what TPGroup.row_parallel needs of a row-parallel LinearBase
-        weight = w
+    class Layer:  # what DistributedTPGroup.row_parallel needs of a row-parallel LinearBase
+        weight, out_features, quant = w, hidden, None
 
         def matmul(self, a):
             return torch.mm(a, w.t())

@@ -11,8 +11,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from nanovllm.core import sampler as sampler_mod
-from nanovllm.core.sampler import (Sampler, SamplingTensors, _mix32_, apply_filters,
-                                     gumbel_argmax_triton, hash_uniform)
+from nanovllm.core import triton_sampler as triton_mod
+from nanovllm.core.sampler import Sampler, SamplingTensors, _mix32_, apply_filters, hash_uniform
+from nanovllm.core.triton_sampler import TritonSampler, gumbel_argmax_triton
 from nanovllm.launch import shard_sampling
 from nanovllm.sampling_params import SamplingParams as SP
 
@@ -383,7 +384,7 @@ def assert_same_up_to_near_ties(a, b, scores):
     assert (a.cpu() != b.cpu()).sum() <= max(1, a.numel() // 20)
 
 
-@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 def test_fused_kernel_matches_torch_path():
     # On CPU this runs through Triton's interpreter (conftest switches it on).
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -438,7 +439,7 @@ def fused_and_unfused(logits, t):
     return fused.cpu(), unfused.cpu()
 
 
-@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_kernel_scaling_matches_unfused_route_and_torch_path(dtype):
     gen = torch.Generator()
@@ -451,7 +452,7 @@ def test_kernel_scaling_matches_unfused_route_and_torch_path(dtype):
     assert_same_up_to_near_ties(ref, fused, gumbel_scores(logits, t))
 
 
-@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 def test_kernel_scaling_rounds_like_torch_div():
     # Rows where every token's score x / T - log(-log u) is the same value up to a few ulps,
     # so the token is decided by how x / T rounds: a kernel that multiplied by 1 / T, or
@@ -468,16 +469,16 @@ def test_kernel_scaling_rounds_like_torch_div():
     assert fused.unique().numel() > 6, seed  # the rows do not all land on one token
 
 
-@pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+@pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 def test_sampler_scales_in_kernel_only_when_eligible(monkeypatch):
     # Send CPU tensors down the Triton route too (through the interpreter).
-    monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)
+    monkeypatch.setattr(triton_mod, "_use_triton", lambda x: True)
     calls = []
-    real_scaled = sampler_mod._scaled
-    monkeypatch.setattr(sampler_mod, "_scaled", lambda *a: calls.append(1) or real_scaled(*a))
+    real_scaled = triton_mod._scaled
+    monkeypatch.setattr(triton_mod, "_scaled", lambda *a: calls.append(1) or real_scaled(*a))
     gen = torch.Generator()
     seed = gen.seed()
-    sampler = Sampler()
+    sampler = TritonSampler()
     for dtype in (torch.bfloat16, torch.float32):
         logits, t = random_rows(gen, 8, 1000, dtype)
         t_dev = tensors([SP(temperature=x) for x in t.temperatures.tolist()],
@@ -496,7 +497,7 @@ def test_sampler_scales_in_kernel_only_when_eligible(monkeypatch):
          (torch.tensor([0], device=DEVICE), torch.tensor([3], device=DEVICE))),
     ]
     wide_top_k = (tensors(base + [SP(top_k=200, top_p=0.9)], device=DEVICE), None)  # 200 * 8 > 1000: a sort
-    sampler = Sampler()
+    sampler = TritonSampler()
     for i, (t, suppress) in enumerate(ineligible + [wide_top_k]):
         calls.clear()
         sampler(logits, t, suppress)
@@ -504,9 +505,9 @@ def test_sampler_scales_in_kernel_only_when_eligible(monkeypatch):
         copies = suppress is not None or t is wide_top_k[0]
         assert calls == [1] * copies, i
     eligible = tensors(base + [SP()], device=DEVICE)
-    assert sampler_mod._fuse_scaling(logits, eligible, None)
+    assert triton_mod._fuse_scaling(logits, eligible, None)
     # The kernel reads each row as one unit-stride run.
-    assert not sampler_mod._fuse_scaling(logits.t().contiguous().t(), eligible, None)
+    assert not triton_mod._fuse_scaling(logits.t().contiguous().t(), eligible, None)
 
 
 @pytest.mark.gpu
@@ -517,7 +518,7 @@ def test_cpu_and_cuda_agree_and_graph_capture():
     params = [SP(temperature=0.0), SP(), SP(temperature=0.7, top_k=20, top_p=0.8),
               SP(top_p=0.95, min_p=0.05)] * (b // 4)
     seeds, offs = list(range(b)), [100 + 3 * i for i in range(b)]
-    sampler = Sampler()
+    sampler = TritonSampler()
     t_cpu = tensors(params, seeds, offs)
     t_gpu = tensors(params, seeds, offs, device="cuda")
     cpu = sampler(logits, t_cpu)
@@ -557,7 +558,7 @@ def test_cpu_and_cuda_agree_and_graph_capture():
 # of the sums; the CPU cumsum accumulates in double): under 3e-6 for these logits.
 CUT_MARGIN = 1e-5
 TILES = dict(chunk=512, block=256)  # several chunks per row, the last one partial; fast to interpret
-needs_triton = pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+needs_triton = pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 
 
 @pytest.fixture
@@ -566,16 +567,16 @@ def fused(monkeypatch):
     fused(logits, t, suppress=None, **kernel_kw) -> tokens on the CPU."""
     from nanovllm.kernels import top_p
 
-    monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)
+    monkeypatch.setattr(triton_mod, "_use_triton", lambda x: True)
 
     def run(logits, t, suppress=None, **kw):
         # poison: the outputs and workspace start as garbage, so that a value read unwritten shows.
-        monkeypatch.setattr(sampler_mod, "filtered_sample_triton",
+        monkeypatch.setattr(triton_mod, "filtered_sample_triton",
                             functools.partial(top_p.filtered_sample_triton, **{**TILES, "poison": True, **kw}))
         t_dev = dataclasses.replace(t, **{f: getattr(t, f).to(DEVICE) for f in
                                           ("temperatures", "top_ks", "top_ps", "min_ps", "seeds", "offsets")})
         sup = None if suppress is None else tuple(v.to(DEVICE) for v in suppress)
-        return Sampler()(logits.to(DEVICE), t_dev, sup).cpu()
+        return TritonSampler()(logits.to(DEVICE), t_dev, sup).cpu()
 
     return run
 
@@ -781,7 +782,7 @@ def test_filter_kernel_matches_filters_and_noise_on_cuda():
     logits = (torch.randn(b, vocab, generator=gen) * 3).to(torch.bfloat16).cuda()
     t = tensors(random_filter_params(gen, b), *random_keys(gen, b), device="cuda")
     margins = top_p_margins(logits, t)
-    skipped = assert_tokens_match(Sampler()(logits, t).cpu(), reference_tokens(logits, t), margins, seed)
+    skipped = assert_tokens_match(TritonSampler()(logits, t).cpu(), reference_tokens(logits, t), margins, seed)
     assert skipped <= max(2, b // 10), (seed, skipped)
 
 
@@ -796,13 +797,13 @@ def shard_pick(sampler, logits, t, bounds):
 @pytest.mark.parametrize("route", ["torch", "triton"])
 def test_shard_candidates_give_the_whole_vocabulary_token(route, monkeypatch):
     if route == "triton":
-        if sampler_mod.triton is None:
+        if triton_mod.triton is None:
             pytest.skip("needs Triton")
-        monkeypatch.setattr(sampler_mod, "_use_triton", lambda x: True)  # CPU: the interpreter
+        monkeypatch.setattr(triton_mod, "_use_triton", lambda x: True)  # CPU: the interpreter
         monkeypatch.setattr(shard_sampling, "_use_triton", lambda x: True)
     gen = torch.Generator()
     seed = gen.seed()
-    sampler = Sampler()
+    sampler = TritonSampler()
     vocab = 1000
     for dtype in (torch.float32, torch.bfloat16):
         logits, t_sampled = random_rows(gen, 10, vocab, dtype)

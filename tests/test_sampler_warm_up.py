@@ -20,10 +20,11 @@ sys.path.insert(0, os.path.dirname(__file__))
 import hopper_compile  # noqa: E402
 import triton_caches  # noqa: E402
 
-from nanovllm.core import sampler as sampler_mod  # noqa: E402
-from nanovllm.core.sampler import Sampler, SamplingTensors  # noqa: E402
+from nanovllm.core import triton_sampler as triton_mod  # noqa: E402
+from nanovllm.core.sampler import SamplingTensors  # noqa: E402
+from nanovllm.core.triton_sampler import TritonSampler  # noqa: E402
 
-pytestmark = pytest.mark.skipif(sampler_mod.triton is None, reason="needs Triton")
+pytestmark = pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 VOCAB = 3000
 
 
@@ -55,8 +56,8 @@ def random_row(rng: random.Random, vocab: int = VOCAB) -> tuple:
 
 def variant_keys() -> tuple[set, set]:
     """(what warm_up compiles, what forward launches over 60 random batches), as compile keys."""
-    sampler_mod._use_triton = lambda x: True  # the CUDA routes, on CPU tensors
-    sampler = Sampler()
+    triton_mod._use_triton = lambda x: True  # the CUDA routes, on CPU tensors
+    sampler = TritonSampler()
     warmed = compile_keys(lambda: sampler.warm_up(VOCAB, {torch.bfloat16, torch.float32}, "cpu"))
     rng = random.Random(0)
     seen = set()
@@ -97,7 +98,7 @@ def test_on_cuda_nothing_compiles_after_the_warm_up():
     """The real caches (alignment and all): after warm_up, batches of every mix compile nothing.
     The caches start empty (other GPU tests in the process compile their own variants)."""
     triton_caches.forget_compiled(*sampling_kernels())
-    sampler, vocab = Sampler(), 151_936
+    sampler, vocab = TritonSampler(), 151_936
     sampler.warm_up(vocab, {torch.bfloat16, torch.float32}, "cuda")
     warmed = compiled_variants()
     assert 0 < warmed <= 16

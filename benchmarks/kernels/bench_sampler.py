@@ -75,9 +75,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         print("bench_sampler: needs a CUDA GPU; nothing to do here")
         return
-    from nanovllm.core.sampler import Sampler
+    from nanovllm.core.triton_sampler import TritonSampler
 
-    sampler = Sampler()
+    sampler = TritonSampler()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{'B':>4} {'logits':<7} {'case':<32}{'ms':>8}{'-temp':>8}")
     for b in BATCHES:

@@ -14,9 +14,9 @@ _ROOT_PREFIX = 0  # prefix id of the empty prefix (parent of a sequence's first 
 
 
 def roots(adapter: int) -> tuple[int, int]:
-    """(hash, prefix id) of the empty prefix under a request's adapter (0: none): requests under
-    different adapters compute different K/V for the same tokens, so they never share blocks."""
-    # (an adapter's root prefix id is below -1: blocks not registered hold -1, ids from 1 up)
+    """(hash, prefix id) of the empty prefix under a request's adapter (0: none; else a prefix id
+    below -1, as -1 marks unregistered blocks): requests under different adapters compute
+    different K/V for the same tokens, so they never share blocks."""
     return (_ROOT_HASH, _ROOT_PREFIX) if not adapter else (chain_hash(_ROOT_HASH, [adapter]), -1 - adapter)
 
 
@@ -30,10 +30,9 @@ def chain_hash(parent: int, token_ids: list[int]) -> int:
 
 class Block:
     """One KV block: its ref count and, once full and computed, the content that identifies it.
-
-    prefix_id / parent_prefix_id identify the exact token prefix this block's K/V were computed
-    with (its own tokens and every token before them) and its parent's: equal ids mean equal
-    prefixes, whatever the hashes do (see BlockManager.commit)."""
+    prefix_id / parent_prefix_id identify the exact token prefix its K/V were computed with (its
+    tokens and all before them) and its parent's: equal ids mean equal prefixes, whatever the
+    hashes do (see BlockManager.commit)."""
 
     __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "prefix_id", "parent_prefix_id", "token_ids")
 
@@ -53,10 +52,9 @@ class Block:
 @dataclass(frozen=True)
 class KVUsage:
     """The KV cache at one moment (BlockManager.usage), in tokens. used_blocks: blocks held
-    (ref count > 0), reserved ones included; live_tokens: K/V entries the running sequences
-    hold that launched steps compute, a shared block counted once; the rest of the allocated
-    slots (fragmentation_tokens) are unfilled block tails, blocks allocated ahead of a chunked
-    prefill, and reserved blocks."""
+    (reserved ones included); live_tokens: K/V the running sequences hold that launched steps
+    compute, a shared block once; the rest (fragmentation_tokens): unfilled block tails, blocks
+    allocated ahead of a chunked prefill, reserved blocks."""
 
     block_size: int
     num_blocks: int
@@ -78,12 +76,10 @@ class BlockManager:
 
     Every full, computed block is keyed by a chain hash (parent hash + token ids). A later
     sequence whose leading blocks hash the same reuses them (ref count + 1) after checking the
-    stored token ids and the identity of the parent prefix (not just its hash), so a hash
-    collision can never serve wrong K/V. Freed blocks keep their content and stay findable
-    until the free list hands them out again, so finished requests still serve prefix hits.
-    The free list is an OrderedDict in LRU order: allocating, freeing and reviving are O(1).
-    A block is registered only once its K/V are computed (`commit`), never at allocation: with
-    chunked prefill a block can be allocated steps before it is filled.
+    stored token ids and the identity of the parent prefix, so a hash collision never serves
+    wrong K/V. Freed blocks stay findable until the free list (an LRU OrderedDict: O(1) allocate,
+    free, revive) hands them out again. A block is registered only once its K/V are computed
+    (`commit`): with chunked prefill it can be allocated steps before it is filled.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
@@ -96,8 +92,7 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.hash_to_block: dict[int, int] = {}
         self._next_prefix_id = _ROOT_PREFIX + 1
-        self.num_prefix_hit_tokens = 0   # statistics
-        self.num_prefix_query_tokens = 0
+        self.num_prefix_hit_tokens = self.num_prefix_query_tokens = 0  # statistics
         self.num_shared_refs = 0  # sum of max(ref_count - 1, 0): usage() counts shared blocks once
 
     # ---- queries -------------------------------------------------------------------------
@@ -109,8 +104,8 @@ class BlockManager:
         return (num_tokens + self.block_size - 1) // self.block_size
 
     def usage(self, running) -> KVUsage:
-        """The cache's use now, given the running sequences. Every shared block is a full,
-        computed block of each holder, so each extra reference takes block_size tokens off."""
+        """The cache's use now, given the running sequences (a shared block is full and computed
+        in each holder: each extra reference takes block_size tokens off)."""
         computed = sum(s.num_cached_tokens for s in running)
         return KVUsage(self.block_size, self.num_blocks, self.num_blocks - len(self.free_blocks),
                        computed - self.num_shared_refs * self.block_size, len(running))
@@ -136,9 +131,8 @@ class BlockManager:
             if block_id is None:
                 break
             block = self.blocks[block_id]
-            # The parent *hash* is not enough: under a collision one level up, a block whose own
-            # tokens and parent hash match may have been computed after a different prefix (or
-            # be the previous hit itself). The parent prefix id is exact.
+            # The parent *hash* is not enough: under a collision one level up, a block whose tokens and
+            # parent hash match may follow another prefix (or be the previous hit); the prefix id is exact.
             if block.parent_prefix_id != parent_prefix or list(block.token_ids) != seq.block_tokens(i, bs):
                 break  # hash collision: never serve another prefix's K/V
             hits.append(block_id)
@@ -187,25 +181,12 @@ class BlockManager:
         self.num_prefix_hit_tokens += seq.num_cached_tokens
         self.num_prefix_query_tokens += len(seq)
 
-    def share(self, block_ids: list[int]) -> None:
-        """One more holder for blocks already held (ref count + 1): a sequence that reads the
-        same computed K/V, e.g. a sample forked from another's prompt."""
-        for block_id in block_ids:
-            self.blocks[block_id].ref_count += 1
-        self.num_shared_refs += len(block_ids)
-
     def release_reserved(self, seq: Sequence) -> None:
         """Give back the blocks reserved for `seq` that it did not take."""
         while seq.reserved_blocks:
-            self._give_back(seq.reserved_blocks.pop())
+            self.give_back(seq.reserved_blocks.pop())
 
-    def trim(self, seq: Sequence) -> None:
-        """Give back the blocks past the sequence's tokens (taken for drafts that were rejected:
-        never committed, so nothing to forget but their slots)."""
-        while len(seq.block_table) > self.blocks_for(len(seq)):
-            self._give_back(seq.block_table.pop())
-
-    def _give_back(self, block_id: int) -> None:
+    def give_back(self, block_id: int) -> None:
         """Free a block its one holder never filled (reserved, or taken for rejected drafts)."""
         block = self.blocks[block_id]
         block.ref_count = 0
@@ -276,9 +257,8 @@ class BlockManager:
             block.parent_prefix_id = parent
             block.token_ids = tokens
             block.parent_hash = seq.block_hashes[i - 1] if i else roots(seq.adapter)[0]
-            # An identical block already registered stays the canonical copy, unless nothing can
-            # hit it any more (its parent copy was evicted and the prefix recomputed under a new
-            # id): then this reachable copy replaces it.
+            # An identical registered block stays canonical unless nothing can hit it any more (its
+            # parent was evicted and the prefix recomputed under a new id): this reachable copy wins.
             if same is None or (not self._reachable(self.blocks[same]) and self._reachable(block)):
                 self.hash_to_block[h] = block.block_id
 

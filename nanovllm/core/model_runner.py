@@ -1,51 +1,54 @@
 """Runs the model for one scheduled batch on one tensor-parallel rank, and samples.
 
-The runner is the composition of small parts: the model and its weights, the paged KV cache
-(kv_cache.py), the packing of a batch into input tensors (step_inputs.py), the captured decode
-graphs (cuda_graphs.py), an optional forward strategy for prefill steps (hooks.py) and the
-sampler that keeps each step's tokens on the device and sends them to the host in the
-background (sampling.py). In one process it is the engine's Executor (executor.py); the
-executors of launch/ drive one per rank. It is device-agnostic: the same code runs on
-CPU (torch attention backend) and CUDA (triton / flash_attn backends).
-
-Overlap scheduling: `launch` returns as soon as the step is queued on the device; the next step
-takes the input tokens that the host has not seen yet straight from the device (StepInput.src_rows).
+The runner composes small parts: the model and its weights, the paged KV cache (kv_cache.py), the
+packing of a batch into input tensors (step_inputs.py), an optional forward strategy for prefill
+steps (hooks.py), the sampler that keeps each step's tokens on the device and sends them to the
+host in the background (sampling.py), and on CUDA the decode graphs (cuda_runtime.py). In one
+process it is the engine's Executor (executor.py); launch/'s executors drive one per rank.
+Overlap scheduling: `launch` returns once the step is queued; the next step takes the input tokens
+the host has not seen yet straight from the device (StepInput.src_rows).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from nanovllm.config import Config
-from nanovllm.core.cuda_graphs import DecodeGraphs
 from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit, copy_blocks
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
-from nanovllm.model.attention import Attention, host_to_device, prefill_metadata, select_backend
-from nanovllm.model.loader import init_dummy, load_model
+from nanovllm.model.attention import Attention, host_to_device
+from nanovllm.model.attention.torch_backend import TorchBackend
+from nanovllm.model.loader import load_model
 from nanovllm.model.registry import model_class
 from nanovllm.parallel.group import TPGroup, use_tp_group
-from nanovllm.sampling_params import is_integer
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from nanovllm.core.hooks import AfterSampling, ForwardStrategy
 
 logger = logging.getLogger(__name__)
 
+# What only a CUDA engine runs (core/cuda_runtime.py: the attention backend's choice, the GPU's KV
+# budget, the decode graphs, the Triton sampler), and what runs only when asked (core/runner_extras.py:
+# score(), dummy weights): nanovllm/wiring.py registers their loaders at import.
+CUDA_RUNTIME: Callable[[], ModuleType] | None = None
+RUNNER_EXTRAS: Callable[[], ModuleType] | None = None
+
 
 class ModelRunner:
     """The model, its KV cache, its CUDA graphs and its sampler on one tensor-parallel rank.
-
     `launch(batch)` is one engine step on a single rank; with tensor parallelism every rank calls
-    `execute(step)`, then either every rank samples its vocabulary shard (StepInput.sampling)
-    or rank 0 samples the gathered logits (see launch/tensor_parallel.py).
-    """
+    `execute(step)`, then every rank samples its vocabulary shard (StepInput.sampling) or rank 0
+    the gathered logits (launch/tensor_parallel.py)."""
 
     def __init__(self, config: Config, forward_strategy: ForwardStrategy | None = None, tp: TPGroup | None = None):
         """`forward_strategy`: how prefill steps may run other than eagerly (None: eagerly);
@@ -67,18 +70,18 @@ class ModelRunner:
         self.forward_inputs = None  # (positions, metadata) of the last forward, for after_sampling
         t_weights = time.perf_counter()
 
-        self.backend = select_backend(config.device, config.kvcache_block_size, config.attention_backend,
-                                      config.kv_dtype)
+        cuda = CUDA_RUNTIME() if self.device.type == "cuda" else None
+        # A CPU engine runs the torch backend, the only one its config allows there.
+        self.backend = TorchBackend() if cuda is None else cuda.select_backend(
+            config.device, config.kvcache_block_size, config.attention_backend, config.kv_dtype)
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attn_layers:
             layer.backend = self.backend
         spec = KVCacheSpec(len(self.attn_layers), config.kvcache_block_size, self.attn_layers[0].num_kv_heads,
                            self.attn_layers[0].head_dim, config.kv_dtype)
         max_blocks_per_seq = math.ceil(config.max_model_len / config.kvcache_block_size)
-        graph_tokens = forward_strategy.max_prefill_tokens if forward_strategy is not None else 0
-        num_blocks = blocks_that_fit(config, spec, self.model, self.device, max_blocks_per_seq,
-                                     sampling_rank=self.rank == 0, other_bytes=self.tp.symmetric_memory_bytes(),
-                                     graph_tokens=graph_tokens)
+        gpu_blocks = cuda and functools.partial(cuda.blocks_from_gpu_budget, self, forward_strategy)
+        num_blocks = blocks_that_fit(config, spec, max_blocks_per_seq, gpu_blocks)
         self.num_blocks = self.tp.agree_on_min(num_blocks, self.device)  # every rank holds the same blocks
         self.kv_cache = allocate_kv_cache(spec, self.num_blocks, self.attn_layers, self.device)
         t_kv = time.perf_counter()
@@ -86,8 +89,11 @@ class ModelRunner:
         max_rows = max(config.max_num_seqs, 1)
         self.inputs = StepInputs(max_rows, max_blocks_per_seq, config.kvcache_block_size, self.device,
                                  self.backend.name, spec.num_kv_heads)
-        self.sampler = TokenSampler(max_rows, self.device, self.tp)
-        self._capture_graphs(forward_strategy)
+        self.sampler = TokenSampler(max_rows, self.device, self.tp, cuda and cuda.TritonSampler())
+        self.graphs = self.forward_strategy = None  # (decode graphs, prefill graphs: on CUDA)
+        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
+        if cuda is not None:
+            cuda.capture_graphs(self, forward_strategy)
         if config.kv_calibrator is not None:  # after the warm-ups and captures, which ran on no real data
             for layer in self.attn_layers:
                 if not getattr(layer, "kv_scales_from_checkpoint", False):
@@ -97,22 +103,6 @@ class ModelRunner:
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
         logger.info("model runner ready: %s seconds; graphs reserved %.0f MiB", self.startup_seconds,
                     self.graph_pool_bytes / 2**20)
-
-    def _capture_graphs(self, forward_strategy: ForwardStrategy | None) -> None:
-        """Sampler.warm_up's compiles; the decode graphs, then the forward strategy's (prefill graphs),
-        on CUDA without enforce_eager (the torch backend loops on the host: nothing to replay)."""
-        config = self.config
-        self.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, self.device)
-        self.graphs = self.forward_strategy = None
-        self.graph_pool_bytes = 0  # what capturing the graphs added to the allocator's reserve
-        if self.device.type != "cuda" or config.enforce_eager or self.backend.name == "torch":
-            return
-        reserved = torch.cuda.memory_reserved(self.device)
-        self.graphs = DecodeGraphs(self.model, self.inputs, self.sampler.input_tokens, min(config.max_num_seqs, 512),
-                                   config.hf_config.hidden_size, config.dtype)
-        if forward_strategy is not None and forward_strategy.prepare(self):
-            self.forward_strategy = forward_strategy
-        self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
 
     def _build_model(self):
         """The model with this rank's shard of the weights (from the checkpoint, or random)."""
@@ -132,7 +122,7 @@ class ModelRunner:
             if isinstance(layer, Attention):
                 layer.fp8_kv_cache = config.kv_dtype == torch.float8_e4m3fn  # the loader takes its scales then
         if config.load_format == "dummy":
-            init_dummy(model, config.seed, config.quant)
+            RUNNER_EXTRAS().init_dummy(model, config.seed, config.quant)
         else:
             load_model(model, config.model)
         if config.quant is not None:
@@ -143,8 +133,8 @@ class ModelRunner:
     @torch.inference_mode()
     def launch(self, batch: ScheduledBatch, eos_token_ids: frozenset[int] = frozenset()) -> PendingTokens:
         """Queue one step and its sampling on the device; the tokens arrive via the result. The
-        sampling may wait for the next launch (TokenSampler.flush) when a logits extension does
-        host work in the background, unless hooks run on the sampled tokens right after."""
+        sampling may wait for the next launch (TokenSampler.flush) while a logits extension does
+        host work, unless after_sampling hooks read the tokens right after."""
         self.sampler.flush()
         step = StepInput.from_batch(batch)
         logits = self.execute(step)
@@ -197,41 +187,23 @@ class ModelRunner:
         """hidden + the rows forked samples sample from + the prompt-logprob positions (of all
         the step's tokens, `every`), in that order: one LM-head call (one gather) for all."""
         parts = [hidden]
-        if step.fork_rows:
-            parts.append(hidden.index_select(0, self._index(step.fork_rows)))
-        if step.prompt_rows:
-            parts.append(every.index_select(0, self._index(step.prompt_rows)))
+        for rows, source in ((step.fork_rows, hidden), (step.prompt_rows, every)):
+            if rows:
+                parts.append(source.index_select(0, host_to_device(rows, torch.long, self.device, self.sampler.pin)))
         return torch.cat(parts)
-
-    def _index(self, rows: list[int]) -> torch.Tensor:
-        return host_to_device(rows, torch.long, self.device, self.device.type == "cuda")
 
     def release(self, seq) -> None:
         """A request ended: drop its sampling state (penalty counts) on this rank."""
         self.sampler.release(seq)
 
-    # ------------------------------------------------------------------ scoring (tests)
+    # ------------------------------------------------------------------ scoring (tests): core/runner_extras.py
     def check_score_input(self, token_ids: list[int]) -> None:
-        """score()'s input checks, on the caller's rank before any rank starts (a worker that
-        raised would take the whole tensor-parallel group down)."""
-        n = len(token_ids)
-        if not 0 < n <= self.config.max_model_len:
-            raise ValueError(f"score() needs 1 to max_model_len={self.config.max_model_len} tokens, got {n}")
-        vocab = self.config.hf_config.vocab_size
-        if not all(is_integer(t) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"score() needs token ids in [0, {vocab})")
+        RUNNER_EXTRAS().check_score_input(self.config, token_ids)
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Teacher-forced logits [len(token_ids), vocab] (fp32; None on ranks other than 0) of one
         sequence, without touching the KV cache. Used to check the model against a reference."""
-        self.check_score_input(token_ids)
-        n = len(token_ids)
-        meta = prefill_metadata([n], [n], torch.full((n,), -1, dtype=torch.int32), None, self.device)
-        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(n, device=self.device), meta)
-        logits = self.model.compute_logits(hidden)
-        return None if logits is None else logits.float()
+        return RUNNER_EXTRAS().score(self, token_ids)
 
     def shutdown(self, synchronize: bool = True) -> None:
         """Release the KV cache, graphs and weights (GPU memory goes back to the allocator).

@@ -1,26 +1,17 @@
 """Batched token sampler: greedy, temperature, top-k, top-p, min-p and seeded sampling, on device.
 
-Every row of a batch carries its own parameters. Sampling uses the Gumbel-max trick with noise
-from a counter-based integer hash of (seed, offset, token id), so a row's token depends only
-on its logits, its parameters and its (seed, offset): not on the batch it sits in, nor on any
-torch.Generator state. Nothing here syncs with the host or has data-dependent shapes, so the
-forward pass can be captured in a CUDA graph (for fixed host-side flags, see SamplingTensors).
+Every row carries its own parameters. Sampling uses the Gumbel-max trick with noise from a
+counter-based integer hash of (seed, offset, token id): a row's token depends only on its logits,
+parameters and (seed, offset), not on its batch nor on any torch.Generator state. Nothing syncs
+with the host or has data-dependent shapes, so the forward pass can be captured in a CUDA graph
+(for fixed host-side flags, see SamplingTensors).
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
-
-try:
-    import triton
-
-    from nanovllm.kernels.sampling import gumbel_argmax_triton
-    from nanovllm.kernels.top_p import filtered_sample_triton
-except ImportError:  # Triton only ships for Linux; the torch route covers the rest
-    triton = None
 
 from nanovllm.sampling_params import SamplingParams
 
@@ -78,9 +69,8 @@ def hash_uniform(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int,
 
 @dataclass
 class SamplingTensors:
-    """Per-row sampling parameters on the logits' device, plus flags decided on the host that
-    pick which device work runs: a CUDA graph captured with one set of flags is only valid for
-    batches with the same flags."""
+    """Per-row sampling parameters on the logits' device, plus host-side flags that pick which
+    device work runs (a CUDA graph captured with one set of flags serves the same flags only)."""
 
     temperatures: torch.Tensor  # float32 [B], 0 = greedy
     top_ks: torch.Tensor  # int64 [B], <= 0 = off
@@ -101,8 +91,8 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], offsets: list[int],
               device, pin_memory: bool = False) -> SamplingTensors:
-        """One host->device copy per tensor (non-blocking if pinned); seeds taken mod 2**64.
-        Greedy rows get their filters switched off, so they never cause a sort."""
+        """One host->device copy per tensor (non-blocking if pinned); seeds taken mod 2**64. Greedy
+        rows get their filters switched off, so they never cause a sort."""
         temps, ks, ps, mps = [], [], [], []
         for p in params:
             greedy = p.temperature == 0.0
@@ -171,9 +161,8 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     cum = probs.cumsum_(dim=-1)
     total = cum[:, -1:]
     if vals.shape[-1] < vocab:
-        # Tokens tied with the k-th largest beyond the partial top-k belong to the top-k set too:
-        # its mass is summed over the whole row (so a row's tokens do not depend on whether
-        # another row's filters made this a full sort).
+        # Tokens tied with the k-th largest beyond the partial top-k belong to the top-k set too: its
+        # mass is summed over the whole row (a row's tokens never depend on another's filters).
         total = torch.where(x >= thr[:, None], (x - top).exp(), 0.0).sum(dim=-1, keepdim=True)
     # Position j is kept while the mass before it is < top_p; position 0 always is.
     n_keep = (cum < t.top_ps[:, None] * total).sum(dim=-1) + 1
@@ -186,8 +175,8 @@ def _sorted_threshold(x: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
 
 def _thresholds(x: torch.Tensor, t: SamplingTensors):
     """(threshold, argmax) [B] each for temperature-scaled fp32 logits x [B, V]: a token survives
-    when its logit is >= the threshold (None: nothing filtered); the argmax (first maximum,
-    which no filter removes) only when some row is greedy, else None."""
+    when its logit is >= the threshold (None: nothing filtered); the argmax (first maximum, which
+    no filter removes) only when some row is greedy."""
     row_max = argmax = None
     if t.any_greedy or t.need_min_p:
         row_max, argmax = x.max(dim=-1)
@@ -211,53 +200,29 @@ def _scaled(logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor:
     return x
 
 
-def apply_filters(logits: torch.Tensor, t: SamplingTensors,
-                  suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """The distribution the sampler draws from, as fp32 logits [B, V] (a new tensor).
-
-    Suppressed tokens are -inf, non-greedy rows are divided by their temperature, then:
-    top-k keeps tokens >= the k-th largest logit; top-p keeps the shortest prefix of the
-    (top-k renormalised) sorted distribution whose mass reaches top_p; min-p drops tokens with
-    p < min_p * p_max. Each filter is a per-row logit threshold, so tokens tied with the last
-    kept one are kept as well, and the top token always survives. softmax of the result is
-    the sampling distribution of non-greedy rows.
-    """
+def _filtered(logits: torch.Tensor, t: SamplingTensors, suppress):
+    """(apply_filters' scores, the argmax of each row or None: see _thresholds)."""
     x = _scaled(logits, t, suppress)
-    thr, _ = _thresholds(x, t)
+    thr, argmax = _thresholds(x, t)
     if thr is not None:
         x.masked_fill_(x < thr[:, None], _NEG_INF)
-    return x
+    return x, argmax
 
 
-def _use_triton(x: torch.Tensor) -> bool:
-    """Whether Sampler draws x's tokens with the fused Triton kernels rather than torch ops."""
-    return x.is_cuda and triton is not None
-
-
-def _wide_top_k(logits: torch.Tensor, t: SamplingTensors) -> bool:
-    """Whether some row's top_k spans so much of the vocabulary that a full sort beats a
-    partial torch.topk for its threshold."""
-    vocab = logits.shape[-1]
-    return t.need_top_k and max(1, min(t.max_top_k, vocab)) * 8 > vocab
-
-
-def _fuse_scaling(logits: torch.Tensor, t: SamplingTensors, suppress) -> bool:
-    """Whether the Triton kernels read the raw logits and divide them by the temperature
-    themselves, which skips _scaled's fp32 [B, V] copy: unless tokens are suppressed, a row is
-    not one unit-stride run, or a wide top-k needs the sorting thresholds."""
-    return (_use_triton(logits) and logits.stride(-1) == 1 and suppress is None
-            and not _wide_top_k(logits, t))
+def apply_filters(logits: torch.Tensor, t: SamplingTensors,
+                  suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """The distribution the sampler draws from, as fp32 logits [B, V] (a new tensor): suppressed
+    tokens -inf, non-greedy rows divided by their temperature, then top-k keeps tokens >= the k-th
+    largest logit; top-p the shortest prefix of the (top-k renormalised) sorted distribution whose
+    mass reaches top_p; min-p drops tokens with p < min_p * p_max. Each filter is a per-row logit
+    threshold, so ties with the last kept token are kept and the top token always survives.
+    softmax of the result is the sampling distribution of non-greedy rows."""
+    return _filtered(logits, t, suppress)[0]
 
 
 class Sampler(torch.nn.Module):
-    """Picks one token per row from logits [B, V] (fp32, bf16 or fp16); see SamplingTensors.
-
-    All-greedy batches take the argmax. Otherwise, on CUDA (with Triton), noise, masking and
-    argmax are fused kernels (_sample_triton); elsewhere they are torch ops over [B, V]
-    temporaries (_sample_torch). Both compute the same integer hash, so they agree except where
-    float rounding of log() flips a near-tie, or of the probability mass sums moves a token
-    across top-p's cut.
-    """
+    """Picks one token per row from logits [B, V] (fp32, bf16 or fp16) with torch ops; see
+    SamplingTensors. A CUDA engine draws through fused kernels instead (core/triton_sampler.py)."""
 
     def __init__(self):
         super().__init__()
@@ -273,62 +238,13 @@ class Sampler(torch.nn.Module):
         # Gumbel-max: log p + Gumbel noise, with Gumbel = -log(E), E = -log(u) ~ Exp(1).
         return x.sub_(u.log_().neg_().log_())
 
-    @torch.inference_mode()
-    def warm_up(self, vocab: int, dtypes, device) -> None:
-        """Compile (CUDA) each Triton variant forward can launch for logits of `vocab` columns in
-        `dtypes`, so that none compiles inside a user's run (a second or more each, cold): raw
-        logits, suppressed tokens (a scaled copy), a wide top-k (sorted thresholds), with and
-        without filters (which the filter kernels take as runtime values: a few variants)."""
-        if not _use_triton(torch.empty(0, device=device)):
-            return
-        cases = ([(1.0, 0, 1.0, 0.0), (0.7, 0, 1.0, 0.0)], [(0.8, 5, 0.9, 0.05), (0.0, 0, 1.0, 0.0)],
-                 [(1.0, vocab, 0.9, 0.0), (0.0, 0, 1.0, 0.0)])  # rows of (temperature, top_k, top_p, min_p)
-        zero = torch.zeros(1, dtype=torch.long, device=device)
-        for dtype, case, suppress in itertools.product(dtypes, cases, (None, (zero, zero))):
-            t = SamplingTensors.from_lists(*map(list, zip(*case)), [0, 0], [1, 1], device)
-            self(torch.randn(2, vocab, device=device).to(dtype), t, suppress)
-
     def forward(self, logits: torch.Tensor, t: SamplingTensors,
                 suppress: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Token ids int64 [B]; logits is not modified. suppress: optional (rows, cols) int64
-        index tensors; logits[rows[i], cols[i]] counts as -inf (repeats are fine). Greedy rows take
-        the first argmax; others draw argmax(filtered_logits - log(-log u)), u = hash_uniform."""
+        """Token ids int64 [B]; logits is not modified. suppress: optional (rows, cols) int64 index
+        tensors of logits that count as -inf (repeats are fine). Greedy rows take the first argmax;
+        others draw argmax(filtered_logits - log(-log u)), u = hash_uniform."""
         if t.all_greedy:
             return (logits if suppress is None else _scaled(logits, t, suppress)).argmax(dim=-1)
-        if _use_triton(logits):
-            return self._sample_triton(logits, t, suppress)
-        return self._sample_torch(logits, t, suppress)
-
-    def _sample_torch(self, logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor:
-        x = _scaled(logits, t, suppress)
-        thr, argmax = _thresholds(x, t)
-        if thr is not None:
-            x.masked_fill_(x < thr[:, None], _NEG_INF)
+        x, argmax = _filtered(logits, t, suppress)
         sampled = self.add_gumbel_(x, t).argmax(dim=-1)
         return torch.where(t.temperatures == 0, argmax, sampled) if t.any_greedy else sampled
-
-    def _sample_triton(self, logits: torch.Tensor, t: SamplingTensors, suppress) -> torch.Tensor:
-        """Raw logits, no filters and no greedy row: gumbel_argmax_triton. Else filtered_sample_triton,
-        which finds top-p's token without sorting (kernels/top_p.py), with top-k's threshold
-        from a partial torch.topk on the raw logits; a top-k over most of the vocabulary takes
-        every threshold from one sort (_thresholds) and masks in gumbel_argmax_triton."""
-        x, scale = logits, _fuse_scaling(logits, t, suppress)
-        if not scale:
-            x = _scaled(logits, t, suppress)
-        if scale and not (t.any_greedy or t.filters):
-            return gumbel_argmax_triton(x, None, t.seeds, t.offsets, t.temperatures)
-        if _wide_top_k(logits, t):
-            thr, argmax = _thresholds(x, t)
-            sampled = gumbel_argmax_triton(x, thr, t.seeds, t.offsets)
-            return torch.where(t.temperatures == 0, argmax, sampled) if t.any_greedy else sampled
-        thr = None
-        if t.need_top_k:
-            # On the raw logits: x -> x / T (correctly rounded, T > 0) never reverses an order, so
-            # the k-th largest of the scores is the k-th largest logit divided by T, which is
-            # what the kernel compares the scores with. Holds for fp32 too, where division may
-            # merge neighbours: the tokens tied with the threshold after division are kept.
-            width = max(1, min(t.max_top_k, x.shape[-1]))
-            thr = _kth_threshold(torch.topk(x, width, dim=-1).values, t, width)
-        return filtered_sample_triton(x, t.temperatures, thr, t.top_ps if t.need_top_p else None,
-                                      torch.log(t.min_ps) if t.need_min_p else None, t.seeds, t.offsets,
-                                      scale=scale)

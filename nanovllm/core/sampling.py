@@ -1,10 +1,6 @@
 """Each step's next tokens: sampled on the device, kept there for the next step, and sent to the
-host in the background (overlap scheduling).
-
-`TokenSampler` (one per rank) owns the device buffer of the last step's sampled tokens, from
-which the next step takes the input token of every sequence whose last token the host has not
-seen yet, and the pinned host copies the tokens travel through (`PendingTokens`).
-"""
+host in the background (overlap scheduling). `TokenSampler` (one per rank) owns the device buffer
+the next step takes its unseen input tokens from, and the pinned host copies (`PendingTokens`)."""
 
 from __future__ import annotations
 
@@ -32,11 +28,9 @@ def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
 
 class PendingTokens:
     """Sampled tokens on their way to the host; `result()` waits for them (and only for them).
-
-    check: with tensor parallelism, raises once a peer died; then the wait polls the event and
-    calls it meanwhile and after, since a dead peer's collectives may never finish, or finish
-    (aborted) with garbage in the tokens. `logprobs()`: the step's StepLogprobs (after result()),
-    or None when no row asked."""
+    check (tensor parallelism): raises once a peer died; the wait then polls the event and calls
+    it meanwhile and after, since a dead peer's collectives may never finish, or finish (aborted)
+    with garbage. `logprobs()`: the step's StepLogprobs (after result()), or None."""
 
     def __init__(self, host: torch.Tensor, n: int, event, check=None, logprobs: PendingLogprobs | None = None):
         self._host, self._n, self._event, self._check = host, n, event, check
@@ -60,19 +54,16 @@ class PendingTokens:
 
 class TokenSampler:
     """Samples the next token of each row on one rank and hands the tokens to the host.
+    `processing` (core/hooks.py's LogitsProcessing), installed by the fronts at the first request
+    that asks for a logits extension or logprobs, runs them; until then the basic sampler alone."""
 
-    `processing` (core/hooks.py's LogitsProcessing: features/logits/processing.py) runs the
-    logits extensions and the logprobs reader; the fronts install it at the first request that
-    asks for one. Until then every step runs the basic sampler alone."""
-
-    def __init__(self, max_rows: int, device: torch.device, tp):
+    def __init__(self, max_rows: int, device: torch.device, tp, sampler: Sampler | None = None):
         self.device, self.tp = device, tp
         self.pin = device.type == "cuda"
-        self.sampler = Sampler()
+        self.sampler = Sampler() if sampler is None else sampler  # a CUDA engine's: TritonSampler
         self.processing: LogitsProcessing | None = None
-        # The last step's sampled tokens, one row per scheduled sequence, kept on the device for
-        # the next step's inputs; two pinned host copies alternate so that reading step n's
-        # tokens never races with step n+1 writing its own.
+        # The last step's sampled tokens, a row per scheduled sequence, for the next step's inputs;
+        # two pinned host copies alternate so that reading step n's never races with step n+1's.
         self.prev_tokens = torch.zeros(max_rows, dtype=torch.int32, device=device)
         self._host = [torch.zeros(max_rows, dtype=torch.int32, pin_memory=self.pin) for _ in range(2)]
         self._events = [torch.cuda.Event() if self.pin else None for _ in range(2)]
@@ -97,11 +88,9 @@ class TokenSampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: list[Sequence], eos_token_ids: frozenset[int],
                check=None, step=None, defer: bool = False) -> PendingTokens:
-        """The next token of each row (rank 0) from logits [len(rows) (+ prompt-logprob rows), V],
-        left in `prev_tokens` for the next step and copied to the host without blocking. `step`
-        (StepInput) says which trailing logits rows are prompt positions for prompt logprobs.
-        `defer` (the runner flushes before the next step reads the tokens): the processing's
-        background host work may hold the draw until then."""
+        """The next token of each row (rank 0) from logits [len(rows) (+ prompt-logprob rows: `step`'s), V],
+        left in `prev_tokens` and copied to the host without blocking. `defer` (the runner flushes
+        before the next step reads them): the processing's background host work may hold the draw."""
         self.flush()
         n = len(rows)
         offsets = step.sample_offsets if step is not None and step.sample_offsets else [len(s) for s in rows]
@@ -153,9 +142,7 @@ class TokenSampler:
 
     def cached_tensors(self, key, offsets: list[int], build):
         """`build()` -> (SamplingTensors, extras), or the last step's with new offsets when `key`
-        (what fixes the per-row parameters) is unchanged: consecutive decode steps usually
-        sample the same rows with the same parameters, and then only the offsets (sequence
-        lengths) change."""
+        (what fixes the per-row parameters) is unchanged, as in consecutive decode steps."""
         cached = self._cache
         if cached is not None and cached[0] == key:
             t = dataclasses.replace(cached[1], offsets=host_to_device(offsets, torch.long, self.device, self.pin))

@@ -12,26 +12,25 @@ from nanovllm.core.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]` from its num_cached_tokens
-    on (a prompt chunk, or the newest token of a decoding sequence). The fields after
-    `preempted` are what scheduling hooks (core/hooks.py) add, empty otherwise."""
+    """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]` from its num_cached_tokens on
+    (a prompt chunk, or a decoding sequence's newest token). The fields after `preempted` are what
+    scheduling hooks (core/hooks.py) add, empty otherwise."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
-    # Sequences that compute nothing and sample from the logits of row fork_rows[j] (sampling row
-    # len(seqs) + j), and the (src, dst) KV blocks to copy once the step has run.
+    # Forked samples: each samples from the logits of row fork_rows[j] (sampling row len(seqs) + j);
+    # the (src, dst) KV blocks to copy once the step has run.
     forks: list[Sequence] = field(default_factory=list)
     fork_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
-    # Packed positions whose logits are returned too, predicting prompt_targets, owned by
-    # prompt_owners = (row, count, k) per sequence (StepInput's fields of the same names).
+    # Packed positions whose logits are returned too (prompt logprobs: StepInput's fields).
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
-    # Per sequence, tokens drafted after its newest one, computed in this step (num_new_tokens
-    # counts them) and verified by sampling each of those positions: 1 + len(drafts[i]) rows.
+    # Per sequence, drafts after its newest token, computed in this step (num_new_tokens counts
+    # them) and verified by sampling each of those positions: 1 + len(drafts[i]) rows.
     drafts: list[list[int]] | None = None
     lay_out: Callable[[ScheduledBatch], object] | None = None  # its StepInput, if not from_batch's (drafts)
     adapter_loads: list | None = None  # (slot, adapter) to load before this step (a LoRA hook's)
@@ -53,13 +52,11 @@ class Scheduler:
     """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out.
 
     A step is a prefill step whenever prompt work is pending (prompt_work), else every running
-    sequence decodes one token (decode_rows); when one needs a block and none is free, the
-    newest running sequence is preempted by recompute: its blocks are freed and it goes back to
-    the front of the waiting queue, to be prefilled again with its generated tokens.
-
-    Features plug in through core/hooks.py: `policy` (a StepPolicy) composes steps from the same
-    parts otherwise; `hooks` (SchedulingHooks) follow requests. `held_rows`: sampling rows the
-    hooks hold for a running sequence, counted against max_num_seqs until they release them.
+    sequence decodes one token (decode_rows); when one needs a block and none is free, the newest
+    running sequence is preempted by recompute: its blocks freed, back to the front of the queue.
+    Features plug in through core/hooks.py: `policy` (a StepPolicy) composes steps otherwise;
+    `hooks` (SchedulingHooks) follow requests; `held_rows`: sampling rows the hooks hold for a
+    running sequence, counted against max_num_seqs until they release them.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
@@ -176,9 +173,8 @@ class Scheduler:
         return scheduled, preempted
 
     def decode_batch(self, rows: list[Sequence], preempted: list[Sequence]) -> ScheduledBatch:
-        # Longest context first: the Triton decode kernel starts its programs in row order, and
-        # the longest starting first shortens the tail. Stable, and every length grows by one
-        # per step, so the order holds from step to step.
+        # Longest context first: the Triton decode kernel starts its programs in row order, so the
+        # tail shortens. Stable, and every length grows by one per step: the order holds.
         rows.sort(key=len, reverse=True)
         return ScheduledBatch(rows, [1] * len(rows), is_prefill=False, preempted=preempted)
 
@@ -204,11 +200,10 @@ class Scheduler:
         seq.status = SequenceStatus.DRAINING
 
     def advance(self, batch: ScheduledBatch, max_model_len: int) -> None:
-        """Account for a launched step before its tokens are known (overlap scheduling): each
-        sequence that gets a token from it holds a placeholder (Sequence.add_pending_token), so
-        the next step is scheduled with the right lengths while this one runs; one that reaches
-        max_tokens or max_model_len with it is retired here (its finish reason is decided when
-        the token arrives, core/lifecycle.py)."""
+        """Account for a launched step before its tokens are known (overlap scheduling): a sequence
+        that gets a token holds a placeholder (Sequence.add_pending_token), so the next step is
+        scheduled with the right lengths; one reaching max_tokens or max_model_len is retired here
+        (its finish reason is decided when the token arrives, core/lifecycle.py)."""
         block_size = self.block_manager.block_size
         next_row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):

@@ -6,21 +6,16 @@ from enum import Enum, auto
 
 from nanovllm.sampling_params import SamplingParams
 
-# Stands in for a sampled token still on the device (overlap scheduling: the next step is
-# scheduled and launched before the previous one's tokens reach the host).
+# A sampled token still on the device (overlap scheduling: the next step is launched first).
 PENDING_TOKEN = -1
 
 
 class SequenceStatus(Enum):
     WAITING = auto()   # no KV blocks; in the scheduler's waiting queue
     RUNNING = auto()   # owns KV blocks; prefilling or decoding
-    # Out of the queues with no KV blocks (max_tokens / max_model_len reached at launch); its
-    # last token, and with it its finish reason, is on its way.
-    DRAINING = auto()
+    DRAINING = auto()  # out of the queues, no KV blocks: its last token (and finish reason) on its way
     FINISHED = auto()
-    # In no queue until another sequence forks it (sample i > 0 of an n > 1 request, forked
-    # from sample 0 once its prompt is computed).
-    FORK_PENDING = auto()
+    FORK_PENDING = auto()  # sample i > 0 of an n > 1 request, forked from sample 0 once its prompt is computed
 
 
 class Sequence:
@@ -50,19 +45,15 @@ class Sequence:
         self.adapter_slot = -1  # the model's slot holding that adapter while it runs (-1: none)
         self.num_cached_prompt_tokens: int | None = None  # prefix-cache hits when first scheduled
         self.num_preemptions = 0
-        # Row of the in-flight step that samples the last token (PENDING_TOKEN until then); -1: known.
-        self.pending_row = -1
-        # Tokens drafted after the pending one (speculative decoding), which the step in flight
-        # verifies in the rows after pending_row; [] when it verifies none.
+        self.pending_row = -1  # row of the in-flight step sampling the last token (PENDING_TOKEN); -1: none
+        # Tokens drafted after the pending one (speculative decoding), verified in the rows after pending_row.
         self.drafts: list[int] = []
-        # The request's samples, itself first (n > 1: all of them); those still to fork from
-        # this one, and the free blocks held for them (BlockManager.fork).
+        # The request's samples, itself first; those still to fork from it, and the blocks held for them.
         self.samples: list[Sequence] = [self]
         self.pending_forks: list[Sequence] = []
         self.reserved_blocks: list[int] = []
-        # Per generated token (sampled token's logprob, its rank, top ids, top logprobs); the
-        # same per prompt token after the first, and how many prompt positions launched steps
-        # compute them for.
+        # Per generated token (logprob, rank, top ids, top logprobs); the same per prompt token after
+        # the first, and how many prompt positions launched steps compute them for.
         self.logprobs: list[tuple] | None = [] if params.logprobs is not None else None
         self.cumulative_logprob = 0.0
         self.prompt_logprobs: list[tuple] | None = [] if params.prompt_logprobs is not None else None

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -22,13 +21,10 @@ if TYPE_CHECKING:
 @dataclass
 class StepInput:
     """What every tensor-parallel rank needs to run one step: plain lists, cheap to pickle.
-
-    token_ids[i]: the new tokens of sequence i (decode: its last token); start_pos[i]: how many
-    of its tokens are in the KV cache already; block_tables[i]: its KV blocks; src_rows (None
-    when all tokens are known): per sequence, the row of the previous step's sampled tokens
-    that holds its last new token, or -1 to use token_ids (only a decode row has one, also in a
-    prefill-shaped step). The rarer extras, None when unused, are ScheduledBatch's (prompt_rows'
-    logits rows come last)."""
+    token_ids[i]: the new tokens of sequence i (decode: its last token); start_pos[i]: how many of
+    them are cached already; block_tables[i]: its KV blocks; src_rows (None when all tokens are
+    known): per sequence, the row of the previous step's sampled tokens holding its last new token,
+    or -1 (only a decode row has one). The rarer extras, None when unused, are ScheduledBatch's."""
 
     is_prefill: bool
     token_ids: list[list[int]]
@@ -74,13 +70,10 @@ class StepInput:
 
 class DecodeBuffers:
     """All decode inputs of up to `max_bs` sequences in one flat int32 buffer, pinned on the host
-    and mirrored on the device, so a decode step costs two small host-to-device copies.
-
-    Layout: token ids | positions | slot mapping | context lens | source rows | block tables
-    [max_bs, width]. Each field's first `bs` rows are contiguous, so CUDA graphs captured on
-    `views(bs)` read the current step's inputs in place. Source row i >= 0 means: take row i's
-    token from the previous step's sampled tokens on the device (TokenSampler.input_tokens).
-    """
+    and mirrored on the device: a decode step costs two small host-to-device copies. Layout: token
+    ids | positions | slot mapping | context lens | source rows (TokenSampler.input_tokens) | block
+    tables [max_bs, width]; each field's first `bs` rows are contiguous, so CUDA graphs captured on
+    `views(bs)` read the current step's inputs in place."""
 
     NUM_ROW_FIELDS = 5
 
@@ -152,9 +145,9 @@ class StepInputs:
         return host_to_device(data, dtype, self.device, self.pin)
 
     def prefill(self, step: StepInput, input_tokens=None):
-        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row.
-        With `step.src_rows` (decode rows of a mixed step), `input_tokens(ids, src)` takes their
-        tokens from the device (TokenSampler.input_tokens), src holding a row per packed token."""
+        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row. With
+        `step.src_rows` (a mixed step's decode rows), `input_tokens(ids, src)` takes their tokens
+        from the device (TokenSampler.input_tokens), src holding a row per packed token."""
         bs = self.block_size
         q_lens = np.fromiter(map(len, step.token_ids), dtype=np.int64, count=len(step.token_ids))
         starts = np.asarray(step.start_pos, dtype=np.int64)
@@ -189,9 +182,8 @@ class StepInputs:
         return ids, self._to_device(positions, torch.long), meta, self._to_device(cu_q - 1, torch.long)
 
     def decode(self, step: StepInput, padded_bs: int, input_tokens):
-        """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of
-        the decode buffers; `input_tokens(ids, src_rows)` picks each row's input token
-        (TokenSampler.input_tokens)."""
+        """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of the
+        decode buffers; `input_tokens(ids, src_rows)` picks each row's input token."""
         ids, pos, slots, ctx, src, tables = self.buffers.load(step, padded_bs)
         kv_lens = None
         if self.backend_name == "torch":  # it loops over sequences on the host

@@ -67,7 +67,9 @@ class ParallelSampling(SchedulingHook):
         parent's into it once the forward has filled it (copy on write)."""
         full = len(parent) // bm.block_size
         child.block_table = parent.block_table[:full]
-        bm.share(child.block_table)
+        for block_id in child.block_table:  # one more holder of the same computed K/V
+            bm.blocks[block_id].ref_count += 1
+        bm.num_shared_refs += len(child.block_table)
         if len(parent.block_table) > full:
             if not parent.reserved_blocks:
                 raise RuntimeError(f"internal error: no block reserved for a fork of {parent}")

@@ -53,6 +53,7 @@ import torch
 
 from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.model.attention import prefill_metadata
+from nanovllm.model.attention.triton_backend import prefill_part
 
 logger = logging.getLogger(__name__)
 
@@ -286,7 +287,7 @@ class PrefillGraphs:
         self.dec_lens[:rows - d].zero_()
         self.dec_lens[rows - d:rows].copy_(meta.context_lens[seqs:])
         self.dec_tables[rows - d:rows, :width].copy_(meta.block_tables[seqs:])
-        head = meta.prefill_part() if seqs else None  # (once for all layers)
+        head = prefill_part(meta) if seqs else None  # (once for all layers)
         q, k, v, out = self.q[:p], self.k[:p], self.v[:p], self.attn_out[:p]
         for piece, layer in zip(bucket.pieces, bucket.layers):
             piece.replay()

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanovllm.core.sampler import Sampler, SamplingTensors
 from nanovllm.core.sampling import TokenSampler, suppressed_tokens
@@ -121,6 +122,15 @@ class RowSampling:
         return sample_shards(sampler, model, hidden, self)
 
 
+def logit_shard(head, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's logits [rows, n] from its shard of the LM head (model/layers/embed_head.py's
+    ParallelLMHead) of tokens first_id .. first_id + n - 1 (the last shard's padding columns left
+    out; n may be 0 for tiny vocabularies), and first_id; no communication."""
+    valid = max(0, min(head.shard_size, head.num_embeddings - head.vocab_start))
+    # The same product as the head's forward (then sliced), so both paths see bitwise the same logits.
+    return F.linear(hidden, head.weight)[:, :valid], head.vocab_start
+
+
 @torch.inference_mode()
 def sample_shards(sampler: TokenSampler, model, hidden: torch.Tensor, rows: RowSampling) -> torch.Tensor:
     """Each rank's candidates from its shard of the LM head's logits, all gathered, the same
@@ -128,7 +138,7 @@ def sample_shards(sampler: TokenSampler, model, hidden: torch.Tensor, rows: RowS
     key = ("rows", rows.temperatures, rows.seeds)  # never equal to TokenSampler.sample's id list
     t, _ = sampler.cached_tensors(key, rows.offsets, lambda: (temperature_only(
         rows.temperatures, rows.seeds, rows.offsets, sampler.device, sampler.pin), None))
-    logits, first_id = model.compute_logit_shard(hidden)
+    logits, first_id = logit_shard(model.lm_head, hidden)
     scores, ids = candidates(sampler.sampler, logits, t, first_id)
     # One collective for both: float64 holds the fp32 scores and the token ids exactly.
     every = sampler.tp.all_gather(torch.stack([scores.double(), ids.double()]))  # [ranks, 2, rows]

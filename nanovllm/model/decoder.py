@@ -1,22 +1,18 @@
-"""The decoder every supported family shares: pre-norm attention + MLP (or MoE) blocks.
-
-A family (families/qwen3.py, qwen2.py, llama.py, qwen3_moe.py) only says how its Hugging Face
-config maps onto `DecoderOptions`: q/k norm or not, which projections carry a bias, RoPE and
-its scaling, and which layers are mixture-of-experts. Everything else is this one module:
+"""The decoder every supported family shares: pre-norm attention + MLP (or MoE) blocks,
 
     embed -> [ input_norm -> attention -> post_attention_norm -> MLP | MoE ] x L -> norm -> lm_head
 
-Under tensor parallelism q/k/v and gate/up are column-parallel (no communication) and o_proj,
-down_proj and the experts return this rank's partial sum; the RMSNorm after each of them sums
-it over the ranks together with the residual add (one fused all-reduce + norm per sub-block).
-A row-parallel bias (o_proj / down_proj of Llama with attention_bias / mlp_bias) is added by
-rank 0 only, so that sum counts it once. The MoE block is a feature (SparseMlpFactory).
+A family (families/*.py) only maps its Hugging Face config onto `DecoderOptions` (q/k norm, biases,
+RoPE scaling, which layers are mixture-of-experts: a feature, SparseMlpFactory). Under tensor
+parallelism q/k/v and gate/up are column-parallel and o_proj, down_proj and the experts return
+this rank's partial sum, which the next RMSNorm sums over the ranks with the residual add (one
+fused all-reduce + norm per sub-block); a row-parallel bias is added by rank 0 only (counted once).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 from torch import nn
@@ -26,11 +22,16 @@ from nanovllm.model.layers.activation import SiluAndMul
 from nanovllm.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.model.layers.layernorm import RMSNorm
 from nanovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from nanovllm.model.layers.rotary_embedding import Llama3RopeScaling, RotaryEmbedding
+from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.parallel.group import current_tp_group
 
 if TYPE_CHECKING:
     from nanovllm.model.experts import MoeOptions
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
+
+# Llama 3's RoPE scaling (model/rope_scaling.py), loaded at the first config that asks for it:
+# nanovllm/wiring.py registers the loader at import.
+LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None
 
 
 class SparseMlpFactory(Protocol):
@@ -99,14 +100,13 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 ROPE_TYPES = ("default", "llama3")
 
 
 def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
     """(rope_theta, scaling) from a transformers config, 5.x (`rope_parameters`, theta inside) or
-    4.x (`rope_theta` + `rope_scaling`, key `rope_type` or the older `type`). Rope types other
-    than plain RoPE and Llama 3's, and partial rotary embeddings, are a ValueError."""
+    4.x (`rope_theta` + `rope_scaling`, key `rope_type` or `type`); other rope types than plain
+    and Llama 3's, and partial rotary embeddings, are a ValueError."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -118,13 +118,7 @@ def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     if theta is None:
         raise ValueError("config.json has no rope_theta")
-    scaling = None
-    if rope_type == "llama3":
-        missing = [k for k in _LLAMA3_KEYS if params.get(k) is None]
-        if missing:
-            raise ValueError(f"rope_type 'llama3' needs {', '.join(missing)} in rope_scaling")
-        scaling = Llama3RopeScaling(float(params["factor"]), float(params["low_freq_factor"]),
-                                    float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+    scaling = LLAMA3_ROPE_SCALING().from_params(params) if rope_type == "llama3" else None
     return float(theta), scaling
 
 
@@ -183,10 +177,9 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # The fused kernel handles power-of-two head sizes (all the supported checkpoints').
+        # The fused kernel handles power-of-two head sizes (all the supported checkpoints'); it runs
+        # on CUDA tensors (use_kernels None; tests set True to run it in Triton's interpreter).
         self.fused_rope = self.head_dim & (self.head_dim - 1) == 0
-        # Whether it runs: None = on CUDA tensors (tests set True to run it through Triton's
-        # interpreter on a CPU).
         self.use_kernels: bool | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -196,8 +189,7 @@ class DecoderAttention(nn.Module):
             from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 
             # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
-            # writes k and v into the paged cache when the attention layer lets it (one launch
-            # per layer less, and k is not read back from memory for the store).
+            # writes k and v into the paged cache when the attention layer lets it (a launch less).
             norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
                 else (None, None, 0.0)
             store = self.attn.fused_store_args(meta)
@@ -280,8 +272,8 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing.
-    Subclasses (one per family) implement `options_from_config(config) -> DecoderOptions`,
-    which also validates the config (a ValueError for anything unsupported)."""
+    A family implements `options_from_config(config) -> DecoderOptions`, which also validates
+    the config (a ValueError for anything unsupported)."""
 
     # Checkpoint tensor name part -> (packed parameter name part, shard id); see loader.py.
     packed_modules_mapping = {
@@ -313,10 +305,6 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks) for the given
-        rows only. Left unconverted: the sampler reads them once and computes in fp32."""
+        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks), left unconverted:
+        the sampler reads them once and computes in fp32."""
         return self.lm_head(hidden)
-
-    def compute_logit_shard(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's slice of the logits and its first token id (see ParallelLMHead)."""
-        return self.lm_head.shard_logits(hidden)

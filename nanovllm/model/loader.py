@@ -1,4 +1,4 @@
-"""Weight loading: streaming safetensors (never pickle), or random weights for benchmarks."""
+"""Weight loading: streaming safetensors (never pickle); random weights: dummy_weights.py."""
 
 from __future__ import annotations
 
@@ -6,14 +6,12 @@ import contextlib
 import glob
 import os
 import re
-from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-if TYPE_CHECKING:
-    from nanovllm.model.quant import QuantScheme
+from nanovllm.model.attention import paged_kv
 
 
 def _resolve(params: dict, mapping: dict, name: str):
@@ -93,28 +91,24 @@ def _read_checked(f, name: str, file: str) -> torch.Tensor:
                          f"({type(e).__name__}: {e})") from None
 
 
-# FP8 KV-cache scales, as vLLM names them: <layer>.self_attn.{k,v}_scale, or the older
-# <layer>.self_attn.{k,v}_proj.output_scale. Read into the attention layer's k_scale / v_scale.
+# FP8 KV-cache scales as vLLM names them (<layer>.self_attn.{k,v}_scale, or the older
+# <layer>.self_attn.{k,v}_proj.output_scale), read into the attention layer's k_scale / v_scale.
 _KV_SCALE = re.compile(r"^(?P<attn>.+\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
 
 
 def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
     """Whether `name` is a KV-cache scale (then copied into its attention layer when the cache is
-    FP8, and ignored otherwise: a 16-bit cache needs no scale)."""
+    FP8: fp8_cache.py; ignored otherwise, a 16-bit cache needs no scale)."""
     m = _KV_SCALE.match(name)
     if m is None:
         return False
     try:
         attn = model.get_submodule(m["attn"]).attn
     except AttributeError:
-        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not have") from None
-    kind = m["kv"] or m["proj"]
+        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not "
+                         "have") from None
     if getattr(attn, "fp8_kv_cache", False):
-        value = read().float().reshape(-1)
-        if value.numel() != 1 or not torch.isfinite(value).all() or value.item() <= 0:
-            raise ValueError(f"{name}: a KV-cache scale must be one positive finite number, got {value.tolist()[:4]}")
-        getattr(attn, f"{kind}_scale").copy_(value)
-        attn.kv_scales_from_checkpoint = True
+        paged_kv.FP8_CACHE().load_scale(attn, m["kv"] or m["proj"], read(), name)
     return True
 
 
@@ -136,22 +130,3 @@ def _expected_names(mapping: dict, experts, params: dict, tied: bool) -> set[str
         else:
             names.add(pname)
     return names
-
-
-_DUMMY_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@torch.no_grad()
-def init_dummy(model: nn.Module, seed: int = 0, scheme: QuantScheme | None = None) -> None:
-    """Random weights of realistic scale (benchmarks without the real checkpoint); parameters in
-    `scheme`'s stored format (FP8 codes, block scales) are drawn by their method (model/quant.py)."""
-    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if param.dtype not in _DUMMY_DTYPES or getattr(param, "block", None):
-            continue
-        if "norm" in name:
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, 0.02, generator=gen)
-    if scheme is not None:
-        scheme.init_dummy(model, seed)

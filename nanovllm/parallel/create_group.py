@@ -9,16 +9,16 @@ import torch.distributed as dist
 
 from nanovllm.parallel.copy_engine import CopyEngineAllReduce
 from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
-from nanovllm.parallel.group import TPGroup
+from nanovllm.parallel.distributed_group import DistributedTPGroup
 
 
 def create_tp_group(world_size: int, device: torch.device, dtype: torch.dtype, hidden_size: int,
-                    max_num_batched_tokens: int, custom_all_reduce: bool) -> TPGroup:
+                    max_num_batched_tokens: int, custom_all_reduce: bool) -> DistributedTPGroup:
     """This rank's TPGroup over the initialised default process group (or a single rank), with
     the symmetric-memory all-reduce paths where they work (NVLink GPUs, `custom_all_reduce`).
     Collective when world_size > 1: every rank must call it."""
     if world_size == 1:
-        return TPGroup()
+        return DistributedTPGroup()  # (a launcher's single rank: the collectives of size 1 do nothing)
     group = dist.group.WORLD
     rank = dist.get_rank()
     fused_norm = copy_engine = None
@@ -28,4 +28,4 @@ def create_tp_group(world_size: int, device: torch.device, dtype: torch.dtype, h
             # Up to 128 MiB per buffer half (16k rows of Qwen3-8B); longer prefill steps use NCCL.
             max_rows = min(max_num_batched_tokens, (128 << 20) // (hidden_size * dtype.itemsize))
             copy_engine = CopyEngineAllReduce.create(group, device, dtype, hidden_size, max_rows)
-    return TPGroup(rank, world_size, group, fused_norm, copy_engine)
+    return DistributedTPGroup(rank, world_size, group, fused_norm, copy_engine)

@@ -1,94 +1,39 @@
-"""The tensor-parallel group a model is built for.
-
-Layers read their rank and group size once, at construction, from the group that the
-ModelRunner sets with `use_tp_group(...)`, and keep it. So an engine with TP=1 stays single-rank
-even in a process where another engine has initialised torch.distributed. A tensor-parallel
-launcher creates the group (create_group.py); a single-rank engine uses `TPGroup()`.
-"""
+"""The tensor-parallel group a model is built for. Layers read their rank and group size once, at
+construction, from the group the ModelRunner sets with `use_tp_group(...)`: an engine with TP=1
+stays single-rank even in a process where another engine has initialised torch.distributed."""
 
 from __future__ import annotations
 
 import contextvars
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
-
-if TYPE_CHECKING:
-    from nanovllm.parallel.copy_engine import CopyEngineAllReduce
-    from nanovllm.parallel.fused_all_reduce import FusedAllReduceNorm
 
 
 @dataclass(frozen=True)
 class TPGroup:
-    """One rank's view of its tensor-parallel group and the all-reduce paths it can use."""
+    """One rank's view of its tensor-parallel group: here a single rank, whose collectives return
+    their input (distributed_group.py's DistributedTPGroup runs them over the ranks and documents
+    them). `rank` and `size` alone also build a rank's shard of the layers (tests)."""
 
     rank: int = 0
     size: int = 1
-    group: object = None  # a torch.distributed ProcessGroup when size > 1
-    fused_norm: "FusedAllReduceNorm | None" = None  # fast path for small (<= 8 MiB) CUDA tensors
-    copy_engine: "CopyEngineAllReduce | None" = None  # prefill-sized partial sums at TP=2
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum `x` over the ranks, in place."""
-        if self.size > 1:
-            dist.all_reduce(x, group=self.group)
         return x
 
     def row_parallel(self, x: torch.Tensor, layer) -> torch.Tensor:
-        """This rank's partial sums x @ W^T of a row-parallel layer (a LinearBase, no bias). The
-        caller must hand this very tensor to `all_reduce_rms_norm`: prefill-sized ones may
-        already be on their way to the peer, and that call finishes the exchange."""
-        ce = self.copy_engine  # (not for a layer whose rows need their positions: LoRA's, row_chunks False)
-        if ce is not None and getattr(layer, "row_chunks", True) and ce.takes(x, layer.out_features):
-            return ce.linear(x, layer.matmul_into)
         return layer.matmul(x)
 
     def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-        """(norm(s + residual) * weight, s + residual) with s = the sum of `x` over the ranks,
-        through the copy-engine exchange that `row_parallel` started for `x`, or the fused
-        kernel when `x` fits its buffers; None otherwise (the caller all-reduces and normalises
-        separately)."""
-        if self.copy_engine is not None and self.copy_engine.is_pending(x):
-            return self.copy_engine.finish(x, residual, weight, eps)
-        if self.fused_norm is not None and self.fused_norm.fits(x, residual):
-            return self.fused_norm(x, residual, weight, eps)
-        return None
+        return None  # no fused path: the caller normalises
 
     def symmetric_memory_bytes(self) -> int:
-        """Device memory held by the symmetric-memory paths (not in the caching allocator's count)."""
-        return sum(p.symmetric_memory_bytes() for p in (self.fused_norm, self.copy_engine) if p is not None)
-
-    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's `x`, stacked in rank order: [size, *x.shape] on every rank."""
-        if self.size == 1:
-            return x[None]
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        # The list form: all_gather_into_tensor is deprecated in torch 2.13 and gloo wants other
-        # shapes there; for the small tensors this serves, the copies do not matter.
-        dist.all_gather(parts, x.contiguous(), group=self.group)
-        return torch.stack(parts)
-
-    def gather_to_rank0(self, x: torch.Tensor) -> list[torch.Tensor] | None:
-        """Every rank's `x` on rank 0 (in rank order); None on the other ranks."""
-        parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.group)
-        return parts
-
-    def broadcast_from_rank0(self, x: torch.Tensor) -> None:
-        """Rank 0's `x` on every rank, in place."""
-        if self.size > 1:
-            dist.broadcast(x, src=0, group=self.group)
+        return 0
 
     def agree_on_min(self, value: int, device: torch.device) -> int:
-        """The smallest of every rank's `value` (e.g. KV blocks that fit on every GPU)."""
-        if self.size == 1:
-            return value
-        t = torch.tensor([value], dtype=torch.int64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return int(t.item())
+        return value
 
 
 _CURRENT: contextvars.ContextVar[TPGroup] = contextvars.ContextVar("nanovllm_tp_group", default=TPGroup())

@@ -1,6 +1,6 @@
 """FP8 KV cache: the scales calibrated on the first prefill (`calculate_kv_scales=True`; the
 `kv_cache_dtype` names are Config's). The cache's format (e4m3 values times one fp32 scale per layer
-for K and for V) is the attention's: nanovllm/model/attention/paged_kv.py and the kernels.
+for K and for V) is the attention's: nanovllm/model/attention/fp8_cache.py and the kernels.
 
 Calibration: scale = amax / R, so the calibrating prefill's largest |K| is stored as R (of
 e4m3's 448) and later tokens may be 448 / R times larger before they saturate. One prefill is a

@@ -124,11 +124,12 @@ class Drafting(SchedulingHook):
 
     def _keep_kv(self, seq, kept: int) -> None:
         """The K/V of the first `kept` drafts stay (fewer than accepted when a token ended the
-        request), the blocks taken for the rest go back (BlockManager.trim), and blocks that
-        became full join the prefix cache."""
+        request), the blocks taken for the rest go back (never committed, so nothing to forget
+        but their slots), and blocks that became full join the prefix cache."""
         bm = self.block_manager
         seq.num_cached_tokens += kept
-        bm.trim(seq)
+        while len(seq.block_table) > bm.blocks_for(len(seq)):
+            bm.give_back(seq.block_table.pop())
         if seq.num_cached_tokens >= (seq.num_committed_blocks + 1) * bm.block_size:
             bm.commit(seq)
 

@@ -30,7 +30,7 @@ from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.features.speculative.drafting import take_draft_slots
 from nanovllm.features.speculative.eagle3_head import Eagle3Head, load_head
 from nanovllm.model.attention import host_to_device
-from nanovllm.model.loader import init_dummy
+from nanovllm.model.dummy_weights import init_dummy
 from nanovllm.parallel.group import TPGroup, use_tp_group
 
 

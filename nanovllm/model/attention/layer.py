@@ -1,5 +1,5 @@
 """The attention layer: stores this step's K/V into its paged cache, then attends through the
-engine's backend (backend.py)."""
+engine's backend (selection.py)."""
 
 from __future__ import annotations
 

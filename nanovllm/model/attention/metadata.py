@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -11,47 +10,26 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Where each token's K/V go and which cached K/V each sequence attends to.
-
-    Tokens of all sequences are packed along one dimension (varlen layout).
-    slot_mapping [num_tokens]: cache slot (block_id * block_size + offset) for each token's
-        K/V, -1 to skip (CUDA-graph padding).
-    context_lens [num_seqs] int32: K/V length of each sequence after this step (cached + new).
-    block_tables [num_seqs, max_blocks] int32: physical block ids, padded with -1.
-    Prefill only: cu_seqlens_q / cu_seqlens_k [num_seqs + 1] int32 prefix sums of the new-token
-        and K/V lengths, their maxima, and `has_prefix` when some sequence already has cached
-        tokens (prefix hit or an earlier chunk), so K/V must be read from the paged cache.
-    query_lens / kv_lens: the same lengths as host lists, for backends that loop on the host.
-    num_splits: how many KV splits the Triton decode kernel uses (fixed per captured batch size).
-    num_decode_rows (prefill only; set for the triton backend): the last this many sequences
-        have one new token each and cached K/V (the decode rows of a mixed step); they attend
-        through the paged decode kernel, with num_splits splits.
-    """
+    """Where each token's K/V go and which cached K/V each sequence attends to; the tokens of all
+    sequences are packed along one dimension (varlen layout)."""
 
     is_prefill: bool
-    slot_mapping: torch.Tensor
-    context_lens: torch.Tensor
-    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor  # [num_tokens]: cache slot (block * block_size + offset) per token, -1: skip
+    context_lens: torch.Tensor  # [num_seqs] int32: K/V length of each sequence after this step
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32: physical block ids, padded with -1
+    # Prefill only: prefix sums [num_seqs + 1] int32 of new-token and K/V lengths, their maxima, and
+    # whether some sequence has cached tokens (then K/V are read from the paged cache).
     cu_seqlens_q: torch.Tensor | None = None
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     has_prefix: bool = False
-    query_lens: list[int] | None = None
+    query_lens: list[int] | None = None  # the same lengths as host lists (backends looping on the host)
     kv_lens: list[int] | None = None
-    num_splits: int = 1
+    num_splits: int = 1  # KV splits of the Triton decode kernel (fixed per captured batch size)
+    # Prefill, triton backend: the last this many sequences are a mixed step's decode rows (one new
+    # token, cached K/V), which attend through the paged decode kernel with num_splits splits.
     num_decode_rows: int = 0
-
-    def prefill_part(self) -> "AttentionMetadata":
-        """A mixed step's metadata for its prefill sequences alone (all but the trailing
-        num_decode_rows, whose tokens come first in the packing)."""
-        p = len(self.query_lens) - self.num_decode_rows
-        ql, kl = self.query_lens[:p], self.kv_lens[:p]
-        return dataclasses.replace(
-            self, slot_mapping=self.slot_mapping[:sum(ql)], context_lens=self.context_lens[:p],
-            block_tables=self.block_tables[:p], cu_seqlens_q=self.cu_seqlens_q[:p + 1],
-            cu_seqlens_k=self.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
-            has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
 
 
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from nanovllm.model.attention.metadata import AttentionMetadata
-from nanovllm.model.attention.paged_kv import dequantize_kv, fp8_kv, gather_kv, round_trip_kv, store_kvcache_torch
+from nanovllm.model.attention.paged_kv import fp8_codec, gather_kv, store_kvcache_torch
 
 
 class TorchBackend:
@@ -23,11 +23,11 @@ class TorchBackend:
                 k_scale=None, v_scale=None) -> torch.Tensor:
         out = torch.empty_like(q)
         start = 0
-        fp8 = fp8_kv(k_cache, k_scale, v_scale)
+        codec = fp8_codec(k_cache, k_scale, v_scale)  # (None: not an FP8 cache)
         # Without cached tokens a prefill attends only to this step's K/V: no cache read needed.
         fresh = meta.is_prefill and not meta.has_prefix
-        if fresh and fp8:
-            k, v = round_trip_kv(k, k_scale, q.dtype), round_trip_kv(v, v_scale, q.dtype)
+        if fresh and codec is not None:
+            k, v = codec.round_trip_kv(k, k_scale, q.dtype), codec.round_trip_kv(v, v_scale, q.dtype)
         for i, (n_q, n_k) in enumerate(zip(meta.query_lens, meta.kv_lens)):
             if n_q == 0:
                 continue
@@ -36,8 +36,10 @@ class TorchBackend:
                 ki = k[start:start + n_q].transpose(0, 1)
                 vi = v[start:start + n_q].transpose(0, 1)
             else:
-                ki = dequantize_kv(gather_kv(k_cache, meta.block_tables[i], n_k), k_scale, q.dtype).transpose(0, 1)
-                vi = dequantize_kv(gather_kv(v_cache, meta.block_tables[i], n_k), v_scale, q.dtype).transpose(0, 1)
+                ki, vi = gather_kv(k_cache, meta.block_tables[i], n_k), gather_kv(v_cache, meta.block_tables[i], n_k)
+                if codec is not None:
+                    ki, vi = codec.dequantize_kv(ki, k_scale, q.dtype), codec.dequantize_kv(vi, v_scale, q.dtype)
+                ki, vi = ki.transpose(0, 1), vi.transpose(0, 1)
             group = qi.size(0) // ki.size(0)
             ki = ki.repeat_interleave(group, dim=0)
             vi = vi.repeat_interleave(group, dim=0)

@@ -4,6 +4,7 @@ store kernel (kernels/kv_store.py) for the paged cache; FP8 caches included."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import torch
@@ -11,8 +12,36 @@ import torch
 from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.model.attention.metadata import AttentionMetadata
-from nanovllm.model.attention.paged_kv import dequantize_kv, fp8_kv, gather_kv_varlen, round_trip_kv
+from nanovllm.model.attention.fp8_cache import dequantize_kv, fp8_kv, round_trip_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
+
+
+def gather_kv_varlen(cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     total: int) -> torch.Tensor:
+    """The cached K (or V) of several sequences packed varlen as `cu_seqlens_k` describes.
+
+    Vectorised (no per-sequence loop): token t of sequence i is slot
+    block_tables[i, t // block_size] * block_size + t % block_size.
+    """
+    block_size = cache.size(1)
+    kv_lens = cu_seqlens_k.diff().long()
+    seq_idx = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cache.device), kv_lens,
+                                      output_size=total)
+    pos = torch.arange(total, device=cache.device) - cu_seqlens_k[seq_idx]
+    blocks = block_tables[seq_idx, pos // block_size].long()
+    return cache.view(-1, *cache.shape[2:])[blocks * block_size + pos % block_size]
+
+
+def prefill_part(meta: AttentionMetadata) -> AttentionMetadata:
+    """A mixed step's metadata for its prefill sequences alone (all but the trailing
+    num_decode_rows, whose tokens come first in the packing)."""
+    p = len(meta.query_lens) - meta.num_decode_rows
+    ql, kl = meta.query_lens[:p], meta.kv_lens[:p]
+    return dataclasses.replace(
+        meta, slot_mapping=meta.slot_mapping[:sum(ql)], context_lens=meta.context_lens[:p],
+        block_tables=meta.block_tables[:p], cu_seqlens_q=meta.cu_seqlens_q[:p + 1],
+        cu_seqlens_k=meta.cu_seqlens_k[:p + 1], max_seqlen_q=max(ql), max_seqlen_k=max(kl),
+        has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
 
 
 def groups_of_at_most(lengths: list[int], limit: int):
@@ -85,7 +114,7 @@ class TritonBackend:
         out[t:] = self._decode(q[t:], k_cache, v_cache, meta.block_tables[p:], meta.context_lens[p:], scale,
                                num_splits=meta.num_splits, k_scale=k_scale, v_scale=v_scale)
         if p:
-            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, meta.prefill_part(), scale, k_scale, v_scale)
+            out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, prefill_part(meta), scale, k_scale, v_scale)
         return out
 
     @staticmethod

@@ -49,11 +49,3 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits[:, :self.num_embeddings]
         parts = self.tp.gather_to_rank0(logits)
         return None if parts is None else torch.cat(parts, dim=-1)[:, :self.num_embeddings]
-
-    def shard_logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """This rank's logits [rows, n] of tokens first_id .. first_id + n - 1 (the last shard's
-        padding columns left out; n may be 0 for tiny vocabularies), and first_id; no
-        communication."""
-        valid = max(0, min(self.shard_size, self.num_embeddings - self.vocab_start))
-        # The same product as forward's (then sliced), so both paths see bitwise the same logits.
-        return F.linear(hidden, self.weight)[:, :valid], self.vocab_start

@@ -1,9 +1,7 @@
 """Linear layers split across tensor-parallel ranks, each with a `weight_loader` for its shard.
-
 Column-parallel layers split the output features (no communication); row-parallel layers split
-the input features and all-reduce their partial sums. Packed layers (`qkv_proj`,
-`gate_up_proj`) hold several checkpoint tensors side by side, so one GEMM replaces three (two).
-"""
+the input features and all-reduce their partial sums. Packed column-parallel layers (`qkv_proj`,
+`gate_up_proj`) hold several checkpoint tensors side by side: one GEMM instead of three (two)."""
 
 from __future__ import annotations
 
@@ -79,13 +77,6 @@ class LinearBase(nn.Module):
             return self.quant.apply(self, x, bias)
         return F.linear(x, self.weight, bias)
 
-    def matmul_into(self, x: torch.Tensor, out: torch.Tensor) -> None:
-        """out = x @ W^T (no bias), written into `out` (the copy-engine all-reduce's chunks)."""
-        if self.quant is None:
-            torch.mm(x, self.weight.t(), out=out)
-        else:
-            out.copy_(self.quant.apply(self, x, None))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
@@ -95,17 +86,12 @@ class ReplicatedLinear(LinearBase):
         super().__init__(input_size, output_size, bias, tp_dim=None)
 
 
-class ColumnParallelLinear(LinearBase):
-    def __init__(self, input_size: int, output_size: int, bias: bool = False):
-        super().__init__(input_size, divide(output_size, current_tp_group().size), bias, tp_dim=0)
-
-
-class MergedColumnParallelLinear(ColumnParallelLinear):
+class MergedColumnParallelLinear(LinearBase):
     """Several column-parallel outputs packed along dim 0 (e.g. gate_proj and up_proj)."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias)
+        super().__init__(input_size, divide(sum(output_sizes), current_tp_group().size), bias, tp_dim=0)
 
     def packed_sizes(self) -> list[int]:
         return [n // self.tp_size for n in self.output_sizes]
@@ -115,14 +101,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                           self.output_sizes[shard_id] // self.tp_size)
 
 
-class QKVParallelLinear(ColumnParallelLinear):
+class QKVParallelLinear(LinearBase):
     """q, k and v projections packed along dim 0; each rank holds its heads of all three."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, current_tp_group().size)
         self.num_kv_heads = divide(num_kv_heads, current_tp_group().size)
-        super().__init__(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, bias)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, tp_dim=0)
 
     def packed_sizes(self) -> list[int]:
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim

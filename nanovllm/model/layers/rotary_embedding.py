@@ -2,51 +2,20 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-
-@dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's `rope_scaling` (rope_type "llama3"): long wavelengths are slowed down by
-    `factor`, short ones kept, and the band between them interpolated smoothly."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
-
-    def __post_init__(self):
-        if not self.factor > 0:
-            raise ValueError(f"llama3 rope_scaling: factor must be > 0, got {self.factor}")
-        if not 0 < self.low_freq_factor < self.high_freq_factor:
-            raise ValueError("llama3 rope_scaling: need 0 < low_freq_factor < high_freq_factor, got "
-                             f"{self.low_freq_factor} and {self.high_freq_factor}")
-        if not self.original_max_position_embeddings > 0:
-            raise ValueError("llama3 rope_scaling: original_max_position_embeddings must be > 0, got "
-                             f"{self.original_max_position_embeddings}")
+if TYPE_CHECKING:
+    from nanovllm.model.rope_scaling import Llama3RopeScaling
 
 
 def rope_inv_freq(head_dim: int, base: float, scaling: Llama3RopeScaling | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in fp32: base^(-2i / head_dim), then, with `scaling`,
-    Llama 3's rescaling (the arithmetic of transformers' llama3 rope initialisation, so both
-    build bit-identical tables)."""
+    """Inverse frequencies [head_dim // 2] in fp32: base^(-2i / head_dim), rescaled by `scaling`
+    (Llama 3's, model/rope_scaling.py) when given."""
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    if scaling is None:
-        return inv_freq
-    s = scaling
-    context = s.original_max_position_embeddings
-    wavelen = 2 * math.pi / inv_freq
-    # Wavelengths longer than context / low_freq_factor are slowed down by `factor`; shorter
-    # than context / high_freq_factor kept; in between, a linear blend in context / wavelen.
-    slow = torch.where(wavelen > context / s.low_freq_factor, inv_freq / s.factor, inv_freq)
-    blend = (context / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    blended = (1 - blend) * slow / s.factor + blend * slow
-    between = (wavelen >= context / s.high_freq_factor) & (wavelen <= context / s.low_freq_factor)
-    return torch.where(between, blended, slow)
+    return inv_freq if scaling is None else scaling.rescale(inv_freq)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
