@@ -1,19 +1,20 @@
 """nano-vllm: a small, readable and fast offline LLM inference engine."""
 
-import nanovllm.outputs as _outputs
-import nanovllm.wiring as _wiring
-from nanovllm.engine_args import EngineArgs
 from nanovllm.llm import LLM
 from nanovllm.outputs import CompletionOutput, RequestOutput
 from nanovllm.sampling_params import SamplingParams
+from nanovllm.wiring import late
 
 __all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob",
            "StreamOutput"]
 
+# Loaded when first named (a plain generate uses none): vLLM's EngineArgs and step API, outputs.py's late types.
+_LATE = {"EngineArgs": late("nanovllm.engine_args", "EngineArgs"), "Logprob": late("nanovllm.outputs", "Logprob"),
+         "LLMEngine": late("nanovllm.llm_engine", "LLMEngine"),
+         "StreamOutput": late("nanovllm.outputs", "StreamOutput")}
+
 
 def __getattr__(name: str):
-    """LLMEngine (vLLM's step API), Logprob and StreamOutput load when first named: a plain
-    generate does not use them."""
-    if name in ("Logprob", "StreamOutput"):
-        return getattr(_outputs, name)
-    return _wiring.package_attribute(name)
+    if name not in _LATE:
+        raise AttributeError(f"module 'nanovllm' has no attribute {name!r}")
+    return _LATE[name]()

@@ -1,5 +1,5 @@
 """The command-line flags of every LLM option (one flag per option of option_names):
-EngineArgs.add_cli_args / from_cli_args (through wiring.py) and the server's command line."""
+EngineArgs.add_cli_args / from_cli_args and the server's command line."""
 
 from __future__ import annotations
 

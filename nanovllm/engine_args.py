@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import nanovllm.wiring as wiring
+import nanovllm.cli_options as cli_options
 from nanovllm.config import Config
 from nanovllm.llm import LLM
 
@@ -21,12 +21,12 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser):
         """vLLM's: `--model` and a flag per LLM option on `parser`; returns it."""
-        return wiring.add_cli_args(parser)
+        return cli_options.add_cli_args(parser)
 
     @classmethod
     def from_cli_args(cls, args) -> "EngineArgs":
         """vLLM's: the EngineArgs of the parsed flags (an argparse.Namespace)."""
-        return cls(args.model, **wiring.cli_option_values(args))
+        return cls(args.model, **cli_options.option_values(args))
 
     def create_llm(self) -> LLM:
         """The LLM these arguments describe (what LLMEngine.from_engine_args runs on)."""
