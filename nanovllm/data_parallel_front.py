@@ -1,6 +1,6 @@
 """The data-parallel front: `DataParallelLLM`, what `LLM(model, data_parallel_size=N, ...)` (or
 distributed_executor_backend="ray") makes, is this module's DataParallelFront mixed into `LLM`
-(data_parallel_llm; llm.py asks for it through nanovllm/wiring.py, so a plain LLM loads none of it).
+(data_parallel_llm; llm.py asks for it through nanovllm/wiring/, so a plain LLM loads none of it).
 
 It keeps LLM's checks, chat template and outputs, in the caller's process, and sends each
 call's requests to N engine replicas: launch/data_parallel.py's `ReplicaSet`, which is this

@@ -1,7 +1,7 @@
 """The package's shape, checked on every CI run (the architecture issue's bounds): no import
 cycles between modules or between subpackages (imports inside functions included), core/ and
 model/ never importing features/, launch/ or serve/, imports inside functions only where they
-are the point (nanovllm/wiring.py) or reach an optional dependency (the Triton kernels), no
+are the point (nanovllm/wiring/) or reach an optional dependency (the Triton kernels), no
 function but a @triton.jit kernel longer than 60 lines (docstring included), no file over 400
 lines, no NANOVLLM_* environment switch but the API key, core/model_runner.py at most 250
 lines, LLMEngine.step() at most 25 lines (reading it shows the whole step), and what a plain
@@ -30,9 +30,22 @@ def modules() -> dict[str, ast.Module]:
     return out
 
 
+def late_imports(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, module) of the deferred imports of `tree`: the string naming a nanovllm module in a
+    call of wiring's `late(...)` or of importlib's `import_module(...)`."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            module = node.args[0].value
+            if called in ("late", "import_module") and isinstance(module, str) and module.startswith("nanovllm"):
+                found.append((node.lineno, module))
+    return found
+
+
 def import_graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
     """Module -> the package modules it imports, at any level: ast.walk visits the imports inside
-    functions (and under `if TYPE_CHECKING:`) too."""
+    functions (and under `if TYPE_CHECKING:`) too, and the deferred ones (late_imports) count."""
     edges = {name: set() for name in mods}
     for name, tree in mods.items():
         for node in ast.walk(tree):
@@ -42,6 +55,9 @@ def import_graph(mods: dict[str, ast.Module]) -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             edges[name] |= {t for t in targets if t in mods and t != name}
+        late = {module for _, module in late_imports(tree)}
+        assert late <= set(mods), (name, sorted(late - set(mods)))  # each names a real module
+        edges[name] |= late - {name}
     return edges
 
 
@@ -53,9 +69,9 @@ FORBIDDEN = {"core": {"features", "launch", "serve"}, "model": {"features", "lau
 def subpackage(module: str) -> str:
     """The subpackage of a module ("core", "launch", ...), or "(front)" for the top-level modules
     (nanovllm.llm, nanovllm.config, ...) and the subpackages' __init__ files, where the fronts
-    wire features and launchers in (nanovllm.wiring)."""
+    wire features and launchers in (nanovllm.wiring and its modules)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 else "(front)"
+    return parts[1] if len(parts) > 2 and parts[1] != "wiring" else "(front)"
 
 
 def forbidden_imports(edges: dict[str, set[str]]) -> set[str]:
@@ -160,14 +176,22 @@ def function_level_imports(tree: ast.Module) -> list[tuple[int, str]]:
     return found
 
 
+def deferring(module: str) -> bool:
+    """Where deferred imports are the point: nanovllm/wiring/ (each feature imported when it is
+    turned on) and the package's __init__ (names loaded when first used)."""
+    return module in ("nanovllm", "nanovllm.wiring") or module.startswith("nanovllm.wiring.")
+
+
 def test_function_level_imports_only_where_they_are_the_point():
-    """nanovllm/wiring.py imports each feature when it is turned on (its purpose). Elsewhere an
-    import inside a function may only reach nanovllm/kernels/: Triton, an optional dependency
-    (Linux only), is imported by the CUDA path alone. Anything else hid a cycle or a feature."""
-    found = {name: function_level_imports(tree) for name, tree in modules().items()}
-    assert found["nanovllm.wiring"]  # (the check sees them)
+    """nanovllm/wiring/ imports each feature when it is turned on (its purpose; nanovllm/__init__.py
+    loads rare names late too). Elsewhere an import inside a function, a late(...) or an
+    import_module(...) of the package may only reach nanovllm/kernels/: Triton, an optional
+    dependency (Linux only), is imported by the CUDA path alone. Anything else hid a cycle or a feature."""
+    found = {name: function_level_imports(tree) + late_imports(tree) for name, tree in modules().items()}
+    assert found["nanovllm.wiring"] and found["nanovllm.wiring.fronts"]  # (the check sees both kinds)
+    assert function_level_imports(modules()["nanovllm.wiring.plugging"])
     hidden = {name: [(line, m) for line, m in imports if not m.startswith("nanovllm.kernels")]
-              for name, imports in found.items() if name != "nanovllm.wiring"}
+              for name, imports in found.items() if not deferring(name)}
     assert not {name: imports for name, imports in hidden.items() if imports}
 
 

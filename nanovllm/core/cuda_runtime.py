@@ -1,6 +1,6 @@
 """What only a CUDA engine's model runner runs: the choice of its attention backend
 (model/attention/selection.py), the KV budget of the GPU's memory (here), the decode graphs
-(cuda_graphs.py) and the Triton sampler (triton_sampler.py). nanovllm/wiring.py registers this
+(cuda_graphs.py) and the Triton sampler (triton_sampler.py). nanovllm/wiring/ registers this
 module's loader in core/model_runner.py (CUDA_RUNTIME): a CPU engine never loads it."""
 
 from __future__ import annotations

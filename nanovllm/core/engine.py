@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LLMEngine", "StepOutput", "StepResult"]
 
 # core/step_timing.py (StepTiming, what `step_observers` get), loaded at the first observed step
-# by this loader, which nanovllm/wiring.py registers when the package loads.
+# by this loader, which nanovllm/wiring/ registers when the package loads.
 load_step_timing: Callable[[], ModuleType]
 
 

@@ -246,7 +246,7 @@ class AfterSampling(Protocol):
 
 
 class ModelFeatures(Protocol):
-    """What Config.resolve asks of the features the front wires in (nanovllm/wiring.py): each
+    """What Config.resolve asks of the features the front wires in (nanovllm/wiring/): each
     answer is an object the model runner plugs into a hook of model/, or None when the model and
     options need none."""
 

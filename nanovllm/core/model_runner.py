@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # What only a CUDA engine runs (core/cuda_runtime.py: the attention backend's choice, the GPU's KV
 # budget, the decode graphs, the Triton sampler), and what runs only when asked (core/runner_extras.py:
-# score(), dummy weights): nanovllm/wiring.py registers their loaders at import.
+# score(), dummy weights): nanovllm/wiring/ registers their loaders at import.
 CUDA_RUNTIME: Callable[[], ModuleType] | None = None
 RUNNER_EXTRAS: Callable[[], ModuleType] | None = None
 

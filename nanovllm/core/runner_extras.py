@@ -1,5 +1,5 @@
 """What a ModelRunner runs only when asked: score() (tests check the model against a reference
-with it) and random weights (load_format="dummy": model/dummy_weights.py). nanovllm/wiring.py
+with it) and random weights (load_format="dummy": model/dummy_weights.py). nanovllm/wiring/
 registers this module's loader in core/model_runner.py (RUNNER_EXTRAS): a plain generate never
 loads it."""
 

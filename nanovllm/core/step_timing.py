@@ -1,6 +1,6 @@
 """What `LLMEngine.step_observers` are given: a StepTiming per engine step, with the step's shape
 (StepShape) taken at its launch. The engine loads this module at the first step someone observes
-(through the loader nanovllm/wiring.py registers), so a plain generate never does."""
+(through the loader nanovllm/wiring/ registers), so a plain generate never does."""
 
 from __future__ import annotations
 

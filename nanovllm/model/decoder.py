@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from nanovllm.model.rope_scaling import Llama3RopeScaling
 
 # Llama 3's RoPE scaling (model/rope_scaling.py), loaded at the first config that asks for it:
-# nanovllm/wiring.py registers the loader at import.
+# nanovllm/wiring/ registers the loader at import.
 LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None
 
 

@@ -1,5 +1,5 @@
 """Llama 3.1's RoPE frequency scaling (rope_type "llama3" in config.json). model/decoder.py reaches
-it through LLAMA3_ROPE_SCALING, which nanovllm/wiring.py fills at import: a model without it never
+it through LLAMA3_ROPE_SCALING, which nanovllm/wiring/ fills at import: a model without it never
 loads this module."""
 
 from __future__ import annotations

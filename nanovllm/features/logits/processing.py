@@ -1,6 +1,6 @@
 """The logits extensions and the logprobs reader of rank 0's TokenSampler (core/sampling.py): what
 its draw becomes once a request asks for penalties, logit_bias, bad words, allowed ids, a
-structured output or logprobs. nanovllm/wiring.py installs it then (`logits_processing`); a
+structured output or logprobs. nanovllm/wiring/ installs it then (`logits_processing`); a
 sampler without it draws from the raw logits.
 """
 

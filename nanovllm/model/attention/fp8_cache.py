@@ -2,7 +2,7 @@
 float8_e4m3fn values, stored = clamp(k / k_scale, -448, 448) and read back as stored.float() *
 k_scale (V likewise), with one fp32 K and V scale per layer. The Triton kernels (kernels/kv_store.py,
 paged_decode.py) do the same arithmetic; this is their reference and the CPU path. A 16-bit cache
-never loads this module (paged_kv.py's fp8_codec, through the loader nanovllm/wiring.py registers)."""
+never loads this module (paged_kv.py's fp8_codec, through the loader nanovllm/wiring/ registers)."""
 
 from __future__ import annotations
 
