@@ -28,7 +28,7 @@ def late(module: str, attribute: str = "") -> Callable[[], Any]:
     return load
 
 
-plugging = late("nanovllm.wiring.plugging")  # the longer pluggings, loaded by the first that is wanted
+_plugging = late("nanovllm.wiring.plugging")  # (not `plugging`: importing the module sets that name)
 
 
 def __getattr__(name: str):
@@ -139,7 +139,7 @@ def enable_logits_extensions(sampler, params) -> None:
     imports none of their modules."""
     if (params.uses_penalties or params.bias or params.allowed_ids is not None or params.bad_word_ids
             or params.logprobs is not None or params.prompt_logprobs is not None):
-        plugging().enable_logits_extensions(sampler, params)
+        _plugging().enable_logits_extensions(sampler, params)
 
 
 def tokenize_bad_words(front, params) -> None:
@@ -173,10 +173,10 @@ def wire_scheduling(engine, params=None) -> None:
     else:
         wanted = params.n > 1 or params.prompt_logprobs is not None
     if wanted:
-        plugging().wire_scheduling(engine, params)
+        _plugging().wire_scheduling(engine, params)
 
 
 def stats_recorder(engine):
     """The statistics of LLM(disable_log_stats=False) (features/stats.py), following requests
     through the scheduler; None by default (no cost)."""
-    return None if engine.config.disable_log_stats else plugging().stats_recorder(engine)
+    return None if engine.config.disable_log_stats else _plugging().stats_recorder(engine)
