@@ -22,13 +22,8 @@ __all__ = ["LLM"]
 
 
 class LLM(LLMEngine):
-    """An offline engine for one model. See README for every keyword argument.
-
-    >>> llm = LLM("/path/to/Qwen3-0.6B")
-    >>> out = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))[0]
-    >>> out.outputs[0].text == out["text"]   # vLLM's RequestOutput, also nano-vllm's dict
-    True
-    """
+    """An offline engine for one model (README: every keyword argument). generate() returns vLLM's
+    RequestOutputs, which also read as nano-vllm's dicts: `out.outputs[0].text == out["text"]`."""
 
     def __new__(cls, *args, **kwargs):
         """With data_parallel_size > 1 (or the Ray backend), a DataParallelLLM (data_parallel_front.py)."""
@@ -42,8 +37,7 @@ class LLM(LLMEngine):
         self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
         self._stats_recorder = None
         self.lora_registry: dict = {}  # adapter id -> LoRARequest (enable_lora)
-        super().__init__(model, start_executor=self._start_executor, model_features=wiring,
-                         **kwargs)
+        super().__init__(model, start_executor=self._start_executor, model_features=wiring, **kwargs)
         wiring.wire_scheduling(self)  # mixed steps, when asked
         self._stats_recorder = wiring.stats_recorder(self)  # disable_log_stats=False
 
@@ -59,8 +53,7 @@ class LLM(LLMEngine):
 
     # ------------------------------------------------------------------ inputs
     def _normalize(self, prompts, sampling_params):
-        """Check every prompt and parameter before any work starts: (ids, params, prompt text)
-        triples, params being the engine's validated copies."""
+        """Check every prompt and parameter before any work starts: (ids, validated params, text) triples."""
         if isinstance(prompts, list) and all(isinstance(p, str) for p in prompts) and \
                 isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
@@ -90,7 +83,7 @@ class LLM(LLMEngine):
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order (docs/api.md)."""
+        """One RequestOutput per prompt, in input order (docs/api.md); use_tqdm may be vLLM's bar-making callable."""
         requests = self._normalize(prompts, sampling_params)
         return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
@@ -141,8 +134,7 @@ class LLM(LLMEngine):
         return wiring.llm_calls().metrics(self)
 
     def _add_all(self, requests, seqs: list, track_text: bool = False, adapters=None) -> None:
-        """Queue every request into `seqs`; a Ctrl-C lands after the last one, never between queuing
-        a request and recording it (which would leak it)."""
+        """Queue every request into `seqs`; a Ctrl-C lands after the last one, never in between (a leak)."""
         with deferred_interrupts():
             self._call_seqs = seqs
             for i, (ids, p, text) in enumerate(requests):
@@ -160,16 +152,13 @@ class LLM(LLMEngine):
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """One generate / stream at a time: steps run every queued request, so a second caller
-        would swallow the first one's outputs. The check and the claim are one atomic step."""
+        """One generate / stream at a time (a second caller would swallow the first one's outputs)."""
         claimed = False
         try:
             with deferred_interrupts():
                 claimed = self._busy.acquire(blocking=False)
             if not claimed:
-                raise RuntimeError("this LLM is already generating (an open stream() iterator, another thread, a "
-                                   "server's engine loop): finish or close that call first, or give each thread "
-                                   "its own LLM")
+                raise wiring.llm_calls().busy_error()
             yield
         finally:
             if claimed:
@@ -209,7 +198,8 @@ class LLM(LLMEngine):
             self.step()
 
     def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[StreamOutput]:
-        """A StreamOutput per completion increment (streaming.py; docs/api.md)."""
+        """A StreamOutput per completion increment (streaming.py). Bad input raises here; the requests
+        start when iteration does, and closing the iterator early aborts them."""
         requests = self._normalize(prompts, sampling_params)
         return wiring.stream(self, requests, wiring.lora_adapters(self, lora_request, len(requests)))
 

@@ -86,3 +86,9 @@ def metrics(llm) -> list:
     if llm._stats_recorder is None:
         raise RuntimeError("statistics are off: create the LLM with disable_log_stats=False to read get_metrics()")
     return llm._stats_recorder.metrics()
+
+
+def busy_error() -> RuntimeError:
+    """What a generate / stream / chat gets while another call of its LLM runs (LLM._exclusive)."""
+    return RuntimeError("this LLM is already generating (an open stream() iterator, another thread, a server's "
+                        "engine loop): finish or close that call first, or give each thread its own LLM")

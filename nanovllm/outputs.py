@@ -41,13 +41,9 @@ class CompletionOutput:
 
 @dataclass(eq=False)
 class RequestOutput(dict):
-    """The outputs of one prompt (vLLM's RequestOutput): `prompt` is None for token-id prompts,
-    `outputs` the n completions in sample order, `num_cached_tokens` the prompt tokens the prefix
-    cache served, `metrics` vLLM's RequestMetrics with disable_log_stats=False, else None.
-
-    Also nano-vllm's dict, read-only in intent: `out["text"]`, `["token_ids"]`, `["finish_reason"]`,
-    `["stop_reason"]` read the first completion, `out["prompt_token_ids"]` the prompt's tokens.
-    """
+    """The outputs of one prompt (vLLM's RequestOutput; `metrics` with disable_log_stats=False). Also
+    nano-vllm's dict, read-only in intent: `out["text"]`, `["token_ids"]`, `["finish_reason"]` and
+    `["stop_reason"]` read the first completion, `out["prompt_token_ids"]` the prompt's tokens."""
 
     request_id: str
     prompt: str | None
