@@ -13,7 +13,7 @@ from nanovllm.core.engine import LLMEngine
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.sequence import Sequence
 from nanovllm.outputs import CompletionOutput, RequestOutput
-from nanovllm.sampling_params import SamplingParams, is_integer
+from nanovllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from nanovllm.streaming import StreamOutput
@@ -22,31 +22,22 @@ __all__ = ["LLM"]
 
 
 class LLM(LLMEngine):
-    """An offline engine for one model. See README for every keyword argument.
-
-    >>> llm = LLM("/path/to/Qwen3-0.6B")
-    >>> out = llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))[0]
-    >>> out.outputs[0].text == out["text"]   # vLLM's RequestOutput, also nano-vllm's dict
-    True
-    """
+    """An offline engine for one model (README: every keyword argument). generate() returns vLLM's
+    RequestOutputs, which also read as nano-vllm's dicts: `out.outputs[0].text == out["text"]`."""
 
     def __new__(cls, *args, **kwargs):
-        """`LLM(model, data_parallel_size=N, ...)` (or the Ray backend) makes a DataParallelLLM
-        (data_parallel_front.py, a subclass), any other `LLM(...)` an LLM."""
+        """With data_parallel_size > 1 (or the Ray backend), a DataParallelLLM (data_parallel_front.py)."""
         if cls is LLM and wants_data_parallel(kwargs):
             cls = wiring.data_parallel_llm(LLM)
         return super().__new__(cls)
 
     def __init__(self, model: str, **kwargs):
-        # Taken by generate / stream / chat, so that a second caller (another thread, or an open
-        # stream() iterator) gets a clear error instead of sharing the engine's steps.
-        self._busy = threading.Lock()
+        self._busy = threading.Lock()  # held by a generate / stream / chat: see _exclusive
         self._token_texts: dict[int, str] = {}  # Logprob.decoded_token, by token id
         self._call_seqs: list[Sequence] = []  # the requests of the latest generate / stream
         self._stats_recorder = None
         self.lora_registry: dict = {}  # adapter id -> LoRARequest (enable_lora)
-        super().__init__(model, start_executor=self._start_executor, model_features=wiring,
-                         **kwargs)
+        super().__init__(model, start_executor=self._start_executor, model_features=wiring, **kwargs)
         wiring.wire_scheduling(self)  # mixed steps, when asked
         self._stats_recorder = wiring.stats_recorder(self)  # disable_log_stats=False
 
@@ -62,24 +53,12 @@ class LLM(LLMEngine):
 
     # ------------------------------------------------------------------ inputs
     def _normalize(self, prompts, sampling_params):
-        """Validate every prompt and parameter before any work starts; returns (ids, params,
-        prompt text) triples, params being the engine's validated copies."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif isinstance(prompts, (list, tuple)) and prompts and all(is_integer(t) for t in prompts):
-            prompts = [list(prompts)]  # one prompt given as token ids
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a str, a list of str, a list of token-id lists or "
-                            f"{{'prompt': ...}} / {{'prompt_token_ids': ...}} dicts, got {type(prompts).__name__}")
-        if sampling_params is None:
-            sampling_params = self.get_default_sampling_params()
-        params = [sampling_params] * len(prompts) if isinstance(sampling_params, SamplingParams) else sampling_params
-        if not isinstance(params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in params):
-            raise TypeError(f"sampling_params must be SamplingParams or a list of SamplingParams, "
-                            f"got {type(sampling_params).__name__}")
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts; "
-                             f"pass one for all or exactly one per prompt")
+        """Check every prompt and parameter before any work starts: (ids, validated params, text) triples."""
+        if isinstance(prompts, list) and all(isinstance(p, str) for p in prompts) and \
+                isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:  # one prompt, token ids, prompt dicts, default or per-prompt params (llm_calls.py)
+            prompts, params = wiring.llm_calls().prompts_and_params(self, prompts, sampling_params)
         requests, prepared = [], {}
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             try:
@@ -97,24 +76,19 @@ class LLM(LLMEngine):
         return requests
 
     def _prompt(self, prompt) -> tuple[list[int], str | None]:
-        """(token ids, text or None) of one prompt: text, token ids, or vLLM's prompt dicts
-        {"prompt": text} (TextPrompt) / {"prompt_token_ids": ids} (TokensPrompt: inputs.py)."""
+        """(token ids, text or None) of a text, token-id or dict prompt (inputs.py)."""
         if isinstance(prompt, dict):
             return wiring.dict_prompt(self, prompt)
         return self.tokenize(prompt), prompt if isinstance(prompt, str) else None
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, use_tqdm=True, lora_request=None) -> list[RequestOutput]:
-        """One RequestOutput per prompt, in input order (docs/api.md). Without sampling_params, the
-        model's generation defaults apply. use_tqdm: a progress bar, or (vLLM's) a callable making
-        one from tqdm's keywords. lora_request: a LoRARequest for every prompt, a list of them
-        (None: the base model), or None."""
+        """One RequestOutput per prompt, in input order (docs/api.md); use_tqdm may be vLLM's bar-making callable."""
         requests = self._normalize(prompts, sampling_params)
         return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
     def _run_requests(self, requests, use_tqdm, adapters=None) -> list[RequestOutput]:
-        """The outputs of normalized (ids, params, text) requests, run to completion (`adapters`:
-        each one's adapter id, or None)."""
+        """The outputs of normalized requests, run to completion (`adapters`: each one's adapter id)."""
         seqs = []
         # A signal handler's exception (Ctrl-C, a timeout) comes out at a step's end; the clean-up runs uncut.
         with self._exclusive(), deferred_interrupts():
@@ -139,8 +113,7 @@ class LLM(LLMEngine):
                     prompt: str | None = None, adapter: int = 0) -> Sequence:
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
-        # The features the request asks for, on first use: n > 1 and prompt-logprob planning in
-        # the scheduler, penalties / bias / logprobs in the sampler, streamed text / stop strings.
+        # The features the request asks for, on first use.
         wiring.wire_scheduling(self, params)
         wiring.enable_logits_extensions(self.model_runner.sampler, params)
         wiring.enable_structured_outputs(self, params)  # (compiled already, but in a data-parallel replica)
@@ -157,15 +130,11 @@ class LLM(LLMEngine):
         return result
 
     def get_metrics(self) -> list:
-        """vLLM's: the engine's counters, gauges and histograms (nanovllm/metrics.py) since it
-        started, under the server's names; needs LLM(..., disable_log_stats=False)."""
-        if self._stats_recorder is None:
-            raise RuntimeError("statistics are off: create the LLM with disable_log_stats=False to read get_metrics()")
-        return self._stats_recorder.metrics()
+        """vLLM's: the engine's metrics since it started (needs disable_log_stats=False; llm_calls.py)."""
+        return wiring.llm_calls().metrics(self)
 
     def _add_all(self, requests, seqs: list, track_text: bool = False, adapters=None) -> None:
-        """Queue every request, appending its Sequence to `seqs`: a Ctrl-C lands after the last
-        one, never between queuing a request and recording it (which would leak it)."""
+        """Queue every request into `seqs`; a Ctrl-C lands after the last one, never in between (a leak)."""
         with deferred_interrupts():
             self._call_seqs = seqs
             for i, (ids, p, text) in enumerate(requests):
@@ -177,22 +146,19 @@ class LLM(LLMEngine):
         wiring.llm_calls().release_call(self, seqs)
 
     def _clear_leftovers(self) -> None:
-        """End the previous call's requests if an exception cut its clean-up short (see _release)."""
+        """End the previous call's requests if an exception cut its clean-up short."""
         if self._call_seqs:
             self._release(self._call_seqs)
 
     @contextlib.contextmanager
     def _exclusive(self):
-        """One generate / stream at a time: steps run every queued request, so a second caller
-        would swallow the first one's outputs. The check and the claim are one atomic step."""
+        """One generate / stream at a time (a second caller would swallow the first one's outputs)."""
         claimed = False
         try:
             with deferred_interrupts():
                 claimed = self._busy.acquire(blocking=False)
             if not claimed:
-                raise RuntimeError("this LLM is already generating (an open stream() iterator, another thread, a "
-                                   "server's engine loop): finish or close that call first, or give each thread "
-                                   "its own LLM")
+                raise wiring.llm_calls().busy_error()
             yield
         finally:
             if claimed:
@@ -225,17 +191,15 @@ class LLM(LLMEngine):
         return None if self._stats_recorder is None else self._stats_recorder.request_metrics(seq)
 
     def _run_to_completion(self, total: int, use_tqdm) -> None:
-        """Step until every request has ended, with a progress bar over `total` completions when
-        `use_tqdm` asks for one (llm_calls.py)."""
+        """Step until every request has ended (a progress bar over `total` completions: llm_calls.py)."""
         if use_tqdm:
             return wiring.llm_calls().run_with_progress_bar(self, total, use_tqdm)
         while self.has_unfinished():
             self.step()
 
     def stream(self, prompts, sampling_params=None, lora_request=None) -> Iterator[StreamOutput]:
-        """Yield a StreamOutput (streaming.py) per completion increment as the engine makes them;
-        their `text`s add up to generate()'s. Bad input raises here; the requests start when
-        iteration does, and closing the iterator early aborts them."""
+        """A StreamOutput per completion increment (streaming.py). Bad input raises here; the requests
+        start when iteration does, and closing the iterator early aborts them."""
         requests = self._normalize(prompts, sampling_params)
         return wiring.stream(self, requests, wiring.lora_adapters(self, lora_request, len(requests)))
 
@@ -243,29 +207,23 @@ class LLM(LLMEngine):
              chat_template_content_format="auto", add_generation_prompt=True, continue_final_message=False,
              tools=None, documents=None, chat_template_kwargs=None, mm_processor_kwargs=None,
              **template_kwargs) -> list[RequestOutput]:
-        """vLLM's: replies to one conversation (a list of {"role", "content"} dicts) or to a list of
-        them, through the chat template (ChatOptions in chat_template.py says how each argument is
-        read; the template's variables in `chat_template_kwargs`, or as chat()'s own keywords);
-        each output's `prompt` is the rendered prompt."""
-        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
-            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
+        """vLLM's: replies to one conversation or a list of them, through the chat template (chat_template.py)."""
         options = dict(template=chat_template, content_format=chat_template_content_format,
                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                       tools=tools, documents=documents, kwargs={**(chat_template_kwargs or {}), **template_kwargs})
+                       tools=tools, documents=documents,
+                       kwargs=wiring.llm_calls().template_kwargs(chat_template_kwargs, template_kwargs))
         requests = wiring.chat_requests(self, messages, sampling_params, options, mm_processor_kwargs)
         return self._run_requests(requests, use_tqdm, wiring.lora_adapters(self, lora_request, len(requests)))
 
     @functools.cached_property
     def llm_engine(self):
-        """vLLM's step API over this LLM (llm_engine.py's LLMEngine), made at first use."""
+        """vLLM's step API over this LLM (llm_engine.py), made at first use."""
         return wiring.step_api(self)
 
     def beam_search(self, prompts, params, lora_request=None, use_tqdm=False, concurrency_limit=None) -> list:
-        """vLLM's: the `params.beam_width` best continuations of each prompt (text, token ids or
-        a prompt dict), as BeamSearchOutputs (features/beam_search.py), best first."""
+        """vLLM's: the `params.beam_width` best continuations of each prompt (features/beam_search.py)."""
         return wiring.beam_search(self, prompts, params, lora_request)
 
     def chat_prompt_ids(self, messages, **chat_template_kwargs) -> list[int]:
-        """The prompt tokens chat() generates from for one conversation (checked as chat() checks
-        it; `chat_template` among the keywords picks the template): what the server renders."""
+        """The prompt tokens chat() generates from for one conversation: what the server renders."""
         return wiring.chat_prompt_ids(self, messages, chat_template_kwargs)
