@@ -389,15 +389,11 @@ _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_e
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
 
 
-# ---------------------------------------------------------------- s7sampler: the random draw
+
+
+# ---------------------------------------------------------------- s7sampler: the random draw (core/random_draw.py)
+import importlib  # noqa: E402
+
 import nanovllm.core.sampler as _sampler  # noqa: E402
 
-
-def random_draw():
-    """The basic sampler's random route (core/random_draw.py), at the first non-greedy row."""
-    import nanovllm.core.random_draw as draw
-
-    return draw
-
-
-_sampler.RANDOM_DRAW = random_draw
+_sampler.RANDOM_DRAW = lambda: importlib.import_module("nanovllm.core.random_draw")
