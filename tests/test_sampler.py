@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from nanovllm.core import sampler as sampler_mod
 from nanovllm.core import triton_sampler as triton_mod
-from nanovllm.core.sampler import Sampler, SamplingTensors, _mix32_, apply_filters, hash_uniform
+from nanovllm.core.random_draw import _mix32_, apply_filters, hash_uniform
+from nanovllm.core.sampler import Sampler, SamplingTensors
 from nanovllm.core.triton_sampler import TritonSampler, gumbel_argmax_triton
 from nanovllm.launch import shard_sampling
 from nanovllm.sampling_params import SamplingParams as SP

@@ -9,8 +9,6 @@ from dataclasses import dataclass
 
 import torch
 
-from nanovllm.model.attention import host_to_device
-
 logger = logging.getLogger(__name__)
 
 CPU_KV_CACHE_BYTES = 1 << 30  # automatic KV-cache size on CPU
@@ -45,15 +43,6 @@ def allocate_kv_cache(spec: KVCacheSpec, num_blocks: int, attn_layers, device: t
                 spec.block_size, num_blocks * spec.block_size, num_blocks * spec.bytes_per_block / 2**30,
                 str(spec.dtype).removeprefix("torch."), spec.bytes_per_block // spec.block_size)
     return cache
-
-
-def copy_blocks(cache: torch.Tensor, copies: list[tuple[int, int]], device: torch.device) -> None:
-    """KV blocks src -> dst in every layer of `cache` (copy on write of a prompt's last block for
-    the samples forked from it)."""
-    pin = device.type == "cuda"
-    src = host_to_device([a for a, _ in copies], torch.long, device, pin)
-    dst = host_to_device([b for _, b in copies], torch.long, device, pin)
-    cache[:, :, dst] = cache.index_select(2, src)
 
 
 def blocks_that_fit(config, spec: KVCacheSpec, max_blocks_per_seq: int, gpu_blocks=None) -> int:

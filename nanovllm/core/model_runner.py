@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from nanovllm.config import Config
-from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit, copy_blocks
+from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, blocks_that_fit
 from nanovllm.core.sampling import PendingTokens, TokenSampler
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.step_inputs import StepInput, StepInputs
-from nanovllm.model.attention import Attention, host_to_device
+from nanovllm.model.attention import Attention
 from nanovllm.model.attention.torch_backend import TorchBackend
 from nanovllm.model.loader import load_model
 from nanovllm.model.registry import model_class
@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 # What only a CUDA engine runs (core/cuda_runtime.py: the attention backend's choice, the GPU's KV
 # budget, the decode graphs, the Triton sampler), and what runs only when asked (core/runner_extras.py:
-# score(), dummy weights): nanovllm/wiring/ registers their loaders at import.
+# score(), dummy weights, features' set-up, forked samples): nanovllm/wiring/ registers their loaders.
 CUDA_RUNTIME: Callable[[], ModuleType] | None = None
 RUNNER_EXTRAS: Callable[[], ModuleType] | None = None
 
@@ -60,12 +60,9 @@ class ModelRunner:
         self.tp = tp if tp is not None else TPGroup()
         self.world_size, self.rank = self.tp.size, self.tp.rank
         self.model = self._build_model()
-        if config.speculation is not None:
-            config.speculation.prepare_model(self.model, max(config.max_num_batched_tokens, config.max_num_seqs))
         self.adapters = None  # per-request adapters (LoRA): attached before memory is measured
-        if config.adapters is not None:
-            self.adapters = config.adapters(self, max(config.max_num_batched_tokens, config.max_num_seqs))
-            self.adapters.attach(self.model)
+        if config.speculation is not None or config.adapters is not None:
+            RUNNER_EXTRAS().prepare_features(self)
         self.after_sampling: list[AfterSampling] = []
         self.forward_inputs = None  # (positions, metadata) of the last forward, for after_sampling
         t_weights = time.perf_counter()
@@ -95,9 +92,7 @@ class ModelRunner:
         if cuda is not None:
             cuda.capture_graphs(self, forward_strategy)
         if config.kv_calibrator is not None:  # after the warm-ups and captures, which ran on no real data
-            for layer in self.attn_layers:
-                if not getattr(layer, "kv_scales_from_checkpoint", False):
-                    layer.calibrate_next_prefill = config.kv_calibrator
+            RUNNER_EXTRAS().arm_kv_calibration(self)
         # Where the cold start goes (bench.py reports it).
         self.startup_seconds = {"model": round(t_weights - t0, 2), "kv_cache": round(t_kv - t_weights, 2),
                                 "cuda_graphs": round(time.perf_counter() - t_kv, 2)}
@@ -176,21 +171,12 @@ class ModelRunner:
                 hidden = self.graphs.replay(step, graph_bs)
                 self.forward_inputs = self.graphs.inputs_of[graph_bs]
         if step.fork_rows or step.prompt_rows:
-            hidden = self._extra_rows(hidden, step, every)
-        if step.block_copies:
-            copy_blocks(self.kv_cache, step.block_copies, self.device)  # after the forward wrote the source blocks
+            hidden = RUNNER_EXTRAS().extra_rows(self, hidden, step, every)
+        if step.block_copies:  # after the forward wrote the source blocks
+            RUNNER_EXTRAS().copy_blocks(self.kv_cache, step.block_copies, self.device)
         if step.sampling is not None:
             return step.sampling.sample(self.sampler, self.model, hidden)
         return self.model.compute_logits(hidden)
-
-    def _extra_rows(self, hidden: torch.Tensor, step: StepInput, every: torch.Tensor | None) -> torch.Tensor:
-        """hidden + the rows forked samples sample from + the prompt-logprob positions (of all
-        the step's tokens, `every`), in that order: one LM-head call (one gather) for all."""
-        parts = [hidden]
-        for rows, source in ((step.fork_rows, hidden), (step.prompt_rows, every)):
-            if rows:
-                parts.append(source.index_select(0, host_to_device(rows, torch.long, self.device, self.sampler.pin)))
-        return torch.cat(parts)
 
     def release(self, seq) -> None:
         """A request ended: drop its sampling state (penalty counts) on this rank."""

@@ -19,8 +19,7 @@ if TYPE_CHECKING:
 
 
 def suppressed_tokens(seq: Sequence, eos_token_ids: frozenset[int]) -> set[int]:
-    """Tokens `seq` may not sample yet (before min_tokens): its stop ids and, unless it
-    ignores EOS, the EOS tokens."""
+    """Tokens `seq` may not sample before min_tokens: its stop ids and, unless it ignores EOS, EOS's."""
     if seq.num_completion_tokens >= seq.params.min_tokens:
         return set()
     return set(seq.params.stop_ids) | (set() if seq.params.ignore_eos else set(eos_token_ids))
@@ -104,7 +103,7 @@ class TokenSampler:
         return self.publish(n, check)
 
     def flush(self) -> None:
-        """Queue a draw the processing deferred (before the next step's inputs read prev_tokens)."""
+        """Queue a draw the processing deferred (before the next step reads prev_tokens)."""
         if self.processing is not None:
             self.processing.flush()
 

@@ -16,7 +16,8 @@ try:
 except ImportError:  # Triton only ships for Linux; the torch route covers the rest
     triton = None
 
-from nanovllm.core.sampler import Sampler, SamplingTensors, _kth_threshold, _scaled, _thresholds
+from nanovllm.core.random_draw import _kth_threshold, _thresholds
+from nanovllm.core.sampler import Sampler, SamplingTensors, _scaled
 
 
 def _use_triton(x: torch.Tensor) -> bool:

@@ -1,5 +1,5 @@
 """The sampler's fused Triton kernel: temperature, threshold mask, Gumbel noise and argmax in one
-pass over the logits (core/sampler.py has the torch version of the same arithmetic)."""
+pass over the logits (core/random_draw.py has the torch version of the same arithmetic)."""
 
 import torch
 import triton

@@ -1,5 +1,5 @@
 """Filtered sampling without a sort: top-k / top-p / min-p and Gumbel-max in a few passes over
-the logits (core/sampler.py's apply_filters defines the distribution; this draws from it).
+the logits (core/random_draw.py's apply_filters defines the distribution; this draws from it).
 
 Notation, per row: s = x / T (the scores; bitwise torch.div's), m = max s, thr_k = the k-th
 largest s (-inf without top-k), Z = the sum of exp(s - m) over the top-k set {s >= thr_k}, and

@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 import nanovllm.core.engine as _engine
 import nanovllm.core.model_runner as _model_runner
+import nanovllm.core.sampler as _sampler
 import nanovllm.model.attention.paged_kv as _paged_kv
 import nanovllm.model.decoder as _decoder
 import nanovllm.outputs as _outputs
@@ -44,9 +45,10 @@ def __getattr__(name: str):
 _sampling_params.FEATURE_CHECKS.append(late("nanovllm.features.sampling_checks"))  # a feature field set
 _engine.load_step_timing = late("nanovllm.core.step_timing")  # the first step that step_observers watch
 _model_runner.CUDA_RUNTIME = late("nanovllm.core.cuda_runtime")  # backend choice, KV budget, graphs (CUDA)
-_model_runner.RUNNER_EXTRAS = late("nanovllm.core.runner_extras")  # score(), dummy weights
+_model_runner.RUNNER_EXTRAS = late("nanovllm.core.runner_extras")  # score(), dummy weights, features' set-up
 _decoder.LLAMA3_ROPE_SCALING = late("nanovllm.model.rope_scaling", "Llama3RopeScaling")  # rope_type "llama3"
 _paged_kv.FP8_CACHE = late("nanovllm.model.attention.fp8_cache")  # an FP8 KV cache's encoding
+_sampler.RANDOM_DRAW = late("nanovllm.core.random_draw")  # temperature > 0
 
 
 def output_type(name: str) -> type:

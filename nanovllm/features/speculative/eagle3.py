@@ -25,7 +25,8 @@ import numpy as np
 import torch
 
 from nanovllm.core.cuda_graphs import DecodeGraphs
-from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache, copy_blocks
+from nanovllm.core.kv_cache import KVCacheSpec, allocate_kv_cache
+from nanovllm.core.runner_extras import copy_blocks
 from nanovllm.core.step_inputs import StepInput, StepInputs
 from nanovllm.features.speculative.drafting import take_draft_slots
 from nanovllm.features.speculative.eagle3_head import Eagle3Head, load_head
