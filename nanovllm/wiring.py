@@ -387,3 +387,24 @@ def fp8_cache():
 
 _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_extras
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
+
+
+# ---------------------------------------------------------------- s7core: prefix cache and KV usage at first use
+import nanovllm.core.block_manager as _block_manager  # noqa: E402
+
+
+def prefix_cache():
+    """The prefix cache (core/prefix_cache.py), loaded at the first lookup with blocks cached."""
+    import nanovllm.core.prefix_cache as cache
+
+    return cache
+
+
+def kv_usage():
+    """The KV cache's use (core/kv_usage.py), for stats and benchmarks."""
+    import nanovllm.core.kv_usage as usage
+
+    return usage
+
+
+_block_manager.PREFIX_CACHE, _block_manager.KV_USAGE = prefix_cache, kv_usage
