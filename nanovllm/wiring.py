@@ -390,21 +390,10 @@ _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cac
 
 
 # ---------------------------------------------------------------- s7core: prefix cache and KV usage at first use
+from functools import partial  # noqa: E402
+from importlib import import_module  # noqa: E402
+
 import nanovllm.core.block_manager as _block_manager  # noqa: E402
 
-
-def prefix_cache():
-    """The prefix cache (core/prefix_cache.py), loaded at the first lookup with blocks cached."""
-    import nanovllm.core.prefix_cache as cache
-
-    return cache
-
-
-def kv_usage():
-    """The KV cache's use (core/kv_usage.py), for stats and benchmarks."""
-    import nanovllm.core.kv_usage as usage
-
-    return usage
-
-
-_block_manager.PREFIX_CACHE, _block_manager.KV_USAGE = prefix_cache, kv_usage
+_block_manager.PREFIX_CACHE = partial(import_module, "nanovllm.core.prefix_cache")  # a lookup with blocks cached
+_block_manager.KV_USAGE = partial(import_module, "nanovllm.core.kv_usage")  # LLMEngine.kv_usage (stats, bench)

@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING
 
 from nanovllm.core.sequence import Sequence
-
-if TYPE_CHECKING:
-    from nanovllm.core.kv_usage import KVUsage
 
 PREFIX_CACHE = None  # filled by nanovllm.wiring: loads core/prefix_cache.py at first use
 KV_USAGE = None  # filled by nanovllm.wiring: loads core/kv_usage.py at first use
@@ -61,7 +57,7 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
-    def usage(self, running) -> KVUsage:
+    def usage(self, running):
         """The cache's use now, given the running sequences (a KVUsage, core/kv_usage.py)."""
         return KV_USAGE().usage(self, running)
 
