@@ -389,11 +389,12 @@ _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_e
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
 
 
-# ---------------------------------------------------------------- s7core: prefix cache and KV usage at first use
-from functools import partial  # noqa: E402
+# ---------------------------------------------------------------- s7core: prefix cache, KV usage, preemption
 from importlib import import_module  # noqa: E402
 
 import nanovllm.core.block_manager as _block_manager  # noqa: E402
+import nanovllm.core.scheduler as _scheduler  # noqa: E402
 
-_block_manager.PREFIX_CACHE = partial(import_module, "nanovllm.core.prefix_cache")  # a lookup with blocks cached
-_block_manager.KV_USAGE = partial(import_module, "nanovllm.core.kv_usage")  # LLMEngine.kv_usage (stats, bench)
+_block_manager.PREFIX_CACHE = lambda: import_module("nanovllm.core.prefix_cache")  # a lookup with blocks cached
+_block_manager.KV_USAGE = lambda: import_module("nanovllm.core.kv_usage")  # LLMEngine.kv_usage (stats, bench)
+_scheduler.PREEMPTION = lambda: import_module("nanovllm.core.preemption")  # a decode finds no free block

@@ -93,13 +93,8 @@ class BlockManager:
         hits = self._cached_prefix(seq)
         if self._blocks_needed(seq, hits, reserve) > self.num_free_blocks:
             raise RuntimeError(f"not enough free KV blocks for {seq}")
-        for block_id in hits:
-            block = self.blocks[block_id]
-            if block.ref_count == 0:
-                del self.free_blocks[block_id]
-            else:
-                self.num_shared_refs += 1
-            block.ref_count += 1
+        if hits:
+            PREFIX_CACHE().take(self, hits)
         seq.block_table = hits + [self._take_free() for _ in range(self.blocks_for(len(seq)) - len(hits))]
         seq.reserved_blocks = [self._take_free() for _ in range(reserve)]
         seq.num_cached_tokens = len(hits) * self.block_size

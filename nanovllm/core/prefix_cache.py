@@ -67,6 +67,17 @@ def lookup(bm: BlockManager, seq: Sequence) -> list[int]:
     return hits
 
 
+def take(bm: BlockManager, hits: list[int]) -> None:
+    """One more reference to each hit block (a freed one leaves the free list)."""
+    for block_id in hits:
+        block = bm.blocks[block_id]
+        if block.ref_count == 0:
+            del bm.free_blocks[block_id]
+        else:
+            bm.num_shared_refs += 1
+        block.ref_count += 1
+
+
 def register(bm: BlockManager, seq: Sequence) -> None:
     """Register the sequence's full, computed blocks."""
     bs = bm.block_size
