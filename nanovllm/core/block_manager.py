@@ -11,10 +11,8 @@ KV_USAGE = None  # filled by nanovllm.wiring: loads core/kv_usage.py at first us
 
 
 class Block:
-    """One KV block: its ref count and, once full and computed, the content that identifies it.
-    prefix_id / parent_prefix_id identify the exact token prefix its K/V were computed with (its
-    tokens and all before them) and its parent's: equal ids mean equal prefixes, whatever the
-    hashes do (core/prefix_cache.py)."""
+    """One KV block: its ref count and, once full and computed, the content that identifies it
+    (prefix ids: its exact token prefix and its parent's, whatever the hashes do; core/prefix_cache.py)."""
 
     __slots__ = ("block_id", "ref_count", "hash", "parent_hash", "prefix_id", "parent_prefix_id", "token_ids")
 
@@ -49,7 +47,6 @@ class BlockManager:
         self.num_prefix_hit_tokens = self.num_prefix_query_tokens = 0  # statistics
         self.num_shared_refs = 0  # sum of max(ref_count - 1, 0): usage() counts shared blocks once
 
-    # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         return len(self.free_blocks)
@@ -75,7 +72,6 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, reserve: int = 0) -> bool:
         return self._blocks_needed(seq, self._cached_prefix(seq), reserve) <= self.num_free_blocks
 
-    # ---- mutations -----------------------------------------------------------------------
     def _take_free(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)  # least recently freed first
         block = self.blocks[block_id]
@@ -86,8 +82,8 @@ class BlockManager:
         return block_id
 
     def allocate(self, seq: Sequence, reserve: int = 0) -> None:
-        """Give a waiting sequence blocks for all its tokens, reusing cached prefix blocks, and
-        `reserve` more free blocks held for its later use (seq.reserved_blocks)."""
+        """Blocks for all of a waiting sequence's tokens (cached prefix blocks reused), and `reserve`
+        more held for its later use (seq.reserved_blocks)."""
         if seq.block_table:
             raise RuntimeError(f"{seq} already has blocks")
         hits = self._cached_prefix(seq)
@@ -121,8 +117,8 @@ class BlockManager:
         return PREFIX_CACHE().reset(self)
 
     def free(self, seq: Sequence) -> None:
-        """Drop the sequence's references. Blocks keep their content for later prefix hits; tail
-        blocks, the least likely to be shared, go back to the free list first."""
+        """Drop the sequence's references; blocks keep their content for later prefix hits (tail
+        blocks, the least likely to be shared, are freed first)."""
         for block_id in reversed(seq.block_table):
             block = self.blocks[block_id]
             block.ref_count -= 1
@@ -142,8 +138,7 @@ class BlockManager:
         return self.blocks_for(len(seq)) <= len(seq.block_table) or self.num_free_blocks > 0
 
     def append_slot(self, seq: Sequence, extra: int = 0) -> None:
-        """Make sure the block table covers every token of the sequence (before a decode step),
-        and `extra` slots past them."""
+        """Extend the block table to cover every token of the sequence and `extra` slots past them."""
         while len(seq.block_table) < self.blocks_for(len(seq) + extra):
             if not self.free_blocks:
                 raise RuntimeError("no free KV block (call can_append first)")

@@ -21,8 +21,7 @@ class ScheduledBatch:
     num_new_tokens: list[int]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
-    # Forked samples: each samples from the logits of row fork_rows[j] (sampling row len(seqs) + j);
-    # the (src, dst) KV blocks to copy once the step has run.
+    # Forked samples (sampling row len(seqs) + j samples row fork_rows[j]'s logits), KV blocks to copy after.
     forks: list[Sequence] = field(default_factory=list)
     fork_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -108,8 +107,7 @@ class Scheduler:
         return seqs, counts
 
     def _admit(self, seq: Sequence) -> bool:
-        """Run `seq` if the sequence cap and the free blocks allow it, with the rows and blocks
-        the hooks hold for it (SchedulingHook.reserve)."""
+        """Run `seq` if the sequence cap and free blocks allow it, with what hooks reserve for it."""
         if not all(hook.admit(self, seq) for hook in self.hooks):
             return False
         rows = blocks = 0
@@ -137,8 +135,7 @@ class Scheduler:
         while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
             if seq.num_uncomputed_tokens > 1 or seq.drafts:
-                # A prompt being chunked (a policy mixing steps), or drafts the step in flight
-                # verifies: its tokens are known once that step resolves.
+                # A prompt being chunked (mixed steps), or drafts the step in flight verifies.
                 kept.append(seq)
                 continue
             if len(seq) > len(seq.block_table) * bm.block_size:  # its newest token needs a block
