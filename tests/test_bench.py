@@ -438,7 +438,7 @@ def test_static_batching_reservation():
 
 
 def test_kv_usage_report_summarises_and_thins_the_samples():
-    from nanovllm.core.block_manager import KVUsage
+    from nanovllm.core.kv_usage import KVUsage
 
     # 2500 steps: live tokens rise 0..2499 with blocks of 16 allocated to cover them (+1 block).
     samples = [(100.0 + i / 1000, KVUsage(16, 1000, i // 16 + 1, i, min(i, 7))) for i in range(2500)]
@@ -463,7 +463,7 @@ def test_kv_usage_report_summarises_and_thins_the_samples():
 
 def test_plot_kv_usage_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from nanovllm.core.block_manager import KVUsage
+    from nanovllm.core.kv_usage import KVUsage
 
     samples = [(i / 10, KVUsage(16, 64, i // 4 + 1, 4 * i, 3)) for i in range(40)]
     res = {"model": "tiny", "kv_usage": bench.kv_usage_report(samples, 0.0, [[0] * 30] * 3, [20] * 3, 3)}

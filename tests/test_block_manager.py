@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from nanovllm.core import block_manager as bm_mod
-from nanovllm.core.block_manager import BlockManager, chain_hash
+from nanovllm.core import prefix_cache as pc_mod
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.prefix_cache import chain_hash
 from nanovllm.core.sequence import Sequence
 from nanovllm.sampling_params import SamplingParams
 
@@ -278,7 +279,7 @@ def test_disabling_prefix_caching_gives_no_hits():
 # ------------------------------------------------------------------------------ hash collisions
 def test_hash_collision_is_rejected_by_the_token_check(monkeypatch):
     # Every block of every sequence hashes the same: only the stored token ids tell them apart.
-    monkeypatch.setattr(bm_mod, "chain_hash", lambda parent, token_ids: 12345)
+    monkeypatch.setattr(pc_mod, "chain_hash", lambda parent, token_ids: 12345)
     bm = BlockManager(16, 4)
     a = make_seq([1, 2, 3, 4, 5])
     bm.allocate(a)
@@ -305,7 +306,7 @@ def test_hash_collision_is_rejected_by_the_token_check(monkeypatch):
 def test_colliding_hash_cannot_map_a_sequence_onto_one_block_twice(monkeypatch):
     # A degenerate hash equal to the root hash: block i's parent hash check then passes for
     # any block, so only the prefix identity can stop block 0 from being hit again at index 1.
-    monkeypatch.setattr(bm_mod, "chain_hash", lambda parent, token_ids: 0)
+    monkeypatch.setattr(pc_mod, "chain_hash", lambda parent, token_ids: 0)
     bm = BlockManager(8, 2)
     a = make_seq([1, 1, 1, 1, 1])
     bm.allocate(a)
@@ -328,7 +329,7 @@ def test_collision_in_a_parent_block_cannot_serve_a_child_computed_after_another
     def colliding(parent, token_ids):
         return real(parent, [1, 2] if parent == 0 and list(token_ids) == [3, 4] else token_ids)
 
-    monkeypatch.setattr(bm_mod, "chain_hash", colliding)
+    monkeypatch.setattr(pc_mod, "chain_hash", colliding)
     bm = BlockManager(16, 2)
     u = make_seq([1, 2, 7, 7, 0])                 # registers block [1, 2]
     bm.allocate(u)

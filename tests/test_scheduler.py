@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from nanovllm.core import block_manager as bm_mod
+from nanovllm.core import prefix_cache as pc_mod
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.lifecycle import RequestLifecycle, is_stop_token
 from nanovllm.core.scheduler import Scheduler
@@ -759,7 +759,7 @@ def test_random_schedules_keep_every_invariant(weak_hash, overlap, mixed, monkey
     n = int(os.environ.get("NANOVLLM_FUZZ_SCHEDULES", NUM_SCHEDULES_WEAK_HASH if weak_hash else NUM_SCHEDULES))
     base = int(os.environ.get("NANOVLLM_FUZZ_SEED", "20240601")) + (10**6 if weak_hash else 0) + (5 * 10**6 if mixed else 0)
     if weak_hash:
-        monkeypatch.setattr(bm_mod, "chain_hash", _weak_hash)
+        monkeypatch.setattr(pc_mod, "chain_hash", _weak_hash)
     totals = dict(schedules=0, requests=0, steps=0, preemptions=0, hit_tokens=0, chunks=0, wasted_rows=0,
                   mixed_steps=0)
     t0 = time.perf_counter()

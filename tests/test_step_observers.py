@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from helpers import BLOCK, greedy, make_llm, rand_ids, tiny_checkpoint
-from nanovllm.core.block_manager import BlockManager, KVUsage
+from nanovllm.core.block_manager import BlockManager
+from nanovllm.core.kv_usage import KVUsage
 from nanovllm.core.step_timing import StepShape
 from nanovllm.core.scheduler import ScheduledBatch
 from nanovllm.core.sequence import Sequence

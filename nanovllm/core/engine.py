@@ -10,7 +10,7 @@ import random
 from typing import TYPE_CHECKING, Callable
 
 from nanovllm.config import Config
-from nanovllm.core.block_manager import BlockManager, KVUsage
+from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.interrupts import deferred_interrupts
 from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, StepResult
 from nanovllm.core.model_runner import ModelRunner
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
     from nanovllm.core.executor import Executor, ExecutorFactory
     from nanovllm.core.hooks import ForwardStrategy, ModelFeatures
+    from nanovllm.core.kv_usage import KVUsage
     from nanovllm.core.step_timing import StepTiming
 
 logger = logging.getLogger(__name__)

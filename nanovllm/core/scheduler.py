@@ -9,19 +9,19 @@ from typing import Callable
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.sequence import Sequence, SequenceStatus
 
+PREEMPTION = None  # filled by nanovllm.wiring: loads core/preemption.py when a decode finds no free block
+
 
 @dataclass
 class ScheduledBatch:
-    """The work of one step: `num_new_tokens[i]` tokens of `seqs[i]` from its num_cached_tokens on
-    (a prompt chunk, or a decoding sequence's newest token). The fields after `preempted` are what
-    scheduling hooks (core/hooks.py) add, empty otherwise."""
+    """One step: `num_new_tokens[i]` tokens of `seqs[i]` from its num_cached_tokens on. The fields
+    after `preempted` are what scheduling hooks (core/hooks.py) add."""
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
     is_prefill: bool
     preempted: list[Sequence] = field(default_factory=list)
-    # Forked samples: each samples from the logits of row fork_rows[j] (sampling row len(seqs) + j);
-    # the (src, dst) KV blocks to copy once the step has run.
+    # Forked samples (sampling row len(seqs) + j samples row fork_rows[j]'s logits), KV blocks to copy after.
     forks: list[Sequence] = field(default_factory=list)
     fork_rows: list[int] = field(default_factory=list)
     block_copies: list[tuple[int, int]] = field(default_factory=list)
@@ -29,8 +29,7 @@ class ScheduledBatch:
     prompt_rows: list[int] | None = None
     prompt_targets: list[int] | None = None
     prompt_owners: list[tuple[int, int, int]] | None = None
-    # Per sequence, drafts after its newest token, computed in this step (num_new_tokens counts
-    # them) and verified by sampling each of those positions: 1 + len(drafts[i]) rows.
+    # Per sequence, drafts after its newest token (counted in num_new_tokens): 1 + len(drafts[i]) rows.
     drafts: list[list[int]] | None = None
     lay_out: Callable[[ScheduledBatch], object] | None = None  # its StepInput, if not from_batch's (drafts)
     adapter_loads: list | None = None  # (slot, adapter) to load before this step (a LoRA hook's)
@@ -49,15 +48,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out.
-
-    A step is a prefill step whenever prompt work is pending (prompt_work), else every running
-    sequence decodes one token (decode_rows); when one needs a block and none is free, the newest
-    running sequence is preempted by recompute: its blocks freed, back to the front of the queue.
-    Features plug in through core/hooks.py: `policy` (a StepPolicy) composes steps otherwise;
-    `hooks` (SchedulingHooks) follow requests; `held_rows`: sampling rows the hooks hold for a
-    running sequence, counted against max_num_seqs until they release them.
-    """
+    """Admits waiting sequences, chunks long prompts and preempts when the KV cache runs out
+    (docs/architecture.md). Features plug in through core/hooks.py: `policy`, `hooks`, and
+    `held_rows` (sampling rows the hooks hold for a running sequence, counted against max_num_seqs)."""
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
         self.block_manager = block_manager
@@ -81,24 +74,18 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        """The next step's work, with what the hooks add to it."""
+        """The next step's work (prompt work first, else decode, unless a policy composes it), with
+        what the hooks add to it."""
         if self.policy is not None:
             batch = self.policy.compose(self)
         else:
-            batch = self._prompt_step() or self._decode_step()
+            seqs, counts = self.prompt_work(self.max_num_batched_tokens, admit=True)
+            batch = ScheduledBatch(seqs, counts, is_prefill=True) if seqs else self.decode_batch(*self.decode_rows())
         if batch is not None:
             for hook in self.hooks:
                 hook.scheduled(self, batch)
         # A hook may take every row out (speculative decoding: rows wait for their tokens).
         return batch if batch is None or batch.seqs else None
-
-    def _prompt_step(self) -> ScheduledBatch | None:
-        seqs, counts = self.prompt_work(self.max_num_batched_tokens, admit=True)
-        return ScheduledBatch(seqs, counts, is_prefill=True) if seqs else None
-
-    def _decode_step(self) -> ScheduledBatch | None:
-        rows, preempted = self.decode_rows()
-        return self.decode_batch(rows, preempted) if rows else None
 
     def prompt_work(self, budget: int, admit: bool) -> tuple[list[Sequence], list[int]]:
         """Prompt chunks within `budget` tokens: first the rest of partly prefilled prompts, then
@@ -120,8 +107,7 @@ class Scheduler:
         return seqs, counts
 
     def _admit(self, seq: Sequence) -> bool:
-        """Run `seq` if the sequence cap and the free blocks allow it, with the rows and blocks
-        the hooks hold for it (SchedulingHook.reserve)."""
+        """Run `seq` if the sequence cap and free blocks allow it, with what hooks reserve for it."""
         if not all(hook.admit(self, seq) for hook in self.hooks):
             return False
         rows = blocks = 0
@@ -139,10 +125,8 @@ class Scheduler:
         return True
 
     def decode_rows(self) -> tuple[list[Sequence], list[Sequence]]:
-        """(decode rows, preempted): one token for each running sequence that has only its
-        newest token to compute, up to the sequence cap and the token budget, in queue order;
-        a row that needs a block and finds none preempts the newest running sequence (which
-        may be itself)."""
+        """(decode rows, preempted): one token for each running sequence that has only its newest
+        token to compute, up to the sequence cap and the token budget, in queue order."""
         bm = self.block_manager
         cap = min(self.max_num_seqs, self.max_num_batched_tokens)
         scheduled: list[Sequence] = []
@@ -151,44 +135,29 @@ class Scheduler:
         while self.running and len(scheduled) < cap:
             seq = self.running.popleft()
             if seq.num_uncomputed_tokens > 1 or seq.drafts:
-                # A prompt being chunked (a policy mixing steps), or drafts the step in flight
-                # verifies: its tokens are known once that step resolves.
+                # A prompt being chunked (mixed steps), or drafts the step in flight verifies.
                 kept.append(seq)
-            elif len(seq) <= len(seq.block_table) * bm.block_size:
-                scheduled.append(seq)  # the common case: the newest token fits its last block
-                kept.append(seq)
-            else:
-                while not bm.can_append(seq):
-                    # Recompute the newest sequence: it has done the least work to throw away.
-                    victim = self.running.pop() if self.running else seq
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if victim is seq:
-                        break
-                else:
-                    bm.append_slot(seq)
-                    scheduled.append(seq)
-                    kept.append(seq)
+                continue
+            if len(seq) > len(seq.block_table) * bm.block_size:  # its newest token needs a block
+                if not bm.can_append(seq) and not PREEMPTION().make_room(self, seq, preempted):
+                    continue  # preempted itself
+                bm.append_slot(seq)
+            scheduled.append(seq)
+            kept.append(seq)
         self.running.extendleft(reversed(kept))
         return scheduled, preempted
 
-    def decode_batch(self, rows: list[Sequence], preempted: list[Sequence]) -> ScheduledBatch:
-        # Longest context first: the Triton decode kernel starts its programs in row order, so the
-        # tail shortens. Stable, and every length grows by one per step: the order holds.
+    def decode_batch(self, rows: list[Sequence], preempted: list[Sequence]) -> ScheduledBatch | None:
+        """A decode step of these rows (None without rows), longest context first: the Triton decode
+        kernel starts its programs in row order, so the tail shortens (a stable order, step to step)."""
+        if not rows:
+            return None
         rows.sort(key=len, reverse=True)
         return ScheduledBatch(rows, [1] * len(rows), is_prefill=False, preempted=preempted)
 
-    def _preempt(self, seq: Sequence) -> None:
-        self.held_rows.pop(seq, None)
-        self.block_manager.free(seq)
-        seq.status = SequenceStatus.WAITING
-        seq.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(seq)
-
     def retire(self, seq: Sequence) -> None:
-        """Take `seq` out of scheduling for good (it finished, finishes once its last token
-        arrives, or was aborted): out of its queue, KV blocks freed. Idempotent."""
+        """Take `seq` out of scheduling for good (finished, finishing, or aborted): out of its queue,
+        KV blocks freed. Idempotent."""
         if seq.status == SequenceStatus.WAITING:
             self.waiting.remove(seq)  # preempted while its last token was still on the device
         elif seq.status == SequenceStatus.RUNNING:
@@ -200,10 +169,8 @@ class Scheduler:
         seq.status = SequenceStatus.DRAINING
 
     def advance(self, batch: ScheduledBatch, max_model_len: int) -> None:
-        """Account for a launched step before its tokens are known (overlap scheduling): a sequence
-        that gets a token holds a placeholder (Sequence.add_pending_token), so the next step is
-        scheduled with the right lengths; one reaching max_tokens or max_model_len is retired here
-        (its finish reason is decided when the token arrives, core/lifecycle.py)."""
+        """Account for a launched step before its tokens are known (overlap scheduling): each sequence
+        that gets a token holds a placeholder; one reaching its length limit is retired here."""
         block_size = self.block_manager.block_size
         next_row = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):

@@ -10,9 +10,11 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any, Callable
 
+import nanovllm.core.block_manager as _block_manager
 import nanovllm.core.engine as _engine
 import nanovllm.core.model_runner as _model_runner
 import nanovllm.core.sampler as _sampler
+import nanovllm.core.scheduler as _scheduler
 import nanovllm.model.attention.paged_kv as _paged_kv
 import nanovllm.model.decoder as _decoder
 import nanovllm.outputs as _outputs
@@ -49,6 +51,9 @@ _model_runner.RUNNER_EXTRAS = late("nanovllm.core.runner_extras")  # score(), du
 _decoder.LLAMA3_ROPE_SCALING = late("nanovllm.model.rope_scaling", "Llama3RopeScaling")  # rope_type "llama3"
 _paged_kv.FP8_CACHE = late("nanovllm.model.attention.fp8_cache")  # an FP8 KV cache's encoding
 _sampler.RANDOM_DRAW = late("nanovllm.core.random_draw")  # temperature > 0
+_block_manager.PREFIX_CACHE = late("nanovllm.core.prefix_cache")  # a lookup with blocks cached, a full block
+_block_manager.KV_USAGE = late("nanovllm.core.kv_usage")  # LLMEngine.kv_usage (stats, bench)
+_scheduler.PREEMPTION = late("nanovllm.core.preemption")  # a decode finds no free block
 
 
 def output_type(name: str) -> type:
