@@ -387,3 +387,14 @@ def fp8_cache():
 
 _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_extras
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
+
+
+
+# ---------------------------------------------------------------- s7model: the model's CUDA-only / rare paths
+import importlib  # noqa: E402
+import nanovllm.model.checkpoint as _checkpoint  # noqa: E402
+import nanovllm.model.loader as _loader  # noqa: E402
+
+_decoder.FUSED_QK_NORM_ROPE = lambda: importlib.import_module("nanovllm.model.fused_qk_norm_rope")  # CUDA
+_loader.KV_SCALES = lambda: importlib.import_module("nanovllm.model.kv_scales")  # FP8 checkpoints
+_checkpoint.HUB = lambda: importlib.import_module("nanovllm.model.hub")  # a Hugging Face Hub id

@@ -6,9 +6,9 @@ vocab_size = 10**9 would fail in the allocator with a raw message)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -16,29 +16,22 @@ from nanovllm.limits import clip_repr
 from nanovllm.model import registry
 from nanovllm.sampling_params import is_integer
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+HUB: Callable[[], ModuleType] | None = None  # filled by nanovllm.wiring: hub.py, for a Hub id only
+
 
 def resolve_model_path(model: str, revision: str | None = None, what: str = "model",
                        cache_dir: str | None = None) -> str:
-    """A local checkpoint folder, or a Hugging Face Hub id downloaded (at `revision`, a branch,
-    tag or commit; into `cache_dir`, else the Hub's cache) when the machine is online."""
+    """A local checkpoint folder, or a Hugging Face Hub id downloaded (hub.py) when the machine is online."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"{what} must be a path or a Hub id, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
     if os.path.isdir(model):
         return model
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):  # looks like a Hub id
-        if importlib.util.find_spec("huggingface_hub") is None:
-            raise FileNotFoundError(f"{what} folder {model!r} does not exist (and huggingface_hub, which could "
-                                    f"fetch it from the Hub, is not installed)")
-        import huggingface_hub  # an optional dependency
-
-        try:
-            return huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir,
-                                                     allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-        except Exception as e:  # offline, unknown repo...
-            raise FileNotFoundError(
-                f"{what} folder {model!r} does not exist and could not be fetched from the Hugging Face Hub "
-                f"({type(e).__name__}: {e}). Pass the path of a local folder.") from None
+        return HUB().download(model, revision, what, cache_dir)
     raise FileNotFoundError(f"{what} folder {model!r} does not exist")
 
 

@@ -3,7 +3,7 @@
     embed -> [ input_norm -> attention -> post_attention_norm -> MLP | MoE ] x L -> norm -> lm_head
 
 A family (families/*.py) only maps its Hugging Face config onto `DecoderOptions` (q/k norm, biases,
-RoPE scaling, which layers are mixture-of-experts: a feature, SparseMlpFactory). Under tensor
+RoPE scaling, which layers are mixture-of-experts: a feature, experts.py's SparseMlpFactory). Under tensor
 parallelism q/k/v and gate/up are column-parallel and o_proj, down_proj and the experts return
 this rank's partial sum, which the next RMSNorm sums over the ranks with the residual add (one
 fused all-reduce + norm per sub-block); a row-parallel bias is added by rank 0 only (counted once).
@@ -12,7 +12,7 @@ fused all-reduce + norm per sub-block); a row-parallel bias is added by rank 0 o
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -26,19 +26,15 @@ from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.parallel.group import current_tp_group
 
 if TYPE_CHECKING:
-    from nanovllm.model.experts import MoeOptions
+    from types import ModuleType
+
+    from nanovllm.model.experts import MoeOptions, SparseMlpFactory
     from nanovllm.model.rope_scaling import Llama3RopeScaling
 
-# Llama 3's RoPE scaling (model/rope_scaling.py), loaded at the first config that asks for it:
-# nanovllm/wiring.py registers the loader at import.
+# Filled by nanovllm/wiring.py at import; each loads its module at first use: Llama 3's RoPE
+# scaling (model/rope_scaling.py), the fused q/k norm + RoPE kernel's path (fused_qk_norm_rope.py).
 LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None
-
-
-class SparseMlpFactory(Protocol):
-    """Builds the MLP of a mixture-of-experts layer (features/moe.py's SparseMoeBlock.from_options):
-    a module [T, H] -> this rank's partial sum [T, H], like DenseMLP."""
-
-    def __call__(self, hidden_size: int, moe: MoeOptions) -> nn.Module: ...
+FUSED_QK_NORM_ROPE: Callable[[], ModuleType] | None = None
 
 
 @dataclass(frozen=True)
@@ -84,15 +80,6 @@ class DecoderOptions:
         if len(self.moe_layers) < self.num_layers and self.intermediate_size < 1:
             raise ValueError(f"config.json: intermediate_size must be >= 1 for the dense MLP layers, "
                              f"got {self.intermediate_size}")
-
-    def tensor_parallel_sizes(self) -> dict[str, int]:
-        """The sizes tensor parallelism splits (each must be a multiple of the TP size), named."""
-        sizes = {"attention heads": self.num_heads, "key/value heads": self.num_kv_heads}
-        if len(self.moe_layers) < self.num_layers:
-            sizes["intermediate_size"] = self.intermediate_size
-        if self.moe_layers:
-            sizes["moe_intermediate_size"] = self.moe.intermediate_size
-        return sizes
 
 
 def head_dim_of(config) -> int:
@@ -177,24 +164,16 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
-        # The fused kernel handles power-of-two head sizes (all the supported checkpoints'); it runs
-        # on CUDA tensors (use_kernels None; tests set True to run it in Triton's interpreter).
+        # The fused kernel (fused_qk_norm_rope.py) handles power-of-two head sizes; it runs on CUDA
+        # tensors (use_kernels None; tests set True to run it in Triton's interpreter).
         self.fused_rope = self.head_dim & (self.head_dim - 1) == 0
         self.use_kernels: bool | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        store = {}
+        stored = False
         if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
-            from nanovllm.kernels.qk_norm_rope import qk_norm_rope
-
-            # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
-            # writes k and v into the paged cache when the attention layer lets it (a launch less).
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
-                else (None, None, 0.0)
-            store = self.attn.fused_store_args(meta)
-            q, k, v = qk_norm_rope(qkv, norms[0], norms[1], self.rotary_emb.cos_sin, positions,
-                                   self.num_heads, self.num_kv_heads, self.head_dim, norms[2], **store)
+            q, k, v, stored = FUSED_QK_NORM_ROPE().qkv_heads(self, qkv, positions, meta)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -203,7 +182,7 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta, kv_stored=bool(store)).reshape(-1, self.q_size))
+        return self.o_proj(self.attn(q, k, v, meta, kv_stored=stored).reshape(-1, self.q_size))
 
 
 class DenseMLP(nn.Module):
