@@ -26,9 +26,6 @@ class TPGroup:
     def row_parallel(self, x: torch.Tensor, layer) -> torch.Tensor:
         return layer.matmul(x)
 
-    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-        return None  # no fused path: the caller normalises
-
     def symmetric_memory_bytes(self) -> int:
         return 0
 

@@ -101,23 +101,15 @@ class MergedColumnParallelLinear(LinearBase):
                           self.output_sizes[shard_id] // self.tp_size)
 
 
-class QKVParallelLinear(LinearBase):
-    """q, k and v projections packed along dim 0; each rank holds its heads of all three."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections packed along dim 0 (shards "q", "k", "v"); each rank holds its heads of all three."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        self.head_dim = head_dim
-        self.num_heads = divide(num_heads, current_tp_group().size)
-        self.num_kv_heads = divide(num_kv_heads, current_tp_group().size)
-        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, tp_dim=0)
-
-    def packed_sizes(self) -> list[int]:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return [q, kv, kv]
+        divide(num_kv_heads, current_tp_group().size)  # whole heads (then q's too: num_heads is a multiple)
+        super().__init__(hidden_size, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: str = "q"):
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        _load_packed_part(self, param, loaded, name, offset, size)
+        super().weight_loader(param, loaded, name, "qkv".index(shard_id))
 
 
 def _load_packed_part(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, name: str, offset: int,
