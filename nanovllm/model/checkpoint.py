@@ -1,8 +1,6 @@
-"""A checkpoint folder as the engine first reads it, before any allocation: where it is (a local
-folder, or a Hugging Face Hub id fetched when online), its JSON files, its config.json checked by
-its model family and against ranges (rope_theta = 0 would load and emit garbage), and whether
-this machine can hold the weights (num_hidden_layers = 10**6 would grind until memory runs out;
-vocab_size = 10**9 would fail in the allocator with a raw message)."""
+"""A checkpoint folder as the engine first reads it, before any allocation: where it is, its JSON
+files, its config.json checked by its family and against ranges (rope_theta = 0 would emit garbage),
+and whether this machine can hold the weights (num_hidden_layers = 10**6 would grind for hours)."""
 
 from __future__ import annotations
 
@@ -48,10 +46,8 @@ def read_json(path: str) -> dict:
 
 
 def load_hf_config(path: str, overrides: dict | None = None):
-    """The checkpoint's `config.json` as a transformers config, read by its family's config class
-    (registry.py) and checked: sizes positive, then the family refuses an unknown architecture or
-    an unsupported option (sliding window, rope type, activation ...) before any weights load.
-    `overrides` (vLLM's hf_overrides) replace entries first, nested dicts merged."""
+    """The checkpoint's `config.json` as its family's transformers config (registry.py), checked
+    before any weights load. `overrides` (vLLM's hf_overrides) replace entries first, dicts merged."""
     import transformers
 
     cfg_file = os.path.join(path, "config.json")
@@ -82,9 +78,8 @@ def check_sizes(raw: dict) -> None:
 
 
 def check_model_fits(hf_config, dtype: torch.dtype, fp8_layers: bool, device: str, tp: int, dp: int) -> None:
-    """rope_theta and rms_norm_eps (as the family reads them) positive and finite, and the weights'
-    size against the device (each GPU holds 1/tp of them; on the CPU the ranks and replicas
-    share the RAM): a ValueError naming the config.json field, before any allocation."""
+    """rope_theta and rms_norm_eps positive and finite, and the weights' size against the device (a
+    GPU holds 1/tp of them; on the CPU ranks and replicas share the RAM): else a ValueError."""
     opts = registry.decoder_options(hf_config)
     for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
         if not 0 < value < float("inf"):
@@ -100,8 +95,8 @@ def check_model_fits(hf_config, dtype: torch.dtype, fp8_layers: bool, device: st
 
 
 def weight_bytes(hf_config, dtype: torch.dtype, fp8_layers: bool) -> dict[str, int]:
-    """A lower bound of the model's weight bytes, in two parts named by the config.json field
-    that scales them: "vocab_size" (embedding and LM head), "num_hidden_layers" (the layers)."""
+    """A lower bound of the weight bytes, by the config.json field that scales them (vocab_size,
+    num_hidden_layers)."""
     o = registry.decoder_options(hf_config)
     h, q, kv = o.hidden_size, o.num_heads * o.head_dim, o.num_kv_heads * o.head_dim
     dense_layers = o.num_layers - len(o.moe_layers)

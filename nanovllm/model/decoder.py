@@ -1,13 +1,7 @@
-"""The decoder every supported family shares: pre-norm attention + MLP (or MoE) blocks,
-
-    embed -> [ input_norm -> attention -> post_attention_norm -> MLP | MoE ] x L -> norm -> lm_head
-
-A family (families/*.py) only maps its Hugging Face config onto `DecoderOptions` (q/k norm, biases,
-RoPE scaling, which layers are mixture-of-experts: a feature, experts.py's SparseMlpFactory). Under tensor
-parallelism q/k/v and gate/up are column-parallel and o_proj, down_proj and the experts return
-this rank's partial sum, which the next RMSNorm sums over the ranks with the residual add (one
-fused all-reduce + norm per sub-block); a row-parallel bias is added by rank 0 only (counted once).
-"""
+"""The decoder every supported family shares (a family, families/*.py, maps its config.json onto
+`DecoderOptions`): embed -> [norm -> attention -> norm -> MLP | MoE] x L -> norm -> lm_head.
+Under tensor parallelism o_proj, down_proj and the experts return this rank's partial sum, which
+the next RMSNorm sums over the ranks with the residual add."""
 
 from __future__ import annotations
 
@@ -39,9 +33,8 @@ FUSED_QK_NORM_ROPE: Callable[[], ModuleType] | None = None
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """Everything that differs between the supported families, read from config.json once.
-    `intermediate_size` is the dense MLP's; `moe_layers` lists the layers whose MLP is the MoE
-    block instead (then `moe` is set). `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    """What differs between the supported families, read from config.json once. `moe_layers`: the
+    layers whose MLP is the MoE block (then `moe` is set). `qk_norm`: per-head q/k RMSNorm (Qwen3)."""
 
     vocab_size: int
     hidden_size: int
@@ -91,9 +84,8 @@ ROPE_TYPES = ("default", "llama3")
 
 
 def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from a transformers config, 5.x (`rope_parameters`, theta inside) or
-    4.x (`rope_theta` + `rope_scaling`, key `rope_type` or `type`); other rope types than plain
-    and Llama 3's, and partial rotary embeddings, are a ValueError."""
+    """(rope_theta, scaling) from a transformers 5.x (`rope_parameters`) or 4.x (`rope_theta` +
+    `rope_scaling`) config; other rope types and partial rotary embeddings are a ValueError."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -110,8 +102,7 @@ def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
 
 
 def common_options(config, **choices) -> DecoderOptions:
-    """The fields every family reads the same way, plus the family's `choices` (DecoderOptions
-    fields). Activations other than SiLU are a ValueError."""
+    """The fields every family reads the same way, plus the family's `choices` (DecoderOptions fields)."""
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r} (SwiGLU with silu only)")
@@ -141,8 +132,7 @@ def reject_sliding_window(config) -> None:
 
 
 class DecoderAttention(nn.Module):
-    """Packed qkv projection (+ bias), optional per-head q/k RMSNorm, RoPE, paged attention,
-    output projection (+ bias) left as this rank's partial sum."""
+    """Packed qkv projection, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
 
     def __init__(self, opts: DecoderOptions, rotary_emb: RotaryEmbedding):
         super().__init__()
@@ -186,8 +176,7 @@ class DecoderAttention(nn.Module):
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up packed in one GEMM; down's output is this
-    rank's partial sum (the next norm all-reduces it)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up packed in one GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
@@ -200,8 +189,7 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair),
-    as is the all-reduce of the partial sums under tensor parallelism (all_reduce=True)."""
+    """Pre-norm block; the residual add (and the TP all-reduce) is fused into the next norm."""
 
     def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding,
                  sparse_mlp: SparseMlpFactory | None = None):
@@ -250,9 +238,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing.
-    A family implements `options_from_config(config) -> DecoderOptions`, which also validates
-    the config (a ValueError for anything unsupported)."""
+    """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing. A
+    family implements `options_from_config`, which refuses an unsupported config (ValueError)."""
 
     # Checkpoint tensor name part -> (packed parameter name part, shard id); see loader.py.
     packed_modules_mapping = {
@@ -269,8 +256,7 @@ class DecoderForCausalLM(nn.Module):
         raise NotImplementedError
 
     def __init__(self, config, max_positions: int | None = None, sparse_mlp: SparseMlpFactory | None = None):
-        """`max_positions` bounds the RoPE table (the engine passes max_model_len); `sparse_mlp`
-        builds the MLP of the MoE layers (needed when the model has some)."""
+        """`max_positions` bounds the RoPE table (max_model_len); `sparse_mlp` builds the MoE layers' MLP."""
         super().__init__()
         self.options = self.options_from_config(config)
         self.model = DecoderModel(self.options, max_positions, sparse_mlp)
@@ -284,6 +270,5 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks), left unconverted:
-        the sampler reads them once and computes in fp32."""
+        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks)."""
         return self.lm_head(hidden)

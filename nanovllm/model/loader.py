@@ -31,10 +31,8 @@ def _resolve(params: dict, mapping: dict, name: str):
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`, one at a time
-    (`safe_open`: peak host memory is one tensor), each parameter's `weight_loader` taking only
-    this rank's shard. A tensor the model does not know, a parameter the checkpoint lacks, or a
-    shape mismatch is a ValueError naming the tensor. MoE experts: model/experts.py."""
+    """Copy the checkpoint's `*.safetensors` tensors into `model` one at a time, each parameter's
+    `weight_loader` taking this rank's shard; an unknown, missing or misshapen tensor is a ValueError."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r} (pickle checkpoints are not loaded)")
@@ -99,8 +97,7 @@ def _read_checked(f, name: str, file: str) -> torch.Tensor:
 
 
 def _expected_names(mapping: dict, experts, params: dict, tied: bool) -> set[str]:
-    """The checkpoint tensor names a complete checkpoint holds for these parameters (experts
-    in the Hub's per-expert form)."""
+    """The tensor names a complete checkpoint holds for these parameters (experts per expert)."""
     names = set()
     for pname, param in params.items():
         if tied and pname == "lm_head.weight":

@@ -1,6 +1,5 @@
 """Which model class serves a checkpoint: config.json's `architectures` -> one family module,
-imported on first use only: its transformers config class reads config.json (checkpoint.py's
-load_hf_config), and the ModelRunner builds `model_class(hf_config)`."""
+imported on first use only."""
 
 from __future__ import annotations
 
@@ -47,6 +46,5 @@ def model_class(hf_config):
 
 
 def decoder_options(hf_config):
-    """The DecoderOptions (model/decoder.py) its family reads from a transformers config (the
-    family's check: a ValueError for what it does not implement)."""
+    """The DecoderOptions its family reads from a transformers config (a ValueError if unsupported)."""
     return model_class(hf_config).options_from_config(hf_config)

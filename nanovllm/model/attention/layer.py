@@ -16,12 +16,9 @@ if TYPE_CHECKING:
 
 
 class Attention(nn.Module):
-    """q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim]. `k_cache` /
-    `v_cache` are assigned by the ModelRunner once the cache is allocated; an FP8 cache is
-    encoded with the `k_scale` / `v_scale` buffers (fp32 [1], default 1.0; set them in place
-    with `.copy_()`: the kernels and CUDA graphs hold their addresses). A
-    `calibrate_next_prefill` calibrator, once set, writes the scales from the next prefill's
-    own K/V and is cleared."""
+    """q: [tokens, num_heads, head_dim]; k, v: [tokens, num_kv_heads, head_dim]. The ModelRunner
+    assigns `k_cache` / `v_cache`; an FP8 cache's `k_scale` / `v_scale` (fp32 [1]) are set in place
+    (kernels and CUDA graphs hold their addresses), e.g. by `calibrate_next_prefill` (fp8_cache.py)."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int):
         super().__init__()
@@ -35,8 +32,8 @@ class Attention(nn.Module):
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibrate_next_prefill: KVScaleCalibrator | None = None
-        # While piecewise prefill graphs are captured (features/prefill_graphs.py): called instead
-        # of attending, with forward's arguments and this layer first; it returns the output.
+        # Called instead of attending (this layer, then forward's arguments) while piecewise prefill
+        # graphs are captured (features/prefill_graphs.py).
         self.graph_break = None
 
     def forward(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:

@@ -13,8 +13,7 @@ import torch
 if TYPE_CHECKING:
     from types import ModuleType
 
-# The FP8 cache's encoding (fp8_cache.py), loaded for an FP8 cache only: nanovllm/wiring.py
-# registers the loader at import.
+# The FP8 cache's encoding (fp8_cache.py), loaded for an FP8 cache only (filled by nanovllm.wiring).
 FP8_CACHE: Callable[[], ModuleType] | None = None
 
 

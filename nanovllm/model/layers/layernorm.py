@@ -24,10 +24,8 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, all_reduce: bool = False):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the sum
-        rounded to the activation dtype before the norm, as transformers does. On CUDA one fused
-        Triton kernel does it all. `all_reduce=True` (with a residual): `x` is this rank's partial
-        sum of a row-parallel layer, summed over the ranks first (DistributedTPGroup.rms_norm)."""
+        """norm(x), or with `residual` (norm(x + residual), x + residual), the sum rounded to x's dtype
+        first (transformers'). `all_reduce`: x is a partial sum over the TP ranks (DistributedTPGroup)."""
         if all_reduce and self.tp.size > 1:
             return self.tp.rms_norm(x, residual, self)
         if x.is_cuda:

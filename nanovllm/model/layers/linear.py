@@ -1,7 +1,6 @@
-"""Linear layers split across tensor-parallel ranks, each with a `weight_loader` for its shard.
-Column-parallel layers split the output features (no communication); row-parallel layers split
-the input features and all-reduce their partial sums. Packed column-parallel layers (`qkv_proj`,
-`gate_up_proj`) hold several checkpoint tensors side by side: one GEMM instead of three (two)."""
+"""Linear layers split across tensor-parallel ranks (column-parallel: the output features;
+row-parallel: the input features, partial sums all-reduced), each with a `weight_loader` for its
+shard. Packed layers (`qkv_proj`, `gate_up_proj`) hold several checkpoint tensors: one GEMM."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class LinearBase(nn.Module):
         # This rank's sizes, kept when a quantization method replaces the weight.
         self.in_features, self.out_features = input_size, output_size
         self.tp = current_tp_group()
-        self.tp_rank = self.tp.rank
-        self.tp_size = self.tp.size
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.quant = None  # its LinearMethod (model/quant.py) when quantized, set before loading
@@ -50,19 +48,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
-        """Shape of the unsplit checkpoint tensor behind `param`."""
-        shape = list(param.shape)
-        if self.tp_dim is not None and self.tp_dim < param.dim():
-            shape[self.tp_dim] *= self.tp_size
-        return tuple(shape)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
-        if self.tp_dim is not None and self.tp_dim < param.dim():
-            if loaded.shape != self._full_shape(param):
-                raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                                 f"expected {self._full_shape(param)}")
-            size = param.size(self.tp_dim)
+        if self.tp_dim is not None and self.tp_dim < param.dim():  # this rank's slice of the whole tensor
+            size, full = param.size(self.tp_dim), list(param.shape)
+            full[self.tp_dim] *= self.tp_size
+            if list(loaded.shape) != full:
+                raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(full)}")
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         _copy_checked(param.data, loaded, name)
 
@@ -127,10 +118,8 @@ def _load_packed_part(layer: LinearBase, param: nn.Parameter, loaded: torch.Tens
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; partial products are summed across ranks. With
-    `reduce_results=False` the output is this rank's partial sum, which must reach
-    `RMSNorm(..., all_reduce=True)` as returned: a prefill-sized one may already be on its way
-    to the peer (TPGroup.row_parallel), and the norm finishes that exchange."""
+    """With `reduce_results=False` the output is this rank's partial sum, which must reach
+    `RMSNorm(..., all_reduce=True)` as returned (DistributedTPGroup.row_parallel)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         super().__init__(divide(input_size, current_tp_group().size), output_size, bias, tp_dim=1)
