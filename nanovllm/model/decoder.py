@@ -149,11 +149,8 @@ class DecoderAttention(nn.Module):
                                         reduce_results=False)
         self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
-        if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
+        self.q_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps) if opts.qk_norm else None
         # The fused kernel (fused_qk_norm_rope.py) handles power-of-two head sizes; it runs on CUDA
         # tensors (use_kernels None; tests set True to run it in Triton's interpreter).
         self.fused_rope = self.head_dim & (self.head_dim - 1) == 0

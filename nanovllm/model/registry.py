@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Architecture:
-    """A supported `architectures` entry: the `model_type` it comes with, the transformers config
-    class that reads its config.json, and the module holding the nanovllm class of the same name."""
+    """A supported `architectures` entry: its model_type, transformers config class and nanovllm module."""
 
     model_type: str
     config_class: str
