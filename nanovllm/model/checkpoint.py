@@ -1,14 +1,12 @@
-"""A checkpoint folder as the engine first reads it, before any allocation: where it is (a local
-folder, or a Hugging Face Hub id fetched when online), its JSON files, its config.json checked by
-its model family and against ranges (rope_theta = 0 would load and emit garbage), and whether
-this machine can hold the weights (num_hidden_layers = 10**6 would grind until memory runs out;
-vocab_size = 10**9 would fail in the allocator with a raw message)."""
+"""A checkpoint folder as the engine first reads it, before any allocation: where it is, its JSON
+files, its config.json checked by its family and against ranges (rope_theta = 0 would emit garbage),
+and whether this machine can hold the weights (num_hidden_layers = 10**6 would grind for hours)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -16,29 +14,22 @@ from nanovllm.limits import clip_repr
 from nanovllm.model import registry
 from nanovllm.sampling_params import is_integer
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+HUB: Callable[[], ModuleType] | None = None  # filled by nanovllm.wiring: hub.py, for a Hub id only
+
 
 def resolve_model_path(model: str, revision: str | None = None, what: str = "model",
                        cache_dir: str | None = None) -> str:
-    """A local checkpoint folder, or a Hugging Face Hub id downloaded (at `revision`, a branch,
-    tag or commit; into `cache_dir`, else the Hub's cache) when the machine is online."""
+    """A local checkpoint folder, or a Hugging Face Hub id downloaded (hub.py) when the machine is online."""
     if not isinstance(model, (str, os.PathLike)):
         raise TypeError(f"{what} must be a path or a Hub id, got {type(model).__name__}")
     model = os.path.expanduser(os.fspath(model))
     if os.path.isdir(model):
         return model
     if model.count("/") == 1 and not model.startswith((".", "/", "~")):  # looks like a Hub id
-        if importlib.util.find_spec("huggingface_hub") is None:
-            raise FileNotFoundError(f"{what} folder {model!r} does not exist (and huggingface_hub, which could "
-                                    f"fetch it from the Hub, is not installed)")
-        import huggingface_hub  # an optional dependency
-
-        try:
-            return huggingface_hub.snapshot_download(model, revision=revision, cache_dir=cache_dir,
-                                                     allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
-        except Exception as e:  # offline, unknown repo...
-            raise FileNotFoundError(
-                f"{what} folder {model!r} does not exist and could not be fetched from the Hugging Face Hub "
-                f"({type(e).__name__}: {e}). Pass the path of a local folder.") from None
+        return HUB().download(model, revision, what, cache_dir)
     raise FileNotFoundError(f"{what} folder {model!r} does not exist")
 
 
@@ -55,10 +46,8 @@ def read_json(path: str) -> dict:
 
 
 def load_hf_config(path: str, overrides: dict | None = None):
-    """The checkpoint's `config.json` as a transformers config, read by its family's config class
-    (registry.py) and checked: sizes positive, then the family refuses an unknown architecture or
-    an unsupported option (sliding window, rope type, activation ...) before any weights load.
-    `overrides` (vLLM's hf_overrides) replace entries first, nested dicts merged."""
+    """The checkpoint's `config.json` as its family's transformers config (registry.py), checked
+    before any weights load. `overrides` (vLLM's hf_overrides) replace entries first, dicts merged."""
     import transformers
 
     cfg_file = os.path.join(path, "config.json")
@@ -89,9 +78,8 @@ def check_sizes(raw: dict) -> None:
 
 
 def check_model_fits(hf_config, dtype: torch.dtype, fp8_layers: bool, device: str, tp: int, dp: int) -> None:
-    """rope_theta and rms_norm_eps (as the family reads them) positive and finite, and the weights'
-    size against the device (each GPU holds 1/tp of them; on the CPU the ranks and replicas
-    share the RAM): a ValueError naming the config.json field, before any allocation."""
+    """rope_theta and rms_norm_eps positive and finite, and the weights' size against the device (a
+    GPU holds 1/tp of them; on the CPU ranks and replicas share the RAM): else a ValueError."""
     opts = registry.decoder_options(hf_config)
     for name, value in (("rope_theta", opts.rope_theta), ("rms_norm_eps", opts.rms_norm_eps)):
         if not 0 < value < float("inf"):
@@ -107,8 +95,8 @@ def check_model_fits(hf_config, dtype: torch.dtype, fp8_layers: bool, device: st
 
 
 def weight_bytes(hf_config, dtype: torch.dtype, fp8_layers: bool) -> dict[str, int]:
-    """A lower bound of the model's weight bytes, in two parts named by the config.json field
-    that scales them: "vocab_size" (embedding and LM head), "num_hidden_layers" (the layers)."""
+    """A lower bound of the weight bytes, by the config.json field that scales them (vocab_size,
+    num_hidden_layers)."""
     o = registry.decoder_options(hf_config)
     h, q, kv = o.hidden_size, o.num_heads * o.head_dim, o.num_kv_heads * o.head_dim
     dense_layers = o.num_layers - len(o.moe_layers)

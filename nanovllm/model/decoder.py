@@ -1,18 +1,12 @@
-"""The decoder every supported family shares: pre-norm attention + MLP (or MoE) blocks,
-
-    embed -> [ input_norm -> attention -> post_attention_norm -> MLP | MoE ] x L -> norm -> lm_head
-
-A family (families/*.py) only maps its Hugging Face config onto `DecoderOptions` (q/k norm, biases,
-RoPE scaling, which layers are mixture-of-experts: a feature, SparseMlpFactory). Under tensor
-parallelism q/k/v and gate/up are column-parallel and o_proj, down_proj and the experts return
-this rank's partial sum, which the next RMSNorm sums over the ranks with the residual add (one
-fused all-reduce + norm per sub-block); a row-parallel bias is added by rank 0 only (counted once).
-"""
+"""The decoder every supported family shares (a family, families/*.py, maps its config.json onto
+`DecoderOptions`): embed -> [norm -> attention -> norm -> MLP | MoE] x L -> norm -> lm_head.
+Under tensor parallelism o_proj, down_proj and the experts return this rank's partial sum, which
+the next RMSNorm sums over the ranks with the residual add."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch import nn
@@ -26,26 +20,21 @@ from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 from nanovllm.parallel.group import current_tp_group
 
 if TYPE_CHECKING:
-    from nanovllm.model.experts import MoeOptions
+    from types import ModuleType
+
+    from nanovllm.model.experts import MoeOptions, SparseMlpFactory
     from nanovllm.model.rope_scaling import Llama3RopeScaling
 
-# Llama 3's RoPE scaling (model/rope_scaling.py), loaded at the first config that asks for it:
-# nanovllm/wiring/ registers the loader at import.
+# Filled by nanovllm/wiring/ at import; each loads its module at first use: Llama 3's RoPE
+# scaling (model/rope_scaling.py), the fused q/k norm + RoPE kernel's path (fused_qk_norm_rope.py).
 LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None
-
-
-class SparseMlpFactory(Protocol):
-    """Builds the MLP of a mixture-of-experts layer (features/moe.py's SparseMoeBlock.from_options):
-    a module [T, H] -> this rank's partial sum [T, H], like DenseMLP."""
-
-    def __call__(self, hidden_size: int, moe: MoeOptions) -> nn.Module: ...
+FUSED_QK_NORM_ROPE: Callable[[], ModuleType] | None = None
 
 
 @dataclass(frozen=True)
 class DecoderOptions:
-    """Everything that differs between the supported families, read from config.json once.
-    `intermediate_size` is the dense MLP's; `moe_layers` lists the layers whose MLP is the MoE
-    block instead (then `moe` is set). `qk_norm`: per-head RMSNorm of q and k before RoPE (Qwen3)."""
+    """What differs between the supported families, read from config.json once. `moe_layers`: the
+    layers whose MLP is the MoE block (then `moe` is set). `qk_norm`: per-head q/k RMSNorm (Qwen3)."""
 
     vocab_size: int
     hidden_size: int
@@ -85,15 +74,6 @@ class DecoderOptions:
             raise ValueError(f"config.json: intermediate_size must be >= 1 for the dense MLP layers, "
                              f"got {self.intermediate_size}")
 
-    def tensor_parallel_sizes(self) -> dict[str, int]:
-        """The sizes tensor parallelism splits (each must be a multiple of the TP size), named."""
-        sizes = {"attention heads": self.num_heads, "key/value heads": self.num_kv_heads}
-        if len(self.moe_layers) < self.num_layers:
-            sizes["intermediate_size"] = self.intermediate_size
-        if self.moe_layers:
-            sizes["moe_intermediate_size"] = self.moe.intermediate_size
-        return sizes
-
 
 def head_dim_of(config) -> int:
     """head_dim when config.json names it (Qwen3: not always hidden_size / num_heads), else that quotient."""
@@ -104,9 +84,8 @@ ROPE_TYPES = ("default", "llama3")
 
 
 def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
-    """(rope_theta, scaling) from a transformers config, 5.x (`rope_parameters`, theta inside) or
-    4.x (`rope_theta` + `rope_scaling`, key `rope_type` or `type`); other rope types than plain
-    and Llama 3's, and partial rotary embeddings, are a ValueError."""
+    """(rope_theta, scaling) from a transformers 5.x (`rope_parameters`) or 4.x (`rope_theta` +
+    `rope_scaling`) config; other rope types and partial rotary embeddings are a ValueError."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     params = dict(params)
     rope_type = params.get("rope_type", params.get("type", "default"))
@@ -123,8 +102,7 @@ def rope_of(config) -> tuple[float, Llama3RopeScaling | None]:
 
 
 def common_options(config, **choices) -> DecoderOptions:
-    """The fields every family reads the same way, plus the family's `choices` (DecoderOptions
-    fields). Activations other than SiLU are a ValueError."""
+    """The fields every family reads the same way, plus the family's `choices` (DecoderOptions fields)."""
     act = getattr(config, "hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r} (SwiGLU with silu only)")
@@ -154,8 +132,7 @@ def reject_sliding_window(config) -> None:
 
 
 class DecoderAttention(nn.Module):
-    """Packed qkv projection (+ bias), optional per-head q/k RMSNorm, RoPE, paged attention,
-    output projection (+ bias) left as this rank's partial sum."""
+    """Packed qkv projection, optional per-head q/k RMSNorm, RoPE, paged attention, o_proj."""
 
     def __init__(self, opts: DecoderOptions, rotary_emb: RotaryEmbedding):
         super().__init__()
@@ -172,29 +149,18 @@ class DecoderAttention(nn.Module):
                                         reduce_results=False)
         self.rotary_emb = rotary_emb  # one cos/sin table shared by all layers
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim ** -0.5, self.num_kv_heads)
-        if opts.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        # The fused kernel handles power-of-two head sizes (all the supported checkpoints'); it runs
-        # on CUDA tensors (use_kernels None; tests set True to run it in Triton's interpreter).
+        self.q_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps) if opts.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=opts.rms_norm_eps) if opts.qk_norm else None
+        # The fused kernel (fused_qk_norm_rope.py) handles power-of-two head sizes; it runs on CUDA
+        # tensors (use_kernels None; tests set True to run it in Triton's interpreter).
         self.fused_rope = self.head_dim & (self.head_dim - 1) == 0
         self.use_kernels: bool | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        store = {}
+        stored = False
         if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
-            from nanovllm.kernels.qk_norm_rope import qk_norm_rope
-
-            # One kernel for (q/k RMSNorm +) RoPE of every head instead of ~15 small ones; it also
-            # writes k and v into the paged cache when the attention layer lets it (a launch less).
-            norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None \
-                else (None, None, 0.0)
-            store = self.attn.fused_store_args(meta)
-            q, k, v = qk_norm_rope(qkv, norms[0], norms[1], self.rotary_emb.cos_sin, positions,
-                                   self.num_heads, self.num_kv_heads, self.head_dim, norms[2], **store)
+            q, k, v, stored = FUSED_QK_NORM_ROPE().qkv_heads(self, qkv, positions, meta)
         else:
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.reshape(-1, self.num_heads, self.head_dim)
@@ -203,12 +169,11 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta, kv_stored=bool(store)).reshape(-1, self.q_size))
+        return self.o_proj(self.attn(q, k, v, meta, kv_stored=stored).reshape(-1, self.q_size))
 
 
 class DenseMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up packed in one GEMM; down's output is this
-    rank's partial sum (the next norm all-reduces it)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up packed in one GEMM."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
         super().__init__()
@@ -221,8 +186,7 @@ class DenseMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block; the residual add is fused into the next norm (hence the residual pair),
-    as is the all-reduce of the partial sums under tensor parallelism (all_reduce=True)."""
+    """Pre-norm block; the residual add (and the TP all-reduce) is fused into the next norm."""
 
     def __init__(self, opts: DecoderOptions, layer: int, rotary_emb: RotaryEmbedding,
                  sparse_mlp: SparseMlpFactory | None = None):
@@ -271,9 +235,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
-    """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing.
-    A family implements `options_from_config(config) -> DecoderOptions`, which also validates
-    the config (a ValueError for anything unsupported)."""
+    """A decoder with its LM head; parameter names match Hugging Face checkpoints after packing. A
+    family implements `options_from_config`, which refuses an unsupported config (ValueError)."""
 
     # Checkpoint tensor name part -> (packed parameter name part, shard id); see loader.py.
     packed_modules_mapping = {
@@ -290,8 +253,7 @@ class DecoderForCausalLM(nn.Module):
         raise NotImplementedError
 
     def __init__(self, config, max_positions: int | None = None, sparse_mlp: SparseMlpFactory | None = None):
-        """`max_positions` bounds the RoPE table (the engine passes max_model_len); `sparse_mlp`
-        builds the MLP of the MoE layers (needed when the model has some)."""
+        """`max_positions` bounds the RoPE table (max_model_len); `sparse_mlp` builds the MoE layers' MLP."""
         super().__init__()
         self.options = self.options_from_config(config)
         self.model = DecoderModel(self.options, max_positions, sparse_mlp)
@@ -305,6 +267,5 @@ class DecoderForCausalLM(nn.Module):
         return self.model(input_ids, positions, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks), left unconverted:
-        the sampler reads them once and computes in fp32."""
+        """Logits [rows, vocab] in the model dtype (rank 0; None on other ranks)."""
         return self.lm_head(hidden)

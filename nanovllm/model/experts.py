@@ -12,6 +12,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from torch import nn
 
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.(?P<kind>\w+)$")
 _FUSED_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>\w+?)(?P<kind>_scale_inv)?$")
@@ -34,6 +38,13 @@ class MoeOptions:
     def __post_init__(self):
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+
+
+class SparseMlpFactory(Protocol):
+    """Builds the MLP of a mixture-of-experts layer (features/moe.py's SparseMoeBlock.from_options):
+    a module [T, H] -> this rank's partial sum [T, H], like decoder.py's DenseMLP."""
+
+    def __call__(self, hidden_size: int, moe: MoeOptions) -> nn.Module: ...
 
 
 class ExpertTensors:

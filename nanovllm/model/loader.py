@@ -5,13 +5,19 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
-import re
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from nanovllm.model.attention import paged_kv
+if TYPE_CHECKING:
+    from types import ModuleType
+
+# FP8 KV-cache scales' loading (kv_scales.py), filled by nanovllm/wiring.py: loaded at the first
+# checkpoint tensor named like one (<layer>.self_attn.k_scale, ...v_proj.output_scale).
+KV_SCALES: Callable[[], ModuleType] | None = None
+_KV_SCALE_ENDINGS = ("k_scale", "v_scale", "output_scale")
 
 
 def _resolve(params: dict, mapping: dict, name: str):
@@ -25,10 +31,8 @@ def _resolve(params: dict, mapping: dict, name: str):
 
 
 def load_model(model: nn.Module, path: str) -> None:
-    """Copy every tensor of the checkpoint's `*.safetensors` files into `model`, one at a time
-    (`safe_open`: peak host memory is one tensor), each parameter's `weight_loader` taking only
-    this rank's shard. A tensor the model does not know, a parameter the checkpoint lacks, or a
-    shape mismatch is a ValueError naming the tensor. MoE experts: model/experts.py."""
+    """Copy the checkpoint's `*.safetensors` tensors into `model` one at a time, each parameter's
+    `weight_loader` taking this rank's shard; an unknown, missing or misshapen tensor is a ValueError."""
     files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path!r} (pickle checkpoints are not loaded)")
@@ -44,7 +48,8 @@ def load_model(model: nn.Module, path: str) -> None:
                     continue  # tied to the embedding, which is loaded under its own name
                 if name.endswith("rotary_emb.inv_freq"):
                     continue  # recomputed, older checkpoints carry it
-                if _load_kv_scale(model, name, lambda: _read_checked(f, name, file)):
+                if name.endswith(_KV_SCALE_ENDINGS) and \
+                        KV_SCALES().load_kv_scale(model, name, lambda: _read_checked(f, name, file)):
                     continue
                 hit = experts.resolve(params, name) if experts is not None else None
                 pname, param, shard_id = hit or _resolve(params, mapping, name)
@@ -91,30 +96,8 @@ def _read_checked(f, name: str, file: str) -> torch.Tensor:
                          f"({type(e).__name__}: {e})") from None
 
 
-# FP8 KV-cache scales as vLLM names them (<layer>.self_attn.{k,v}_scale, or the older
-# <layer>.self_attn.{k,v}_proj.output_scale), read into the attention layer's k_scale / v_scale.
-_KV_SCALE = re.compile(r"^(?P<attn>.+\.self_attn)\.(?:(?P<kv>[kv])_scale|(?P<proj>[kv])_proj\.output_scale)$")
-
-
-def _load_kv_scale(model: nn.Module, name: str, read) -> bool:
-    """Whether `name` is a KV-cache scale (then copied into its attention layer when the cache is
-    FP8: fp8_cache.py; ignored otherwise, a 16-bit cache needs no scale)."""
-    m = _KV_SCALE.match(name)
-    if m is None:
-        return False
-    try:
-        attn = model.get_submodule(m["attn"]).attn
-    except AttributeError:
-        raise ValueError(f"checkpoint tensor {name!r} is a KV-cache scale of a layer this model does not "
-                         "have") from None
-    if getattr(attn, "fp8_kv_cache", False):
-        paged_kv.FP8_CACHE().load_scale(attn, m["kv"] or m["proj"], read(), name)
-    return True
-
-
 def _expected_names(mapping: dict, experts, params: dict, tied: bool) -> set[str]:
-    """The checkpoint tensor names a complete checkpoint holds for these parameters (experts
-    in the Hub's per-expert form)."""
+    """The tensor names a complete checkpoint holds for these parameters (experts per expert)."""
     names = set()
     for pname, param in params.items():
         if tied and pname == "lm_head.weight":

@@ -1,6 +1,5 @@
 """Which model class serves a checkpoint: config.json's `architectures` -> one family module,
-imported on first use only: its transformers config class reads config.json (checkpoint.py's
-load_hf_config), and the ModelRunner builds `model_class(hf_config)`."""
+imported on first use only."""
 
 from __future__ import annotations
 
@@ -10,8 +9,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Architecture:
-    """A supported `architectures` entry: the `model_type` it comes with, the transformers config
-    class that reads its config.json, and the module holding the nanovllm class of the same name."""
+    """A supported `architectures` entry: its model_type, transformers config class and nanovllm module."""
 
     model_type: str
     config_class: str
@@ -47,6 +45,5 @@ def model_class(hf_config):
 
 
 def decoder_options(hf_config):
-    """The DecoderOptions (model/decoder.py) its family reads from a transformers config (the
-    family's check: a ValueError for what it does not implement)."""
+    """The DecoderOptions its family reads from a transformers config (a ValueError if unsupported)."""
     return model_class(hf_config).options_from_config(hf_config)

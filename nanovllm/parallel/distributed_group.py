@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from nanovllm.parallel.group import TPGroup
 
@@ -58,6 +59,24 @@ class DistributedTPGroup(TPGroup):
         if self.fused_norm is not None and self.fused_norm.fits(x, residual):
             return self.fused_norm(x, residual, weight, eps)
         return None
+
+    def rms_norm(self, x: torch.Tensor, residual: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """An RMSNorm's `norm(s, residual)` (model/layers/layernorm.py) with s = the sum of `x` over
+        the ranks: one of the fused paths above where it applies, else NCCL, then the norm."""
+        fused = self.all_reduce_rms_norm(x, residual, norm.weight, norm.eps)
+        return fused if fused is not None else norm(self.all_reduce(x), residual)
+
+    def embed(self, x: torch.Tensor, layer) -> torch.Tensor:
+        """A VocabParallelEmbedding's lookup: each rank's rows for the ids in its slice, summed over the ranks."""
+        local = x - layer.vocab_start
+        mask = (local >= 0) & (local < layer.shard_size)
+        y = F.embedding(local.clamp(0, layer.shard_size - 1), layer.weight) * mask.unsqueeze(-1).to(layer.weight.dtype)
+        return self.all_reduce(y)
+
+    def gather_logits(self, logits: torch.Tensor, head) -> torch.Tensor | None:
+        """A ParallelLMHead's logits over the whole vocabulary on rank 0 (None on the others)."""
+        parts = self.gather_to_rank0(logits)
+        return None if parts is None else torch.cat(parts, dim=-1)[:, :head.num_embeddings]
 
     def symmetric_memory_bytes(self) -> int:
         """Device memory held by the symmetric-memory paths (not in the caching allocator's count)."""

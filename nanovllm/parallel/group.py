@@ -13,9 +13,8 @@ import torch
 
 @dataclass(frozen=True)
 class TPGroup:
-    """One rank's view of its tensor-parallel group: here a single rank, whose collectives return
-    their input (distributed_group.py's DistributedTPGroup runs them over the ranks and documents
-    them). `rank` and `size` alone also build a rank's shard of the layers (tests)."""
+    """A single rank's tensor-parallel group, whose collectives return their input (DistributedTPGroup
+    runs them over the ranks). `rank` and `size` alone also build a rank's shard of the layers (tests)."""
 
     rank: int = 0
     size: int = 1
@@ -25,9 +24,6 @@ class TPGroup:
 
     def row_parallel(self, x: torch.Tensor, layer) -> torch.Tensor:
         return layer.matmul(x)
-
-    def all_reduce_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
-        return None  # no fused path: the caller normalises
 
     def symmetric_memory_bytes(self) -> int:
         return 0

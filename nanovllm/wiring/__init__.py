@@ -16,7 +16,9 @@ import nanovllm.core.model_runner as _model_runner
 import nanovllm.core.sampler as _sampler
 import nanovllm.core.scheduler as _scheduler
 import nanovllm.model.attention.paged_kv as _paged_kv
+import nanovllm.model.checkpoint as _checkpoint
 import nanovllm.model.decoder as _decoder
+import nanovllm.model.loader as _loader
 import nanovllm.outputs as _outputs
 import nanovllm.sampling_params as _sampling_params
 
@@ -51,6 +53,9 @@ _model_runner.RUNNER_EXTRAS = late("nanovllm.core.runner_extras")  # score(), du
 _decoder.LLAMA3_ROPE_SCALING = late("nanovllm.model.rope_scaling", "Llama3RopeScaling")  # rope_type "llama3"
 _paged_kv.FP8_CACHE = late("nanovllm.model.attention.fp8_cache")  # an FP8 KV cache's encoding
 _sampler.RANDOM_DRAW = late("nanovllm.core.random_draw")  # temperature > 0
+_decoder.FUSED_QK_NORM_ROPE = late("nanovllm.model.fused_qk_norm_rope")  # the fused q/k norm + RoPE (CUDA)
+_loader.KV_SCALES = late("nanovllm.model.kv_scales")  # an FP8 checkpoint's k/v scales
+_checkpoint.HUB = late("nanovllm.model.hub")  # a Hugging Face Hub id
 _block_manager.PREFIX_CACHE = late("nanovllm.core.prefix_cache")  # a lookup with blocks cached, a full block
 _block_manager.KV_USAGE = late("nanovllm.core.kv_usage")  # LLMEngine.kv_usage (stats, bench)
 _scheduler.PREEMPTION = late("nanovllm.core.preemption")  # a decode finds no free block

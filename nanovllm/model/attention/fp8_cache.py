@@ -6,12 +6,31 @@ never loads this module (paged_kv.py's fp8_codec, through the loader nanovllm/wi
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from nanovllm.kernels.kv_store import check_kv_scales  # (Triton: loaded for FP8 caches only)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+
+
+class KVScaleCalibrator(Protocol):
+    """Writes an FP8 cache's K and V scales (fp32 [1] buffers, in place) from a prefill's own K/V
+    (features/quantization/fp8_kv.py): an attention layer's `calibrate_next_prefill`."""
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor, k_scale: torch.Tensor, v_scale: torch.Tensor) -> None: ...
+
+
+def calibrate(attn, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Runs an attention layer's calibrator on this prefill's K/V, then clears it. Returns False,
+    the layer's new kv_stored: whatever the caller stored (a piecewise prefill graph's fused
+    store) went in with the scales of before, so the layer stores again with the calibrated ones."""
+    with torch.no_grad():
+        attn.calibrate_next_prefill(k, v, attn.k_scale, attn.v_scale)
+    attn.calibrate_next_prefill = None
+    return False
 
 
 def fp8_kv(k_cache: torch.Tensor, k_scale, v_scale) -> bool:

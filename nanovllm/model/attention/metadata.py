@@ -33,8 +33,7 @@ class AttentionMetadata:
 
 
 def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -> torch.Tensor:
-    """A host list or numpy array as a device tensor; from pinned memory the copy does not block
-    the host."""
+    """A host list or numpy array as a device tensor (from pinned memory: without blocking the host)."""
     t = torch.as_tensor(data, dtype=dtype)
     if pin_memory:  # (torch.tensor(..., pin_memory=True) refuses numpy arrays)
         t = t.pin_memory()
@@ -43,11 +42,8 @@ def host_to_device(data, dtype: torch.dtype, device, pin_memory: bool = False) -
 
 def prefill_metadata(query_lens: list[int], kv_lens: list[int], slot_mapping: torch.Tensor,
                      block_tables: torch.Tensor | None, device, pin_memory: bool = False) -> AttentionMetadata:
-    """Metadata of a prefill step from per-sequence new-token and K/V lengths (host lists).
-
-    `block_tables` may be None when no sequence has cached tokens and the backend reads K/V
-    straight from this step's projections.
-    """
+    """Metadata of a prefill step from per-sequence new-token and K/V lengths (host lists);
+    `block_tables` may be None when no sequence has cached tokens."""
     def to_dev(data):
         return host_to_device(data, torch.int32, device, pin_memory)
 

@@ -13,8 +13,7 @@ import torch
 if TYPE_CHECKING:
     from types import ModuleType
 
-# The FP8 cache's encoding (fp8_cache.py), loaded for an FP8 cache only: nanovllm/wiring/
-# registers the loader at import.
+# The FP8 cache's encoding (fp8_cache.py), loaded for an FP8 cache only (filled by nanovllm.wiring).
 FP8_CACHE: Callable[[], ModuleType] | None = None
 
 
@@ -28,8 +27,7 @@ def fp8_codec(k_cache: torch.Tensor, k_scale, v_scale):
 
 
 def store_kvcache_torch(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
-    """Reference KV store: scatter each token's K/V into its slot (slot -1 = skip), quantized
-    as fp8_cache.quantize_kv says when the cache is FP8."""
+    """Reference KV store: each token's K/V into its slot (-1: skip), quantized for an FP8 cache."""
     codec = fp8_codec(k_cache, k_scale, v_scale)
     if codec is not None:
         k, v = codec.quantize_kv(k, k_scale), codec.quantize_kv(v, v_scale)

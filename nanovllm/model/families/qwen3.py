@@ -8,8 +8,7 @@ __all__ = ["Qwen3ForCausalLM"]
 
 
 class Qwen3ForCausalLM(DecoderForCausalLM):
-    """Qwen3-0.6B ... Qwen3-32B. `attention_bias` puts a bias on q/k/v and o_proj (as in
-    transformers; no released checkpoint sets it)."""
+    """Qwen3-0.6B ... Qwen3-32B (`attention_bias`, set by no released checkpoint: q/k/v and o_proj biases)."""
 
     @classmethod
     def options_from_config(cls, config) -> DecoderOptions:

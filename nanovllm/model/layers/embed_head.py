@@ -32,12 +32,7 @@ class VocabParallelEmbedding(nn.Module):
         param.data[shard.size(0):].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.embedding(x, self.weight)
-        local = x - self.vocab_start
-        mask = (local >= 0) & (local < self.shard_size)
-        y = F.embedding(local.clamp(0, self.shard_size - 1), self.weight) * mask.unsqueeze(-1).to(self.weight.dtype)
-        return self.tp.all_reduce(y)
+        return F.embedding(x, self.weight) if self.tp_size == 1 else self.tp.embed(x, self)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -45,7 +40,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden, self.weight)
-        if self.tp_size == 1:
-            return logits[:, :self.num_embeddings]
-        parts = self.tp.gather_to_rank0(logits)
-        return None if parts is None else torch.cat(parts, dim=-1)[:, :self.num_embeddings]
+        return logits[:, :self.num_embeddings] if self.tp_size == 1 else self.tp.gather_logits(logits, self)

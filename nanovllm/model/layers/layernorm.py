@@ -24,16 +24,10 @@ class RMSNorm(nn.Module):
         return x.to(dtype) * self.weight
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, all_reduce: bool = False):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), the sum
-        rounded to the activation dtype before the norm, as transformers does. On CUDA one fused
-        Triton kernel does it all. `all_reduce=True` (with a residual): `x` is this rank's partial
-        sum of a row-parallel layer, summed over the ranks first (TPGroup.all_reduce_rms_norm's
-        fused paths where it has one, else NCCL)."""
+        """norm(x), or with `residual` (norm(x + residual), x + residual), the sum rounded to x's dtype
+        first (transformers'). `all_reduce`: x is a partial sum over the TP ranks (DistributedTPGroup)."""
         if all_reduce and self.tp.size > 1:
-            fused = self.tp.all_reduce_rms_norm(x, residual, self.weight, self.eps)
-            if fused is not None:
-                return fused
-            x = self.tp.all_reduce(x)
+            return self.tp.rms_norm(x, residual, self)
         if x.is_cuda:
             from nanovllm.kernels.fused_ops import rms_norm
 

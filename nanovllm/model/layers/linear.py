@@ -1,7 +1,6 @@
-"""Linear layers split across tensor-parallel ranks, each with a `weight_loader` for its shard.
-Column-parallel layers split the output features (no communication); row-parallel layers split
-the input features and all-reduce their partial sums. Packed column-parallel layers (`qkv_proj`,
-`gate_up_proj`) hold several checkpoint tensors side by side: one GEMM instead of three (two)."""
+"""Linear layers split across tensor-parallel ranks (column-parallel: the output features;
+row-parallel: the input features, partial sums all-reduced), each with a `weight_loader` for its
+shard. Packed layers (`qkv_proj`, `gate_up_proj`) hold several checkpoint tensors: one GEMM."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class LinearBase(nn.Module):
         # This rank's sizes, kept when a quantization method replaces the weight.
         self.in_features, self.out_features = input_size, output_size
         self.tp = current_tp_group()
-        self.tp_rank = self.tp.rank
-        self.tp_size = self.tp.size
+        self.tp_rank, self.tp_size = self.tp.rank, self.tp.size
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.quant = None  # its LinearMethod (model/quant.py) when quantized, set before loading
@@ -50,19 +48,12 @@ class LinearBase(nn.Module):
         else:
             self.register_parameter("bias", None)
 
-    def _full_shape(self, param: nn.Parameter) -> tuple[int, ...]:
-        """Shape of the unsplit checkpoint tensor behind `param`."""
-        shape = list(param.shape)
-        if self.tp_dim is not None and self.tp_dim < param.dim():
-            shape[self.tp_dim] *= self.tp_size
-        return tuple(shape)
-
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "") -> None:
-        if self.tp_dim is not None and self.tp_dim < param.dim():
-            if loaded.shape != self._full_shape(param):
-                raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, "
-                                 f"expected {self._full_shape(param)}")
-            size = param.size(self.tp_dim)
+        if self.tp_dim is not None and self.tp_dim < param.dim():  # this rank's slice of the whole tensor
+            size, full = param.size(self.tp_dim), list(param.shape)
+            full[self.tp_dim] *= self.tp_size
+            if list(loaded.shape) != full:
+                raise ValueError(f"{name}: checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(full)}")
             loaded = loaded.narrow(self.tp_dim, self.tp_rank * size, size)
         _copy_checked(param.data, loaded, name)
 
@@ -101,23 +92,15 @@ class MergedColumnParallelLinear(LinearBase):
                           self.output_sizes[shard_id] // self.tp_size)
 
 
-class QKVParallelLinear(LinearBase):
-    """q, k and v projections packed along dim 0; each rank holds its heads of all three."""
+class QKVParallelLinear(MergedColumnParallelLinear):
+    """q, k and v projections packed along dim 0 (shards "q", "k", "v"); each rank holds its heads of all three."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False):
-        self.head_dim = head_dim
-        self.num_heads = divide(num_heads, current_tp_group().size)
-        self.num_kv_heads = divide(num_kv_heads, current_tp_group().size)
-        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, tp_dim=0)
-
-    def packed_sizes(self) -> list[int]:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return [q, kv, kv]
+        divide(num_kv_heads, current_tp_group().size)  # whole heads (then q's too: num_heads is a multiple)
+        super().__init__(hidden_size, [num_heads * head_dim] + [num_kv_heads * head_dim] * 2, bias)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "", shard_id: str = "q"):
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
-        _load_packed_part(self, param, loaded, name, offset, size)
+        super().weight_loader(param, loaded, name, "qkv".index(shard_id))
 
 
 def _load_packed_part(layer: LinearBase, param: nn.Parameter, loaded: torch.Tensor, name: str, offset: int,
@@ -135,10 +118,8 @@ def _load_packed_part(layer: LinearBase, param: nn.Parameter, loaded: torch.Tens
 
 
 class RowParallelLinear(LinearBase):
-    """Splits the input features; partial products are summed across ranks. With
-    `reduce_results=False` the output is this rank's partial sum, which must reach
-    `RMSNorm(..., all_reduce=True)` as returned: a prefill-sized one may already be on its way
-    to the peer (TPGroup.row_parallel), and the norm finishes that exchange."""
+    """With `reduce_results=False` the output is this rank's partial sum, which must reach
+    `RMSNorm(..., all_reduce=True)` as returned (DistributedTPGroup.row_parallel)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, reduce_results: bool = True):
         super().__init__(divide(input_size, current_tp_group().size), output_size, bias, tp_dim=1)
