@@ -387,3 +387,11 @@ def fp8_cache():
 
 _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_extras
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
+
+
+# ---------------------------------------------------------------- s7config: Config's rarely run checks
+import importlib  # noqa: E402
+
+import nanovllm.config as _config  # noqa: E402
+
+_config.CONFIG_CHECKS = lambda: importlib.import_module("nanovllm.config_checks")  # (what a plain engine never runs)
