@@ -1,18 +1,10 @@
-"""Bounds on hostile input: what one request may carry, and how errors quote what it carried
-(enough to find the culprit, never a whole large input)."""
+"""How errors quote what a request carried: enough to find the culprit, never a whole large input
+(what one request may carry: features/sampling_checks.py)."""
 
 from __future__ import annotations
 
 import itertools
 import re
-
-# What one request may carry (a ValueError beyond: features/sampling_checks.py): generous for real
-# use, and small enough that no request makes the engine build huge structures or scan huge lists.
-MAX_STOP_STRINGS = 128
-MAX_STOP_STRING_CHARS = 4096
-MAX_BAD_WORDS = 1024
-MAX_BAD_WORD_CHARS = 1024
-MAX_TOKEN_ID_ENTRIES = 1 << 18  # stop_token_ids, logit_bias, allowed_token_ids: the largest vocabularies
 
 
 def clip_repr(value, items: int = 5, chars: int = 80) -> str:

@@ -7,9 +7,7 @@ import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
-
-import xxhash
+from typing import TYPE_CHECKING, Callable
 
 from nanovllm.limits import clip_repr
 from nanovllm.values import as_token_ids, is_integer, is_real  # noqa: F401 (imported from here too)
@@ -20,8 +18,7 @@ if TYPE_CHECKING:
 
 class RequestOutputKind(enum.Enum):
     """What each output of a request holds: everything so far, only the new part, or only the
-    final result. LLM.generate and chat return final results whatever the kind (as vLLM's LLM
-    does); the engine's step API is what would honour DELTA."""
+    final result (LLM.generate and chat return final results whatever the kind, as vLLM's)."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -37,22 +34,9 @@ _FEATURES_OFF = {"_stop_strings": (), "_stop_ids": frozenset(), "_logit_bias": N
                  "_bad_words": (), "_uses_penalties": False, "_processes_logits": False}
 
 
-class FeatureChecks(Protocol):
-    """What SamplingParams asks of features/sampling_checks.py (FEATURE_CHECKS: wiring.py's loader),
-    which also holds this module's names that a plain request does not load (see __getattr__)."""
-
-    NOT_IMPLEMENTED: dict
-
-    def check_fields(self, params: SamplingParams, names: list[str]) -> dict:
-        """Check the FEATURE_FIELDS `names` of `params` (ValueError naming one); returns the
-        attributes to store: those fields as Python's own numbers and their normalised forms."""
-
-    def vllm_only(self, name: str, value) -> bool:
-        """Whether `name` is a vLLM field nano-vllm lacks given its off value (then dropped);
-        another value of one is a NotImplementedError naming it."""
-
-
-FEATURE_CHECKS: list[Callable[[], FeatureChecks]] = []  # filled by wiring.py at import
+# wiring.py's loader of features/sampling_checks.py: check_fields, vllm_only, derive_sample_seed and
+# this module's names that a plain request does not load (see __getattr__).
+FEATURE_CHECKS: list[Callable] = []
 
 
 def __getattr__(name: str):
@@ -64,13 +48,8 @@ def __getattr__(name: str):
 
 def derive_sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request with `n > 1` and seed `seed`: sample 0 uses the
-    seed itself (so it equals the same request with n=1), sample i > 0 a 63-bit hash of (seed, i),
-    so no two (seed, i) pairs share a random stream (as seed + i would)."""
-    if index == 0:
-        return seed
-    h = xxhash.xxh64((seed % (1 << 64)).to_bytes(8, "little"))
-    h.update(index.to_bytes(8, "little"))
-    return h.intdigest() >> 1
+    seed itself (so it equals the same request with n=1), another features/sampling_checks.py's."""
+    return seed if index == 0 else FEATURE_CHECKS[0]().derive_sample_seed(seed, index)
 
 
 def _normalised(key: str, doc: str) -> property:
@@ -86,14 +65,10 @@ def _normalised(key: str, doc: str) -> property:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops: vLLM's fields, docs/api.md says what each
-    does (and which distribution logprobs describe).
-
-    Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
-    validated at construction and again when a request is added, and the engine keeps its own
-    validated copy (`snapshot()`), so changing a SamplingParams never affects requests already
-    added. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
-    (NOT_IMPLEMENTED: features/sampling_checks.py) are a NotImplementedError.
+    """How one request is sampled and when it stops: vLLM's fields (docs/api.md). Fields can be
+    set after construction, as in vLLM; the engine keeps its own validated copy (`snapshot()`), so
+    changing one never affects requests already added. vLLM fields nano-vllm lacks
+    (NOT_IMPLEMENTED) are a NotImplementedError, other unknown ones a TypeError.
     """
 
     temperature: float = 1.0
