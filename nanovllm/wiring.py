@@ -389,9 +389,11 @@ _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_e
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
 
 
-# ---------------------------------------------------------------- s7config: Config's rarely run checks
+# ---------------------------------------------------------------- s7config: Config's rarely run checks, error quotes
 import importlib  # noqa: E402
 
 import nanovllm.config as _config  # noqa: E402
+import nanovllm.limits as _limits  # noqa: E402
 
 _config.CONFIG_CHECKS = lambda: importlib.import_module("nanovllm.config_checks")  # (what a plain engine never runs)
+_limits.QUOTES = lambda: importlib.import_module("nanovllm.quotes")  # (at the first error message)
