@@ -72,9 +72,8 @@ class Config:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # Filled by resolve(): the checkpoint's transformers config, the KV cache's element type, and
-    # what the features the front wires in answer (core/hooks.py's ModelFeatures): the weight
-    # scheme, the FP8 cache's scale calibrator, the MoE block factory, the checked speculative_config.
+    # Filled by resolve(): the checkpoint's config, the KV cache's element type, and what the features
+    # answer (core/hooks.py's ModelFeatures).
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
@@ -85,8 +84,8 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
-        """Config from LLM's flat keywords (each feature's go to its sub-config); vLLM's names are
-        read and unknown keywords named in one TypeError by config_checks.known_keywords."""
+        """Config from LLM's flat keywords (each feature's go to its sub-config; vLLM's and unknown
+        ones: config_checks.known_keywords)."""
         known = set(FEATURE_OPTIONS) | {f.name for f in dataclasses.fields(cls) if f.init} - {"model", *SUB_CONFIGS}
         if kwargs.keys() - known:
             kwargs = CONFIG_CHECKS().known_keywords(kwargs, known)

@@ -53,8 +53,7 @@ def derive_sample_seed(seed: int, index: int) -> int:
 
 
 def _normalised(key: str, doc: str) -> property:
-    """A read-only attribute of SamplingParams: the form of its fields that _validate stored
-    under `key`, validated again first if a field was set since the last check."""
+    """A read-only attribute: what _validate stored under `key` (validated again if a field was set)."""
     def get(self):
         if not self.__dict__.get("_checked"):
             self._validate()
@@ -179,8 +178,7 @@ class SamplingParams:
     bad_word_strings = _normalised("_bad_words", "`bad_words` without repeats.")
     uses_penalties = _normalised("_uses_penalties", "presence, frequency or repetition penalty set.")
     processes_logits = _normalised("_processes_logits", """Whether the logits are changed before temperature
-        and the filters (penalties, logit_bias, allowed_token_ids, bad_words, structured outputs): the
-        sampler then needs this row's whole vocabulary, and the row's own device state for penalties.""")
+        and the filters (penalties, logit_bias, allowed_token_ids, bad_words, structured outputs).""")
 
     @property
     def bad_word_ids(self) -> tuple[tuple[int, ...], ...]:
