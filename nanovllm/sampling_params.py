@@ -152,8 +152,7 @@ class SamplingParams:
         object.__setattr__(self, "_checked", True)
 
     def snapshot(self) -> "SamplingParams":
-        """A validated, immutable copy for the engine to keep (ValueError if a field set after
-        construction is invalid). The engine reads only this copy while a request runs."""
+        """A validated, immutable copy: the one the engine reads while a request runs."""
         if self.__dict__.get("_frozen"):
             return self
         snap = copy.copy(self)
@@ -201,8 +200,7 @@ def _is_default(value, default) -> bool:
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs):
-    # vLLM fields nano-vllm lacks: their "off" value is dropped, any other is refused by name
-    # (the dataclass's own __init__ calls the other unknown names a TypeError).
+    # vLLM fields nano-vllm lacks: their "off" value is dropped, any other refused (vllm_only).
     for name in kwargs.keys() - _DEFAULTS.keys():
         if FEATURE_CHECKS[0]().vllm_only(name, kwargs[name]):
             del kwargs[name]
