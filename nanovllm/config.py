@@ -1,7 +1,6 @@
-"""Engine configuration: every `LLM(...)` keyword in two steps. `Config.from_kwargs(model, **kwargs)`
-checks each value with no I/O: core fields flat, one sub-config per feature (feature_options.py).
-`config.resolve(...)` then reads the checkpoint's config.json, picks the device and dtypes, probes
-the GPU and fills the fields the engine reads (`hf_config`, `quant`, `kv_dtype`, ...).
+"""Engine configuration: `Config.from_kwargs(model, **kwargs)` checks every `LLM(...)` keyword with
+no I/O (core fields flat, one sub-config per feature: feature_options.py); `config.resolve(...)` then
+reads the checkpoint and the machine and fills the fields the engine reads (`hf_config`, `kv_dtype`, ...).
 """
 
 from __future__ import annotations
@@ -14,36 +13,29 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nanovllm.limits import clip_repr
 from nanovllm.model import registry
-from nanovllm.model.attention.backend import flash_attn_available
 from nanovllm.model.checkpoint import check_model_fits, load_hf_config, resolve_model_path
 from nanovllm.sampling_params import is_integer
 from nanovllm.feature_options import (FEATURE_OPTIONS, KV_CACHE_DTYPES, SUB_CONFIGS, LoraConfig,  # noqa: F401
                                       ParallelConfig, PrefillGraphConfig, QuantizationConfig, SchedulingConfig,
                                       _at_least, check_options, option)
-from nanovllm.vllm_keywords import translate_vllm_keywords
 
 if TYPE_CHECKING:
     from nanovllm.core.hooks import ModelFeatures
 
 logger = logging.getLogger(__name__)
+CONFIG_CHECKS = None  # filled by nanovllm.wiring: loads config_checks.py (what a plain engine never runs)
 
 ATTENTION_BACKENDS = ("flash_attn", "triton", "torch")
 TOKENIZER_MODES = ("auto", "slow")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _PATH = (str, os.PathLike, type(None))
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16}
 
 
 @dataclass
 class Config:
-    """Everything `LLM(model, **kwargs)` accepts (docs/api.md says what each does), each checked
-    by its option() rule: core fields here, the features' options in their sub-configs
-    (FEATURE_OPTIONS maps the keywords). `attention_backend` (None = automatic) forces one of
-    ATTENTION_BACKENDS, for tests."""
+    """Everything `LLM(model, **kwargs)` accepts (docs/api.md), each checked by its option() rule;
+    `attention_backend` (None = automatic) forces one of ATTENTION_BACKENDS, for tests."""
 
     model: str
     max_num_seqs: int = option(512, "an integer >= 1", _at_least(1))
@@ -80,9 +72,8 @@ class Config:
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     prefill_graphs: PrefillGraphConfig = field(default_factory=PrefillGraphConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # Filled by resolve(): the checkpoint's transformers config, the KV cache's element type, and
-    # what the features the front wires in answer (core/hooks.py's ModelFeatures): the weight
-    # scheme, the FP8 cache's scale calibrator, the MoE block factory, the checked speculative_config.
+    # Filled by resolve(): the checkpoint's config, the KV cache's element type, and what the features
+    # answer (core/hooks.py's ModelFeatures).
     hf_config: object = field(init=False, repr=False, default=None)
     quant: object = field(init=False, repr=False, default=None)
     kv_dtype: torch.dtype | None = field(init=False, default=None)
@@ -93,15 +84,11 @@ class Config:
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs) -> "Config":
-        """Config from LLM's flat keywords (each feature's go to its sub-config); every unknown
-        keyword is named in one TypeError. vLLM's names and vLLM-only keywords are read first
-        (vllm_keywords.py)."""
-        kwargs = translate_vllm_keywords(kwargs)
+        """Config from LLM's flat keywords (each feature's go to its sub-config; vLLM's and unknown
+        ones: config_checks.known_keywords)."""
         known = set(FEATURE_OPTIONS) | {f.name for f in dataclasses.fields(cls) if f.init} - {"model", *SUB_CONFIGS}
-        unknown = sorted(set(kwargs) - known)
-        if unknown:
-            raise TypeError(f"LLM() got unknown keyword argument(s): {', '.join(unknown)}. "
-                            f"Known: {', '.join(sorted(known))}")
+        if kwargs.keys() - known:
+            kwargs = CONFIG_CHECKS().known_keywords(kwargs, known)
         subs: dict[str, dict] = {name: {} for name in SUB_CONFIGS}
         for key in set(kwargs) & set(FEATURE_OPTIONS):
             sub, name = FEATURE_OPTIONS[key]
@@ -115,22 +102,18 @@ class Config:
         for name, cls in SUB_CONFIGS.items():
             if not isinstance(getattr(self, name), cls):
                 raise TypeError(f"Config.{name} must be a {cls.__name__}")
-        if self.attention_backend == "flash_attn" and self.kvcache_block_size % 256:
-            raise ValueError(f"attention_backend='flash_attn' needs kvcache_block_size to be a multiple of 256, "
-                             f"got {self.kvcache_block_size}")
+        if self.attention_backend is not None:
+            CONFIG_CHECKS().check_backend(self)
 
     def resolve(self, features: ModelFeatures | None = None) -> "Config":
         """Read the checkpoint and the machine, once: the device, the model and tokenizer folders
-        (a Hub download when online), config.json (checked by its model family), the dtypes, what
-        the model needs from the features the front wires in (`features`: quantized weights,
-        KV-scale calibration, MoE layers, parallelism) and whether it fits. Returns self."""
+        (a Hub download when online), config.json, the dtypes, what the model needs from the
+        features the front wires in (`features`) and whether it fits. Returns self."""
         if self.hf_config is not None:
             return self
-        self.device, backend = self._resolve_device(self.device), self.attention_backend
-        if backend in ("triton", "flash_attn") and self.device != "cuda":
-            raise ValueError(f"attention_backend={backend!r} needs CUDA; this engine runs on {self.device}")
-        if backend == "flash_attn" and not flash_attn_available():
-            raise ValueError("attention_backend='flash_attn' but the flash_attn package cannot be imported")
+        self.device = self._resolve_device(self.device)
+        if self.attention_backend is not None:
+            CONFIG_CHECKS().check_backend_device(self)
         self.model = resolve_model_path(self.model, self.revision, cache_dir=self.download_dir)
         if self.tokenizer is not None and not self.skip_tokenizer_init:
             self.tokenizer = resolve_model_path(self.tokenizer, self.revision, "tokenizer", self.download_dir)
@@ -138,11 +121,8 @@ class Config:
         self.dtype = self._resolve_dtype(self.dtype, hf)
         self._resolve_features(hf, features)
         self.kv_dtype = KV_CACHE_DTYPES[self.quantization.kv_cache_dtype] or self.dtype
-        if self.device == "cuda" and (self.quant is not None or self.kv_dtype == torch.float8_e4m3fn):
-            major, minor = torch.cuda.get_device_capability()
-            if (major, minor) < (8, 9):
-                raise ValueError(f"FP8 weights or KV cache need a GPU of compute capability 8.9 or later "
-                                 f"(Ada, Hopper); this one is {major}.{minor}")
+        if self.device == "cuda":
+            CONFIG_CHECKS().check_fp8_device(self)
         if self.max_model_len > hf.max_position_embeddings:  # RoPE would silently extrapolate
             logger.warning("max_model_len=%d lowered to the model's max_position_embeddings=%d",
                            self.max_model_len, hf.max_position_embeddings)
@@ -158,19 +138,8 @@ class Config:
         needs one is a ValueError naming it."""
         p, opts = self.parallel, registry.decoder_options(hf)
         checkpoint_quant = getattr(hf, "quantization_config", None)
-        if features is None:  # a bare LLMEngine
-            needs = {"quantized weights": checkpoint_quant or self.quantization.method is not None,
-                     "calculate_kv_scales=True": self.quantization.calculate_kv_scales,
-                     "a mixture-of-experts model": opts.moe_layers,
-                     "speculative_config": self.speculative_config is not None,
-                     "enable_lora=True": self.lora.enable_lora,
-                     "tensor_parallel_size > 1, data_parallel_size > 1 or distributed_executor_backend='ray' / "
-                     "'external_launcher'": p.tensor_parallel_size * p.data_parallel_size > 1
-                     or p.distributed_executor_backend not in (None, "mp")}
-            if wanted := [what for what, needed in needs.items() if needed]:
-                raise ValueError(f"{wanted[0]} need(s) the features that LLM wires in: create LLM(model, ...), "
-                                 f"not a bare LLMEngine")
-            return
+        if features is None:
+            return CONFIG_CHECKS().refuse_bare_engine(self, checkpoint_quant, opts)
         self.quant = features.quantization_scheme(checkpoint_quant, self.quantization.method)
         if self.quant is not None:
             self.quant.check_model(hf, p.tensor_parallel_size, self.load_format)
@@ -192,14 +161,9 @@ class Config:
         return device
 
     def _resolve_dtype(self, dtype, hf) -> torch.dtype:
-        if dtype is None or dtype == "auto":
-            if self.device == "cpu":
-                return torch.float32
-            dtype = getattr(hf, "dtype", None) or getattr(hf, "torch_dtype", None) or "bfloat16"
-        resolved = dtype if isinstance(dtype, torch.dtype) else _DTYPES.get(str(dtype).removeprefix("torch."))
-        if resolved not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"dtype={clip_repr(dtype)}: must be None, 'auto', float32, bfloat16 or float16")
-        return resolved
+        if (dtype is None or dtype == "auto") and self.device == "cpu":
+            return torch.float32
+        return CONFIG_CHECKS().resolve_dtype(dtype, hf)
 
 
 def wants_data_parallel(kwargs: dict) -> bool:

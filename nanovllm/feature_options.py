@@ -1,6 +1,5 @@
-"""Each feature's LLM options (docs/api.md says what each does), one sub-config per feature,
-checked with no I/O. Their fields, and config.py's Config's, are `option()`s that carry their
-rule; `FEATURE_OPTIONS` maps LLM's flat keywords onto the sub-configs."""
+"""Each feature's LLM options (docs/api.md), one sub-config per feature, checked with no I/O: their
+fields, and Config's, are `option()`s that carry their rule."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ KV_CACHE_DTYPES = {"auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.f
 
 
 def checked(name: str, value, kind, what: str, ok: Callable = lambda v: True):
-    """`value` as Python's own `kind` (numpy's numbers count), or a ValueError naming the field
-    when it is not a `kind` or fails `ok`."""
+    """`value` as Python's own `kind` (numpy's numbers count), or a ValueError naming the field."""
     if kind is int:
         good = is_integer(value)
     elif kind is float:
@@ -49,7 +47,6 @@ def option(default, what: str, ok: Callable = lambda v: True, kind=None, name: s
 
 
 def check_options(config) -> None:
-    """Check each option() field of the dataclass `config`, keeping numbers as Python's own."""
     for f in dataclasses.fields(config):
         if "check" in f.metadata:
             value = checked(f.metadata.get("option", f.name), getattr(config, f.name), *f.metadata["check"])
@@ -76,8 +73,7 @@ class ParallelConfig:
 
 @dataclass
 class QuantizationConfig:
-    """Quantized weights and KV cache (features/quantization/). `method`: LLM(quantization=...),
-    None to follow the checkpoint's quantization_config."""
+    """Quantized weights and KV cache (features/quantization/); `method` None follows the checkpoint."""
 
     method: str | None = option(None, "None or a method's name", kind=(str, type(None)), name="quantization")
     kv_cache_dtype: str = option("auto", f"one of {', '.join(map(repr, KV_CACHE_DTYPES))}",
@@ -110,8 +106,7 @@ class PrefillGraphConfig:
 
 @dataclass
 class LoraConfig:
-    """LoRA adapters (features/lora/): `max_loras` in the model's slots at once, `max_cpu_loras`
-    (default: max_loras) kept in host memory."""
+    """LoRA adapters (features/lora/); `max_cpu_loras` defaults to max_loras."""
 
     enable_lora: bool = option(False, "True or False")
     max_loras: int = option(1, "an integer >= 1", _at_least(1))

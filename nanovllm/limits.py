@@ -1,42 +1,22 @@
-"""Bounds on hostile input: what one request may carry, and how errors quote what it carried
-(enough to find the culprit, never a whole large input)."""
+"""How errors quote what a request carried: enough to find the culprit, never a whole large input
+(what one request may carry: features/sampling_checks.py)."""
 
 from __future__ import annotations
 
-import itertools
 import re
 
-# What one request may carry (a ValueError beyond: features/sampling_checks.py): generous for real
-# use, and small enough that no request makes the engine build huge structures or scan huge lists.
-MAX_STOP_STRINGS = 128
-MAX_STOP_STRING_CHARS = 4096
-MAX_BAD_WORDS = 1024
-MAX_BAD_WORD_CHARS = 1024
-MAX_TOKEN_ID_ENTRIES = 1 << 18  # stop_token_ids, logit_bias, allowed_token_ids: the largest vocabularies
+QUOTES = None  # filled by nanovllm.wiring: loads quotes.py (clip_repr's and describe_ids' bodies) at first use
 
 
 def clip_repr(value, items: int = 5, chars: int = 80) -> str:
     """repr(value) for an error message, never a whole large input: a long string, or a
     container of more than `items` entries, shows its start and its size."""
-    if isinstance(value, str):
-        return repr(value) if len(value) <= chars else f"{value[:chars]!r}... ({len(value)} characters)"
-    if isinstance(value, (list, tuple, set, frozenset, dict)):
-        if isinstance(value, dict):
-            parts = [f"{clip_repr(k)}: {clip_repr(v)}" for k, v in itertools.islice(value.items(), items)]
-        else:
-            parts = [clip_repr(x) for x in itertools.islice(value, items)]
-        if len(value) > items:
-            parts.append(f"... ({len(value)} entries)")
-        brackets = "[]" if isinstance(value, list) else "()" if isinstance(value, tuple) else "{}"
-        return f"{brackets[0]}{', '.join(parts)}{brackets[1]}"
-    text = repr(value)
-    return text if len(text) <= 2 * chars else f"{text[:2 * chars]}... ({len(text)} characters)"
+    return QUOTES().clip_repr(value, items, chars)
 
 
 def describe_ids(ids, limit: int = 5) -> str:
     """Token ids for an error message: all of a few, else the first `limit` and how many more."""
-    ids = list(ids)
-    return f"{ids}" if len(ids) <= limit else f"{ids[:limit]} and {len(ids) - limit} more"
+    return QUOTES().describe_ids(ids, limit)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

@@ -7,9 +7,7 @@ import dataclasses
 import enum
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
-
-import xxhash
+from typing import TYPE_CHECKING, Callable
 
 from nanovllm.limits import clip_repr
 from nanovllm.values import as_token_ids, is_integer, is_real  # noqa: F401 (imported from here too)
@@ -20,8 +18,7 @@ if TYPE_CHECKING:
 
 class RequestOutputKind(enum.Enum):
     """What each output of a request holds: everything so far, only the new part, or only the
-    final result. LLM.generate and chat return final results whatever the kind (as vLLM's LLM
-    does); the engine's step API is what would honour DELTA."""
+    final result (LLM.generate and chat return final results whatever the kind, as vLLM's)."""
 
     CUMULATIVE = 0
     DELTA = 1
@@ -37,22 +34,9 @@ _FEATURES_OFF = {"_stop_strings": (), "_stop_ids": frozenset(), "_logit_bias": N
                  "_bad_words": (), "_uses_penalties": False, "_processes_logits": False}
 
 
-class FeatureChecks(Protocol):
-    """What SamplingParams asks of features/sampling_checks.py (FEATURE_CHECKS: wiring.py's loader),
-    which also holds this module's names that a plain request does not load (see __getattr__)."""
-
-    NOT_IMPLEMENTED: dict
-
-    def check_fields(self, params: SamplingParams, names: list[str]) -> dict:
-        """Check the FEATURE_FIELDS `names` of `params` (ValueError naming one); returns the
-        attributes to store: those fields as Python's own numbers and their normalised forms."""
-
-    def vllm_only(self, name: str, value) -> bool:
-        """Whether `name` is a vLLM field nano-vllm lacks given its off value (then dropped);
-        another value of one is a NotImplementedError naming it."""
-
-
-FEATURE_CHECKS: list[Callable[[], FeatureChecks]] = []  # filled by wiring.py at import
+# wiring.py's loader of features/sampling_checks.py: check_fields, vllm_only, derive_sample_seed and
+# this module's names that a plain request does not load (see __getattr__).
+FEATURE_CHECKS: list[Callable] = []
 
 
 def __getattr__(name: str):
@@ -64,18 +48,12 @@ def __getattr__(name: str):
 
 def derive_sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request with `n > 1` and seed `seed`: sample 0 uses the
-    seed itself (so it equals the same request with n=1), sample i > 0 a 63-bit hash of (seed, i),
-    so no two (seed, i) pairs share a random stream (as seed + i would)."""
-    if index == 0:
-        return seed
-    h = xxhash.xxh64((seed % (1 << 64)).to_bytes(8, "little"))
-    h.update(index.to_bytes(8, "little"))
-    return h.intdigest() >> 1
+    seed itself (so it equals the same request with n=1), another features/sampling_checks.py's."""
+    return seed if index == 0 else FEATURE_CHECKS[0]().derive_sample_seed(seed, index)
 
 
 def _normalised(key: str, doc: str) -> property:
-    """A read-only attribute of SamplingParams: the form of its fields that _validate stored
-    under `key`, validated again first if a field was set since the last check."""
+    """A read-only attribute: what _validate stored under `key` (validated again if a field was set)."""
     def get(self):
         if not self.__dict__.get("_checked"):
             self._validate()
@@ -86,14 +64,10 @@ def _normalised(key: str, doc: str) -> property:
 
 @dataclass
 class SamplingParams:
-    """How one request is sampled and when it stops: vLLM's fields, docs/api.md says what each
-    does (and which distribution logprobs describe).
-
-    Fields can be set after construction (`sp.max_tokens = 8`), as in vLLM; every value is
-    validated at construction and again when a request is added, and the engine keeps its own
-    validated copy (`snapshot()`), so changing a SamplingParams never affects requests already
-    added. Unknown fields are a TypeError; vLLM fields nano-vllm does not implement
-    (NOT_IMPLEMENTED: features/sampling_checks.py) are a NotImplementedError.
+    """How one request is sampled and when it stops: vLLM's fields (docs/api.md). Fields can be
+    set after construction, as in vLLM; the engine keeps its own validated copy (`snapshot()`), so
+    changing one never affects requests already added. vLLM fields nano-vllm lacks
+    (NOT_IMPLEMENTED) are a NotImplementedError, other unknown ones a TypeError.
     """
 
     temperature: float = 1.0
@@ -178,8 +152,7 @@ class SamplingParams:
         object.__setattr__(self, "_checked", True)
 
     def snapshot(self) -> "SamplingParams":
-        """A validated, immutable copy for the engine to keep (ValueError if a field set after
-        construction is invalid). The engine reads only this copy while a request runs."""
+        """A validated, immutable copy: the one the engine reads while a request runs."""
         if self.__dict__.get("_frozen"):
             return self
         snap = copy.copy(self)
@@ -204,8 +177,7 @@ class SamplingParams:
     bad_word_strings = _normalised("_bad_words", "`bad_words` without repeats.")
     uses_penalties = _normalised("_uses_penalties", "presence, frequency or repetition penalty set.")
     processes_logits = _normalised("_processes_logits", """Whether the logits are changed before temperature
-        and the filters (penalties, logit_bias, allowed_token_ids, bad_words, structured outputs): the
-        sampler then needs this row's whole vocabulary, and the row's own device state for penalties.""")
+        and the filters (penalties, logit_bias, allowed_token_ids, bad_words, structured outputs).""")
 
     @property
     def bad_word_ids(self) -> tuple[tuple[int, ...], ...]:
@@ -228,8 +200,7 @@ def _is_default(value, default) -> bool:
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs):
-    # vLLM fields nano-vllm lacks: their "off" value is dropped, any other is refused by name
-    # (the dataclass's own __init__ calls the other unknown names a TypeError).
+    # vLLM fields nano-vllm lacks: their "off" value is dropped, any other refused (vllm_only).
     for name in kwargs.keys() - _DEFAULTS.keys():
         if FEATURE_CHECKS[0]().vllm_only(name, kwargs[name]):
             del kwargs[name]

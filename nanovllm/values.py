@@ -7,14 +7,12 @@ import numbers
 
 
 def is_integer(x) -> bool:
-    """An integer as callers pass them: int or numpy's integers, but not bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def as_token_ids(values) -> list[int] | None:
-    """A list or tuple of integers (int or numpy's, not bool) as a new list of Python ints, or
-    None if some element is not one. Plain ints are recognised in C (the set of the elements'
-    types), not by one isinstance per token (long prompts)."""
+    """A list or tuple of integers as a new list of Python ints, or None if some element is not
+    one. Plain ints are recognised in C (the set of the elements' types): long prompts."""
     if set(map(type, values)) <= {int}:
         return list(values)
     if all(is_integer(t) for t in values):
@@ -23,5 +21,4 @@ def as_token_ids(values) -> list[int] | None:
 
 
 def is_real(x) -> bool:
-    """A real number (int, float, numpy's), not bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)

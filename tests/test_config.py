@@ -188,15 +188,15 @@ def test_hf_config_is_loaded(ckpt):
 
 
 def test_forced_flash_attn_without_the_package_fails_before_loading(ckpt, monkeypatch):
-    import nanovllm.config as config
+    import nanovllm.config_checks as config_checks
 
     # As on a CUDA machine without flash-attn (the H200 we test on): refused in Config, not
     # later when the backend imports it after the weights are loaded.
     monkeypatch.setattr(Config, "_resolve_device", staticmethod(lambda device: "cuda"))
-    monkeypatch.setattr(config, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(config_checks, "flash_attn_available", lambda: False)
     with pytest.raises(ValueError, match="flash_attn package"):
         make(ckpt, attention_backend="flash_attn")
-    monkeypatch.setattr(config, "flash_attn_available", lambda: True)
+    monkeypatch.setattr(config_checks, "flash_attn_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert make(ckpt, attention_backend="flash_attn", dtype="float32").attention_backend == "flash_attn"
 

@@ -440,8 +440,8 @@ def test_as_token_ids_takes_ints_and_numpy_ints_only():
 
 
 def test_request_size_limits_accept_the_limit_and_refuse_one_more():
-    from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                                 MAX_TOKEN_ID_ENTRIES)
+    from nanovllm.features.sampling_checks import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS,
+                                                   MAX_STOP_STRINGS, MAX_TOKEN_ID_ENTRIES)
 
     ids = list(range(MAX_TOKEN_ID_ENTRIES))
     at_limit = dict(

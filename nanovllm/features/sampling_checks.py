@@ -1,16 +1,25 @@
 """The checks of SamplingParams' feature fields (stop strings and ids, n, penalties, logit_bias,
 allowed_token_ids, bad_words, logprobs, structured_outputs) and of vLLM's fields nano-vllm lacks:
 sampling_params.py's FeatureChecks, registered by wiring.py. A plain request leaves every one of
-these fields at its default, so it never loads this module."""
+these fields at its default, so it never loads this module (n > 1's sample seeds are here too)."""
 
 from __future__ import annotations
 
 import math
 
-from nanovllm.limits import (MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS,
-                             MAX_TOKEN_ID_ENTRIES, clip_repr)
+import xxhash
+
+from nanovllm.limits import clip_repr
 from nanovllm.values import is_integer, is_real
 from nanovllm.vllm_params import BeamSearchParams, StructuredOutputsParams  # noqa: F401 (sampling_params' names)
+
+# What one request may carry (a ValueError beyond): generous for real use, and small enough that
+# no request makes the engine build huge structures or scan huge lists.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 4096
+MAX_BAD_WORDS = 1024
+MAX_BAD_WORD_CHARS = 1024
+MAX_TOKEN_ID_ENTRIES = 1 << 18  # stop_token_ids, logit_bias, allowed_token_ids: the largest vocabularies
 
 # vLLM SamplingParams fields that nano-vllm does not implement, with the value that asks for
 # nothing (accepted and dropped). Any other value is a NotImplementedError naming the field: a
@@ -36,6 +45,14 @@ def vllm_only(name: str, value) -> bool:
         return True
     raise NotImplementedError(f"SamplingParams.{name}={clip_repr(value)}: vLLM's {name} is not implemented by "
                               f"nano-vllm (leave it at {off!r})")
+
+
+def derive_sample_seed(seed: int, index: int) -> int:
+    """sampling_params.derive_sample_seed for sample `index` > 0: a 63-bit hash of (seed, index),
+    so no two (seed, index) pairs share a random stream (as seed + index would)."""
+    h = xxhash.xxh64((seed % (1 << 64)).to_bytes(8, "little"))
+    h.update(index.to_bytes(8, "little"))
+    return h.intdigest() >> 1
 
 
 def check_size(name: str, values, limit: int, what: str = "entries", chars: int = 0) -> None:

@@ -10,11 +10,13 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any, Callable
 
+import nanovllm.config as _config
 import nanovllm.core.block_manager as _block_manager
 import nanovllm.core.engine as _engine
 import nanovllm.core.model_runner as _model_runner
 import nanovllm.core.sampler as _sampler
 import nanovllm.core.scheduler as _scheduler
+import nanovllm.limits as _limits
 import nanovllm.model.attention.paged_kv as _paged_kv
 import nanovllm.model.checkpoint as _checkpoint
 import nanovllm.model.decoder as _decoder
@@ -53,6 +55,8 @@ _model_runner.RUNNER_EXTRAS = late("nanovllm.core.runner_extras")  # score(), du
 _decoder.LLAMA3_ROPE_SCALING = late("nanovllm.model.rope_scaling", "Llama3RopeScaling")  # rope_type "llama3"
 _paged_kv.FP8_CACHE = late("nanovllm.model.attention.fp8_cache")  # an FP8 KV cache's encoding
 _sampler.RANDOM_DRAW = late("nanovllm.core.random_draw")  # temperature > 0
+_config.CONFIG_CHECKS = late("nanovllm.config_checks")  # checks a plain engine never runs
+_limits.QUOTES = late("nanovllm.quotes")  # the first error message quoting a value
 _decoder.FUSED_QK_NORM_ROPE = late("nanovllm.model.fused_qk_norm_rope")  # the fused q/k norm + RoPE (CUDA)
 _loader.KV_SCALES = late("nanovllm.model.kv_scales")  # an FP8 checkpoint's k/v scales
 _checkpoint.HUB = late("nanovllm.model.hub")  # a Hugging Face Hub id
