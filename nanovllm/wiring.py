@@ -387,3 +387,14 @@ def fp8_cache():
 
 _model_runner.CUDA_RUNTIME, _model_runner.RUNNER_EXTRAS = cuda_runtime, runner_extras
 _decoder.LLAMA3_ROPE_SCALING, _paged_kv.FP8_CACHE = llama3_rope_scaling, fp8_cache
+
+
+# ---------------------------------------------------------------- s7engine: the engine's refusals and aborts
+def engine_extras():
+    """What the engine runs only at times (core/engine_extras.py: a refused request, an abort)."""
+    import nanovllm.core.engine_extras as extras
+
+    return extras
+
+
+_engine.EXTRAS = engine_extras

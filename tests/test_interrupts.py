@@ -144,7 +144,7 @@ def test_random_double_interrupts_never_leave_a_half_state(llm, refs, monkeypatc
             plan["countdown"] -= 1
 
     targets = [(llm.model_runner, "launch"), (llm.requests, "accept"), (llm.requests, "launched"),
-               (llm.requests, "abort"), (llm.requests, "add"), (llm.requests, "forget_text"),
+               (llm, "abort"), (llm.requests, "add"), (llm.requests, "forget_text"),
                (llm.scheduler, "schedule"), (llm.scheduler, "retire")]
     for obj, name in targets:
         real = getattr(obj, name)

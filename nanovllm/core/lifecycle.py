@@ -1,11 +1,8 @@
-"""The request lifecycle in one place: a request's text state, the step in flight, and the one
-rule that decides when and why a request ends.
-
-Overlap scheduling makes it subtle: step n+1 is launched before step n's tokens reach the host,
-so a request's last token is a placeholder for one step (Sequence.add_pending_token), a request
-that reached its length is retired at launch but finishes when that token arrives, and a step
-whose tokens will never be read must end its requests (abort).
-"""
+"""The request lifecycle: a request's text state, the step in flight, and the one rule that
+decides when and why a request ends. Step n+1 is launched before step n's tokens reach the host,
+so a request's last token is a placeholder for one step (Sequence.add_pending_token), and one that
+reached its length is retired at launch but finishes when that token arrives. (Aborts, and the
+requests of a step whose tokens will never be read: core/engine_extras.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.core.detokenizer import detokenize_continuation
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
-from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanovllm.core.hooks import DraftVerifier, TextTracker, TextTrackerFactory
@@ -88,9 +85,8 @@ class InFlightStep:
 
 
 class RequestLifecycle:
-    """What happens to requests between the scheduler and the caller: their text state
-    (detokenizer, stop strings), accounting for launched steps and their tokens, finishes,
-    aborts and the final text."""
+    """What happens to requests between the scheduler and the caller: their text state (stop
+    strings, streamed text), launched steps and their tokens, finishes and the final text."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
                  release=None):
@@ -161,22 +157,6 @@ class RequestLifecycle:
         seq.finish(reason, stop_reason)
         if self.release is not None and seq.params.processes_logits:
             self.release(seq)
-
-    def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request wherever it is, freeing its blocks (one that ended, also
-        at launch with its last token on its way, is left alone)."""
-        if not seq.is_finished:
-            self.abandon([seq])
-
-    def abandon(self, seqs: list[Sequence]) -> None:
-        """End `seqs` now, with the samples never forked off them: the rows of a launched step
-        whose tokens will never be read (also those ended at launch: their last token never comes)."""
-        for seq in seqs:
-            if seq.status != SequenceStatus.FINISHED:
-                seq.drop_pending_token()
-                self.end(seq, "abort")
-                self.forget_text(seq)
-                self.abandon(seq.pending_forks)
 
     def forget_text(self, seq: Sequence) -> None:
         """Drop a request's detokenizer state (its text will not be read)."""
