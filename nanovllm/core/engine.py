@@ -130,9 +130,8 @@ class LLMEngine:
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None, adapter: int = 0) -> Sequence:
-        """Queue a validated request (see `tokenize` / `check_fits`); its Sequence, which for
-        n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any;
-        `adapter`: its adapter's id (LoRA; 0: none)."""
+        """Queue a validated request (see `tokenize` / `check_fits`); its Sequence (n > 1: sample 0,
+        holding all n in `samples`). `track_text`: its text increments will be read (stream)."""
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
         seq = self._new_sample(prompt_ids, params, 0, adapter)
@@ -141,7 +140,9 @@ class LLMEngine:
             hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i, adapter))
         if len(seq.samples) != params.n:
             raise ValueError(f"SamplingParams.n={params.n} needs the parallel-sampling hook (LLM wires it in)")
-        self.requests.add(seq, track_text)
+        self.requests.add(seq)
+        if track_text or params.stop_strings:
+            EXTRAS().track_text(self.requests, seq, track_text)
         return seq
 
     def _new_sample(self, prompt_ids: list[int], params: SamplingParams, i: int, adapter: int = 0) -> Sequence:

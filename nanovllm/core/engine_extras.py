@@ -84,6 +84,19 @@ def no_tokenizer(path: str, files: tuple[str, ...], error: Exception | None) -> 
     raise ValueError(f"{why}; pass skip_tokenizer_init=True to run on token ids only") from None
 
 
+def track_text(requests: RequestLifecycle, seq: Sequence, streamed: bool) -> None:
+    """The text state of a request just added that streams its text (`streamed`) or has stop strings."""
+    p = seq.params
+    if requests.tokenizer is None or not p.detokenize:
+        return
+    if requests.track_text is None:
+        raise ValueError("streamed text and stop strings need the text tracking that LLM wires in")
+    for sample in seq.samples:
+        requests._detok[sample.seq_id] = requests.track_text(requests.tokenizer, sample.prompt_token_ids, p)
+        if streamed:
+            requests._streamed.add(sample.seq_id)
+
+
 # ---------------------------------------------------------------- aborts, failed steps, a shut or broken engine
 def abort(requests: RequestLifecycle, seq: Sequence) -> None:
     """LLMEngine.abort: an unfinished request ends, freeing its blocks (one that ended, also at

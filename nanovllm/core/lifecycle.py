@@ -96,32 +96,23 @@ class RequestLifecycle:
         self.max_model_len = max_model_len
         # release(seq): the request ended; drop its per-request sampler state (penalty counts).
         self.release = release
+        # Text tracking (streamed text, stop strings: engine_extras.track_text), per request.
         self._detok: dict[int, TextTracker] = {}
-        self.track_text: TextTrackerFactory | None = None  # the front wires it in (stream, stop strings)
+        self.track_text: TextTrackerFactory | None = None  # the front wires it in
         self._streamed: set[int] = set()  # requests whose text increments someone reads
         self.verifier: DraftVerifier | None = None  # keeps the tokens of rows that verified drafts
 
-    def add(self, seq: Sequence, track_text: bool = False) -> None:
-        """Queue a validated request (its sample 0, whose `samples` are all of them);
-        `track_text`: its text increments will be read (stream)."""
+    def add(self, seq: Sequence) -> None:
+        """Queue a validated request (its sample 0, whose `samples` are all of them)."""
         self.scheduler.add(seq)
-        p = seq.params
-        if (track_text or p.stop_strings) and self.tokenizer is not None and p.detokenize:
-            if self.track_text is None:
-                raise ValueError("streamed text and stop strings need the text tracking that LLM wires in")
-            for sample in seq.samples:
-                self._detok[sample.seq_id] = self.track_text(self.tokenizer, sample.prompt_token_ids, p)
-                if track_text:
-                    self._streamed.add(sample.seq_id)
 
     def launched(self, batch: ScheduledBatch) -> None:
         """A step was launched: hold its tokens' places, retire requests that reached their length."""
         self.scheduler.advance(batch, self.max_model_len)
 
     def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
-        """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
-        in, decide finishes, build the outputs. `logprobs` (core/hooks.py's StepLogprobs): the
-        step's logprob entries, when a row or a prompt asks for them."""
+        """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them in,
+        decide finishes, build the outputs; `logprobs`: the step's StepLogprobs (core/hooks.py)."""
         outputs = []
         if logprobs is not None:
             logprobs.add_prompt_entries(batch)
@@ -164,8 +155,7 @@ class RequestLifecycle:
         self._streamed.discard(seq.seq_id)
 
     def final_text(self, seq: Sequence) -> str:
-        """The finished request's output text as it continues the prompt (what the stream()
-        increments add up to); forgets its detokenizer."""
+        """The finished request's output text as it continues the prompt; forgets its detokenizer."""
         detok = self._detok.get(seq.seq_id)
         self.forget_text(seq)
         if detok is not None:
