@@ -88,7 +88,7 @@ class LLMEngine:
         return self.tokenizer
 
     def kv_usage(self) -> KVUsage:
-        """The KV cache's use now (BlockManager.usage); cheap enough to sample after every step."""
+        """The KV cache's use now (BlockManager.usage), cheap enough to sample after every step."""
         return self.block_manager.usage(self.scheduler.running)
 
     def reset_prefix_cache(self) -> bool:
@@ -107,8 +107,8 @@ class LLMEngine:
         return p
 
     def room_after(self, num_prompt_tokens: int) -> int:
-        """The most tokens a request may generate after its prompt: up to max_model_len, and
-        within the whole KV cache (the last token's K/V is never written)."""
+        """The most tokens a request may generate after its prompt, within max_model_len and the
+        whole KV cache (the last token's K/V is never written)."""
         bm = self.block_manager
         return min(self.config.max_model_len, bm.num_blocks * bm.block_size + 1) - num_prompt_tokens
 
