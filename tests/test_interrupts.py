@@ -107,7 +107,7 @@ def test_second_sigint_inside_the_abort_clean_up(llm, refs, monkeypatch, first):
     every call failed. Now the clean-up finishes and one KeyboardInterrupt comes out."""
     target = llm.model_runner if first == "launch" else llm.requests
     signal_on_call(monkeypatch, target, "launch" if first == "launch" else "accept", {2})
-    aborts = signal_on_call(monkeypatch, llm.requests, "abort", {1, 3})  # twice inside the clean-up
+    aborts = signal_on_call(monkeypatch, llm, "abort", {1, 3})  # twice inside the clean-up
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, greedy(12), use_tqdm=False)
     assert aborts[0] >= len(PROMPTS)  # the clean-up ran to its end
@@ -119,7 +119,7 @@ def test_sigint_while_streaming_and_while_closing_the_stream(llm, refs, monkeypa
     it = llm.stream(PROMPTS, greedy(12))
     next(it)
     signal_on_call(monkeypatch, llm.requests, "accept", {1})
-    signal_on_call(monkeypatch, llm.requests, "abort", {2})
+    signal_on_call(monkeypatch, llm, "abort", {2})
     with pytest.raises(KeyboardInterrupt):
         for _ in it:
             pass
@@ -144,7 +144,7 @@ def test_random_double_interrupts_never_leave_a_half_state(llm, refs, monkeypatc
             plan["countdown"] -= 1
 
     targets = [(llm.model_runner, "launch"), (llm.requests, "accept"), (llm.requests, "launched"),
-               (llm.requests, "abort"), (llm.requests, "add"), (llm.requests, "forget_text"),
+               (llm, "abort"), (llm.requests, "add"), (llm.requests, "forget_text"),
                (llm.scheduler, "schedule"), (llm.scheduler, "retire")]
     for obj, name in targets:
         real = getattr(obj, name)

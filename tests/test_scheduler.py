@@ -15,6 +15,7 @@ import time
 import pytest
 
 from nanovllm.core import prefix_cache as pc_mod
+from nanovllm.core import engine_extras
 from nanovllm.core.block_manager import BlockManager
 from nanovllm.core.lifecycle import RequestLifecycle, is_stop_token
 from nanovllm.core.scheduler import Scheduler
@@ -400,8 +401,8 @@ def test_finish_from_outside_frees_blocks_once():
     seq = add(sched, [1, 2, 3, 4, 5], max_tokens=10)
     step(sched)
     lifecycle = RequestLifecycle(sched, None, frozenset(), 10**6)
-    lifecycle.abort(seq)
-    lifecycle.abort(seq)
+    engine_extras.abort(lifecycle, seq)
+    engine_extras.abort(lifecycle, seq)
     assert seq.finish_reason == "abort" and not sched.running
     assert sched.block_manager.num_free_blocks == sched.block_manager.num_blocks
 

@@ -14,9 +14,8 @@ _PROMPT_CONTEXT = 5
 
 
 def _fast_backend(tokenizer) -> tokenizers.Tokenizer | None:
-    """The Rust tokenizer behind `tokenizer` if calling it directly decodes identically (its class
-    does not customise decoding): transformers' decode wraps the Rust call in a layer of Python
-    that would dominate the per-token cost."""
+    """The Rust tokenizer behind `tokenizer` if its class does not customise decoding (transformers'
+    decode wraps the Rust call in Python that would dominate the per-token cost)."""
     if isinstance(tokenizer, tokenizers.Tokenizer):
         return tokenizer
     from transformers import PreTrainedTokenizerFast
@@ -46,10 +45,9 @@ def decoder(tokenizer, skip_special_tokens: bool,
 
 
 def prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequence[int]) -> tuple[list[int], str]:
-    """The prompt tokens decoded in front of the output, and their text: the last few, so that
-    the output reads as a continuation (a decoder that joins words with spaces, or drops a
-    leading space at the start of a decode, treats the first output token as a later one).
-    None when the prompt ends inside a character: the output must not complete it."""
+    """The last few prompt tokens, decoded in front of the output so that it reads as a continuation
+    (a decoder may join words with spaces, or drop a leading space at the start of a decode), and
+    their text; none when the prompt ends inside a character: the output must not complete it."""
     context = list(prompt_token_ids[-_PROMPT_CONTEXT:])
     context_text = decode(context) if context else ""
     if context_text.endswith(REPLACEMENT):
@@ -59,9 +57,8 @@ def prompt_context(decode: Callable[[list[int]], str], prompt_token_ids: Sequenc
 
 def detokenize_continuation(tokenizer, prompt_token_ids: Sequence[int], output_ids: Sequence[int],
                             skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True) -> str:
-    """The text of `output_ids` as it continues the prompt (vLLM's convention: prompt text +
-    this reads as the whole), in one decode: what text tracking (features/text_tracking.py)
-    ends up with, without a stop string."""
+    """The text of `output_ids` as it continues the prompt (vLLM's: prompt text + this reads as the
+    whole), in one decode: what text tracking ends up with, without a stop string."""
     decode = decoder(tokenizer, skip_special_tokens, spaces_between_special_tokens)
     context, context_text = prompt_context(decode, prompt_token_ids)
     return decode(context + list(output_ids))[len(context_text):]

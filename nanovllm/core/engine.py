@@ -16,7 +16,7 @@ from nanovllm.core.lifecycle import InFlightStep, RequestLifecycle, StepOutput, 
 from nanovllm.core.model_runner import ModelRunner
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
 from nanovllm.core.sequence import Sequence
-from nanovllm.limits import check_unicode, describe_ids
+from nanovllm.limits import check_unicode
 from nanovllm.model.checkpoint import read_json
 from nanovllm.sampling_params import SamplingParams, as_token_ids, derive_sample_seed
 
@@ -35,6 +35,7 @@ __all__ = ["LLMEngine", "StepOutput", "StepResult"]
 # core/step_timing.py (StepTiming, what `step_observers` get), loaded at the first observed step
 # by this loader, which nanovllm/wiring/ registers when the package loads.
 load_step_timing: Callable[[], ModuleType]
+EXTRAS: Callable[[], ModuleType] | None = None  # filled by nanovllm.wiring: loads core/engine_extras.py at first use
 
 
 class LLMEngine:
@@ -44,9 +45,8 @@ class LLMEngine:
 
     def __init__(self, model: str, *, start_executor: ExecutorFactory | None = None,
                  model_features: ModelFeatures | None = None, **kwargs):
-        """`start_executor(config)` makes the executor (default: the model runs in this process).
-        `model_features` (core/hooks.py): what the front wires in; without them a model or option
-        that needs one is a ValueError."""
+        """`start_executor(config)` makes the executor (default: in this process); `model_features`
+        (core/hooks.py): what the front wires in (a model or option needing one is a ValueError)."""
         self.config = config = Config.from_kwargs(model, **kwargs).resolve(model_features)
         self.tokenizer = None
         if not config.skip_tokenizer_init:
@@ -74,30 +74,22 @@ class LLMEngine:
     def tokenize(self, prompt) -> list[int]:
         """A prompt (text or token ids) as a validated list of token ids."""
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompts must be token ids when skip_tokenizer_init=True")
-            ids = encode_text(self.tokenizer, prompt, "the prompt") if prompt else []
-        elif not isinstance(prompt, (list, tuple)) or (ids := as_token_ids(prompt)) is None:
-            raise TypeError(f"a prompt must be a str or a list of token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise ValueError("empty prompt")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops; the list below only on error)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            what = f"token id {bad[0]} is" if len(bad) == 1 else f"token ids {describe_ids(bad)} are"
-            raise ValueError(f"{what} outside the vocabulary [0, {self.vocab_size})")
+            ids = encode_text(self.tokenizer, prompt, "the prompt") if prompt and self.tokenizer is not None else None
+        else:
+            ids = as_token_ids(prompt) if isinstance(prompt, (list, tuple)) else None
+        if not ids or min(ids) < 0 or max(ids) >= self.vocab_size:  # (C loops)
+            EXTRAS().reject_prompt(self, prompt, ids)
         return ids
 
     def get_default_sampling_params(self) -> SamplingParams:
-        """A new SamplingParams with the model's generation_config.json defaults, as in vLLM: what
-        a request without SamplingParams uses."""
+        """A new SamplingParams with the model's generation_config.json defaults (vLLM's)."""
         return SamplingParams(**self.generation_defaults)
 
     def get_tokenizer(self):
-        """The tokenizer (None with skip_tokenizer_init=True)."""
         return self.tokenizer
 
     def kv_usage(self) -> KVUsage:
-        """The KV cache's use now (BlockManager.usage); cheap enough to sample after every step."""
+        """The KV cache's use now (BlockManager.usage), cheap enough to sample after every step."""
         return self.block_manager.usage(self.scheduler.running)
 
     def reset_prefix_cache(self) -> bool:
@@ -106,32 +98,18 @@ class LLMEngine:
 
     def prepare_params(self, params: SamplingParams) -> SamplingParams:
         """The engine's validated, immutable copy of `params` (SamplingParams.snapshot), after the
-        checks that need the model: token ids inside the vocabulary, logprobs within max_logprobs,
-        a tokenizer for stop strings, n within max_num_seqs (a ValueError naming the field)."""
+        checks that need the model of the fields that are set (engine_extras.check_params)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         p = params.snapshot()
-        vocab = self.vocab_size
-        for name, ids in (("stop_token_ids", p.stop_ids), ("logit_bias", p.bias or ()),
-                          ("allowed_token_ids", p.allowed_ids or ())):
-            if bad := sorted(t for t in ids if t >= vocab):
-                raise ValueError(f"{name}: token ids {describe_ids(bad)} are outside the vocabulary [0, {vocab})")
-        cap = self.config.max_logprobs
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(p, name)
-            if k is not None and cap != -1 and (k == -1 or k > cap):
-                raise ValueError(f"SamplingParams.{name}={k}: more than max_logprobs={cap} "
-                                 f"(an LLM option; -1 allows the whole vocabulary)")
-        if p.stop_strings and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer (skip_tokenizer_init=True was given)")
-        if p.n > self.config.max_num_seqs:
-            raise ValueError(f"SamplingParams.n={p.n}: more than max_num_seqs={self.config.max_num_seqs} "
-                             "samples can never run together")
+        if p.stop_ids or p.bias or p.allowed_ids or p.stop_strings or p.n > 1 or p.logprobs is not None \
+                or p.prompt_logprobs is not None:
+            EXTRAS().check_params(self, p)
         return p
 
     def room_after(self, num_prompt_tokens: int) -> int:
-        """The most tokens a request may generate after its prompt: up to max_model_len, and
-        within the whole KV cache (the last token's K/V is never written)."""
+        """The most tokens a request may generate after its prompt, within max_model_len and the
+        whole KV cache (the last token's K/V is never written)."""
         bm = self.block_manager
         return min(self.config.max_model_len, bm.num_blocks * bm.block_size + 1) - num_prompt_tokens
 
@@ -145,31 +123,16 @@ class LLMEngine:
 
     def check_fits(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         """Reject a request that could never be served, before any work starts (`params` as
-        prepare_params returns them: their own checks are done)."""
-        cfg = self.config
-        if num_prompt_tokens > cfg.max_model_len:
-            raise ValueError(f"prompt of {num_prompt_tokens} tokens is longer than max_model_len={cfg.max_model_len}")
-        total = num_prompt_tokens + params.max_tokens
-        if total > cfg.max_model_len:
-            raise ValueError(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({params.max_tokens}) = {total} "
-                             f"exceeds max_model_len={cfg.max_model_len}")
-        # The last generated token's K/V is never written, hence total - 1.
-        bm = self.block_manager
-        blocks = bm.blocks_for(total - 1)
-        if blocks > bm.num_blocks:
-            raise ValueError(f"prompt + max_tokens = {total} tokens need {blocks} KV blocks, but the whole cache "
-                             f"has {bm.num_blocks}")
-        # n > 1: the prompt's blocks plus a copy of its partly filled last block per extra sample.
-        first = bm.blocks_for(num_prompt_tokens) + (params.n - 1) * (num_prompt_tokens % bm.block_size != 0)
-        if first > bm.num_blocks:
-            raise ValueError(f"n={params.n} samples of a {num_prompt_tokens}-token prompt need {first} KV blocks "
-                             f"to start, but the whole cache has {bm.num_blocks}")
+        prepare_params returns them); engine_extras.check_fits says why (and checks n > 1)."""
+        total, bm = num_prompt_tokens + params.max_tokens, self.block_manager
+        # (The last generated token's K/V is never written, hence total - 1.)
+        if total > self.config.max_model_len or bm.blocks_for(total - 1) > bm.num_blocks or params.n > 1:
+            EXTRAS().check_fits(self, num_prompt_tokens, params)
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, track_text: bool = False,
                     prompt: str | None = None, adapter: int = 0) -> Sequence:
-        """Queue a validated request (see `tokenize` / `check_fits`); its Sequence, which for
-        n > 1 is sample 0, holding all n in `samples`. `prompt`: the prompt's text, if any;
-        `adapter`: its adapter's id (LoRA; 0: none)."""
+        """Queue a validated request (see `tokenize` / `check_fits`); its Sequence (n > 1: sample 0,
+        holding all n in `samples`). `track_text`: its text increments will be read (stream)."""
         params = params if getattr(params, "_frozen", False) else \
             self.prepare_for_prompt(params, len(prompt_ids))
         seq = self._new_sample(prompt_ids, params, 0, adapter)
@@ -178,7 +141,9 @@ class LLMEngine:
             hook.added(seq, lambda i: self._new_sample(prompt_ids, params, i, adapter))
         if len(seq.samples) != params.n:
             raise ValueError(f"SamplingParams.n={params.n} needs the parallel-sampling hook (LLM wires it in)")
-        self.requests.add(seq, track_text)
+        self.requests.add(seq)
+        if track_text or params.stop_strings:
+            EXTRAS().track_text(self.requests, seq, track_text)
         return seq
 
     def _new_sample(self, prompt_ids: list[int], params: SamplingParams, i: int, adapter: int = 0) -> Sequence:
@@ -189,36 +154,27 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         """Drop an unfinished request wherever it is, freeing its blocks."""
-        self.requests.abort(seq)
+        EXTRAS().abort(self.requests, seq)
 
     def forget_text(self, seq: Sequence) -> None:
-        """Drop a request's detokenizer state (its text will not be read)."""
         self.requests.forget_text(seq)
 
     def final_text(self, seq: Sequence) -> str:
-        """The finished request's output text, as it continues the prompt."""
         return self.requests.final_text(seq)
 
     def cancel_in_flight(self) -> None:
-        """Forget the launched step without waiting for it, ending its unfinished requests. The
-        device may still be running it; later steps queue behind it, so the KV blocks it writes
-        are never read before it is done."""
-        step, self._in_flight = self._in_flight, None
-        if step is not None:
-            self.requests.abandon(step.batch.rows)
+        """Forget the launched step without waiting for it, ending its unfinished requests."""
+        EXTRAS().cancel_in_flight(self)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ the loop
     def step(self) -> StepResult:
-        """One engine step, overlapped with the device: schedule and launch step n+1, then wait
-        for step n's tokens and account for them while the device runs n+1.
-
-        Returns step n's outputs. If launching n+1 or waiting for n raises (a dead tensor-parallel
-        worker, ...), the requests of both steps end with finish_reason "abort" and the exception
-        propagates; other requests are untouched. A Ctrl-C is raised once the step is complete.
-        """
+        """One engine step, overlapped with the device: schedule and launch step n+1, then wait for
+        step n's tokens and account for them while the device runs n+1; returns step n's outputs. If
+        launching n+1 or waiting for n raises, the requests of both steps end ("abort") and the
+        exception propagates. A Ctrl-C is raised once the step is complete."""
         self._check_usable()
         with deferred_interrupts():
             batch = self._guarded(self.scheduler.schedule, breaks=True)
@@ -235,24 +191,16 @@ class LLMEngine:
             return self._step_result(done if done is not None else launched, done is not None, outputs, waited)
 
     def _check_usable(self) -> None:
-        if self._closed:
-            raise RuntimeError("this LLM has been shut down")
-        if self._broken is not None:
-            raise RuntimeError(f"this LLM's requests are in an unknown state after an error inside a step "
-                               f"({self._broken}); create a new LLM")
+        if self._closed or self._broken is not None:
+            EXTRAS().refuse(self)
 
     def _guarded(self, work, *batches: ScheduledBatch | None, breaks: bool = False):
-        """work(); if it raises, the requests of `batches` end (their tokens will never be read)
-        or, with `breaks` (a change of the scheduler's state that must not fail, so half done),
-        every later step refuses to run; the exception propagates."""
+        """work(); if it raises, the requests of `batches` end or, with `breaks`, every later step
+        refuses to run (engine_extras.failed); the exception propagates."""
         try:
             return work()
         except BaseException as e:
-            if breaks:
-                self._broken = f"{type(e).__name__}: {str(e)[:200]}"
-            for batch in batches:
-                if batch is not None:
-                    self.requests.abandon(batch.rows)
+            EXTRAS().failed(self, e, batches, breaks)
             raise
 
     def _launch(self, batch: ScheduledBatch, done: InFlightStep | None) -> InFlightStep:
@@ -284,16 +232,14 @@ class LLMEngine:
 
 
 def start_in_process(config: Config, forward_strategy: ForwardStrategy | None = None) -> Executor:
-    """The executor of a model in this process: a ModelRunner (LLMEngine's default). Several
-    processes (tensor and data parallelism, torchrun) are the front's to start (LLM does: a bare
-    LLMEngine's Config refuses them)."""
+    """The executor of a model in this process: a ModelRunner (LLMEngine's default; several
+    processes are the front's to start)."""
     return ModelRunner(config, forward_strategy)
 
 
 def encode_text(tokenizer, text: str, what: str, **kwargs) -> list[int]:
     """tokenizer.encode(text, **kwargs), with a ValueError naming `what` for text that is not
-    valid Unicode (the tokenizers library reports a lone surrogate as a TypeError about its
-    input types). Checked only when encoding fails: free for every other text."""
+    valid Unicode (the tokenizers library reports a lone surrogate as a TypeError)."""
     try:
         return tokenizer.encode(text, **kwargs)
     except (TypeError, UnicodeError):
@@ -306,21 +252,17 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
 
 def load_tokenizer(path: str, mode: str = "auto", trust_remote_code: bool = False, revision: str | None = None):
     """The tokenizer in `path` (LLM's `tokenizer` option, else the checkpoint folder), or a
-    ValueError that says how to run without one. mode "slow" asks transformers for the Python
-    tokenizer (use_fast=False), as vLLM's tokenizer_mode does."""
+    ValueError that says how to run without one. mode "slow": the Python tokenizer (vLLM's)."""
     from transformers import AutoTokenizer
 
-    # transformers 5 returns an empty tokenizer for a folder without tokenizer files instead of
-    # failing, which would later surface as confusing "empty prompt" errors.
+    # transformers 5 returns an empty tokenizer for a folder without tokenizer files instead of failing.
     if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
-        raise ValueError(f"no tokenizer files in {path!r} (expected one of {', '.join(TOKENIZER_FILES)}); "
-                         f"pass skip_tokenizer_init=True to run on token ids only")
+        EXTRAS().no_tokenizer(path, TOKENIZER_FILES, None)
     try:
         return AutoTokenizer.from_pretrained(path, use_fast=mode != "slow", trust_remote_code=trust_remote_code,
                                              revision=revision)
     except Exception as e:
-        raise ValueError(f"could not load a tokenizer from {path!r} ({type(e).__name__}: {e}); "
-                         f"pass skip_tokenizer_init=True to run on token ids only") from None
+        EXTRAS().no_tokenizer(path, TOKENIZER_FILES, e)
 
 
 # generation_config.json keys that become the default SamplingParams, as vLLM reads them.

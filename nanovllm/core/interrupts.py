@@ -1,19 +1,14 @@
-"""Signals at safe points. An exception a signal handler raises (Ctrl-C's KeyboardInterrupt, an
-alarm-based timeout's TimeoutError) lands between any two bytecodes: inside a step (half the
-requests accounted for) or a tensor-parallel step (rank 0 leaving the collectives its workers are
-still in), it would leave the engine in a half-state. Under `deferred_interrupts()` the handlers
-still run at once (their side effects happen), but the first exception one raises is held and
-raised when the block ends (an inner one included). Only in the main thread, where Python runs
-signal handlers.
-"""
+"""Signals at safe points. An exception a signal handler raises (Ctrl-C, an alarm's timeout) inside
+a step would leave the engine in a half-state. Under `deferred_interrupts()` the handlers still run
+at once, but the first exception one raises is held and raised when a block (an inner one too)
+ends. Only in the main thread, where Python runs signal handlers."""
 
 from __future__ import annotations
 
 import signal
 import threading
 
-# Signals whose Python handlers are commonly made to raise (Ctrl-C, termination, itimer alarms,
-# user signals). Checked on every outermost block, so kept short.
+# Signals whose Python handlers are commonly made to raise (checked on every outermost block).
 DEFERRED_SIGNALS = tuple(getattr(signal, name) for name in (
     "SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2")
     if hasattr(signal, name))

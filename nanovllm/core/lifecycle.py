@@ -1,11 +1,8 @@
-"""The request lifecycle in one place: a request's text state, the step in flight, and the one
-rule that decides when and why a request ends.
-
-Overlap scheduling makes it subtle: step n+1 is launched before step n's tokens reach the host,
-so a request's last token is a placeholder for one step (Sequence.add_pending_token), a request
-that reached its length is retired at launch but finishes when that token arrives, and a step
-whose tokens will never be read must end its requests (abort).
-"""
+"""The request lifecycle: a request's text state, the step in flight, and the one rule that
+decides when and why a request ends. Step n+1 is launched before step n's tokens reach the host,
+so a request's last token is a placeholder for one step (Sequence.add_pending_token), and one that
+reached its length is retired at launch but finishes when that token arrives. (Aborts, and the
+requests of a step whose tokens will never be read: core/engine_extras.py.)"""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from nanovllm.core.detokenizer import detokenize_continuation
 from nanovllm.core.scheduler import ScheduledBatch, Scheduler
-from nanovllm.core.sequence import Sequence, SequenceStatus
+from nanovllm.core.sequence import Sequence
 
 if TYPE_CHECKING:
     from nanovllm.core.hooks import DraftVerifier, TextTracker, TextTrackerFactory
@@ -88,9 +85,8 @@ class InFlightStep:
 
 
 class RequestLifecycle:
-    """What happens to requests between the scheduler and the caller: their text state
-    (detokenizer, stop strings), accounting for launched steps and their tokens, finishes,
-    aborts and the final text."""
+    """What happens to requests between the scheduler and the caller: their text state (stop
+    strings, streamed text), launched steps and their tokens, finishes and the final text."""
 
     def __init__(self, scheduler: Scheduler, tokenizer, eos_token_ids: frozenset[int], max_model_len: int,
                  release=None):
@@ -100,32 +96,23 @@ class RequestLifecycle:
         self.max_model_len = max_model_len
         # release(seq): the request ended; drop its per-request sampler state (penalty counts).
         self.release = release
+        # Text tracking (streamed text, stop strings: engine_extras.track_text), per request.
         self._detok: dict[int, TextTracker] = {}
-        self.track_text: TextTrackerFactory | None = None  # the front wires it in (stream, stop strings)
+        self.track_text: TextTrackerFactory | None = None  # the front wires it in
         self._streamed: set[int] = set()  # requests whose text increments someone reads
         self.verifier: DraftVerifier | None = None  # keeps the tokens of rows that verified drafts
 
-    def add(self, seq: Sequence, track_text: bool = False) -> None:
-        """Queue a validated request (its sample 0, whose `samples` are all of them);
-        `track_text`: its text increments will be read (stream)."""
+    def add(self, seq: Sequence) -> None:
+        """Queue a validated request (its sample 0, whose `samples` are all of them)."""
         self.scheduler.add(seq)
-        p = seq.params
-        if (track_text or p.stop_strings) and self.tokenizer is not None and p.detokenize:
-            if self.track_text is None:
-                raise ValueError("streamed text and stop strings need the text tracking that LLM wires in")
-            for sample in seq.samples:
-                self._detok[sample.seq_id] = self.track_text(self.tokenizer, sample.prompt_token_ids, p)
-                if track_text:
-                    self._streamed.add(sample.seq_id)
 
     def launched(self, batch: ScheduledBatch) -> None:
         """A step was launched: hold its tokens' places, retire requests that reached their length."""
         self.scheduler.advance(batch, self.max_model_len)
 
     def accept(self, batch: ScheduledBatch, token_ids: list[int], logprobs=None) -> list[StepOutput]:
-        """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them
-        in, decide finishes, build the outputs. `logprobs` (core/hooks.py's StepLogprobs): the
-        step's logprob entries, when a row or a prompt asks for them."""
+        """A launched step's tokens have arrived (`token_ids[i]` for `batch.rows[i]`): fill them in,
+        decide finishes, build the outputs; `logprobs`: the step's StepLogprobs (core/hooks.py)."""
         outputs = []
         if logprobs is not None:
             logprobs.add_prompt_entries(batch)
@@ -162,30 +149,13 @@ class RequestLifecycle:
         if self.release is not None and seq.params.processes_logits:
             self.release(seq)
 
-    def abort(self, seq: Sequence) -> None:
-        """Drop an unfinished request wherever it is, freeing its blocks (one that ended, also
-        at launch with its last token on its way, is left alone)."""
-        if not seq.is_finished:
-            self.abandon([seq])
-
-    def abandon(self, seqs: list[Sequence]) -> None:
-        """End `seqs` now, with the samples never forked off them: the rows of a launched step
-        whose tokens will never be read (also those ended at launch: their last token never comes)."""
-        for seq in seqs:
-            if seq.status != SequenceStatus.FINISHED:
-                seq.drop_pending_token()
-                self.end(seq, "abort")
-                self.forget_text(seq)
-                self.abandon(seq.pending_forks)
-
     def forget_text(self, seq: Sequence) -> None:
         """Drop a request's detokenizer state (its text will not be read)."""
         self._detok.pop(seq.seq_id, None)
         self._streamed.discard(seq.seq_id)
 
     def final_text(self, seq: Sequence) -> str:
-        """The finished request's output text as it continues the prompt (what the stream()
-        increments add up to); forgets its detokenizer."""
+        """The finished request's output text as it continues the prompt; forgets its detokenizer."""
         detok = self._detok.get(seq.seq_id)
         self.forget_text(seq)
         if detok is not None:

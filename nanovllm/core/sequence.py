@@ -110,13 +110,6 @@ class Sequence:
         self.token_ids[-1] = token_id
         self.pending_row = -1
 
-    def drop_pending_token(self) -> None:
-        """Forget the pending token (its step was abandoned): nobody will read it."""
-        if self.has_pending_token:
-            self.token_ids.pop()
-            self.pending_row = -1
-        self.drafts = []
-
     def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
         """Mark the request ended, once: a finish reason is never overwritten."""
         if self.status == SequenceStatus.FINISHED:

@@ -1,6 +1,5 @@
-"""A scheduled batch as the model's input tensors: token ids, positions, KV slots, block tables.
-`StepInputs` packs a prefill step as freshly built varlen tensors, a decode step into
-`DecodeBuffers`, the fixed tensors the CUDA graphs were captured on."""
+"""A scheduled batch as the model's input tensors: `StepInputs` packs a prefill step as freshly built
+varlen tensors, a decode step into `DecodeBuffers`, the fixed tensors the CUDA graphs were captured on."""
 
 from __future__ import annotations
 
@@ -145,9 +144,8 @@ class StepInputs:
         return host_to_device(data, dtype, self.device, self.pin)
 
     def prefill(self, step: StepInput, input_tokens=None):
-        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row. With
-        `step.src_rows` (a mixed step's decode rows), `input_tokens(ids, src)` takes their tokens
-        from the device (TokenSampler.input_tokens), src holding a row per packed token."""
+        """Packed prefill inputs: token ids, positions, metadata, and each sequence's last row. A mixed
+        step's decode rows (`step.src_rows`) take their tokens from the device: `input_tokens`."""
         bs = self.block_size
         q_lens = np.fromiter(map(len, step.token_ids), dtype=np.int64, count=len(step.token_ids))
         starts = np.asarray(step.start_pos, dtype=np.int64)
@@ -183,7 +181,7 @@ class StepInputs:
 
     def decode(self, step: StepInput, padded_bs: int, input_tokens):
         """Decode inputs padded to `padded_bs` rows (a captured graph's batch size), as views of the
-        decode buffers; `input_tokens(ids, src_rows)` picks each row's input token."""
+        decode buffers."""
         ids, pos, slots, ctx, src, tables = self.buffers.load(step, padded_bs)
         kv_lens = None
         if self.backend_name == "torch":  # it loops over sequences on the host

@@ -55,6 +55,7 @@ _model_runner.RUNNER_EXTRAS = late("nanovllm.core.runner_extras")  # score(), du
 _decoder.LLAMA3_ROPE_SCALING = late("nanovllm.model.rope_scaling", "Llama3RopeScaling")  # rope_type "llama3"
 _paged_kv.FP8_CACHE = late("nanovllm.model.attention.fp8_cache")  # an FP8 KV cache's encoding
 _sampler.RANDOM_DRAW = late("nanovllm.core.random_draw")  # temperature > 0
+_engine.EXTRAS = late("nanovllm.core.engine_extras")  # a refused request, an abort, a failed step
 _config.CONFIG_CHECKS = late("nanovllm.config_checks")  # checks a plain engine never runs
 _limits.QUOTES = late("nanovllm.quotes")  # the first error message quoting a value
 _decoder.FUSED_QK_NORM_ROPE = late("nanovllm.model.fused_qk_norm_rope")  # the fused q/k norm + RoPE (CUDA)
