@@ -32,10 +32,10 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["LLMEngine", "StepOutput", "StepResult"]
 
-# core/step_timing.py (StepTiming, what `step_observers` get), loaded at the first observed step
-# by this loader, which nanovllm/wiring/ registers when the package loads.
+# Slots nanovllm/wiring/ fills at import, each loading its module at first use: step_timing.py (what
+# `step_observers` get) and engine_extras.py (refusals, aborts, a failed step).
 load_step_timing: Callable[[], ModuleType]
-EXTRAS: Callable[[], ModuleType] | None = None  # filled by nanovllm.wiring: loads core/engine_extras.py at first use
+EXTRAS: Callable[[], ModuleType] | None = None
 
 
 class LLMEngine:

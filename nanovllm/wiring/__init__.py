@@ -45,8 +45,7 @@ def __getattr__(name: str):
     return getattr(import_module("nanovllm.wiring.fronts"), name)
 
 
-# ---------------------------------------------------------------- slots of core/ and model/, filled at import
-# (nanovllm/__init__.py and llm.py import this package first): each loads its module at its first use.
+# ---------------------------------------------------------------- core/ and model/ slots, filled at import
 
 _sampling_params.FEATURE_CHECKS.append(late("nanovllm.features.sampling_checks"))  # a feature field set
 _engine.load_step_timing = late("nanovllm.core.step_timing")  # the first step that step_observers watch
@@ -67,8 +66,7 @@ _scheduler.PREEMPTION = late("nanovllm.core.preemption")  # a decode finds no fr
 
 
 def output_type(name: str) -> type:
-    """outputs.py's types a plain generate never makes: StreamOutput (streaming.py), Logprob and
-    its list types (logprob_outputs.py)."""
+    """outputs.py's late types: StreamOutput (streaming.py), Logprob and its lists (logprob_outputs.py)."""
     return getattr(import_module("nanovllm.streaming" if name == "StreamOutput" else "nanovllm.logprob_outputs"), name)
 
 
@@ -86,8 +84,7 @@ def forward_strategy(config):
 
 
 def start_executor(config):
-    """What runs the model of LLM's engine (core/executor.py's Executor): a ModelRunner in this
-    process, or rank 0 of tensor-parallel workers / this torchrun rank (launch/executors.py)."""
+    """LLM's Executor (core/executor.py): a ModelRunner here, or TP workers / a torchrun rank (launch/)."""
     strategy = forward_strategy(config)
     if config.parallel.tensor_parallel_size == 1 and config.parallel.distributed_executor_backend != "external_launcher":
         return _engine.start_in_process(config, strategy)
@@ -98,8 +95,7 @@ def start_executor(config):
 
 
 def quantization_scheme(checkpoint_config, requested: str | None):
-    """The weight scheme (model/quant.py's QuantScheme) for `LLM(quantization=...)` and the
-    checkpoint's `quantization_config`, or None when neither asks for one."""
+    """The QuantScheme (model/quant.py) `quantization=` or the checkpoint's config asks for, else None."""
     if requested is None and not checkpoint_config:
         return None
     return import_module("nanovllm.features.quantization").resolve_quantization(checkpoint_config, requested)
