@@ -1,7 +1,7 @@
 """How LLM.chat() turns a conversation into a prompt, in vLLM's terms: the checks of the messages
 (a template would mangle or drop a bad one without a word) and of the template's keyword
 arguments (Jinja would ignore a misspelt `enable_thinkng` silently), OpenAI's content parts, and
-the rendering through the tokenizer's chat template. Loaded at the first chat (wiring.py): a
+the rendering through the tokenizer's chat template. Loaded at the first chat (wiring/): a
 plain generate needs none of it."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Config's checks that a plain engine (default options, CPU, LLM's features wired in) never runs:
 vLLM's keywords and unknown ones, a forced attention backend, an explicit dtype, FP8 on CUDA and
-a bare LLMEngine's refusals. config.py reaches them through CONFIG_CHECKS (wiring.py's loader)."""
+a bare LLMEngine's refusals. config.py reaches them through CONFIG_CHECKS (wiring/'s loader)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """vLLM's prompt types (`vllm.inputs`): the dicts `generate` takes besides plain text and token ids,
-and how LLM reads one (loaded, through wiring.py, by the first prompt dict)."""
+and how LLM reads one (loaded, through wiring/, by the first prompt dict)."""
 
 from __future__ import annotations
 

@@ -42,7 +42,7 @@ class LLM(LLMEngine):
         self._stats_recorder = wiring.stats_recorder(self)  # disable_log_stats=False
 
     def _start_executor(self, config):
-        """What runs the model: this process, or tensor-parallel workers / torchrun (wiring.py)."""
+        """What runs the model: this process, or tensor-parallel workers / torchrun (wiring/)."""
         return wiring.start_executor(config)
 
     def __enter__(self):

@@ -1,4 +1,4 @@
-"""What LLM's calls need only at times (loaded through wiring.py, so a plain generate without a
+"""What LLM's calls need only at times (loaded through wiring/, so a plain generate without a
 progress bar loads none of it): the progress bar, the clean-up of a call cut short, the prompts
 and parameters of any but a list of text prompts with one SamplingParams, chat() and get_metrics()."""
 

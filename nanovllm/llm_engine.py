@@ -38,7 +38,7 @@ class _Request:
 
 class LLMEngine:
     """vLLM's LLMEngine (see the module docstring) over `llm`, an LLM (llm.py loads this module
-    at the first LLM.llm_engine, through wiring.py: it does not import llm.py back)."""
+    at the first LLM.llm_engine, through wiring/: it does not import llm.py back)."""
 
     def __init__(self, llm):
         self.llm = llm

@@ -1,5 +1,5 @@
 """Logprobs in vLLM's output form: `{token id: Logprob}` per position, the chosen token first,
-each token's text decoded once per LLM (its `_token_texts`). Loaded, through wiring.py, by the
+each token's text decoded once per LLM (its `_token_texts`). Loaded, through wiring/, by the
 first request that asks for logprobs (or the first that names `nanovllm.outputs.Logprob`, which
 this module defines); the server's preparers decode first tokens with token_texts."""
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from nanovllm.metrics import RequestMetrics
 
 # Logprob (logprob_outputs.py) and StreamOutput (streaming.py), which a plain generate never makes,
-# load when first named: wiring.py registers the loader.
+# load when first named: wiring/ registers the loader.
 LATE_TYPES: list[Callable[[str], type]] = []
 
 

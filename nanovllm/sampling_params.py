@@ -34,7 +34,7 @@ _FEATURES_OFF = {"_stop_strings": (), "_stop_ids": frozenset(), "_logit_bias": N
                  "_bad_words": (), "_uses_penalties": False, "_processes_logits": False}
 
 
-# wiring.py's loader of features/sampling_checks.py: check_fields, vllm_only, derive_sample_seed and
+# wiring/'s loader of features/sampling_checks.py: check_fields, vllm_only, derive_sample_seed and
 # this module's names that a plain request does not load (see __getattr__).
 FEATURE_CHECKS: list[Callable] = []
 

@@ -1,4 +1,4 @@
-"""LLM.stream's increments, StreamOutputs (loaded, through wiring.py, by the first stream or the
+"""LLM.stream's increments, StreamOutputs (loaded, through wiring/, by the first stream or the
 first that names `nanovllm.outputs.StreamOutput`: a plain generate never streams)."""
 
 from __future__ import annotations

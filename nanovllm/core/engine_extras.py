@@ -1,5 +1,5 @@
 """What LLMEngine (core/engine.py) runs only at times, loaded at first use through its EXTRAS slot
-(filled by nanovllm/wiring.py): the errors that refuse a request, the checks of the feature fields
+(filled by nanovllm/wiring/): the errors that refuse a request, the checks of the feature fields
 a request sets, aborts and abandoned steps, and the refusals of a shut or broken engine. `engine`
 is an LLMEngine, or serve/preparation.py's RequestPreparer for the request checks."""
 

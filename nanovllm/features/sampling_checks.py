@@ -1,6 +1,6 @@
 """The checks of SamplingParams' feature fields (stop strings and ids, n, penalties, logit_bias,
 allowed_token_ids, bad_words, logprobs, structured_outputs) and of vLLM's fields nano-vllm lacks:
-sampling_params.py's FeatureChecks, registered by wiring.py. A plain request leaves every one of
+sampling_params.py's FEATURE_CHECKS, registered by wiring/. A plain request leaves every one of
 these fields at its default, so it never loads this module (n > 1's sample seeds are here too)."""
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from torch import nn
 if TYPE_CHECKING:
     from types import ModuleType
 
-# FP8 KV-cache scales' loading (kv_scales.py), filled by nanovllm/wiring.py: loaded at the first
+# FP8 KV-cache scales' loading (kv_scales.py), filled by nanovllm/wiring/: loaded at the first
 # checkpoint tensor named like one (<layer>.self_attn.k_scale, ...v_proj.output_scale).
 KV_SCALES: Callable[[], ModuleType] | None = None
 _KV_SCALE_ENDINGS = ("k_scale", "v_scale", "output_scale")
