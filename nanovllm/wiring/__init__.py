@@ -7,6 +7,7 @@ pluggings are in plugging.py. Deferred imports are allowed here only (tests/test
 
 from __future__ import annotations
 
+from functools import cache
 from importlib import import_module
 from typing import Any, Callable
 
@@ -26,8 +27,9 @@ import nanovllm.sampling_params as _sampling_params
 
 
 def late(module: str, attribute: str = "") -> Callable[[], Any]:
-    """A loader of `module` (or its `attribute`), imported at the loader's first call."""
+    """A loader of `module` (or its `attribute`), imported at its first call and kept (per-step callers)."""
 
+    @cache
     def load():
         loaded = import_module(module)
         return getattr(loaded, attribute) if attribute else loaded
@@ -107,8 +109,7 @@ def kv_scale_calibrator(calculate_kv_scales: bool):
 
 
 def sparse_mlp(decoder_options):
-    """The MoE block factory (model/decoder.py's SparseMlpFactory: features/moe.py) when the
-    model (its DecoderOptions) has mixture-of-experts layers, else None."""
+    """The MoE block factory (model/decoder.py's SparseMlpFactory: features/moe.py) for MoE layers, else None."""
     if not decoder_options.moe_layers:
         return None
     return import_module("nanovllm.features.moe").SparseMoeBlock.from_options
@@ -130,8 +131,7 @@ def adapters(lora_config, hf_config):
 
 
 def check_processes(config, hf_config) -> None:
-    """Config.resolve's check that an engine of several processes fits the model and this node's
-    GPUs (launch/fit.py)."""
+    """Config.resolve's check that several processes fit the model and this node's GPUs (launch/fit.py)."""
     if config.parallel.tensor_parallel_size * config.parallel.data_parallel_size > 1:
         import_module("nanovllm.launch.fit").check_processes(config, hf_config)
 
