@@ -83,6 +83,32 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("k, n, group, strips", [
+    (1024, 96, 128, (32, 2, True, 2)),  # K split in 2 (the last to arrive adds); the last column block masked
+    (480, 64, 32, (16, 1, False, 1)),  # groups of 32 (one strip); K not in whole steps: masked rows
+    (768, 40, -1, (32, 1, True, 3))])  # one group per column (group_size = K = 768); K split in 3
+def test_the_batch1_gemv_equals_its_torch_arithmetic(k, n, group, strips):
+    """kernels/w4a16_gemv.py under the Triton interpreter (the shift path of the inline PTX's
+    unpacking; x bf16, read as int32 pairs), twice (split-K's arrival counts reset themselves):
+    fp32 sums of the same products in another order, then rounded to bf16 (the interpreter may
+    round toward zero): within 2^-7 of the value + 1e-3."""
+    from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
+    from nanovllm.kernels.w4a16 import Strips, w4a16_matmul
+
+    g = torch.Generator().manual_seed(k)
+    groups = 1 if group < 0 else k // group
+    w = Int4Weights(torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g).to(torch.int32),
+                    (torch.rand(groups, n, generator=g) * 0.01).to(torch.bfloat16),
+                    torch.randint(0, 16, (groups, n), generator=g).to(torch.bfloat16), group if group > 0 else k, None)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    want = x.float() @ dequantize(w).float()
+    for _ in range(2):
+        got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size, config=Strips(*strips)).float()
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-3), (got - want).abs().max()
+    with pytest.raises(ValueError, match="one bf16 row"):
+        w4a16_matmul(x.float(), w.qweight, w.scales, w.zeros, w.group_size, config=Strips(*strips))
+
+
 @pytest.mark.parametrize("config", [(16, 64, 96), (16, 64, 256), (128, 64, 64)])
 def test_a_tensor_core_launch_that_does_not_fit_is_refused(config):
     """No mask along K: a K-tile that does not divide K would drop rows; tiles of more than 64

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Mma, w4a16_matmul
+from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Mma, Strips, w4a16_matmul
 
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 BANDWIDTH = 4.3e12
@@ -38,6 +38,10 @@ def weights(k: int, n: int, group: int, gen) -> Int4Weights:
 
 
 def candidates(m: int) -> list:
+    if m == 1:
+        return [Strips(bn, wp, pf, sp) for bn in (16, 32) for wp in (4, 8) for pf in (True, False)
+                for sp in (1, 2, 4)] + [
+            Gemv(bn, bw, 8, 4, True, True) for bn, bw in ((8, 256), (16, 128), (32, 64))]
     if m <= GEMV_MAX_M:
         return [Gemv(bn, bw, wp, 4, pf, fa) for bn, bw in ((8, 128), (8, 256), (16, 128), (16, 256), (32, 64), (32, 128))
                 for wp in (4, 8) for pf in (1, 0) for fa in (1, 0)]
@@ -72,10 +76,15 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
         timed = []
         for cfg in candidates(m):
             try:
+                got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128, config=cfg)
+                if ((got.float() - ref).abs().max() / ref.abs().max()).item() > 1e-2:
+                    result.setdefault("wrong", []).append(tuple(cfg))
+                    continue
                 timed.append((cuda_graph_us(lambda: mm(cfg), median=True), cfg))
             except triton.runtime.errors.OutOfResources:  # (a tile too large for shared memory)
                 continue
         best = min(timed)
+        result["timed"] = {str(tuple(c)): round(t, 2) for t, c in timed}
         result["best_us"], result["best_config"] = round(best[0], 2), tuple(best[1])
         kind = lambda c: type(c).__name__ + ("" if getattr(c, "prefetch", True) else "-noprefetch") + (  # noqa: E731
             "" if getattr(c, "factored", True) else "-128q")
@@ -94,6 +103,7 @@ def main() -> None:
     print(f"{'gemm':<8}{'M':>5}{'bf16 us':>9}{'int4 us':>9}{'x':>6}{'GB/s':>8}{'of BW':>7}  check")
     for r in rows:
         extra = f"  best {r['best_us']} {r['best_config']} {r['best_per_kind']}" if "best_us" in r else ""
+        extra += f" WRONG configs {r['wrong']}" if r.get("wrong") else ""
         print(f"{r['gemm']:<8}{r['m']:>5}{r['bf16_us']:>9}{r['int4_us']:>9}{r['speedup']:>6}{r['gb_s']:>8}"
               f"{r['of_bandwidth']:>7}  {'ok' if r['ok'] else 'WRONG'}{extra}")
     if os.environ.get("OUT"):

@@ -31,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.w4a16_gemv import Strips, gemv
 from nanovllm.kernels.w4a16_mma import Mma, float_128, mma_matmul, nibble_128
 
 GEMV_MAX_M = 4
+STRIPS = Strips()
 DEQUANT_MIN_M = 128
 
 
@@ -138,12 +140,15 @@ def _pow2_divisor(g: int, cap: int) -> int:
     return b
 
 
-def choose(m: int, n: int, k: int) -> Gemv | Mma | Dequant:
+def choose(m: int, n: int, k: int, group_size: int = 128, dtype: torch.dtype = torch.bfloat16
+           ) -> Strips | Gemv | Mma | Dequant:
     """The launch for an [m, k] x [k, n] product, as measured best on the H200 for Qwen3-8B's
     shapes (benchmarks/kernels/bench_w4a16.py). Gemv: wide N 32 columns x 64 words, deep K 8 x
     256, else 16 x 128; one row factored and prefetched, 2-4 rows neither (their registers would
     spill). Mma: 16 or 64 rows of x a program, 64 columns, K split 4 or 2 ways (the weights'
     bytes bound these sizes, and splitting puts ~2-4 programs on every SM). Dequant from 128."""
+    if m == 1 and dtype == torch.bfloat16:
+        return STRIPS
     if m <= GEMV_MAX_M:
         block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 and m == 1 else (16, 128)
         return Gemv(block_n, block_w, 8 if m == 1 or n < 16384 else 4, GEMV_MAX_M, m == 1, m == 1)
@@ -154,7 +159,7 @@ def choose(m: int, n: int, k: int) -> Gemv | Mma | Dequant:
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                 group_size: int, config: Gemv | Mma | Dequant | None = None,
+                 group_size: int, config: Strips | Gemv | Mma | Dequant | None = None,
                  workspace: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] (fp16 / bf16; fp32 under the interpreter) @ the unpacked weight [K, N] ->
     [..., N] in x's dtype; `can_run` says which shapes it takes. `config`: a launch instead of
@@ -168,8 +173,12 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    cfg = config or choose(m, n, k)
-    if isinstance(cfg, Gemv):
+    cfg = config or choose(m, n, k, group_size, x2.dtype)
+    if isinstance(cfg, Strips):
+        if m != 1 or x2.dtype != torch.bfloat16:
+            raise ValueError(f"w4a16_matmul: {cfg} takes one bf16 row of x, not {tuple(x2.shape)} {x2.dtype}")
+        out = gemv(x2, qweight, scales, zeros, group_size, cfg)
+    elif isinstance(cfg, Gemv):
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
         block_m = min(cfg.block_m, triton.next_power_of_2(m))
         _gemv_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, block_m))](

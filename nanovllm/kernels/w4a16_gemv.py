@@ -1,0 +1,181 @@
+"""W4A16 GEMV for one row of x (batch-1 decode): out[N] = x[K] @ W[K, N], the layout of
+kernels/w4a16.py (qweight [K / 8, N], nibble j of word row i = K-row 8i + j; scales s and zero
+points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
+
+A decode step at batch 1 reads every weight once, so this kernel must keep the memory busy with
+few instructions a weight. The H200 moves ~8.6e12 four-bit weights a second and issues ~3.3e13
+thread instructions, so ~3.9 instructions a weight is the whole budget. Three choices fit it:
+- Strips: each thread owns R consecutive word rows (one group: a single scale and zero point) of
+  4 adjacent columns, loaded as 128-bit vectors. The tile is [R, P, BLOCK_N] with R in-thread, so
+  summing over R is register arithmetic and x's values serve 4 columns.
+- Nibble as a float without conversion: moved to bits 16..19 and OR-ed into 128.0's bits it is
+  the float 128 + q (kernels/w4a16_mma.py's nibble_128): a shift and a `lop3`, then one FMA with
+  x. The 128 and the zero point come off once per group and column:
+  sum x (q - z) = sum x (128 + q) - (128 + z) sum x, then times the scale. The fp32 sums lose
+  nothing a 16-bit output can see (the 128 offset costs 7 of fp32's 24 bits).
+- Bytes in flight: the next strip's words load before this strip's arithmetic (a register
+  prefetch), and each program runs all of K for its columns (no split-K: no atomics, no extra
+  launches), so there are enough programs only with narrow BLOCK_N (32 columns).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
+
+
+class Strips(NamedTuple):
+    block_n: int = 16  # columns per program
+    warps: int = 8
+    prefetch: bool = True  # the next strip's words loaded before this one's arithmetic
+    splits: int = 1  # K split over this many programs per column block (the last one to finish adds)
+
+
+# Eight nibbles of a word as the floats 128 + q, 1.25 integer instructions a weight (the H200's
+# integer pipes issue at half the FMA rate, so these count double): two masks split the word into
+# its even and odd nibbles, one per byte; `prmt` then builds each float from one of those bytes at
+# bits 16..23 (high nibble zero) under 128.0's exponent byte 0x43 (the register `m`).
+_NIBBLES = tl.constexpr("""{
+.reg .b32 lo, hi, m;
+mov.b32 m, 0x43000000;
+and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, m, 0x7054;
+prmt.b32 $1, hi, m, 0x7054;
+prmt.b32 $2, lo, m, 0x7154;
+prmt.b32 $3, hi, m, 0x7154;
+prmt.b32 $4, lo, m, 0x7254;
+prmt.b32 $5, hi, m, 0x7254;
+prmt.b32 $6, lo, m, 0x7354;
+prmt.b32 $7, hi, m, 0x7354;
+}""")
+
+
+@triton.jit
+def _floats_128(words, ASM: tl.constexpr):
+    """The eight nibbles of each word as 128 + q (fp32): inline PTX, or shifts (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_NIBBLES, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words], dtype=(tl.float32,) * 8,
+                                         is_pure=True, pack=1)
+    return (nibble_128(words, 0), nibble_128(words, 1), nibble_128(words, 2), nibble_128(words, 3),
+            nibble_128(words, 4), nibble_128(words, 5), nibble_128(words, 6), nibble_128(words, 7))
+
+
+@triton.jit
+def _x_pair(xw_ptr, offs, mask):
+    """Two bf16 values of x from one int32 (x viewed as words): each one's bits moved to the top
+    16 of an fp32 are that value exactly (a shift or a mask, no conversion)."""
+    v = tl.load(xw_ptr + offs, mask=mask, other=0)
+    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _words(qw_ptr, rows, n2, N, n_words, EVEN: tl.constexpr):
+    """Word row `rows` [P, 1] of columns n2 [1, BLOCK_N] (a row past the end reads the last one)."""
+    if EVEN:
+        return tl.load(qw_ptr + tl.minimum(rows, n_words - 1) * N + n2)
+    return tl.load(qw_ptr + tl.minimum(rows, n_words - 1) * N + n2, mask=n2 < N, other=0)
+
+
+@triton.jit
+def _row(words, xw_ptr, rows, n_words, part, xsum, ASM: tl.constexpr):
+    """part += the word row's eight (128 + q) times x's eight values; xsum += those values."""
+    f0, f1, f2, f3, f4, f5, f6, f7 = _floats_128(words, ASM)
+    x0, x1 = _x_pair(xw_ptr, rows * 4, rows < n_words)
+    x2, x3 = _x_pair(xw_ptr, rows * 4 + 1, rows < n_words)
+    x4, x5 = _x_pair(xw_ptr, rows * 4 + 2, rows < n_words)
+    x6, x7 = _x_pair(xw_ptr, rows * 4 + 3, rows < n_words)
+    part = tl.fma(f0, x0, tl.fma(f1, x1, tl.fma(f2, x2, tl.fma(f3, x3, part))))  # one FMA a weight
+    part = tl.fma(f4, x4, tl.fma(f5, x5, tl.fma(f6, x6, tl.fma(f7, x7, part))))
+    return part, xsum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+
+
+@triton.jit
+def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, words_per_split,
+                GROUP: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+                PREFETCH: tl.constexpr, SPLITS: tl.constexpr):
+    n_words = K // 8
+    p2 = tl.arange(0, P)[:, None]
+    n2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    acc = tl.zeros((P, BLOCK_N), dtype=tl.float32)
+    start = tl.program_id(1) * words_per_split
+    if PREFETCH:
+        a = start + p2 * 4
+        w0_, w1_, w2_, w3_ = (_words(qw_ptr, a, n2, N, n_words, EVEN), _words(qw_ptr, a + 1, n2, N, n_words, EVEN),
+                              _words(qw_ptr, a + 2, n2, N, n_words, EVEN), _words(qw_ptr, a + 3, n2, N, n_words, EVEN))
+    for w0 in range(start, start + words_per_split, 4 * P):
+        first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
+        if PREFETCH:  # the next strip's words in flight while this one computes
+            b = first + 4 * P
+            n0, n1, n2_, n3 = (_words(qw_ptr, b, n2, N, n_words, EVEN), _words(qw_ptr, b + 1, n2, N, n_words, EVEN),
+                               _words(qw_ptr, b + 2, n2, N, n_words, EVEN), _words(qw_ptr, b + 3, n2, N, n_words, EVEN))
+        else:
+            w0_, w1_, w2_, w3_ = (_words(qw_ptr, first, n2, N, n_words, EVEN),
+                                  _words(qw_ptr, first + 1, n2, N, n_words, EVEN),
+                                  _words(qw_ptr, first + 2, n2, N, n_words, EVEN),
+                                  _words(qw_ptr, first + 3, n2, N, n_words, EVEN))
+        part = tl.zeros((P, BLOCK_N), dtype=tl.float32)
+        xsum = tl.zeros((P, 1), dtype=tl.float32)
+        part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, ASM)
+        part, xsum = _row(w1_, xw_ptr, first + 1, n_words, part, xsum, ASM)
+        part, xsum = _row(w2_, xw_ptr, first + 2, n_words, part, xsum, ASM)
+        part, xsum = _row(w3_, xw_ptr, first + 3, n_words, part, xsum, ASM)
+        g2 = (first * 8 // GROUP) * N + n2
+        smask = (first < n_words) & (n2 < N)
+        s = tl.load(s_ptr + g2, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
+        acc += (part - (z + 128.0) * xsum) * s
+        if PREFETCH:
+            w0_, w1_, w2_, w3_ = n0, n1, n2_, n3
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.sum(acc, axis=0)
+    if SPLITS > 1:  # each split's sums to part; the last of a column block's programs to arrive adds them
+        tl.store(part_ptr + tl.program_id(1) * N + offs_n, total, mask=offs_n < N)
+        tl.debug_barrier()  # every thread's sums stored before the (release) count
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(SPLITS):
+                total += tl.load(part_ptr + i * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)  # ready for the next launch (graphs replay it)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+_COUNTERS: dict = {}  # device -> zeroed int32 arrival counts, reset by the kernel after each use
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed counters on `device`, allocated once (before any graph capture: the
+    engine's warm-up runs every shape eagerly first)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
+
+
+def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+         cfg: Strips) -> torch.Tensor:
+    """x [1, K] @ the unpacked weight -> [1, N] in x's dtype (K and the group in whole strips of 32)."""
+    k, n = x.shape[1], qweight.shape[1]
+    group = group_size if group_size > 0 else k
+    p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
+    step = 4 * p  # word rows per step
+    per_split = triton.cdiv(triton.cdiv(k // 8, step), cfg.splits) * step
+    splits = triton.cdiv(k // 8, per_split)
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    blocks = triton.cdiv(n, cfg.block_n)
+    count = _counters(x.device, blocks) if splits > 1 else out
+    even = n % cfg.block_n == 0 and (k // 8) % per_split == 0
+    gemv_kernel[(blocks, splits)](x.view(torch.int32), qweight, scales, zeros, out, part, count, n, k, per_split,
+                                  GROUP=group, P=p, BLOCK_N=cfg.block_n, EVEN=even, ASM=not INTERPRETED,
+                                  PREFETCH=cfg.prefetch, SPLITS=splits, num_warps=cfg.warps)
+    return out
