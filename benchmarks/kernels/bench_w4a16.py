@@ -39,7 +39,8 @@ def weights(k: int, n: int, group: int, gen) -> Int4Weights:
 
 def candidates(m: int) -> list:
     if m == 1:
-        return [Strips(bn, 8, True, sp, pdl) for bn in (16, 32) for sp in (1, 2) for pdl in (True, False)] + [
+        return [Strips(bn, wp, pf, sp) for bn in (16, 32) for wp in (4, 8) for pf in (True, False)
+                for sp in (1, 2, 4)] + [
             Gemv(bn, bw, 8, 4, True, True) for bn, bw in ((8, 256), (16, 128), (32, 64))]
     if m <= GEMV_MAX_M:
         return [Gemv(bn, bw, wp, 4, pf, fa) for bn, bw in ((8, 128), (8, 256), (16, 128), (16, 256), (32, 64), (32, 128))
@@ -86,7 +87,6 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
         result["timed"] = {str(tuple(c)): round(t, 2) for t, c in timed}
         result["best_us"], result["best_config"] = round(best[0], 2), tuple(best[1])
         kind = lambda c: type(c).__name__ + ("" if getattr(c, "prefetch", True) else "-noprefetch") + (  # noqa: E731
-            "" if getattr(c, "pdl", True) else "-nopdl") + (
             "" if getattr(c, "factored", True) else "-128q")
         result["best_per_kind"] = {kind(c): round(min(t for t, c2 in timed if kind(c2) == kind(c)), 2) for _, c in timed}
     return result

@@ -21,9 +21,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
-
-from nanovllm.kernels.pdl import pdl_supported
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Above this one row no longer fits in registers of one program (spills, then failures).
@@ -66,7 +63,6 @@ def _rms_norm_kernel(
     HAS_ADDEND: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
-    EARLY: tl.constexpr = False,
 ):
     """y[r] = weight * (s * rsqrt(mean(s^2) + eps)) for one row r, with s = x[r] (+ residual[r]).
 
@@ -79,8 +75,6 @@ def _rms_norm_kernel(
     replaced by (x[r] + addend[r]) rounded to the dtype (a peer's partial sum: what a two-rank
     all-reduce would have produced).
     """
-    if EARLY:  # a dependent launched with PDL (kernels/pdl.py) may start now
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     dtype = y_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
@@ -161,7 +155,7 @@ def rms_norm(
             x2, x2.stride(0), a2, a2.stride(0), r2, r2.stride(0), weight, y,
             res_out if res_out is not None else y,  # unused without a residual
             hidden, float(eps), HAS_ADDEND=addend is not None, HAS_RESIDUAL=residual is not None, BLOCK=block,
-            EARLY=pdl_supported(x.device), num_warps=_num_warps(block), enable_fp_fusion=False,
+            num_warps=_num_warps(block), enable_fp_fusion=False,
         )
     return y if residual is None else (y, res_out)
 
@@ -170,15 +164,13 @@ def rms_norm(
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, x_stride, y_ptr, d, BLOCK: tl.constexpr, EARLY: tl.constexpr = False):
+def _silu_and_mul_kernel(x_ptr, x_stride, y_ptr, d, BLOCK: tl.constexpr):
     """y[r, c] = silu(x[r, c]) * x[r, d + c] for one row r and BLOCK columns c.
 
     Grid (rows, cdiv(d, BLOCK)); x rows start at r * x_stride (stride(-1) == 1), y is
     contiguous [rows, d]. silu is computed in fp32 and rounded to the dtype, then the
     product is rounded again: what `F.silu(gate) * up` does in bf16/fp16.
     """
-    if EARLY:  # a dependent launched with PDL (kernels/pdl.py) may start now
-        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -208,7 +200,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows > 0:
         block = min(triton.next_power_of_2(d), 1024)
         _silu_and_mul_kernel[(rows, triton.cdiv(d, block))](
-            x2, x2.stride(0), y, d, BLOCK=block, EARLY=pdl_supported(x.device), num_warps=_num_warps(block, max_warps=8),
-            enable_fp_fusion=False,
+            x2, x2.stride(0), y, d, BLOCK=block, num_warps=_num_warps(block, max_warps=8), enable_fp_fusion=False,
         )
     return y

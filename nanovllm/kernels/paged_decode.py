@@ -6,10 +6,8 @@ import math
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents
 
 from nanovllm.kernels.kv_store import FP8_KV_DTYPE, check_kv_scales, check_paged_cache
-from nanovllm.kernels.pdl import pdl_supported
 
 _LOG2E = 1.4426950408889634
 
@@ -47,7 +45,6 @@ def _paged_decode_split_kernel(
     DOT_PRECISION: tl.constexpr,
     KV_FP8: tl.constexpr,
     FP16_DOT: tl.constexpr,
-    EARLY: tl.constexpr = False,
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
@@ -75,8 +72,6 @@ def _paged_decode_split_kernel(
     bit q): q is pre-scaled and rounded to fp16 and both dots run in fp16 (the probabilities
     too), fp32 accumulation.
     """
-    if EARLY:  # a dependent launched with PDL (kernels/pdl.py) may start now
-        gdc_launch_dependents()
     kvh = tl.program_id(0) // num_splits
     split = tl.program_id(0) % num_splits
     b = tl.program_id(1)
@@ -177,15 +172,12 @@ def _paged_decode_merge_kernel(
     NUM_HEADS: tl.constexpr,
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
-    EARLY: tl.constexpr = False,
 ):
     """Combine the num_splits partial results of one (sequence, head) into out.
 
     Grid (B, NUM_HEADS). Each split is weighted by 2**(lse_s - max lse); splits with
     lse = -inf weigh 0, and a row whose splits are all empty (context length 0) gets zeros.
     """
-    if EARLY:  # a dependent launched with PDL (kernels/pdl.py) may start now
-        gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -355,8 +347,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads, WRITE_PARTIAL=num_splits > 1, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
-        FP16_DOT=fp8 and q.dtype != torch.float32, EARLY=pdl_supported(q.device), num_warps=num_warps,
-        num_stages=num_stages,
+        FP16_DOT=fp8 and q.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_partials(part_out, part_lse, out, num_splits)
@@ -378,5 +369,5 @@ def _merge_partials(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.T
     _paged_decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, out, out.stride(0), out.stride(1), num_splits,
         NUM_HEADS=num_heads, SPLITS_PAD=triton.next_power_of_2(num_splits), HEAD_DIM=head_dim,
-        EARLY=pdl_supported(out.device), num_warps=4 if num_splits * head_dim >= 2048 else 2,
+        num_warps=4 if num_splits * head_dim >= 2048 else 2,
     )

@@ -14,11 +14,8 @@ thread instructions, so ~3.9 instructions a weight is the whole budget. Three ch
   sum x (q - z) = sum x (128 + q) - (128 + z) sum x, then times the scale. The fp32 sums lose
   nothing a 16-bit output can see (the 128 offset costs 7 of fp32's 24 bits).
 - Bytes in flight: the next strip's words load before this strip's arithmetic (a register
-  prefetch). Launched as a programmatic dependent (PDL), a program loads its first strip while
-  the kernel before (the norm, attention, SiLU that make x) still runs, and waits only before
-  reading x: at batch 1 a GEMV of 8-50 MB is short enough that start-up latency is a third of it.
-  Narrow column blocks (16-32) give every SM a few programs; a K split (added by the last
-  program of a column block to arrive, no extra launch) is there for narrow N.
+  prefetch), and each program runs all of K for its columns (no split-K: no atomics, no extra
+  launches), so there are enough programs only with narrow BLOCK_N (32 columns).
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
-from nanovllm.kernels.pdl import pdl_supported
 from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
 
 
@@ -39,7 +34,6 @@ class Strips(NamedTuple):
     warps: int = 8
     prefetch: bool = True  # the next strip's words loaded before this one's arithmetic
     splits: int = 1  # K split over this many programs per column block (the last one to finish adds)
-    pdl: bool = True  # launched as a programmatic dependent: the first strip loads before x is ready
 
 
 # Eight nibbles of a word as the floats 128 + q, 1.25 integer instructions a weight (the H200's
@@ -105,7 +99,7 @@ def _row(words, xw_ptr, rows, n_words, part, xsum, ASM: tl.constexpr):
 @triton.jit
 def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, words_per_split,
                 GROUP: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
-                PREFETCH: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+                PREFETCH: tl.constexpr, SPLITS: tl.constexpr):
     n_words = K // 8
     p2 = tl.arange(0, P)[:, None]
     n2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
@@ -115,8 +109,6 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K
         a = start + p2 * 4
         w0_, w1_, w2_, w3_ = (_words(qw_ptr, a, n2, N, n_words, EVEN), _words(qw_ptr, a + 1, n2, N, n_words, EVEN),
                               _words(qw_ptr, a + 2, n2, N, n_words, EVEN), _words(qw_ptr, a + 3, n2, N, n_words, EVEN))
-    if PDL:  # the weights never depend on the kernel before; x does: wait for that kernel here
-        gdc_wait()
     for w0 in range(start, start + words_per_split, 4 * P):
         first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
         if PREFETCH:  # the next strip's words in flight while this one computes
@@ -183,9 +175,7 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     blocks = triton.cdiv(n, cfg.block_n)
     count = _counters(x.device, blocks) if splits > 1 else out
     even = n % cfg.block_n == 0 and (k // 8) % per_split == 0
-    pdl = cfg.pdl and pdl_supported(x.device)
-    launch = {"launch_pdl": True} if pdl else {}
     gemv_kernel[(blocks, splits)](x.view(torch.int32), qweight, scales, zeros, out, part, count, n, k, per_split,
                                   GROUP=group, P=p, BLOCK_N=cfg.block_n, EVEN=even, ASM=not INTERPRETED,
-                                  PREFETCH=cfg.prefetch, SPLITS=splits, PDL=pdl, num_warps=cfg.warps, **launch)
+                                  PREFETCH=cfg.prefetch, SPLITS=splits, num_warps=cfg.warps)
     return out
