@@ -30,8 +30,10 @@ from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
 
 
 class Strips(NamedTuple):
-    block_n: int = 32  # columns per program: two halves, each thread 4 columns of each
+    block_n: int = 16  # columns per program
     warps: int = 8
+    prefetch: bool = True  # the next strip's words loaded before this one's arithmetic
+    splits: int = 1  # K split over this many programs per column block (the last one to finish adds)
 
 
 # Eight nibbles of a word as the floats 128 + q, 1.25 integer instructions a weight (the H200's
@@ -75,78 +77,88 @@ def _x_pair(xw_ptr, offs, mask):
 
 @triton.jit
 def _words(qw_ptr, rows, n2, N, n_words, EVEN: tl.constexpr):
-    """Word row `rows` [P, 1] of columns n2 [1, HALF] (a row past the end reads the last one)."""
+    """Word row `rows` [P, 1] of columns n2 [1, BLOCK_N] (a row past the end reads the last one)."""
     if EVEN:
         return tl.load(qw_ptr + tl.minimum(rows, n_words - 1) * N + n2)
     return tl.load(qw_ptr + tl.minimum(rows, n_words - 1) * N + n2, mask=n2 < N, other=0)
 
 
 @triton.jit
-def _strip(qw_ptr, first, na, nb, N, n_words, EVEN: tl.constexpr):
-    """A strip's words: rows first .. first + 3 of both column halves."""
-    return (_words(qw_ptr, first, na, N, n_words, EVEN), _words(qw_ptr, first + 1, na, N, n_words, EVEN),
-            _words(qw_ptr, first + 2, na, N, n_words, EVEN), _words(qw_ptr, first + 3, na, N, n_words, EVEN),
-            _words(qw_ptr, first, nb, N, n_words, EVEN), _words(qw_ptr, first + 1, nb, N, n_words, EVEN),
-            _words(qw_ptr, first + 2, nb, N, n_words, EVEN), _words(qw_ptr, first + 3, nb, N, n_words, EVEN))
-
-
-@triton.jit
-def _dot8(words, x0, x1, x2, x3, x4, x5, x6, x7, part, ASM: tl.constexpr):
-    """part + the word row's eight (128 + q) times x's eight values: one FMA a weight."""
+def _row(words, xw_ptr, rows, n_words, part, xsum, ASM: tl.constexpr):
+    """part += the word row's eight (128 + q) times x's eight values; xsum += those values."""
     f0, f1, f2, f3, f4, f5, f6, f7 = _floats_128(words, ASM)
-    part = tl.fma(f0, x0, tl.fma(f1, x1, tl.fma(f2, x2, tl.fma(f3, x3, part))))
-    return tl.fma(f4, x4, tl.fma(f5, x5, tl.fma(f6, x6, tl.fma(f7, x7, part))))
-
-
-@triton.jit
-def _row(wa, wb, xw_ptr, rows, n_words, pa, pb, xsum, ASM: tl.constexpr):
-    """One word row of both halves: x's eight values read once for the 8 columns of a thread."""
     x0, x1 = _x_pair(xw_ptr, rows * 4, rows < n_words)
     x2, x3 = _x_pair(xw_ptr, rows * 4 + 1, rows < n_words)
     x4, x5 = _x_pair(xw_ptr, rows * 4 + 2, rows < n_words)
     x6, x7 = _x_pair(xw_ptr, rows * 4 + 3, rows < n_words)
-    pa = _dot8(wa, x0, x1, x2, x3, x4, x5, x6, x7, pa, ASM)
-    pb = _dot8(wb, x0, x1, x2, x3, x4, x5, x6, x7, pb, ASM)
-    return pa, pb, xsum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+    part = tl.fma(f0, x0, tl.fma(f1, x1, tl.fma(f2, x2, tl.fma(f3, x3, part))))  # one FMA a weight
+    part = tl.fma(f4, x4, tl.fma(f5, x5, tl.fma(f6, x6, tl.fma(f7, x7, part))))
+    return part, xsum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
 
 
 @triton.jit
-def _scaled(part, xsum, s_ptr, z_ptr, g2, n2, first, N, n_words):
-    """A strip's sums with the 128 and the zero point taken off, times the scale."""
-    mask = (first < n_words) & (n2 < N)
-    s = tl.load(s_ptr + g2 + n2, mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g2 + n2, mask=mask, other=0.0).to(tl.float32)
-    return (part - (z + 128.0) * xsum) * s
-
-
-@triton.jit
-def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, P: tl.constexpr,
-                HALF: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, words_per_split,
+                GROUP: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
+                PREFETCH: tl.constexpr, SPLITS: tl.constexpr):
     n_words = K // 8
     p2 = tl.arange(0, P)[:, None]
-    na = tl.program_id(0) * 2 * HALF + tl.arange(0, HALF)[None, :]  # the program's two column halves
-    nb = na + HALF
-    acc_a = tl.zeros((P, HALF), dtype=tl.float32)
-    acc_b = tl.zeros((P, HALF), dtype=tl.float32)
-    a0, a1, a2, a3, b0, b1, b2, b3 = _strip(qw_ptr, p2 * 4, na, nb, N, n_words, EVEN)
-    for w0 in range(0, n_words, 4 * P):
+    n2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    acc = tl.zeros((P, BLOCK_N), dtype=tl.float32)
+    start = tl.program_id(1) * words_per_split
+    if PREFETCH:
+        a = start + p2 * 4
+        w0_, w1_, w2_, w3_ = (_words(qw_ptr, a, n2, N, n_words, EVEN), _words(qw_ptr, a + 1, n2, N, n_words, EVEN),
+                              _words(qw_ptr, a + 2, n2, N, n_words, EVEN), _words(qw_ptr, a + 3, n2, N, n_words, EVEN))
+    for w0 in range(start, start + words_per_split, 4 * P):
         first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
-        # The next strip's words in flight while this one computes.
-        c0, c1, c2, c3, d0, d1, d2, d3 = _strip(qw_ptr, first + 4 * P, na, nb, N, n_words, EVEN)
-        pa = tl.zeros((P, HALF), dtype=tl.float32)
-        pb = tl.zeros((P, HALF), dtype=tl.float32)
+        if PREFETCH:  # the next strip's words in flight while this one computes
+            b = first + 4 * P
+            n0, n1, n2_, n3 = (_words(qw_ptr, b, n2, N, n_words, EVEN), _words(qw_ptr, b + 1, n2, N, n_words, EVEN),
+                               _words(qw_ptr, b + 2, n2, N, n_words, EVEN), _words(qw_ptr, b + 3, n2, N, n_words, EVEN))
+        else:
+            w0_, w1_, w2_, w3_ = (_words(qw_ptr, first, n2, N, n_words, EVEN),
+                                  _words(qw_ptr, first + 1, n2, N, n_words, EVEN),
+                                  _words(qw_ptr, first + 2, n2, N, n_words, EVEN),
+                                  _words(qw_ptr, first + 3, n2, N, n_words, EVEN))
+        part = tl.zeros((P, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((P, 1), dtype=tl.float32)
-        pa, pb, xsum = _row(a0, b0, xw_ptr, first, n_words, pa, pb, xsum, ASM)
-        pa, pb, xsum = _row(a1, b1, xw_ptr, first + 1, n_words, pa, pb, xsum, ASM)
-        pa, pb, xsum = _row(a2, b2, xw_ptr, first + 2, n_words, pa, pb, xsum, ASM)
-        pa, pb, xsum = _row(a3, b3, xw_ptr, first + 3, n_words, pa, pb, xsum, ASM)
-        g2 = (first * 8 // GROUP) * N
-        acc_a += _scaled(pa, xsum, s_ptr, z_ptr, g2, na, first, N, n_words)
-        acc_b += _scaled(pb, xsum, s_ptr, z_ptr, g2, nb, first, N, n_words)
-        a0, a1, a2, a3, b0, b1, b2, b3 = c0, c1, c2, c3, d0, d1, d2, d3
-    offs = tl.program_id(0) * 2 * HALF + tl.arange(0, HALF)
-    tl.store(out_ptr + offs, tl.sum(acc_a, axis=0).to(out_ptr.dtype.element_ty), mask=offs < N)
-    tl.store(out_ptr + offs + HALF, tl.sum(acc_b, axis=0).to(out_ptr.dtype.element_ty), mask=offs + HALF < N)
+        part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, ASM)
+        part, xsum = _row(w1_, xw_ptr, first + 1, n_words, part, xsum, ASM)
+        part, xsum = _row(w2_, xw_ptr, first + 2, n_words, part, xsum, ASM)
+        part, xsum = _row(w3_, xw_ptr, first + 3, n_words, part, xsum, ASM)
+        g2 = (first * 8 // GROUP) * N + n2
+        smask = (first < n_words) & (n2 < N)
+        s = tl.load(s_ptr + g2, mask=smask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
+        acc += (part - (z + 128.0) * xsum) * s
+        if PREFETCH:
+            w0_, w1_, w2_, w3_ = n0, n1, n2_, n3
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.sum(acc, axis=0)
+    if SPLITS > 1:  # each split's sums to part; the last of a column block's programs to arrive adds them
+        tl.store(part_ptr + tl.program_id(1) * N + offs_n, total, mask=offs_n < N)
+        tl.debug_barrier()  # every thread's sums stored before the (release) count
+        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
+        if arrived == SPLITS - 1:
+            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for i in tl.static_range(SPLITS):
+                total += tl.load(part_ptr + i * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
+            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)  # ready for the next launch (graphs replay it)
+    else:
+        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+_COUNTERS: dict = {}  # device -> zeroed int32 arrival counts, reset by the kernel after each use
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """At least n zeroed counters on `device`, allocated once (before any graph capture: the
+    engine's warm-up runs every shape eagerly first)."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
+    return buf
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
@@ -154,10 +166,16 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     """x [1, K] @ the unpacked weight -> [1, N] in x's dtype (K and the group in whole strips of 32)."""
     k, n = x.shape[1], qweight.shape[1]
     group = group_size if group_size > 0 else k
-    half = cfg.block_n // 2
-    p = cfg.warps * 128 // half  # thread rows: a warp's 32 threads, 4 columns of each half each
+    p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
+    step = 4 * p  # word rows per step
+    per_split = triton.cdiv(triton.cdiv(k // 8, step), cfg.splits) * step
+    splits = triton.cdiv(k // 8, per_split)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    even = n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0
-    gemv_kernel[(triton.cdiv(n, cfg.block_n),)](x.view(torch.int32), qweight, scales, zeros, out, n, k, GROUP=group,
-                                                P=p, HALF=half, EVEN=even, ASM=not INTERPRETED, num_warps=cfg.warps)
+    part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
+    blocks = triton.cdiv(n, cfg.block_n)
+    count = _counters(x.device, blocks) if splits > 1 else out
+    even = n % cfg.block_n == 0 and (k // 8) % per_split == 0
+    gemv_kernel[(blocks, splits)](x.view(torch.int32), qweight, scales, zeros, out, part, count, n, k, per_split,
+                                  GROUP=group, P=p, BLOCK_N=cfg.block_n, EVEN=even, ASM=not INTERPRETED,
+                                  PREFETCH=cfg.prefetch, SPLITS=splits, num_warps=cfg.warps)
     return out
