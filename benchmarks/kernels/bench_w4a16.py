@@ -39,8 +39,7 @@ def weights(k: int, n: int, group: int, gen) -> Int4Weights:
 
 def candidates(m: int) -> list:
     if m == 1:
-        return [Strips(bn, wp, pf, sp) for bn in (16, 32) for wp in (4, 8) for pf in (True, False)
-                for sp in (1, 2, 4)] + [
+        return [Strips(bn, wp) for bn in (16, 32) for wp in (4, 8)] + [
             Gemv(bn, bw, 8, 4, True, True) for bn, bw in ((8, 256), (16, 128), (32, 64))]
     if m <= GEMV_MAX_M:
         return [Gemv(bn, bw, wp, 4, pf, fa) for bn, bw in ((8, 128), (8, 256), (16, 128), (16, 256), (32, 64), (32, 128))

@@ -35,7 +35,6 @@ from nanovllm.kernels.w4a16_gemv import Strips, gemv
 from nanovllm.kernels.w4a16_mma import Mma, float_128, mma_matmul, nibble_128
 
 GEMV_MAX_M = 4
-STRIPS = Strips()
 DEQUANT_MIN_M = 128
 
 
@@ -148,7 +147,7 @@ def choose(m: int, n: int, k: int, group_size: int = 128, dtype: torch.dtype = t
     spill). Mma: 16 or 64 rows of x a program, 64 columns, K split 4 or 2 ways (the weights'
     bytes bound these sizes, and splitting puts ~2-4 programs on every SM). Dequant from 128."""
     if m == 1 and dtype == torch.bfloat16:
-        return STRIPS
+        return Strips(32 if n >= 16384 else 16)
     if m <= GEMV_MAX_M:
         block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 and m == 1 else (16, 128)
         return Gemv(block_n, block_w, 8 if m == 1 or n < 16384 else 4, GEMV_MAX_M, m == 1, m == 1)

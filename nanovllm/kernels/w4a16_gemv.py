@@ -3,19 +3,22 @@ kernels/w4a16.py (qweight [K / 8, N], nibble j of word row i = K-row 8i + j; sca
 points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
 
 A decode step at batch 1 reads every weight once, so this kernel must keep the memory busy with
-few instructions a weight. The H200 moves ~8.6e12 four-bit weights a second and issues ~3.3e13
-thread instructions, so ~3.9 instructions a weight is the whole budget. Three choices fit it:
-- Strips: each thread owns R consecutive word rows (one group: a single scale and zero point) of
-  4 adjacent columns, loaded as 128-bit vectors. The tile is [R, P, BLOCK_N] with R in-thread, so
-  summing over R is register arithmetic and x's values serve 4 columns.
-- Nibble as a float without conversion: moved to bits 16..19 and OR-ed into 128.0's bits it is
-  the float 128 + q (kernels/w4a16_mma.py's nibble_128): a shift and a `lop3`, then one FMA with
-  x. The 128 and the zero point come off once per group and column:
-  sum x (q - z) = sum x (128 + q) - (128 + z) sum x, then times the scale. The fp32 sums lose
-  nothing a 16-bit output can see (the 128 offset costs 7 of fp32's 24 bits).
+few instructions a weight: the H200 moves ~8.6e12 four-bit weights a second and issues ~3.3e13
+thread instructions (integer ones at half that), ~3.9 a weight in all. Read from SASS, this
+kernel spends ~3.7 (kernels/w4a16.py's earlier GEMV ~6, with scalar loads of words and x):
+- Strips: each thread owns 4 consecutive word rows (32 K-rows: one group, a single scale and
+  zero point) of 4 adjacent columns, loaded as 128-bit vectors; the 4 rows are 4 tiles of one
+  layout, so their sum is register arithmetic, and x's 32 values serve 4 columns.
+- Nibbles as floats without conversions: two masks split a word into its even and odd nibbles,
+  one per byte; `prmt` builds the float 128 + q from a byte under 128.0's exponent byte (1.25
+  integer instructions a weight), then one FMA with x. The 128 and the zero point come off once
+  per strip and column: sum x (q - z) = sum x (128 + q) - (128 + z) sum x, then times the scale.
+  The fp32 sums lose nothing a 16-bit output can see (the offset costs 7 of fp32's 24 bits).
+- x read as int32 pairs of bf16: each value's bits moved to the top of an fp32 are that value.
 - Bytes in flight: the next strip's words load before this strip's arithmetic (a register
-  prefetch), and each program runs all of K for its columns (no split-K: no atomics, no extra
-  launches), so there are enough programs only with narrow BLOCK_N (32 columns).
+  prefetch); 16-32 columns a program give each SM a few programs, each running all of K.
+Measured on the H200 and dropped (BENCHMARKS.md): Triton's cp.async pipelining of the strips,
+8 columns a thread (fewer instructions, fewer programs: slower), split-K, and PDL launches.
 """
 
 from __future__ import annotations
@@ -32,14 +35,11 @@ from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
 class Strips(NamedTuple):
     block_n: int = 16  # columns per program
     warps: int = 8
-    prefetch: bool = True  # the next strip's words loaded before this one's arithmetic
-    splits: int = 1  # K split over this many programs per column block (the last one to finish adds)
 
 
-# Eight nibbles of a word as the floats 128 + q, 1.25 integer instructions a weight (the H200's
-# integer pipes issue at half the FMA rate, so these count double): two masks split the word into
-# its even and odd nibbles, one per byte; `prmt` then builds each float from one of those bytes at
-# bits 16..23 (high nibble zero) under 128.0's exponent byte 0x43 (the register `m`).
+# Eight nibbles of a word as the floats 128 + q: two masks split the word into its even and odd
+# nibbles, one per byte; `prmt` then builds each float from one of those bytes at bits 16..23
+# (its high nibble zero) under 128.0's exponent byte 0x43 (the register `m`).
 _NIBBLES = tl.constexpr("""{
 .reg .b32 lo, hi, m;
 mov.b32 m, 0x43000000;
@@ -97,29 +97,23 @@ def _row(words, xw_ptr, rows, n_words, part, xsum, ASM: tl.constexpr):
 
 
 @triton.jit
-def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K, words_per_split,
-                GROUP: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr,
-                PREFETCH: tl.constexpr, SPLITS: tl.constexpr):
+def _strip(qw_ptr, first, n2, N, n_words, EVEN: tl.constexpr):
+    """A strip's words: word rows first .. first + 3 of the program's columns."""
+    return (_words(qw_ptr, first, n2, N, n_words, EVEN), _words(qw_ptr, first + 1, n2, N, n_words, EVEN),
+            _words(qw_ptr, first + 2, n2, N, n_words, EVEN), _words(qw_ptr, first + 3, n2, N, n_words, EVEN))
+
+
+@triton.jit
+def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, P: tl.constexpr,
+                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
     n_words = K // 8
     p2 = tl.arange(0, P)[:, None]
     n2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
     acc = tl.zeros((P, BLOCK_N), dtype=tl.float32)
-    start = tl.program_id(1) * words_per_split
-    if PREFETCH:
-        a = start + p2 * 4
-        w0_, w1_, w2_, w3_ = (_words(qw_ptr, a, n2, N, n_words, EVEN), _words(qw_ptr, a + 1, n2, N, n_words, EVEN),
-                              _words(qw_ptr, a + 2, n2, N, n_words, EVEN), _words(qw_ptr, a + 3, n2, N, n_words, EVEN))
-    for w0 in range(start, start + words_per_split, 4 * P):
+    w0_, w1_, w2_, w3_ = _strip(qw_ptr, p2 * 4, n2, N, n_words, EVEN)
+    for w0 in range(0, n_words, 4 * P):
         first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
-        if PREFETCH:  # the next strip's words in flight while this one computes
-            b = first + 4 * P
-            n0, n1, n2_, n3 = (_words(qw_ptr, b, n2, N, n_words, EVEN), _words(qw_ptr, b + 1, n2, N, n_words, EVEN),
-                               _words(qw_ptr, b + 2, n2, N, n_words, EVEN), _words(qw_ptr, b + 3, n2, N, n_words, EVEN))
-        else:
-            w0_, w1_, w2_, w3_ = (_words(qw_ptr, first, n2, N, n_words, EVEN),
-                                  _words(qw_ptr, first + 1, n2, N, n_words, EVEN),
-                                  _words(qw_ptr, first + 2, n2, N, n_words, EVEN),
-                                  _words(qw_ptr, first + 3, n2, N, n_words, EVEN))
+        n0, n1, n2_, n3 = _strip(qw_ptr, first + 4 * P, n2, N, n_words, EVEN)  # in flight meanwhile
         part = tl.zeros((P, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((P, 1), dtype=tl.float32)
         part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, ASM)
@@ -131,51 +125,20 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, part_ptr, count_ptr, N, K
         s = tl.load(s_ptr + g2, mask=smask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
         acc += (part - (z + 128.0) * xsum) * s
-        if PREFETCH:
-            w0_, w1_, w2_, w3_ = n0, n1, n2_, n3
+        w0_, w1_, w2_, w3_ = n0, n1, n2_, n3
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    total = tl.sum(acc, axis=0)
-    if SPLITS > 1:  # each split's sums to part; the last of a column block's programs to arrive adds them
-        tl.store(part_ptr + tl.program_id(1) * N + offs_n, total, mask=offs_n < N)
-        tl.debug_barrier()  # every thread's sums stored before the (release) count
-        arrived = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel")
-        if arrived == SPLITS - 1:
-            total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for i in tl.static_range(SPLITS):
-                total += tl.load(part_ptr + i * N + offs_n, mask=offs_n < N, other=0.0, cache_modifier=".cg")
-            tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-            tl.atomic_xchg(count_ptr + tl.program_id(0), 0)  # ready for the next launch (graphs replay it)
-    else:
-        tl.store(out_ptr + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
-
-
-_COUNTERS: dict = {}  # device -> zeroed int32 arrival counts, reset by the kernel after each use
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """At least n zeroed counters on `device`, allocated once (before any graph capture: the
-    engine's warm-up runs every shape eagerly first)."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = _COUNTERS[device] = torch.zeros(max(n, 4096), dtype=torch.int32, device=device)
-    return buf
+    tl.store(out_ptr + offs_n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
          cfg: Strips) -> torch.Tensor:
-    """x [1, K] @ the unpacked weight -> [1, N] in x's dtype (K and the group in whole strips of 32)."""
+    """x [1, K] (bf16) @ the unpacked weight -> [1, N] in x's dtype (K and the group in whole
+    strips of 32 K-rows: kernels/w4a16.py's can_run)."""
     k, n = x.shape[1], qweight.shape[1]
-    group = group_size if group_size > 0 else k
     p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
-    step = 4 * p  # word rows per step
-    per_split = triton.cdiv(triton.cdiv(k // 8, step), cfg.splits) * step
-    splits = triton.cdiv(k // 8, per_split)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits, n, dtype=torch.float32, device=x.device) if splits > 1 else out
-    blocks = triton.cdiv(n, cfg.block_n)
-    count = _counters(x.device, blocks) if splits > 1 else out
-    even = n % cfg.block_n == 0 and (k // 8) % per_split == 0
-    gemv_kernel[(blocks, splits)](x.view(torch.int32), qweight, scales, zeros, out, part, count, n, k, per_split,
-                                  GROUP=group, P=p, BLOCK_N=cfg.block_n, EVEN=even, ASM=not INTERPRETED,
-                                  PREFETCH=cfg.prefetch, SPLITS=splits, num_warps=cfg.warps)
+    even = n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0
+    gemv_kernel[(triton.cdiv(n, cfg.block_n),)](x.view(torch.int32), qweight, scales, zeros, out, n, k,
+                                                GROUP=group_size if group_size > 0 else k, P=p, BLOCK_N=cfg.block_n,
+                                                EVEN=even, ASM=not INTERPRETED, num_warps=cfg.warps)
     return out
