@@ -9,8 +9,9 @@ FMA makes (128 + q) * s - (128 + z) * s = (q - z) * s, exactly: (128 + z) * s an
 have at most 16 significant bits, so the weight equals the dequantized one rounded once, as a
 16-bit checkpoint of it would hold.
 
-Three launches (`choose` picks one by M):
-- Gemv, M <= 4 (decode): a GEMV on the FMA units. Each program owns a few output columns over
+Four launches (`choose` picks one by M):
+- Strips, one bf16 row (batch-1 decode): kernels/w4a16_gemv.py, ~3.7 instructions a weight.
+- Gemv, M <= 4 (small decode batches, or one row in another dtype): a GEMV on the FMA units. Each program owns a few output columns over
   the whole K (no split-K, so no atomics and no zeroing or casting kernels around it); a tile
   spans several groups (a scale row per word row). PREFETCH issues the next step's loads before
   this step's arithmetic, so a warp always has bytes in flight. FACTORED (one row of x) sums
@@ -145,7 +146,8 @@ def choose(m: int, n: int, k: int, group_size: int = 128, dtype: torch.dtype = t
     shapes (benchmarks/kernels/bench_w4a16.py). Gemv: wide N 32 columns x 64 words, deep K 8 x
     256, else 16 x 128; one row factored and prefetched, 2-4 rows neither (their registers would
     spill). Mma: 16 or 64 rows of x a program, 64 columns, K split 4 or 2 ways (the weights'
-    bytes bound these sizes, and splitting puts ~2-4 programs on every SM). Dequant from 128."""
+    bytes bound these sizes, and splitting puts ~2-4 programs on every SM). Dequant from 128.
+    One bf16 row: the strips GEMV, 16 columns a program (32 from N = 16384: gate_up)."""
     if m == 1 and dtype == torch.bfloat16:
         return Strips(32 if n >= 16384 else 16)
     if m <= GEMV_MAX_M:
