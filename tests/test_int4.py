@@ -89,7 +89,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     (768, 40, -1, (16, 1))])  # one group per column (group_size = K = 768); 2 of 3 column blocks whole
 def test_the_batch1_gemv_equals_its_torch_arithmetic(k, n, group, strips):
     """kernels/w4a16_gemv.py under the Triton interpreter (the shift path of the inline PTX's
-    unpacking; x bf16, read as int32 pairs): fp32 sums of the same products in another order, then rounded to bf16 (the interpreter may
+    unpacking; x bf16, read as int32 pairs, also from a view that starts mid-pair): fp32 sums of the same products in another order, then rounded to bf16 (the interpreter may
     round toward zero): within 2^-7 of the value + 1e-3."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import Strips, w4a16_matmul
@@ -101,8 +101,10 @@ def test_the_batch1_gemv_equals_its_torch_arithmetic(k, n, group, strips):
                     torch.randint(0, 16, (groups, n), generator=g).to(torch.bfloat16), group if group > 0 else k, None)
     x = torch.randn(1, k, generator=g).to(torch.bfloat16)
     want = x.float() @ dequantize(w).float()
-    got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size, config=Strips(*strips)).float()
-    assert torch.allclose(got, want, rtol=2**-7, atol=1e-3), (got - want).abs().max()
+    odd = torch.cat([torch.zeros(1, 1, dtype=x.dtype), x], 1)[:, 1:]  # a view starting mid-pair
+    for xs in (x, odd):
+        got = w4a16_matmul(xs, w.qweight, w.scales, w.zeros, w.group_size, config=Strips(*strips)).float()
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-3), (got - want).abs().max()
     with pytest.raises(ValueError, match="one bf16 row"):
         w4a16_matmul(x.float(), w.qweight, w.scales, w.zeros, w.group_size, config=Strips(*strips))
 

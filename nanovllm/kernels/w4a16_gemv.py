@@ -135,6 +135,8 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     """x [1, K] (bf16) @ the unpacked weight -> [1, N] in x's dtype (K and the group in whole
     strips of 32 K-rows: kernels/w4a16.py's can_run)."""
     k, n = x.shape[1], qweight.shape[1]
+    if x.storage_offset() % 2:  # (read as int32 pairs: a view starting mid-pair gets a copy)
+        x = x.clone()
     p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     even = n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0
