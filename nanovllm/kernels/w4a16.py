@@ -11,10 +11,11 @@ have at most 16 significant bits, so the weight equals the dequantized one round
 
 Four launches (`choose` picks one by M):
 - Strips, one bf16 row (batch-1 decode): kernels/w4a16_gemv.py, ~3.7 instructions a weight.
-- Gemv, M <= 4 (small decode batches, or one row in another dtype): a GEMV on the FMA units. Each program owns a few output columns over
-  the whole K (no split-K, so no atomics and no zeroing or casting kernels around it); a tile
-  spans several groups (a scale row per word row). PREFETCH issues the next step's loads before
-  this step's arithmetic, so a warp always has bytes in flight. FACTORED (one row of x) sums
+- Gemv, M <= 4 (small decode batches, or one fp16 row): a GEMV on the FMA units. Each program
+  owns a few output columns over the whole K (no split-K, so no atomics and no zeroing or
+  casting kernels around it); a tile spans several groups (a scale row per word row). PREFETCH
+  issues the next step's loads before this step's arithmetic, so a warp always has bytes in
+  flight. FACTORED (one row of x) sums
   q_j * x_j per word with the nibble OR-ed in place into 2^23's bits (minus 2^23: no shifts) and
   applies the scale once per word: (sum - z * sum x) * s, about 6 instructions a weight.
 - Mma, 4 < M < 128: tensor-core tiles with the weight unpacked in registers
@@ -140,8 +141,7 @@ def _pow2_divisor(g: int, cap: int) -> int:
     return b
 
 
-def choose(m: int, n: int, k: int, group_size: int = 128, dtype: torch.dtype = torch.bfloat16
-           ) -> Strips | Gemv | Mma | Dequant:
+def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strips | Gemv | Mma | Dequant:
     """The launch for an [m, k] x [k, n] product, as measured best on the H200 for Qwen3-8B's
     shapes (benchmarks/kernels/bench_w4a16.py). Gemv: wide N 32 columns x 64 words, deep K 8 x
     256, else 16 x 128; one row factored and prefetched, 2-4 rows neither (their registers would
@@ -174,7 +174,7 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    cfg = config or choose(m, n, k, group_size, x2.dtype)
+    cfg = config or choose(m, n, k, x2.dtype)
     if isinstance(cfg, Strips):
         if m != 1 or x2.dtype != torch.bfloat16:
             raise ValueError(f"w4a16_matmul: {cfg} takes one bf16 row of x, not {tuple(x2.shape)} {x2.dtype}")
