@@ -89,8 +89,9 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     (768, 40, -1, (16, 1))])  # one group per column (group_size = K = 768); 2 of 3 column blocks whole
 def test_the_batch1_gemv_equals_its_torch_arithmetic(k, n, group, strips):
     """kernels/w4a16_gemv.py under the Triton interpreter (the shift path of the inline PTX's
-    unpacking; x bf16, read as int32 pairs, also from a view that starts mid-pair): fp32 sums of the same products in another order, then rounded to bf16 (the interpreter may
-    round toward zero): within 2^-7 of the value + 1e-3."""
+    unpacking; x bf16, read as int32 pairs, also from a view that starts mid-pair): fp32 sums of
+    the same products in another order, then rounded to bf16 (the interpreter may round toward
+    zero): within 2^-7 of the value + 1e-3."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import Strips, w4a16_matmul
 
