@@ -113,7 +113,7 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr
     w0_, w1_, w2_, w3_ = _strip(qw_ptr, p2 * 4, n2, N, n_words, EVEN)
     for w0 in range(0, n_words, 4 * P):
         first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
-        n0, n1, n2_, n3 = _strip(qw_ptr, first + 4 * P, n2, N, n_words, EVEN)  # in flight meanwhile
+        next0, next1, next2, next3 = _strip(qw_ptr, first + 4 * P, n2, N, n_words, EVEN)  # in flight meanwhile
         part = tl.zeros((P, BLOCK_N), dtype=tl.float32)
         xsum = tl.zeros((P, 1), dtype=tl.float32)
         part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, ASM)
@@ -125,15 +125,15 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr
         s = tl.load(s_ptr + g2, mask=smask, other=0.0).to(tl.float32)
         z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
         acc += (part - (z + 128.0) * xsum) * s
-        w0_, w1_, w2_, w3_ = n0, n1, n2_, n3
+        w0_, w1_, w2_, w3_ = next0, next1, next2, next3
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(out_ptr + offs_n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
          cfg: Strips) -> torch.Tensor:
-    """x [1, K] (bf16) @ the unpacked weight -> [1, N] in x's dtype (K and the group in whole
-    strips of 32 K-rows: kernels/w4a16.py's can_run)."""
+    """x [1, K] (bf16) @ the unpacked weight -> [1, N] in x's dtype (K and the group, as the
+    kernel layout holds it: K for one group per column, in whole strips of 32 K-rows: can_run)."""
     k, n = x.shape[1], qweight.shape[1]
     if x.storage_offset() % 2:  # (read as int32 pairs: a view starting mid-pair gets a copy)
         x = x.clone()
@@ -141,6 +141,6 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     even = n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0
     gemv_kernel[(triton.cdiv(n, cfg.block_n),)](x.view(torch.int32), qweight, scales, zeros, out, n, k,
-                                                GROUP=group_size if group_size > 0 else k, P=p, BLOCK_N=cfg.block_n,
-                                                EVEN=even, ASM=not INTERPRETED, num_warps=cfg.warps)
+                                                GROUP=group_size, P=p, BLOCK_N=cfg.block_n, EVEN=even,
+                                                ASM=not INTERPRETED, num_warps=cfg.warps)
     return out
