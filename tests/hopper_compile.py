@@ -195,6 +195,16 @@ def _w4a16(m, group_size, dtype=BF16, config=None):
     w4a16_matmul(torch.randn(m, k).to(dtype), qweight, scales, scales, group_size, config=config)
 
 
+def _dense_gemv(weight_dtype, prologue, k=1024, n=4096):
+    from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
+
+    p = Prologue[prologue]
+    x = torch.randn(1, 2 * k if p == Prologue.SILU_MUL else k).to(BF16)
+    scale = torch.ones(1) if weight_dtype == FP8 else None
+    extra = dict(residual=torch.randn(1, k).to(BF16), norm_weight=torch.ones(k).to(BF16)) if p == Prologue.RMS_NORM else {}
+    dense_gemv(x, torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p, **extra)
+
+
 def _fused_moe_int4(tokens, permuted, experts=8, k=2):
     from nanovllm.kernels.fused_moe_int4 import Int4Stack, fused_moe_int4
 
@@ -246,6 +256,11 @@ SCENARIOS = {
     "w4a16_mma_g32_fp16": lambda: _w4a16(8, 32, torch.float16),
     "w4a16_mma_g128": lambda: _w4a16(16, 128),  # the tile in one group: a scale per column
     "w4a16_mma_g128_sm80": lambda: _w4a16(16, 128),  # (its PTX must not need sm_90: see ON_SM80)
+    # The batch-1 GEMV of 16-bit and FP8 weights, with each prologue; K not a multiple of the tile.
+    "dense_gemv_bf16": lambda: _dense_gemv(BF16, "PLAIN"),
+    "dense_gemv_bf16_norm": lambda: _dense_gemv(BF16, "RMS_NORM"),
+    "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", k=3072),
+    "dense_gemv_fp8_norm_odd_k": lambda: _dense_gemv(FP8, "RMS_NORM", k=1000, n=300),
     # INT4 experts: decode's blocks, and larger ones with act-order perms.
     "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
     "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),

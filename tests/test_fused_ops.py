@@ -1,7 +1,7 @@
 """Tests for the fused Triton ops (RMSNorm(+residual), q/k norm + RoPE, SiLU*mul).
 
 References are the plain-torch layers of nanovllm/layers (RMSNorm, RotaryEmbedding,
-SiluAndMul), which the kernels must reproduce rounding for rounding. Without CUDA the kernels
+activation.silu_and_mul), which the kernels must reproduce rounding for rounding. Without CUDA the kernels
 run through Triton's interpreter (tests/conftest.py), so CPU shapes are tiny and only fp32 /
 fp16 are tested there: the interpreter truncates fp32 -> bf16 instead of rounding to nearest.
 The `gpu` tests use bf16 and real Qwen3 sizes. Every run draws new random inputs (the seed is
@@ -18,7 +18,7 @@ import torch
 
 from nanovllm.kernels.fused_ops import rms_norm, silu_and_mul
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope
-from nanovllm.model.layers.activation import SiluAndMul
+from nanovllm.model.layers.activation import silu_and_mul as silu_and_mul_ref
 from nanovllm.model.layers.layernorm import RMSNorm
 from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
@@ -267,14 +267,14 @@ def test_silu_and_mul_matches_reference(dtype, d):
     rows = random.randint(1, 4)
     x = (4 * torch.randn(rows, 2 * d, device=DEVICE)).to(dtype)
     x[0, 0] = -100.0  # exp(-x) overflows: silu must still come out as -0
-    assert_matches(silu_and_mul(x), SiluAndMul()(x))
+    assert_matches(silu_and_mul(x), silu_and_mul_ref(x))
 
 
 def test_silu_and_mul_strided_rows_and_leading_dims():
     x = torch.randn(3, 2, 2 * 24, device=DEVICE).half()
-    assert_matches(silu_and_mul(x), SiluAndMul()(x))
+    assert_matches(silu_and_mul(x), silu_and_mul_ref(x))
     wide = torch.randn(3, 2 * 24 + 5, device=DEVICE).half()
-    assert_matches(silu_and_mul(wide[:, : 2 * 24]), SiluAndMul()(wide[:, : 2 * 24]))
+    assert_matches(silu_and_mul(wide[:, : 2 * 24]), silu_and_mul_ref(wide[:, : 2 * 24]))
     assert silu_and_mul(torch.empty(0, 8, device=DEVICE)).shape == (0, 4)
 
 
@@ -350,7 +350,7 @@ def test_gpu_rope_without_norm_bf16(num_heads, num_kv_heads, tokens):
 @pytest.mark.parametrize("rows", [1, 256, 4096])
 def test_gpu_silu_and_mul_bf16(d, rows):
     x = (4 * torch.randn(rows, 2 * d, device="cuda")).bfloat16()
-    assert_matches(silu_and_mul(x), SiluAndMul()(x), min_exact=0.99)
+    assert_matches(silu_and_mul(x), silu_and_mul_ref(x), min_exact=0.99)
 
 
 @pytest.mark.gpu
@@ -384,6 +384,6 @@ def test_gpu_fused_ops_in_cuda_graph():
     torch.cuda.synchronize()
     y_ref, res_ref = norm(x, res)
     q_ref, k_ref, _ = ref_qk_norm_rope(qkv, q_norm, k_norm, rotary, pos, nh, nkv, hd)
-    refs = (y_ref, res_ref, q_ref, k_ref, SiluAndMul()(gate_up))
+    refs = (y_ref, res_ref, q_ref, k_ref, silu_and_mul_ref(gate_up))
     for out, ref in zip(outs, refs):
         assert_matches(out, ref, min_exact=0.99)

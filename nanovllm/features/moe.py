@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanovllm.model.layers.activation import SiluAndMul
+from nanovllm.model.layers.activation import silu_and_mul
 from nanovllm.kernels.fp8_format import FP8_DTYPE
 from nanovllm.model.layers.linear import ReplicatedLinear
 from nanovllm.model.quant import QuantMethod
@@ -66,7 +66,7 @@ def _check_moe_args(hidden, w13, w2, topk_weights, topk_ids) -> None:
 
 def _expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One SwiGLU expert on rows x: down(silu(gate(x)) * up(x)), in x's dtype."""
-    return F.linear(SiluAndMul()(F.linear(x, w13)), w2)
+    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
 
 
 def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -99,7 +99,7 @@ def moe_torch(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
         group = max(1, min(num_experts, (64 << 20) // max(1, 4 * hidden.numel())))
         for start in range(0, num_experts, group):
             experts = slice(start, start + group)
-            act = SiluAndMul()(torch.matmul(hidden, w13[experts].transpose(1, 2)))  # [g, T, I]
+            act = silu_and_mul(torch.matmul(hidden, w13[experts].transpose(1, 2)))  # [g, T, I]
             y = torch.matmul(act, w2[experts].transpose(1, 2))  # [g, T, H]
             out += torch.einsum("gt,gth->th", per_expert[experts], y.float())
         return out.to(hidden.dtype)

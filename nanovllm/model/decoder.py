@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 from nanovllm.model.attention import Attention, AttentionMetadata
-from nanovllm.model.layers.activation import SiluAndMul
 from nanovllm.model.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanovllm.model.layers.layernorm import RMSNorm
 from nanovllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -179,10 +178,9 @@ class DenseMLP(nn.Module):
         super().__init__()
         self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=False)
-        self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return self.down_proj.gated_matmul(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from nanovllm.kernels import one_row
 from nanovllm.model.decoder import head_dim_of
 from nanovllm.features.quantization.fp8_moe import CheckpointFp8Experts, OnlineFp8Experts
 from nanovllm.features.quantization.model_steps import SchemeSteps
@@ -163,5 +164,14 @@ class TensorFp8Linear:
         layer.weight = nn.Parameter(w_q, requires_grad=False)
         layer.register_buffer("weight_scale", scale.reshape(1).to(torch.float32))
 
+    def gemv_operands(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.weight, layer.weight_scale
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if one_row(x):
+            # Batch 1: the codes widened in registers (kernels/dense_gemv.py), no activation
+            # amax + cast (~4 us a GEMM at decode sizes, BENCHMARKS.md).
+            from nanovllm.kernels.dense_gemv import dense_gemv
+
+            return dense_gemv(x.contiguous(), layer.weight, scale=layer.weight_scale, bias=bias)
         return fp8_tensor_linear(x, layer.weight, layer.weight_scale, bias)

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanovllm.kernels import one_row
+from nanovllm.model.layers.activation import silu_and_mul
 from nanovllm.parallel.group import current_tp_group, divide
 
 
@@ -66,7 +68,21 @@ class LinearBase(nn.Module):
         """x @ W^T (+ bias) with this layer's weight, quantized or not."""
         if self.quant is not None:
             return self.quant.apply(self, x, bias)
+        if one_row(x):  # batch 1
+            from nanovllm.kernels.dense_gemv import dense_gemv
+
+            return dense_gemv(x, self.weight, bias=bias)
         return F.linear(x, self.weight, bias)
+
+    def gated_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up_proj's output through this layer; one row in one kernel where
+        that pays (dense_gemv.gated; `gemv_operands`: the weight a quantization method lends it)."""
+        w = (self.weight, None) if self.quant is None else getattr(self.quant, "gemv_operands", lambda _: None)(self)
+        if w is not None and self.tp_size == 1 and one_row(gate_up):
+            from nanovllm.kernels.dense_gemv import gated
+
+            return gated(gate_up, *w, self.bias)
+        return self(silu_and_mul(gate_up))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)

@@ -1,0 +1,201 @@
+"""Batch-1 GEMV for 16-bit and FP8 weights, with the kernel that makes its input folded in.
+
+out[N] = x[K] @ W[N, K]^T (* scale) (+ bias) for one row x, W row-major (nn.Linear's layout), in
+bf16 / fp16 or float8_e4m3fn with one fp32 scale (online FP8's per-tensor weights).
+
+Why it pays at batch 1 (profiled on the H200, BENCHMARKS.md "Batch-1 steps"): a decode step
+reads every weight once, yet cuBLAS's small-M GEMMs take ~5 us however small the matrix (0.6B's
+8 MB qkv: 2 us of bytes), and the kernels around them (RMSNorm, SiLU * up, FP8's activation
+amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
+- No activation quantization: FP8 codes become floats in registers and multiply bf16 x in fp32;
+  the scale is applied once per output.
+- The input is made by the GEMV's own prologue (`Prologue`), so the kernel before it goes away:
+  RMSNorm with the residual add (each program sums the row's squares itself: K <= 8 K values
+  from L2, cheap beside its share of W; program 0 stores the new residual), or SiLU(gate) * up.
+  The input is rounded exactly as the separate kernels round it (fused_ops.py), so the values
+  multiplied are the same as on the unfused path.
+- Each program owns BLOCK_N rows of W and runs all of K: no split-K, no atomics, no zeroing.
+  A thread's loads are 16 bytes along K; the [BLOCK_N, BLOCK_K] products accumulate in fp32
+  registers and are summed across the tile once at the end.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from nanovllm.kernels.fused_ops import silu_and_mul
+
+# Measured on the H200 (bench_dense_gemv.py): SiLU * up folded into down_proj's GEMV saves its
+# kernel on Qwen3-0.6B (6 MB: 4.7 us against 7.9 unfused) and loses on 8B (100 MB: 33.7 against
+# 31.5): there the GEMV is bandwidth-bound, and the prologue, recomputed by every program, costs
+# more than the kernel it saves.
+GATED_MAX_BYTES = 16 << 20
+
+
+class Prologue(IntEnum):
+    PLAIN = 0  # x as given
+    SILU_MUL = 1  # x[k] = silu(a[k]) * a[K + k] (a: gate_up's output row, [2K])
+    RMS_NORM = 2  # x = norm(a (+ residual)) * norm weight
+
+
+class Tile(NamedTuple):
+    block_n: int = 8  # output rows per program
+    block_k: int = 512  # K values per step
+    warps: int = 4
+
+
+@triton.jit
+def _ld(ptr, mask, EVEN: tl.constexpr):
+    """A load, masked unless EVEN (K a multiple of the tile: no per-element predicate)."""
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=mask, other=0.0)
+
+
+@triton.jit
+def _silu_mul(a_ptr, k, mask, K, EVEN: tl.constexpr, dtype: tl.constexpr):
+    """silu(gate) * up as fused_ops.silu_and_mul rounds it: silu to the dtype, then the product."""
+    gate = _ld(a_ptr + k, mask, EVEN).to(tl.float32)
+    up = _ld(a_ptr + K + k, mask, EVEN).to(tl.float32)
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL: tl.constexpr, EVEN: tl.constexpr, dtype: tl.constexpr):
+    """a (+ residual, the sum rounded to the dtype as torch adds) in fp32."""
+    s = _ld(a_ptr + k, mask, EVEN).to(tl.float32)
+    if HAS_RESIDUAL:
+        s = (s + _ld(r_ptr + k, mask, EVEN).to(tl.float32)).to(dtype).to(tl.float32)
+    return s
+
+
+@triton.jit
+def _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, first, HAS_RESIDUAL: tl.constexpr, BLOCK_K: tl.constexpr,
+             dtype: tl.constexpr):
+    """rsqrt(mean(s^2) + eps) of the whole row s; program 0 (`first`) stores s as the new residual."""
+    offs = tl.arange(0, BLOCK_K)
+    sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        mask = k < K
+        s = _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL, False, dtype)
+        sq += s * s
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + k, s.to(dtype), mask=k < tl.where(first, K, 0))
+    return tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+
+
+@triton.jit
+def _input(a_ptr, r_ptr, nw_ptr, k, mask, K, inv, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+           EVEN: tl.constexpr, dtype: tl.constexpr):
+    """x[k] in fp32, made by the prologue (see Prologue)."""
+    if PROLOGUE == 1:
+        x = _silu_mul(a_ptr, k, mask, K, EVEN, dtype)
+    elif PROLOGUE == 2:
+        s = _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL, EVEN, dtype)
+        normed = (s * inv).to(dtype).to(tl.float32)
+        w = _ld(nw_ptr + k, mask, EVEN).to(tl.float32)
+        x = (normed * w).to(dtype).to(tl.float32)  # fused_ops._rms_norm_row's two roundings
+    else:
+        x = _ld(a_ptr + k, mask, EVEN).to(tl.float32)
+    return x
+
+
+@triton.jit
+def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_ptr, out_ptr, N, K, eps,
+                      PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """BLOCK_N outputs of out = x @ W^T over all of K; x made by PROLOGUE from a (, residual, norm weight)."""
+    pid = tl.program_id(0)
+    dtype = out_ptr.dtype.element_ty
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    offs = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    inv = 1.0
+    if PROLOGUE == 2:
+        inv = _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, pid == 0, HAS_RESIDUAL, BLOCK_K, dtype)
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + offs
+        if EVEN_K:
+            w = tl.load(w_rows + k[None, :], mask=row_mask[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+        x = _input(a_ptr, r_ptr, nw_ptr, k, k < K, K, inv, PROLOGUE, HAS_RESIDUAL, EVEN_K, dtype)
+        acc += w.to(tl.float32) * x[None, :]
+    y = tl.sum(acc, axis=1)
+    if HAS_SCALE:
+        y = y * tl.load(scale_ptr)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+
+
+def choose(n: int, k: int, weight_dtype: torch.dtype) -> Tile:
+    """The tile of an [n, k] weight, from a sweep on the H200 (benchmarks/kernels/bench_dense_gemv.py
+    --sweep, Qwen3-0.6B's and 8B's GEMMs; within ~5% of each one's best). 16-byte loads along K."""
+    if weight_dtype == torch.float8_e4m3fn:
+        return Tile(4, min(1024, triton.next_power_of_2(k)), 4)
+    if k > n:  # o_proj, down_proj: few rows, long ones
+        return Tile(4 if n < 2048 else 16, min(1024, triton.next_power_of_2(k)), 8)
+    return Tile(8 if n < 16384 else 16, min(512, triton.next_power_of_2(k)), 4)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
+    if x.dim() != 2 or x.shape[0] != 1:
+        raise ValueError(f"dense_gemv takes one row of x [1, K], got {tuple(x.shape)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bf16 / fp16, got {x.dtype}")
+    if weight.dim() != 2 or weight.shape[1] != k or not weight.is_contiguous():
+        raise ValueError(f"weight must be a contiguous [N, {k}], got {tuple(weight.shape)}")
+    if weight.dtype not in (x.dtype, torch.float8_e4m3fn):
+        raise ValueError(f"weight dtype {weight.dtype}: expected {x.dtype} or float8_e4m3fn")
+    if k == 0:
+        raise ValueError("x has no columns")
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, prologue: Prologue = Prologue.PLAIN,
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 1e-6, tile: Tile | None = None):
+    """x [1, K'] @ weight^T [N, K] (* scale, one fp32 value: FP8 weights) (+ bias [N]): [1, N].
+
+    prologue SILU_MUL: x is gate_up's row [1, 2K]. RMS_NORM: x [1, K] (+ residual [1, K]) is
+    normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
+    """
+    k = x.shape[-1] // 2 if prologue == Prologue.SILU_MUL else x.shape[-1]
+    _check(x, weight, k)
+    x = x.contiguous()
+    if (weight.dtype == torch.float8_e4m3fn) != (scale is not None):
+        raise ValueError("FP8 weights need their scale (and 16-bit weights take none)")
+    if prologue == Prologue.RMS_NORM and (norm_weight is None or norm_weight.shape != (k,)):
+        raise ValueError(f"RMS_NORM needs norm_weight [{k}]")
+    n = weight.shape[0]
+    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else None
+    tile = tile or choose(n, k, weight.dtype)
+    dense_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
+        weight, x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
+        res_out if res_out is not None else out, scale if scale is not None else out,
+        bias if bias is not None else out, out, n, k, float(eps),
+        PROLOGUE=int(prologue), HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+        HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n,
+        BLOCK_K=tile.block_k, num_warps=tile.warps)
+    return out if res_out is None else (out, res_out)
+
+
+def gated(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """silu(gate) * up @ weight^T (* scale) (+ bias) for gate_up's one row [1, 2K]: SiLU * up as
+    the prologue, or for a weight over GATED_MAX_BYTES as its own kernel first."""
+    if weight.numel() * weight.element_size() > GATED_MAX_BYTES:
+        return dense_gemv(silu_and_mul(gate_up), weight, scale=scale, bias=bias)
+    return dense_gemv(gate_up, weight, scale=scale, bias=bias, prologue=Prologue.SILU_MUL)

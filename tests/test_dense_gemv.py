@@ -1,0 +1,141 @@
+"""The batch-1 dense GEMV (kernels/dense_gemv.py) against torch.
+
+Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py) in fp16: the interpreter
+truncates fp32 -> bf16 instead of rounding to nearest, fp16 it rounds as the GPU does. The GEMV
+sums the same products as torch in another order (fp32), then rounds once to 16 bits, so each
+output is within one 16-bit ulp of the fp32 reference (the fp32 reordering error, ~K * 2^-24 of
+the sum of |products|, is far below that at these sizes). The prologues must make x exactly as
+the separate kernels do: fused equals unfused bit for bit (same x, same order of the sums), and
+the new residual equals torch's rounded add.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from nanovllm.kernels.dense_gemv import Prologue, Tile, dense_gemv
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
+DTYPE = torch.bfloat16 if CUDA else torch.float16
+FP8 = torch.float8_e4m3fn
+EPS = 1e-6
+# (N, K, tile): K a multiple of the tile, K not (masked tail), rows not a multiple of BLOCK_N.
+SHAPES = [(40, 64, Tile(8, 32, 4)), (33, 96, Tile(4, 64, 4)), (24, 80, Tile(8, 64, 4)), (64, 256, None)]
+
+
+MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}
+
+
+def ulp(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One ulp of `dtype` at |t| (at least its smallest normal's)."""
+    mag = t.abs().clamp_min(torch.finfo(dtype).tiny)
+    return torch.exp2(torch.floor(torch.log2(mag)) - MANTISSA_BITS[dtype])
+
+
+def weights(n: int, k: int, fp8: bool, gen: torch.Generator):
+    """(weight as the kernel reads it, its scale or None, the same weight in fp32)."""
+    w = torch.randn(n, k, generator=gen) * 0.1
+    if not fp8:
+        w = w.to(DTYPE)
+        return w.to(DEVICE), None, w.float()
+    scale = torch.tensor([0.02 + torch.rand(1, generator=gen).item() * 0.01])
+    q = (w / scale).to(FP8)
+    return q.to(DEVICE), scale.to(DEVICE), q.float() * scale
+
+
+def close(out: torch.Tensor, ref32: torch.Tensor) -> None:
+    err = (out.float().cpu() - ref32).abs()
+    bound = ulp(ref32, DTYPE) + 1e-6 * ref32.abs().max()
+    assert out.dtype == DTYPE and torch.isfinite(out).all()
+    assert (err <= bound).all(), (err - bound).max()
+
+
+def rms_normed(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """transformers' Qwen3RMSNorm in the 16-bit dtype: fp32 statistics, two roundings."""
+    v = x.float()
+    return (v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + EPS)).to(x.dtype) * weight
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n, k, tile", SHAPES)
+def test_plain_equals_torch(n, k, tile, fp8):
+    gen = torch.Generator().manual_seed(n * k + fp8)
+    w, scale, w32 = weights(n, k, fp8, gen)
+    x = torch.randn(1, k, generator=gen).to(DTYPE)
+    bias = torch.randn(n, generator=gen).to(DTYPE)
+    out = dense_gemv(x.to(DEVICE), w, scale=scale, bias=bias.to(DEVICE), tile=tile)
+    close(out, x.float() @ w32.t() + bias.float())
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n, k, tile", SHAPES)
+def test_silu_prologue_equals_the_separate_kernel(n, k, tile, fp8):
+    """x = silu(gate) * up made inside: equal bit for bit to SiLU * up first, then the same GEMV."""
+    gen = torch.Generator().manual_seed(7 * n + k + fp8)
+    w, scale, w32 = weights(n, k, fp8, gen)
+    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(DTYPE)
+    x = (torch.nn.functional.silu(gate_up[:, :k].float()).to(DTYPE) * gate_up[:, k:])  # SiluAndMul's rounding
+    fused = dense_gemv(gate_up.to(DEVICE), w, scale=scale, prologue=Prologue.SILU_MUL, tile=tile)
+    unfused = dense_gemv(x.to(DEVICE), w, scale=scale, tile=tile)
+    assert torch.equal(fused, unfused)
+    close(fused, x.float() @ w32.t())
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("n, k, tile", SHAPES)
+def test_norm_prologue_equals_the_separate_kernel(n, k, tile, residual):
+    gen = torch.Generator().manual_seed(3 * n + k + residual)
+    w, _, w32 = weights(n, k, False, gen)
+    x = torch.randn(1, k, generator=gen).to(DTYPE)
+    r = torch.randn(1, k, generator=gen).to(DTYPE) if residual else None
+    nw = (torch.rand(k, generator=gen) + 0.5).to(DTYPE)
+    s = x + r if residual else x
+    normed = rms_normed(s, nw)
+    got = dense_gemv(x.to(DEVICE), w, prologue=Prologue.RMS_NORM, residual=None if r is None else r.to(DEVICE),
+                     norm_weight=nw.to(DEVICE), eps=EPS, tile=tile)
+    out, new_residual = got if residual else (got, None)
+    if residual:
+        assert torch.equal(new_residual.cpu(), s)  # one rounded add: exact
+    assert torch.equal(out, dense_gemv(normed.to(DEVICE), w, tile=tile))
+    close(out, normed.float() @ w32.t())
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: dense_gemv(torch.zeros(2, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE)), "one row"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 6, dtype=DTYPE)), r"\[N, 8\]"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=FP8)), "scale"),
+    (lambda: dense_gemv(torch.zeros(1, 8), torch.zeros(4, 8)), "bf16 / fp16"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE),
+                        prologue=Prologue.RMS_NORM), "norm_weight"),
+])
+def test_bad_operands_are_refused_before_launch(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantization, rel_tol", [(None, 0.02), ("fp8", 0.1)])
+def test_batch1_decode_matches_transformers_on_gpu(tmp_path, quantization, rel_tol):
+    """One request alone, so every decode step runs the GEMVs (through the CUDA graph of one row;
+    FP8: the codes widened in the GEMV, no activation quantization): greedy tokens agree with
+    transformers in bf16 until a near-tie (FP8 weights: a wider one)."""
+    import tiny_model as tm
+    from test_gpu import check_greedy_close, prompts_of
+
+    from nanovllm import LLM, SamplingParams
+
+    path = tm.make_tiny_qwen3(tmp_path / "m", hidden_size=256, num_layers=3, num_heads=8, num_kv_heads=2,
+                              head_dim=64, intermediate_size=512, dtype=torch.bfloat16)
+    hf = tm.load_hf_model(path, dtype=torch.bfloat16, device="cuda")
+    llm = LLM(path, max_model_len=512, quantization=quantization)
+    for prompt in prompts_of([1, 40], seed=3):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+        check_greedy_close(hf, prompt, out[0]["token_ids"], tm.hf_greedy(hf, prompt, 24), rel_tol=rel_tol)
+    llm.shutdown()
