@@ -195,12 +195,12 @@ def _w4a16(m, group_size, dtype=BF16, config=None):
     w4a16_matmul(torch.randn(m, k).to(dtype), qweight, scales, scales, group_size, config=config)
 
 
-def _dense_gemv(weight_dtype, prologue, k=1024, n=4096):
+def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
     from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 
     p = Prologue[prologue]
     x = torch.randn(1, 2 * k if p == Prologue.SILU_MUL else k).to(BF16)
-    scale = torch.ones(1) if weight_dtype == FP8 else None
+    scale = (torch.ones(-(-n // 128), -(-k // 128)) if block else torch.ones(1)) if weight_dtype == FP8 else None
     extra = dict(residual=torch.randn(1, k).to(BF16), norm_weight=torch.ones(k).to(BF16)) if p == Prologue.RMS_NORM else {}
     dense_gemv(x, torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p, **extra)
 
@@ -261,6 +261,7 @@ SCENARIOS = {
     "dense_gemv_bf16_norm": lambda: _dense_gemv(BF16, "RMS_NORM"),
     "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", k=3072),
     "dense_gemv_fp8_norm_odd_k": lambda: _dense_gemv(FP8, "RMS_NORM", k=1000, n=300),
+    "dense_gemv_fp8_block_silu": lambda: _dense_gemv(FP8, "SILU_MUL", k=3072, block=True),
     # INT4 experts: decode's blocks, and larger ones with act-order perms.
     "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
     "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),

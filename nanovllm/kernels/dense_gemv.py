@@ -1,7 +1,9 @@
 """Batch-1 GEMV for 16-bit and FP8 weights, with the kernel that makes its input folded in.
 
 out[N] = x[K] @ W[N, K]^T (* scale) (+ bias) for one row x, W row-major (nn.Linear's layout), in
-bf16 / fp16 or float8_e4m3fn with one fp32 scale (online FP8's per-tensor weights).
+bf16 / fp16 or float8_e4m3fn with one fp32 scale (online FP8's per-tensor weights) or fp32 scales
+per 128 x 128 block (Qwen's FP8 checkpoints: a program's rows lie in one block row, so the block
+scales multiply x, BLOCK_K values a step, not every weight).
 
 Why it pays at batch 1 (profiled on the H200, BENCHMARKS.md "Batch-1 steps"): a decode step
 reads every weight once, yet cuBLAS's small-M GEMMs take ~5 us however small the matrix (0.6B's
@@ -109,10 +111,11 @@ def _input(a_ptr, r_ptr, nw_ptr, k, mask, K, inv, PROLOGUE: tl.constexpr, HAS_RE
 
 @triton.jit
 def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_ptr, out_ptr, N, K, eps,
-                      PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+                      PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
-    """BLOCK_N outputs of out = x @ W^T over all of K; x made by PROLOGUE from a (, residual, norm weight)."""
+    """BLOCK_N outputs of out = x @ W^T over all of K; x made by PROLOGUE from a (, residual, norm
+    weight). SCALE 0: none, 1: one fp32 scale, 2: [cdiv(N, 128), cdiv(K, 128)] block scales."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,9 +133,11 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
         else:
             w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
         x = _input(a_ptr, r_ptr, nw_ptr, k, k < K, K, inv, PROLOGUE, HAS_RESIDUAL, EVEN_K, dtype)
+        if SCALE == 2:  # the block row of this program's rows (BLOCK_N divides 128)
+            x *= tl.load(scale_ptr + (pid * BLOCK_N // 128) * tl.cdiv(K, 128) + k // 128, mask=k < K, other=0.0)
         acc += w.to(tl.float32) * x[None, :]
     y = tl.sum(acc, axis=1)
-    if HAS_SCALE:
+    if SCALE == 1:
         y = y * tl.load(scale_ptr)
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -166,7 +171,8 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
                bias: torch.Tensor | None = None, prologue: Prologue = Prologue.PLAIN,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                eps: float = 1e-6, tile: Tile | None = None):
-    """x [1, K'] @ weight^T [N, K] (* scale, one fp32 value: FP8 weights) (+ bias [N]): [1, N].
+    """x [1, K'] @ weight^T [N, K] (* scale) (+ bias [N]): [1, N]. FP8 weights take their fp32
+    scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
 
     prologue SILU_MUL: x is gate_up's row [1, 2K]. RMS_NORM: x [1, K] (+ residual [1, K]) is
     normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
@@ -176,17 +182,23 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
     x = x.contiguous()
     if (weight.dtype == torch.float8_e4m3fn) != (scale is not None):
         raise ValueError("FP8 weights need their scale (and 16-bit weights take none)")
+    blocks = (triton.cdiv(weight.shape[0], 128), triton.cdiv(k, 128))
+    if scale is not None and tuple(scale.shape) not in ((1,), blocks):
+        raise ValueError(f"scale must be [1] or {list(blocks)} (128 x 128 blocks), got {tuple(scale.shape)}")
     if prologue == Prologue.RMS_NORM and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"RMS_NORM needs norm_weight [{k}]")
     n = weight.shape[0]
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
     tile = tile or choose(n, k, weight.dtype)
+    scaling = 0 if scale is None else 1 if scale.dim() == 1 else 2
+    if scaling == 2 and 128 % tile.block_n:
+        raise ValueError(f"block scales need BLOCK_N dividing 128, got {tile.block_n}")
     dense_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         weight, x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         res_out if res_out is not None else out, scale if scale is not None else out,
         bias if bias is not None else out, out, n, k, float(eps),
-        PROLOGUE=int(prologue), HAS_RESIDUAL=residual is not None, HAS_SCALE=scale is not None,
+        PROLOGUE=int(prologue), HAS_RESIDUAL=residual is not None, SCALE=scaling,
         HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n,
         BLOCK_K=tile.block_k, num_warps=tile.warps)
     return out if res_out is None else (out, res_out)

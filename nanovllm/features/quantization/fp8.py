@@ -146,7 +146,14 @@ class BlockFp8Linear:
         layer.weight.data.copy_(w_q)
         layer.weight_scale_inv.data.copy_(scale_inv)
 
+    def gemv_operands(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer.weight, layer.weight_scale_inv
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if one_row(x):  # batch 1: as TensorFp8Linear's, the block scales multiplying x in the GEMV
+            from nanovllm.kernels.dense_gemv import dense_gemv
+
+            return dense_gemv(x, layer.weight, scale=layer.weight_scale_inv, bias=bias)
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, bias)
 
 
@@ -173,5 +180,5 @@ class TensorFp8Linear:
             # amax + cast (~4 us a GEMM at decode sizes, BENCHMARKS.md).
             from nanovllm.kernels.dense_gemv import dense_gemv
 
-            return dense_gemv(x.contiguous(), layer.weight, scale=layer.weight_scale, bias=bias)
+            return dense_gemv(x, layer.weight, scale=layer.weight_scale, bias=bias)
         return fp8_tensor_linear(x, layer.weight, layer.weight_scale, bias)
