@@ -3,7 +3,7 @@
 # before, carried), per-step time and kernel profile at one row (benchmarks/bench_decode_step.py,
 # the new tree's copy run against each side's package), for Qwen3-0.6B bf16 and Qwen3-8B bf16 /
 # FP8 / INT4 (dummy weights); then the GPU tests named in TESTS and bench.py --latency runs named
-# in BENCH ("model[:quant] ..."). Results under $OUT; a table last.
+# in BENCH ("model[:quant] ...", AB_BENCH=1: both sides). Results under $OUT; a table last.
 #   AB_BASE=.ab_base TESTS="tests/test_dense_gemv.py" BENCH="qwen3-0.6b" bash scripts/gpu_batch1.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,10 +23,13 @@ for spec in ${SPECS:-qwen3-0.6b qwen3-8b qwen3-8b:fp8 qwen3-8b:gptq}; do
   done
 done
 [ -n "${TESTS:-}" ] && PYTHONPATH=. timeout 300 python3 -m pytest -q -m gpu $TESTS > "$DEST/tests.log" 2>&1
-for spec in ${BENCH:-}; do
+for spec in ${BENCH:-}; do  # AB_BENCH=1: the base side too (base-<spec>), base first
   m=${spec%%:*}; extra=""; [ "$spec" != "$m" ] && extra="--quantization ${spec#*:}"
-  PYTHONPATH=. timeout 200 python3 bench.py --dummy "$m" $extra --latency --json "$DEST/bench-${spec/:/-}.json" \
-    > "$DEST/bench-${spec/:/-}.log" 2>&1 || echo "bench $spec failed: $(tail -n 3 "$DEST/bench-${spec/:/-}.log")"
+  for side in ${AB_BENCH:+base} new; do
+    tree=$NEW; name="bench-${spec/:/-}"; [ "$side" = base ] && { tree=$BASE; name="base-${spec/:/-}"; }
+    (cd "$tree" && PYTHONPATH="$tree" timeout 200 python3 bench.py --dummy "$m" $extra --latency --json "$DEST/$name.json" \
+      > "$DEST/$name.log" 2>&1) || echo "$name failed: $(tail -n 3 "$DEST/$name.log")"
+  done
 done
 [ -f "$DEST/tests.log" ] && { echo "=== tests"; tail -n 5 "$DEST/tests.log"; }
 python3 - "$DEST" <<'PY'
@@ -43,8 +46,8 @@ for f in sorted(glob.glob(f"{d}/step-new-*.json")):
     print(f"{spec:<16}{b['ms_per_step']:>9}{n['ms_per_step']:>9}{n['ms_per_step'] / b['ms_per_step']:>9.3f}"
           f"{bp.get('kernel_ms', 0):>10}{np_.get('kernel_ms', 0):>10}"
           f"{str(bp.get('kernels_per_step')) + '->' + str(np_.get('kernels_per_step')):>12}")
-for f in sorted(glob.glob(f"{d}/bench-*.json")):
+for f in sorted(glob.glob(f"{d}/bench-*.json")) + sorted(glob.glob(f"{d}/base-*.json")):
     r = json.load(open(f))
-    print(os.path.basename(f)[6:-5], "tok/s", r["output_tok_s"], "bs1 ms", r.get("decode_ms_per_token_bs1"),
+    print(os.path.basename(f)[:-5], "tok/s", r["output_tok_s"], "bs1 ms", r.get("decode_ms_per_token_bs1"),
           "floor", r.get("fraction_of_floor"))
 PY
