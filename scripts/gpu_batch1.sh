@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Batch-1 decode A/B in one device call: this tree against AB_BASE (a `git archive` of the commit
+# Decode-step A/B in one device call (batch 1 unless SIZES): this tree against AB_BASE (a `git archive` of the commit
 # before, carried), per-step time and kernel profile at one row (benchmarks/bench_decode_step.py,
 # the new tree's copy run against each side's package), for Qwen3-0.6B bf16 and Qwen3-8B bf16 /
 # FP8 / INT4 (dummy weights); then the GPU tests named in TESTS and bench.py --latency runs named
@@ -18,7 +18,7 @@ for spec in ${SPECS:-qwen3-0.6b qwen3-8b qwen3-8b:fp8 qwen3-8b:gptq}; do
   for side in base new; do
     tree=$NEW; [ "$side" = base ] && tree=$BASE
     (cd "$tree" && PYTHONPATH="$tree" timeout 150 python3 benchmarks/bench_decode_step.py --dummy "$m" $extra \
-      --sizes 1 --profile-bs 1 --json "$DEST/step-$side-${spec/:/-}.json" > "$DEST/step-$side-${spec/:/-}.log" 2>&1) \
+      --sizes "${SIZES:-1}" --profile-bs "${PROFILE_BS:-1}" --json "$DEST/step-$side-${spec/:/-}.json" > "$DEST/step-$side-${spec/:/-}.log" 2>&1) \
       || echo "step $side $spec failed: $(tail -n 3 "$DEST/step-$side-${spec/:/-}.log")"
   done
 done
@@ -39,13 +39,14 @@ print(f"{'batch 1':<16}{'base ms':>9}{'new ms':>9}{'new/base':>9}{'base kern':>1
 for f in sorted(glob.glob(f"{d}/step-new-*.json")):
     spec = f.split("step-new-")[1][:-5]
     try:
-        b, n = (json.load(open(f"{d}/step-{s}-{spec}.json"))["rows"][0] for s in ("base", "new"))
+        sides = [json.load(open(f"{d}/step-{s}-{spec}.json"))["rows"] for s in ("base", "new")]
     except (OSError, KeyError):
         continue
-    bp, np_ = b.get("profile", {}), n.get("profile", {})
-    print(f"{spec:<16}{b['ms_per_step']:>9}{n['ms_per_step']:>9}{n['ms_per_step'] / b['ms_per_step']:>9.3f}"
-          f"{bp.get('kernel_ms', 0):>10}{np_.get('kernel_ms', 0):>10}"
-          f"{str(bp.get('kernels_per_step')) + '->' + str(np_.get('kernels_per_step')):>12}")
+    for b, n in zip(*sides):
+        bp, np_ = b.get("profile", {}), n.get("profile", {})
+        print(f"{spec + ' x' + str(n.get('batch', '')):<16}{b['ms_per_step']:>9}{n['ms_per_step']:>9}"
+              f"{n['ms_per_step'] / b['ms_per_step']:>9.3f}{bp.get('kernel_ms', 0):>10}{np_.get('kernel_ms', 0):>10}"
+              f"{str(bp.get('kernels_per_step')) + '->' + str(np_.get('kernels_per_step')):>12}")
 for f in sorted(glob.glob(f"{d}/bench-*.json")) + sorted(glob.glob(f"{d}/base-*.json")):
     r = json.load(open(f))
     print(os.path.basename(f)[:-5], "tok/s", r["output_tok_s"], "bs1 ms", r.get("decode_ms_per_token_bs1"),
