@@ -88,8 +88,8 @@ def compile_launch(kernel, named: dict, options: dict, capability: int = 90):
 
 
 # ---------------------------------------------------------------------------- scenarios
-def _paged_decode(cache_dtype, num_splits, fused_merge=False):
-    from nanovllm.kernels.paged_decode import merge_counters, paged_decode_attention
+def _paged_decode(cache_dtype, num_splits):
+    from nanovllm.kernels.paged_decode import paged_decode_attention
 
     q = torch.randn(5, 16, 128).to(BF16)
     k_cache = torch.zeros(8, 256, 8, 128).to(cache_dtype)
@@ -97,8 +97,7 @@ def _paged_decode(cache_dtype, num_splits, fused_merge=False):
     tables = torch.zeros(5, 4, dtype=torch.int32)
     lens = torch.full((5,), 300, dtype=torch.int32)
     scales = (torch.ones(1), torch.ones(1)) if cache_dtype == FP8 else (None, None)
-    paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits, k_scale=scales[0], v_scale=scales[1],
-                           counters=merge_counters(torch.device("cpu"), 64) if fused_merge else None)
+    paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits, k_scale=scales[0], v_scale=scales[1])
 
 
 def _store(cache_dtype):
@@ -235,8 +234,6 @@ SCENARIOS = {
     "paged_decode_bf16_splits": lambda: _paged_decode(BF16, 3),
     "paged_decode_fp8": lambda: _paged_decode(FP8, 1),
     "paged_decode_fp8_splits": lambda: _paged_decode(FP8, 3),
-    "paged_decode_bf16_fused_merge": lambda: _paged_decode(BF16, 3, fused_merge=True),
-    "paged_decode_fp8_fused_merge": lambda: _paged_decode(FP8, 3, fused_merge=True),
     "store_kvcache_bf16": lambda: _store(BF16),
     "store_kvcache_fp8": lambda: _store(FP8),
     "qk_norm_rope": lambda: _qk_norm_rope(None, True),

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.kernels.paged_decode import choose_num_splits, merge_counters, paged_decode_attention
+from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -216,29 +216,6 @@ def test_paged_decode_head_dim_128_many_splits():
     # splits, which must weigh 0, and a full one splits unevenly (2, 2, 2, 2, 1, 1 tiles).
     lens = [1, 0, 330, 640] + [random.randint(1, 640) for _ in range(4)]
     _check_decode(lens, 4, 2, 128, 16, 6, torch.float16)
-
-
-@pytest.mark.parametrize("num_kv_heads, num_splits", [(2, 3), (1, 6), (4, 2)])
-def test_split_programs_merging_themselves_equal_the_merge_kernel(num_kv_heads, num_splits):
-    """With counters, the last split program of each (sequence, kv head) merges (no merge kernel):
-    the same arithmetic, so equal bit for bit, including empty rows and empty splits; the counts
-    are back to 0 after each call, so the next call (a graph replay) merges again."""
-    lens = [1, 0, 300, 77, 640, 129]
-    q, k_cache, v_cache, block_tables, ctx = make_paged_inputs(lens, 4 * num_kv_heads, num_kv_heads, 128, 16,
-                                                              torch.float16, DEVICE)
-    counters = merge_counters(q.device, rows=len(lens) * num_kv_heads)
-    plain = paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.09, num_splits)
-    for _ in range(2):
-        out = torch.full_like(q, float("nan"))
-        paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.09, num_splits, out=out, counters=counters)
-        assert torch.equal(out, plain)
-        assert (counters == 0).all()
-    assert rel_err(plain, ref_paged_decode(q, k_cache, v_cache, block_tables, ctx, 0.09)) < 3e-3
-    few = merge_counters(q.device, rows=len(lens) * num_kv_heads - 1)  # too few: the merge kernel instead
-    assert torch.equal(paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.09, num_splits,
-                                              counters=few), plain)
-    with pytest.raises(ValueError, match="int32"):
-        paged_decode_attention(q, k_cache, v_cache, block_tables, ctx, 0.09, num_splits, counters=few.long())
 
 
 def test_paged_decode_without_blocks_gives_zeros():

@@ -14,13 +14,37 @@ _LOG2E = 1.4426950408889634
 
 @triton.jit
 def _paged_decode_split_kernel(
-    q_ptr, q_stride_b, q_stride_h, k_cache_ptr, v_cache_ptr, cache_stride_block, cache_stride_token,
-    block_tables_ptr, block_tables_stride_b, context_lens_ptr, context_lens_stride, out_ptr, out_stride_b,
-    out_stride_h, part_out_ptr, part_lse_ptr, counters_ptr, k_scale_ptr, v_scale_ptr, qk_scale,
-    max_blocks_per_seq, num_splits, NUM_HEADS: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
-    FUSED_MERGE: tl.constexpr, SPLITS_PAD: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_FP8: tl.constexpr, FP16_DOT: tl.constexpr
+    q_ptr,
+    q_stride_b,
+    q_stride_h,
+    k_cache_ptr,
+    v_cache_ptr,
+    cache_stride_block,
+    cache_stride_token,
+    block_tables_ptr,
+    block_tables_stride_b,
+    context_lens_ptr,
+    context_lens_stride,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    part_out_ptr,
+    part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    qk_scale,
+    max_blocks_per_seq,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    WRITE_PARTIAL: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    FP16_DOT: tl.constexpr,
 ):
     """Attention of the GROUP query heads sharing kv head `kvh` over one split of one sequence.
 
@@ -39,8 +63,6 @@ def _paged_decode_split_kernel(
     dtype). True: writes the normalised partial output to part_out [B, NUM_HEADS,
     num_splits, HEAD_DIM] (fp32) and its log2-sum-exp to part_lse [B, NUM_HEADS,
     num_splits]; an empty split writes 0 and -inf so that it carries no weight in the merge.
-    FUSED_MERGE: the last of a (sequence, kv head)'s programs to finish merges them (_merge_if_last),
-    so no merge kernel runs: one launch a layer fewer (at batch 1, ~2 us of a ~7 us attention).
 
     KV_FP8: the caches hold float8_e4m3fn, true value = stored * scale. Tiles are converted in
     registers (exact: e4m3 values are all representable in fp16/bf16/fp32), the K scale is
@@ -137,47 +159,32 @@ def _paged_decode_split_kernel(
         )
         lse = tl.where(nonempty, m_i + tl.log2(tl.where(nonempty, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + part_row, lse, mask=row_mask)
-        if FUSED_MERGE:
-            _merge_if_last(part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, counters_ptr, b, kvh,
-                           num_splits, NUM_HEADS, GROUP, SPLITS_PAD, HEAD_DIM)
-
-
-@triton.jit
-def _merge_if_last(part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, counters_ptr, b, kvh,
-                   num_splits, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                   HEAD_DIM: tl.constexpr):
-    """Count this split program done for (b, kvh); the last one merges the GROUP heads' partials
-    and rearms the counter (0 again for the next launch or graph replay). The barrier puts every
-    thread's partial stores before the release; the merge reads partials past L1 (.cg)."""
-    tl.debug_barrier()
-    slot = counters_ptr + b * (NUM_HEADS // GROUP) + kvh
-    if tl.atomic_add(slot, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
-        tl.atomic_xchg(slot, 0, sem="relaxed", scope="gpu")
-        for g in range(GROUP):
-            _merge_row(part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, b, kvh * GROUP + g,
-                       num_splits, NUM_HEADS, SPLITS_PAD, HEAD_DIM)
 
 
 @triton.jit
 def _paged_decode_merge_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, num_splits, NUM_HEADS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    out_stride_b,
+    out_stride_h,
+    num_splits,
+    NUM_HEADS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """Combine the num_splits partial results of one (sequence, head) into out: grid (B, NUM_HEADS)."""
-    _merge_row(part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, tl.program_id(0), tl.program_id(1),
-               num_splits, NUM_HEADS, SPLITS_PAD, HEAD_DIM)
+    """Combine the num_splits partial results of one (sequence, head) into out.
 
-
-@triton.jit
-def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, b, h, num_splits,
-               NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Each split of row (b, h) weighted by 2**(lse_s - max lse); splits with lse = -inf weigh 0,
-    and a row whose splits are all empty (context length 0) gets zeros."""
+    Grid (B, NUM_HEADS). Each split is weighted by 2**(lse_s - max lse); splits with
+    lse = -inf weigh 0, and a row whose splits are all empty (context length 0) gets zeros.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     split_mask = splits < num_splits
     dims = tl.arange(0, HEAD_DIM)
     row = (b * NUM_HEADS + h) * num_splits
-    lse = tl.load(part_lse_ptr + row + splits, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+    lse = tl.load(part_lse_ptr + row + splits, mask=split_mask, other=float("-inf"))
     m = tl.max(lse, axis=0)
     # All splits empty: shift by 0 instead of -inf so every weight is exactly 0, not NaN.
     m = tl.where(m == float("-inf"), 0.0, m)
@@ -187,7 +194,6 @@ def _merge_row(part_out_ptr, part_lse_ptr, out_ptr, out_stride_b, out_stride_h, 
         part_out_ptr + (row + splits)[:, None] * HEAD_DIM + dims[None, :],
         mask=split_mask[:, None],
         other=0.0,
-        cache_modifier=".cg",
     )
     o = tl.sum(part * w[:, None], axis=0) / tl.where(denom > 0.0, denom, 1.0)
     tl.store(out_ptr + b * out_stride_b + h * out_stride_h + dims, o.to(out_ptr.dtype.element_ty))
@@ -297,7 +303,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
-    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention for one query token per sequence over a paged KV cache.
 
@@ -319,58 +324,34 @@ def paged_decode_attention(
     FP8 KV cache: k_cache / v_cache float8_e4m3fn holding K / k_scale and V / v_scale
     (store_kvcache's quantization); k_scale, v_scale: fp32 [1] device tensors, required
     then and only then. The result is attention over stored.float() * scale.
-    counters: int32 zeros, at least B * num_kv_heads of them (merge_counters), kept by the caller
-    across calls: the split programs merge their partials themselves (the last to finish, counted
-    there; the counts return to 0), instead of a merge kernel after them.
     """
     out, fp8 = _check_decode_inputs(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out,
                                     k_scale, v_scale)
-    if q.shape[0] > 0:
-        _launch_split(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, fp8, k_scale,
-                      v_scale, counters)
-    return out
-
-
-def _launch_split(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits, out, fp8, k_scale, v_scale,
-                  counters):
-    """The split kernel's launch (see paged_decode_attention), then the merge kernel's unless the
-    split programs merge themselves."""
     batch, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
+    if batch == 0:
+        return out
+
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
     tile, num_warps, num_stages = _launch_config(head_dim, q.element_size())
     # Splits beyond the table's capacity in tiles could never get tokens.
     num_splits = max(1, min(num_splits, triton.cdiv(max_blocks * block_size, tile)))
     part_out, part_lse = _partials(out, num_splits)
-    fused = num_splits > 1 and counters is not None and _counters_fit(counters, batch * num_kv_heads, q.device)
     _paged_decode_split_kernel[(num_kv_heads * num_splits, batch)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         block_tables, block_tables.stride(0), context_lens, context_lens.stride(0),
-        out, out.stride(0), out.stride(1), part_out, part_lse, counters if fused else out,
+        out, out.stride(0), out.stride(1), part_out, part_lse,
         k_scale if fp8 else out, v_scale if fp8 else out,  # unused without FP8
         float(scale) * _LOG2E, max_blocks, num_splits,
-        NUM_HEADS=num_heads, WRITE_PARTIAL=num_splits > 1, FUSED_MERGE=fused,
-        SPLITS_PAD=triton.next_power_of_2(num_splits), GROUP=group,
+        NUM_HEADS=num_heads, WRITE_PARTIAL=num_splits > 1, GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_SIZE=block_size, TILE=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", KV_FP8=fp8,
         FP16_DOT=fp8 and q.dtype != torch.float32, num_warps=num_warps, num_stages=num_stages,
     )
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         _merge_partials(part_out, part_lse, out, num_splits)
-
-
-def merge_counters(device: torch.device, rows: int = 1 << 16) -> torch.Tensor:
-    """The `counters` of paged_decode_attention for up to `rows` (sequence, kv head) pairs."""
-    return torch.zeros(rows, dtype=torch.int32, device=device)
-
-
-def _counters_fit(counters: torch.Tensor, rows: int, device: torch.device) -> bool:
-    """Whether `counters` serves a launch of `rows` pairs (too few: the merge kernel runs instead)."""
-    if counters.dtype != torch.int32 or counters.device != device or counters.dim() != 1:
-        raise ValueError(f"counters must be an int32 vector on {device}, got {counters.dtype} "
-                         f"{tuple(counters.shape)} on {counters.device}")
-    return counters.numel() >= rows
+    return out
 
 
 def _partials(out: torch.Tensor, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:

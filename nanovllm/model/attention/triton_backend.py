@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from nanovllm.kernels.kv_store import store_kvcache
-from nanovllm.kernels.paged_decode import merge_counters, paged_decode_attention
+from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.model.attention.metadata import AttentionMetadata
 from nanovllm.model.attention.fp8_cache import dequantize_kv, fp8_kv, round_trip_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
@@ -64,16 +64,8 @@ class TritonBackend:
     GATHER_TOKENS = 1 << 16  # K/V tokens gathered per group: 256 MiB of K+V at 8 heads x 128 in bf16
 
     def __init__(self):
+        self._decode = paged_decode_attention
         self._reference = TorchBackend()
-        self._counters: torch.Tensor | None = None  # the decode kernel's merge counts (merge_counters)
-
-    def _decode(self, q, k_cache, v_cache, block_tables, context_lens, scale, **kw) -> torch.Tensor:
-        """paged_decode_attention, its split programs merging themselves: counters made at the
-        first call outside a graph capture (one buffer for every layer: launches run in order)."""
-        if self._counters is None and not (q.is_cuda and torch.cuda.is_current_stream_capturing()):
-            self._counters = merge_counters(q.device)
-        return paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale,
-                                      counters=self._counters, **kw)
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
