@@ -10,8 +10,9 @@ evicted, HBM sees ~0.5 byte a weight, and the product becomes compute-bound like
     PYTHONPATH=.:benchmarks/kernels python3 benchmarks/kernels/bench_w4a16_chunks.py [--m 32,64,128,256]
 
 Per GEMM and M: microseconds of bf16 F.linear, of the engine's launch (`choose`), of whole-weight
-dequant + cuBLAS, and of chunked dequant + cuBLAS per chunk width (output written in place, a
-strided view); each result checked against fp32 arithmetic first. $OUT/w4a16_chunks.json.
+dequant + cuBLAS, and of kernels/w4a16.py's Dequant in chunks of --chunk-mb 16-bit megabytes
+(each into its output columns, a strided view); each checked against fp32 arithmetic first.
+If chunks win, set DEQUANT_CHUNK_BYTES and A/B the engine. $OUT/w4a16_chunks.json.
 """
 
 from __future__ import annotations
@@ -22,78 +23,42 @@ import os
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
 from bench_w4a16 import GEMMS, rotating, weights
 from timing import cuda_graph_us
 from nanovllm.features.quantization.int4_formats import dequantize
-from nanovllm.kernels.w4a16 import Dequant, w4a16_matmul
-from nanovllm.kernels.w4a16_mma import float_128
+from nanovllm.kernels.w4a16 import Dequant, dequant_chunk, w4a16_matmul
 
 
-@triton.jit
-def _dequant_cols(qw_ptr, s_ptr, z_ptr, out_ptr, N, C, K, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """Columns [0, C) of a [K, N] weight (pointers already at the chunk's first column) into out [K, C]."""
-    w3 = (tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W))[:, None, None]
-    j3 = tl.arange(0, 8)[None, :, None]
-    n3 = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, None, :]
-    mask = (w3 < K // 8) & (n3 < C)
-    words = tl.load(qw_ptr + w3 * N + n3, mask=mask, other=0)
-    sz = (w3 * 8 // GROUP) * N + n3
-    s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
-    c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
-    q = float_128(((words >> (4 * j3)) & 0xF) << 16)
-    tl.store(out_ptr + (w3 * 8 + j3) * C + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty), mask=mask & (j3 < 8))
-
-
-def chunked(x, w, out, ws, chunk: int, block_w: int = 8, block_n: int = 128):
-    """out = x @ dequantize(w), `chunk` columns at a time through the workspace ws."""
-    k, n = w.qweight.shape[0] * 8, w.qweight.shape[1]
-    for n0 in range(0, n, chunk):
-        c = min(chunk, n - n0)
-        part = ws[: k * c].view(k, c)
-        _dequant_cols[(triton.cdiv(k // 8, block_w), triton.cdiv(c, block_n))](
-            w.qweight[:, n0:], w.scales[:, n0:], w.zeros[:, n0:], part, n, c, k, GROUP=w.group_size,
-            BLOCK_W=block_w, BLOCK_N=block_n)
-        torch.mm(x, part, out=out[:, n0:n0 + c])
-    return out
-
-
-def row(name: str, k: int, n: int, m: int, chunks: list[int], gen) -> dict:
+def row(name: str, k: int, n: int, m: int, chunk_mb: list[int], gen) -> dict:
     w, next_w = rotating(lambda: weights(k, n, 128, gen), k * n // 2)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
-    dense, next_dense = rotating(lambda: dequantize(w).to(torch.bfloat16).t().contiguous(), k * n * 2)
+    _, next_dense = rotating(lambda: dequantize(w).to(torch.bfloat16).t().contiguous(), k * n * 2)
     ref = x.float() @ dequantize(w)
     ws = torch.empty(k * n, dtype=torch.bfloat16, device="cuda")
-    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     err = lambda got: ((got.float() - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+    mm = lambda v, cfg=None: w4a16_matmul(x, v.qweight, v.scales, v.zeros, 128, config=cfg, workspace=ws)  # noqa: E731
     res = {"gemm": name, "k": k, "n": n, "m": m, "errors": {}}
     res["bf16_us"] = cuda_graph_us(lambda: F.linear(x, next_dense()), median=True)
-    res["engine_us"] = cuda_graph_us(lambda: (lambda v: w4a16_matmul(x, v.qweight, v.scales, v.zeros, 128))(next_w()),
-                                     median=True)
-    whole = lambda: (lambda v: w4a16_matmul(x, v.qweight, v.scales, v.zeros, 128, config=Dequant(),  # noqa: E731
-                                            workspace=ws))(next_w())
-    res["errors"]["whole"] = err(whole())
-    res["whole_us"] = cuda_graph_us(whole, median=True)
-    for c in chunks:
-        if c >= n:
+    res["engine_us"] = cuda_graph_us(lambda: mm(next_w()), median=True)
+    for mb in [0] + chunk_mb:
+        cfg = Dequant(chunk=dequant_chunk(k, mb << 20))
+        if cfg.chunk >= n:
             continue
-        res["errors"][c] = err(chunked(x, w, out, ws, c))
-        res[f"chunk{c}_us"] = cuda_graph_us(lambda: chunked(x, next_w(), out, ws, c), median=True)
+        res["errors"][mb] = err(mm(w, cfg))
+        res[f"{mb}MB_us" if mb else "whole_us"] = cuda_graph_us(lambda: mm(next_w(), cfg), median=True)
     return {key: round(v, 2) if isinstance(v, float) else v for key, v in res.items()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="32,64,128,256")
-    ap.add_argument("--chunks", default="512,1024,2048,4096")
+    ap.add_argument("--chunk-mb", default="2,4,8,16,32", help="16-bit MB of a chunk (Dequant's chunk)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
-    chunks = [int(c) for c in args.chunks.split(",")]
-    rows = [row(name, k, n, int(m), chunks, gen) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
+    chunk_mb = [int(c) for c in args.chunk_mb.split(",")]
+    rows = [row(name, k, n, int(m), chunk_mb, gen) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
     for r in rows:
         bad = {c: e for c, e in r["errors"].items() if e > 1e-2}
         timings = "  ".join(f"{key[:-3]} {v}" for key, v in r.items() if key.endswith("_us"))
