@@ -186,23 +186,28 @@ def _filtered_sampling(dtype, top_k=True, top_p=True, min_p=True, scale=True, ro
                            rounds=rounds)
 
 
-def _w4a16(m, group_size, dtype=BF16, config=None):
-    from nanovllm.kernels.w4a16 import w4a16_matmul
+def _w4a16(m, group_size, dtype=BF16, config=None, silu_mul=False):
+    from nanovllm.kernels.w4a16 import choose, w4a16_matmul
+    from nanovllm.kernels.w4a16_gemv import gemv
 
     k, n = 4096, 6144
     qweight = torch.zeros(k // 8, n, dtype=torch.int32)
     scales = torch.ones(k // group_size, n).to(dtype)
+    if silu_mul:  # gate_up's batch-1 GEMV with SiLU * up in its epilogue
+        gemv(torch.randn(1, k).to(dtype), qweight, scales, scales, group_size, choose(1, n, k), silu_mul=True)
+        return
     w4a16_matmul(torch.randn(m, k).to(dtype), qweight, scales, scales, group_size, config=config)
 
 
 def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
     from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 
-    p = Prologue[prologue]
-    x = torch.randn(1, 2 * k if p == Prologue.SILU_MUL else k).to(BF16)
+    silu_mul = prologue == "SILU_MUL"  # the epilogue of gate_up's [2I, K] weight
+    p = Prologue.PLAIN if silu_mul else Prologue[prologue]
     scale = (torch.ones(-(-n // 128), -(-k // 128)) if block else torch.ones(1)) if weight_dtype == FP8 else None
     extra = dict(residual=torch.randn(1, k).to(BF16), norm_weight=torch.ones(k).to(BF16)) if p == Prologue.RMS_NORM else {}
-    dense_gemv(x, torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p, **extra)
+    dense_gemv(torch.randn(1, k).to(BF16), torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p,
+               silu_mul=silu_mul, **extra)
 
 
 def _fused_moe_int4(tokens, permuted, experts=8, k=2):
@@ -250,6 +255,7 @@ SCENARIOS = {
     # INT4 weights: the GEMV (decode), split-K tiles with atomic fp32 sums (group 32), the
     # dequantizing kernel of large batches.
     "w4a16_decode": lambda: _w4a16(1, 128),
+    "w4a16_decode_silu": lambda: _w4a16(1, 128, silu_mul=True),
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),
     "w4a16_prefill": lambda: _w4a16(300, 128),
     # The unpacking tensor-core kernel's inline PTX in fp16 (bf16: w4a16_split_k_g32).
@@ -259,9 +265,10 @@ SCENARIOS = {
     # The batch-1 GEMV of 16-bit and FP8 weights, with each prologue; K not a multiple of the tile.
     "dense_gemv_bf16": lambda: _dense_gemv(BF16, "PLAIN"),
     "dense_gemv_bf16_norm": lambda: _dense_gemv(BF16, "RMS_NORM"),
-    "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", k=3072),
+    "dense_gemv_bf16_silu": lambda: _dense_gemv(BF16, "SILU_MUL", n=6144),
+    "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144),
     "dense_gemv_fp8_norm_odd_k": lambda: _dense_gemv(FP8, "RMS_NORM", k=1000, n=300),
-    "dense_gemv_fp8_block_silu": lambda: _dense_gemv(FP8, "SILU_MUL", k=3072, block=True),
+    "dense_gemv_fp8_block_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144, block=True),
     # INT4 experts: decode's blocks, and larger ones with act-order perms.
     "fused_moe_int4_decode": lambda: _fused_moe_int4(1, False),
     "fused_moe_int4_act_order": lambda: _fused_moe_int4(200, True),

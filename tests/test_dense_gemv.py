@@ -4,9 +4,9 @@ Without CUDA the kernel runs in Triton's interpreter (tests/conftest.py) in fp16
 truncates fp32 -> bf16 instead of rounding to nearest, fp16 it rounds as the GPU does. The GEMV
 sums the same products as torch in another order (fp32), then rounds once to 16 bits, so each
 output is within one 16-bit ulp of the fp32 reference (the fp32 reordering error, ~K * 2^-24 of
-the sum of |products|, is far below that at these sizes). The prologues must make x exactly as
-the separate kernels do: fused equals unfused bit for bit (same x, same order of the sums), and
-the new residual equals torch's rounded add.
+the sum of |products|, is far below that at these sizes). What is folded in (the SiLU epilogue,
+the RMSNorm prologue) must round exactly as the separate kernels do: fused equals unfused bit for
+bit (same x, same order of the sums), and the new residual equals torch's rounded add.
 """
 
 from __future__ import annotations
@@ -74,36 +74,47 @@ def test_plain_equals_torch(n, k, tile, fp8):
     close(out, x.float() @ w32.t() + bias.float())
 
 
-@pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("n, k, tile", [(300, 260, Tile(4, 128, 4)), (256, 384, None), (130, 512, Tile(2, 256, 4))])
-def test_block_fp8_equals_torch(n, k, tile, gated):
+def test_block_fp8_equals_torch(n, k, tile):
     """128 x 128 block scales (partial last blocks both ways), applied to x inside the GEMV."""
     from nanovllm.features.quantization.fp8_ops import dequantize_weight_block_fp8, quantize_weight_block_fp8
 
-    gen = torch.Generator().manual_seed(n + k + gated)
+    gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 0.2
     q, scale_inv = quantize_weight_block_fp8(w)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 2).to(DTYPE)
-    x = (torch.nn.functional.silu(gate_up[:, :k].float()).to(DTYPE) * gate_up[:, k:]) if gated else gate_up[:, :k]
-    a = gate_up if gated else x
-    out = dense_gemv(a.to(DEVICE), q.to(DEVICE), scale=scale_inv.to(DEVICE), tile=tile,
-                     prologue=Prologue.SILU_MUL if gated else Prologue.PLAIN)
+    x = (torch.randn(1, k, generator=gen) * 2).to(DTYPE)
+    out = dense_gemv(x.to(DEVICE), q.to(DEVICE), scale=scale_inv.to(DEVICE), tile=tile)
     # x * scale rounds once more in fp32 than torch's order: ~2^-24 relative, inside the bound.
     close(out, x.float() @ dequantize_weight_block_fp8(q, scale_inv).t())
 
 
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("n, k, tile", SHAPES)
-def test_silu_prologue_equals_the_separate_kernel(n, k, tile, fp8):
-    """x = silu(gate) * up made inside: equal bit for bit to SiLU * up first, then the same GEMV."""
-    gen = torch.Generator().manual_seed(7 * n + k + fp8)
-    w, scale, w32 = weights(n, k, fp8, gen)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(DTYPE)
-    x = (torch.nn.functional.silu(gate_up[:, :k].float()).to(DTYPE) * gate_up[:, k:])  # SiluAndMul's rounding
-    fused = dense_gemv(gate_up.to(DEVICE), w, scale=scale, prologue=Prologue.SILU_MUL, tile=tile)
-    unfused = dense_gemv(x.to(DEVICE), w, scale=scale, tile=tile)
-    assert torch.equal(fused, unfused)
-    close(fused, x.float() @ w32.t())
+def _fp8_blocks(w: torch.Tensor):
+    from nanovllm.features.quantization.fp8_ops import quantize_weight_block_fp8
+
+    q, scale_inv = quantize_weight_block_fp8(w)
+    return q.to(DEVICE), scale_inv.to(DEVICE)
+
+
+@pytest.mark.parametrize("weights_kind", ["16-bit", "fp8", "fp8-blocks"])
+@pytest.mark.parametrize("n, k, tile", SHAPES + [(256, 300, Tile(4, 128, 4))])
+def test_silu_epilogue_equals_the_separate_kernel(n, k, tile, weights_kind):
+    """gate_up's GEMV writing silu(gate) * up (rows r and n + r of a [2n, K] weight in one
+    program): equal bit for bit to the GEMV's [1, 2n] output through fused_ops.silu_and_mul."""
+    from nanovllm.kernels.fused_ops import silu_and_mul
+
+    if weights_kind == "fp8-blocks" and n % 128:
+        pytest.skip("block scales need gate and up on 128-row boundaries")
+    gen = torch.Generator().manual_seed(7 * n + k + len(weights_kind))
+    w, scale, w32 = weights(2 * n, k, weights_kind == "fp8", gen)
+    if weights_kind == "fp8-blocks":
+        w, scale = _fp8_blocks(w32 * 3)
+    x = (torch.randn(1, k, generator=gen) * 2).to(DTYPE).to(DEVICE)
+    bias = None if weights_kind != "16-bit" else (torch.randn(2 * n, generator=gen) * 0.5).to(DTYPE).to(DEVICE)
+    fused = dense_gemv(x, w, scale=scale, bias=bias, silu_mul=True, tile=tile)
+    gate_up = dense_gemv(x, w, scale=scale, bias=bias, tile=tile)
+    assert fused.shape == (1, n) and torch.equal(fused, silu_and_mul(gate_up))
+    if weights_kind == "16-bit":  # (the plain GEMV's own accuracy: test_plain_equals_torch)
+        close(gate_up, x.float().cpu() @ w32.t() + bias.float().cpu())
 
 
 @pytest.mark.parametrize("residual", [False, True])
@@ -125,6 +136,37 @@ def test_norm_prologue_equals_the_separate_kernel(n, k, tile, residual):
     close(out, normed.float() @ w32.t())
 
 
+@pytest.mark.skipif(CUDA, reason="the interpreter's per-row sums do not depend on the tile; the GPU's may")
+@pytest.mark.parametrize("method", [None, "fp8-tensor"])
+def test_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, method):
+    """LinearBase.silu_mul's one-row dispatch (on CUDA only: one_row is widened to CPU rows here
+    and the GEMV runs in the interpreter): the 16-bit weight and FP8's per-tensor method give
+    SiLU * up of the layer's own one-row product, bit for bit, from one launch with silu_mul."""
+    import nanovllm.features.quantization.fp8 as fp8
+    import nanovllm.kernels.dense_gemv as dense
+    import nanovllm.model.layers.linear as linear
+    from nanovllm.kernels.fused_ops import silu_and_mul
+
+    rows = lambda x: x.dim() == 2 and x.shape[0] == 1 and x.dtype == DTYPE  # noqa: E731
+    monkeypatch.setattr(linear, "one_row", rows)
+    monkeypatch.setattr(fp8, "one_row", rows)
+    launches = []
+    real = dense.dense_gemv
+    monkeypatch.setattr(dense, "dense_gemv", lambda *a, **kw: launches.append(kw.get("silu_mul")) or real(*a, **kw))
+    gen = torch.Generator().manual_seed(5)
+    layer = linear.MergedColumnParallelLinear(96, [40, 40], bias=method is None)
+    layer.weight.data = (torch.randn(80, 96, generator=gen) * 0.2).to(DTYPE)
+    if layer.bias is not None:
+        layer.bias.data = torch.randn(80, generator=gen).to(DTYPE)
+    if method == "fp8-tensor":
+        layer.quant = fp8.TensorFp8Linear()
+        layer.quant.after_loading(layer)
+    x = torch.randn(1, 96, generator=gen).to(DTYPE)
+    fused = layer.silu_mul(x)
+    assert launches == [True] and fused.shape == (1, 40)
+    assert torch.equal(fused, silu_and_mul(layer(x)))
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: dense_gemv(torch.zeros(2, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE)), "one row"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 6, dtype=DTYPE)), r"\[N, 8\]"),
@@ -134,6 +176,9 @@ def test_norm_prologue_equals_the_separate_kernel(n, k, tile, residual):
      r"\[1, 1\]"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE),
                         prologue=Prologue.RMS_NORM), "norm_weight"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(5, 8, dtype=DTYPE), silu_mul=True), "gate and up"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=FP8), scale=torch.ones(1, 1),
+                        silu_mul=True), "block boundaries"),
 ])
 def test_bad_operands_are_refused_before_launch(call, match):
     with pytest.raises(ValueError, match=match):

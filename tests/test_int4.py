@@ -112,6 +112,59 @@ def test_the_batch1_gemv_equals_its_torch_arithmetic(k, n, group, strips):
         w4a16_matmul(x.float(), w.qweight, w.scales, w.zeros, w.group_size, config=Strips(*strips))
 
 
+@pytest.mark.parametrize("k, half, group, strips", [(1024, 48, 128, (32, 2)), (480, 40, 32, (16, 1))])
+def test_the_batch1_gemv_silu_epilogue_equals_the_separate_kernel(k, half, group, strips):
+    """gate_up's batch-1 GEMV writing silu(gate) * up (a program's columns half gate, half the
+    same columns of up): bit for bit the GEMV's [1, 2 * half] output through fused_ops.silu_and_mul
+    (each column's sum is the same in both launches; the roundings are fused_ops.silu_mul_rounded)."""
+    from nanovllm.features.quantization.int4_formats import Int4Weights
+    from nanovllm.kernels.fused_ops import silu_and_mul
+    from nanovllm.kernels.w4a16_gemv import Strips, gemv
+
+    g = torch.Generator().manual_seed(k + half)
+    n = 2 * half
+    w = Int4Weights(torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g).to(torch.int32),
+                    (torch.rand(k // group, n, generator=g) * 0.02).to(torch.bfloat16),
+                    torch.randint(0, 16, (k // group, n), generator=g).to(torch.bfloat16), group, None)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    cfg = Strips(*strips)
+    fused = gemv(x, w.qweight, w.scales, w.zeros, group, cfg, silu_mul=True)
+    gate_up = gemv(x, w.qweight, w.scales, w.zeros, group, cfg)
+    assert fused.shape == (1, half) and torch.equal(fused, silu_and_mul(gate_up))
+    with pytest.raises(ValueError, match="gate and up"):
+        gemv(x, w.qweight[:, :36], w.scales[:, :36], w.zeros[:, :36], group, cfg, silu_mul=True)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CUDA-only dispatch on CPU rows, in the interpreter")
+@pytest.mark.parametrize("act_order", [False, True])
+def test_an_int4_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, act_order):
+    """LinearBase.silu_mul -> Int4Linear.apply_silu_mul at one bf16 row (one_row widened to CPU
+    rows; the strips GEMV in the interpreter), x permuted first under act-order: SiLU * up of the
+    GEMV's own product on the same permuted x, bit for bit."""
+    import nanovllm.features.quantization.int4 as int4
+    import nanovllm.model.layers.linear as linear
+    from nanovllm.features.quantization.int4_formats import Int4Weights
+    from nanovllm.kernels.fused_ops import silu_and_mul
+    from nanovllm.kernels.w4a16 import choose
+    from nanovllm.kernels.w4a16_gemv import gemv
+
+    rows = lambda x: x.dim() == 2 and x.shape[0] == 1 and x.dtype == torch.bfloat16  # noqa: E731
+    monkeypatch.setattr(linear, "one_row", rows)
+    monkeypatch.setattr(int4, "one_row", rows)
+    g = torch.Generator().manual_seed(11 + act_order)
+    k, n = 256, 64
+    layer = linear.MergedColumnParallelLinear(k, [n // 2] * 2)
+    perm = torch.randperm(k, generator=g) if act_order else None
+    layer.int4 = w = Int4Weights(torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g).to(torch.int32),
+                                 (torch.rand(k // 128, n, generator=g) * 0.02).to(torch.bfloat16),
+                                 torch.randint(0, 16, (k // 128, n), generator=g).to(torch.bfloat16), 128, perm)
+    layer.quant = int4.Int4Linear(config=None)
+    x = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    xp = x if perm is None else x.index_select(-1, perm)
+    want = silu_and_mul(gemv(xp, w.qweight, w.scales, w.zeros, 128, choose(1, n, k)))
+    assert torch.equal(layer.silu_mul(x), want)
+
+
 @pytest.mark.parametrize("config", [(16, 64, 96), (16, 64, 256), (128, 64, 64)])
 def test_a_tensor_core_launch_that_does_not_fit_is_refused(config):
     """No mask along K: a K-tile that does not divide K would drop rows; tiles of more than 64

@@ -5,10 +5,11 @@ cold in L2 (benchmarks/kernels/timing.py).
     PYTHONPATH=. python3 benchmarks/kernels/bench_dense_gemv.py [--sweep]
 
 Per GEMM, microseconds of:
-- bf16: cuBLAS (F.linear) | the GEMV; with the kernel before it: RMSNorm (+ residual) or SiLU * up
-  then cuBLAS | the GEMV with that kernel as its prologue;
+- bf16: cuBLAS (F.linear) | the GEMV; folds: RMSNorm (+ residual) then cuBLAS | the GEMV with
+  the norm as its prologue (qkv, gate_up); the GEMV then SiLU * up | the GEMV writing SiLU * up
+  from its epilogue (gate_up);
 - FP8 (one scale per tensor): the engine's path (activation amax + cast, torch._scaled_mm) | the
-  GEMV (weights converted in registers, no activation quantization) | with the prologue.
+  GEMV (weights converted in registers, no activation quantization) | the same folds.
 Each GEMV output is first checked against fp32 arithmetic (max |out - ref| / max |ref| > 1e-2:
 WRONG). --sweep times a few tiles per GEMM and keeps the best. Writes $OUT/dense_gemv.json.
 """
@@ -27,12 +28,12 @@ from nanovllm.features.quantization.fp8_ops import fp8_tensor_linear, quantize_w
 from nanovllm.kernels.dense_gemv import Prologue, Tile, choose, dense_gemv
 from nanovllm.kernels.fused_ops import rms_norm, silu_and_mul
 
-# (N, K) of nn.Linear's weight; the prologue each one's input comes from in a decoder layer.
+# (N, K) of nn.Linear's weight; what may fold into its GEMV in a decoder layer.
 GEMMS = {
-    "0.6b": {"qkv": (4096, 1024, Prologue.RMS_NORM), "o": (1024, 2048, Prologue.PLAIN),
-             "gate_up": (6144, 1024, Prologue.RMS_NORM), "down": (1024, 3072, Prologue.SILU_MUL)},
-    "8b": {"qkv": (6144, 4096, Prologue.RMS_NORM), "o": (4096, 4096, Prologue.PLAIN),
-           "gate_up": (24576, 4096, Prologue.RMS_NORM), "down": (4096, 12288, Prologue.SILU_MUL)},
+    "0.6b": {"qkv": (4096, 1024, ("norm",)), "o": (1024, 2048, ()), "gate_up": (6144, 1024, ("norm", "silu")),
+             "down": (1024, 3072, ())},
+    "8b": {"qkv": (6144, 4096, ("norm",)), "o": (4096, 4096, ()), "gate_up": (24576, 4096, ("norm", "silu")),
+           "down": (4096, 12288, ())},
 }
 BANDWIDTH = 4.3e12
 
@@ -58,7 +59,24 @@ def check(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.float() - ref).abs().max() / ref.abs().max()).item()
 
 
-def row(model: str, name: str, n: int, k: int, prologue: Prologue, sweep: bool, gen) -> dict:
+def _folds(res: dict, folds, x, r, nw, next16, next8, scale) -> None:
+    """Times of each fold: unfused (the kernel, then the product) and fused into the GEMV."""
+    f8 = {"scale": scale}
+    if "norm" in folds:
+        before = lambda: rms_norm(x, nw, 1e-6, r)[0]  # noqa: E731
+        fused = dict(prologue=Prologue.RMS_NORM, residual=r, norm_weight=nw)
+        res["bf16_norm_unfused_us"] = cuda_graph_us(lambda: F.linear(before(), next16()), median=True)
+        res["bf16_norm_fused_us"] = cuda_graph_us(lambda: dense_gemv(x, next16(), **fused), median=True)
+        res["fp8_norm_unfused_us"] = cuda_graph_us(lambda: fp8_tensor_linear(before(), next8(), scale, None), median=True)
+        res["fp8_norm_fused_us"] = cuda_graph_us(lambda: dense_gemv(x, next8(), **f8, **fused), median=True)
+    if "silu" in folds:
+        res["bf16_silu_unfused_us"] = cuda_graph_us(lambda: silu_and_mul(dense_gemv(x, next16())), median=True)
+        res["bf16_silu_fused_us"] = cuda_graph_us(lambda: dense_gemv(x, next16(), silu_mul=True), median=True)
+        res["fp8_silu_unfused_us"] = cuda_graph_us(lambda: silu_and_mul(dense_gemv(x, next8(), **f8)), median=True)
+        res["fp8_silu_fused_us"] = cuda_graph_us(lambda: dense_gemv(x, next8(), **f8, silu_mul=True), median=True)
+
+
+def row(model: str, name: str, n: int, k: int, folds: tuple, sweep: bool, gen) -> dict:
     dev = "cuda"
     w16, next16 = rotating(lambda: (torch.randn(n, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16), n * k * 2)
     q8 = [quantize_weight_per_tensor_fp8(w16.clone())]
@@ -66,9 +84,8 @@ def row(model: str, name: str, n: int, k: int, prologue: Prologue, sweep: bool, 
     scale = q8[0][1].reshape(1).float()
     x = torch.randn(1, k, generator=gen, device=dev).to(torch.bfloat16)
     r = torch.randn(1, k, generator=gen, device=dev).to(torch.bfloat16)
-    g = torch.randn(1, 2 * k, generator=gen, device=dev).to(torch.bfloat16)
     nw = (torch.rand(k, generator=gen, device=dev) + 0.5).to(torch.bfloat16)
-    res = {"model": model, "gemm": name, "n": n, "k": k, "prologue": prologue.name}
+    res = {"model": model, "gemm": name, "n": n, "k": k, "folds": list(folds)}
     errs = [check(dense_gemv(x, w16), x.float() @ w16.float().t()),
             check(dense_gemv(x, q8[0][0], scale=scale), x.float() @ (q8[0][0].float() * scale).t())]
     res["rel_err"] = max(errs)
@@ -76,20 +93,7 @@ def row(model: str, name: str, n: int, k: int, prologue: Prologue, sweep: bool, 
     res["bf16_gemv_us"] = cuda_graph_us(lambda: dense_gemv(x, next16()), median=True)
     res["fp8_engine_us"] = cuda_graph_us(lambda: fp8_tensor_linear(x, next8(), scale, None), median=True)
     res["fp8_gemv_us"] = cuda_graph_us(lambda: dense_gemv(x, next8(), scale=scale), median=True)
-    if prologue == Prologue.RMS_NORM:
-        before = lambda: rms_norm(x, nw, 1e-6, r)[0]  # noqa: E731
-        fused = dict(prologue=prologue, residual=r, norm_weight=nw)
-    elif prologue == Prologue.SILU_MUL:
-        before = lambda: silu_and_mul(g)  # noqa: E731
-        fused = dict(prologue=prologue)
-    else:
-        before, fused = None, None
-    if before is not None:
-        a = g if prologue == Prologue.SILU_MUL else x
-        res["bf16_unfused_us"] = cuda_graph_us(lambda: F.linear(before(), next16()), median=True)
-        res["bf16_fused_us"] = cuda_graph_us(lambda: dense_gemv(a, next16(), **fused), median=True)
-        res["fp8_unfused_us"] = cuda_graph_us(lambda: fp8_tensor_linear(before(), next8(), scale, None), median=True)
-        res["fp8_fused_us"] = cuda_graph_us(lambda: dense_gemv(a, next8(), scale=scale, **fused), median=True)
+    _folds(res, folds, x, r, nw, next16, next8, scale)
     if sweep:
         for fp8, nxt, key in ((False, next16, "bf16"), (True, next8, "fp8")):
             kw = {"scale": scale} if fp8 else {}
@@ -112,8 +116,9 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = [row(model, name, n, k, p, args.sweep, gen) for model, gemms in GEMMS.items()
             for name, (n, k, p) in gemms.items()]
-    cols = ["bf16_cublas_us", "bf16_gemv_us", "bf16_unfused_us", "bf16_fused_us", "fp8_engine_us", "fp8_gemv_us",
-            "fp8_unfused_us", "fp8_fused_us", "bf16_gemv_of_bw", "fp8_gemv_of_bw"]
+    cols = ["bf16_cublas_us", "bf16_gemv_us", "fp8_engine_us", "fp8_gemv_us"] + [
+        f"{t}_{f}_{u}_us" for f in ("norm", "silu") for t in ("bf16", "fp8") for u in ("unfused", "fused")] + [
+        "bf16_gemv_of_bw", "fp8_gemv_of_bw"]
     print(f"{'gemm':<12}" + "".join(f"{c.replace('_us', ''):>16}" for c in cols) + "  check  best")
     for r in rows:
         best = f"  bf16 {r.get('bf16_best')} fp8 {r.get('fp8_best')}" if "bf16_best" in r else ""

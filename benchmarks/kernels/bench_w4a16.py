@@ -8,7 +8,8 @@ move (0.5 byte per weight, a bf16 scale and zero point per group and column, x a
 time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
 arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
 --sweep, a few launches per shape (kernels/w4a16.py's Gemv, Mma or Dequant) and the best one.
-Writes $OUT/w4a16.json when $OUT is set.
+At M = 1, gate_up also with SiLU * up: the GEMV then fused_ops.silu_and_mul against
+the GEMV writing it from its epilogue. Writes $OUT/w4a16.json when $OUT is set.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import torch.nn.functional as F
 
 from timing import cuda_graph_us  # benchmarks/kernels/timing.py (this folder)
 from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
-from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Mma, Strips, w4a16_matmul
+from nanovllm.kernels.fused_ops import silu_and_mul
+from nanovllm.kernels.w4a16 import GEMV_MAX_M, Dequant, Gemv, Mma, Strips, choose, w4a16_matmul
+from nanovllm.kernels.w4a16_gemv import gemv
 
 GEMMS = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 24576), "down": (12288, 4096)}
 BANDWIDTH = 4.3e12
@@ -71,6 +74,11 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
     result = {"gemm": name, "k": k, "n": n, "m": m, "bf16_us": round(us_bf16, 2), "int4_us": round(us, 2),
               "speedup": round(us_bf16 / us, 2), "gb_s": round(moved / us / 1e3, 1),
               "of_bandwidth": round(moved / us / 1e-6 / BANDWIDTH, 3), "rel_err": err, "ok": err < 1e-2}
+    if name == "gate_up" and m == 1:  # SiLU * up: its own kernel after the GEMV, or the GEMV's epilogue
+        cfg = choose(1, n, k)
+        result["silu_unfused_us"] = round(cuda_graph_us(lambda: silu_and_mul(mm(cfg)), median=True), 2)
+        result["silu_fused_us"] = round(cuda_graph_us(
+            lambda: (lambda v: gemv(x, v.qweight, v.scales, v.zeros, 128, cfg, silu_mul=True))(next_w()), median=True), 2)
     if sweep:
         timed = []
         for cfg in candidates(m):
@@ -103,6 +111,7 @@ def main() -> None:
     for r in rows:
         extra = f"  best {r['best_us']} {r['best_config']} {r['best_per_kind']}" if "best_us" in r else ""
         extra += f" WRONG configs {r['wrong']}" if r.get("wrong") else ""
+        extra += f"  silu unfused {r['silu_unfused_us']} fused {r['silu_fused_us']}" if "silu_fused_us" in r else ""
         print(f"{r['gemm']:<8}{r['m']:>5}{r['bf16_us']:>9}{r['int4_us']:>9}{r['speedup']:>6}{r['gb_s']:>8}"
               f"{r['of_bandwidth']:>7}  {'ok' if r['ok'] else 'WRONG'}{extra}")
     if os.environ.get("OUT"):

@@ -11,11 +11,12 @@ reads every weight once, yet cuBLAS's small-M GEMMs take ~5 us however small the
 amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
 - No activation quantization: FP8 codes become floats in registers and multiply bf16 x in fp32;
   the scale is applied once per output.
-- The input is made by the GEMV's own prologue (`Prologue`), so the kernel before it goes away:
-  RMSNorm with the residual add (each program sums the row's squares itself: K <= 8 K values
-  from L2, cheap beside its share of W; program 0 stores the new residual), or SiLU(gate) * up.
-  The input is rounded exactly as the separate kernels round it (fused_ops.py), so the values
-  multiplied are the same as on the unfused path.
+- SiLU * up in the epilogue of gate_up's GEMV (`silu_mul`): each program owns rows of gate and
+  the same rows of up (two tiles a step, x loaded once), so it writes silu(gate) * up and the
+  kernel after it goes away, at no cost in the loop. Rounded as the separate kernel rounds
+  (fused_ops.silu_mul_rounded), so the values are those of the unfused path.
+- Optionally an RMSNorm prologue (`Prologue.RMS_NORM`, with the residual add; each program sums
+  the row's squares itself, program 0 stores the new residual): measured, not wired in (below).
 - Each program owns BLOCK_N rows of W and runs all of K: no split-K, no atomics, no zeroing.
   A thread's loads are 16 bytes along K; the [BLOCK_N, BLOCK_K] products accumulate in fp32
   registers and are summed across the tile once at the end.
@@ -30,18 +31,16 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_ops import silu_and_mul
+from nanovllm.kernels.fused_ops import silu_mul_rounded
 
-# Measured on the H200 (bench_dense_gemv.py): SiLU * up folded into down_proj's GEMV saves its
-# kernel on Qwen3-0.6B (6 MB: 4.7 us against 7.9 unfused) and loses on 8B (100 MB: 33.7 against
-# 31.5): there the GEMV is bandwidth-bound, and the prologue, recomputed by every program, costs
-# more than the kernel it saves.
-GATED_MAX_BYTES = 16 << 20
+# Measured on the H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): SiLU * up as a
+# prologue of down_proj (recomputed by every program) saved its kernel on Qwen3-0.6B (4.7 us
+# against 7.9) but lost on 8B (33.7 against 31.5), hence the epilogue on gate_up instead; an
+# RMSNorm prologue won on 0.6B's qkv (5.7 against 6.79) and lost on gate_up (9.6 against 7.84).
 
 
 class Prologue(IntEnum):
     PLAIN = 0  # x as given
-    SILU_MUL = 1  # x[k] = silu(a[k]) * a[K + k] (a: gate_up's output row, [2K])
     RMS_NORM = 2  # x = norm(a (+ residual)) * norm weight
 
 
@@ -57,15 +56,6 @@ def _ld(ptr, mask, EVEN: tl.constexpr):
     if EVEN:
         return tl.load(ptr)
     return tl.load(ptr, mask=mask, other=0.0)
-
-
-@triton.jit
-def _silu_mul(a_ptr, k, mask, K, EVEN: tl.constexpr, dtype: tl.constexpr):
-    """silu(gate) * up as fused_ops.silu_and_mul rounds it: silu to the dtype, then the product."""
-    gate = _ld(a_ptr + k, mask, EVEN).to(tl.float32)
-    up = _ld(a_ptr + K + k, mask, EVEN).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -97,9 +87,7 @@ def _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, first, HAS_RESIDUAL: tl.constexp
 def _input(a_ptr, r_ptr, nw_ptr, k, mask, K, inv, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            EVEN: tl.constexpr, dtype: tl.constexpr):
     """x[k] in fp32, made by the prologue (see Prologue)."""
-    if PROLOGUE == 1:
-        x = _silu_mul(a_ptr, k, mask, K, EVEN, dtype)
-    elif PROLOGUE == 2:
+    if PROLOGUE == 2:
         s = _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL, EVEN, dtype)
         normed = (s * inv).to(dtype).to(tl.float32)
         w = _ld(nw_ptr + k, mask, EVEN).to(tl.float32)
@@ -110,12 +98,37 @@ def _input(a_ptr, r_ptr, nw_ptr, k, mask, K, inv, PROLOGUE: tl.constexpr, HAS_RE
 
 
 @triton.jit
-def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_ptr, out_ptr, N, K, eps,
+def _rows_dot(w_rows, row_mask, x, k, K, scale_ptr, block_row, SCALE: tl.constexpr, EVEN_K: tl.constexpr):
+    """This step's products W[rows, k] * x[k] ([rows, BLOCK_K], fp32); with block scales
+    (SCALE 2) x is first scaled by the rows' block row (`block_row`: they lie in one)."""
+    if EVEN_K:
+        w = tl.load(w_rows + k[None, :], mask=row_mask[:, None], other=0.0)
+    else:
+        w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
+    if SCALE == 2:
+        x = x * tl.load(scale_ptr + block_row * tl.cdiv(K, 128) + k // 128, mask=k < K, other=0.0)
+    return w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
+def _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The rows' sums (* the tensor scale) (+ bias), fp32."""
+    y = tl.sum(acc, axis=1)
+    if SCALE == 1:
+        y = y * tl.load(scale_ptr)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    return y
+
+
+@triton.jit
+def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_ptr, out_ptr, N, K, half, eps,
                       PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, GATED: tl.constexpr, EVEN_K: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_N outputs of out = x @ W^T over all of K; x made by PROLOGUE from a (, residual, norm
-    weight). SCALE 0: none, 1: one fp32 scale, 2: [cdiv(N, 128), cdiv(K, 128)] block scales."""
+    weight). SCALE 0: none, 1: one fp32 scale, 2: [cdiv(N, 128), cdiv(K, 128)] block scales.
+    GATED: rows r (gate) and half + r (up) of W give out[r] = silu(gate) * up (N = half)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,22 +139,21 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
     if PROLOGUE == 2:
         inv = _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, pid == 0, HAS_RESIDUAL, BLOCK_K, dtype)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N if GATED else 1, BLOCK_K], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + offs
-        if EVEN_K:
-            w = tl.load(w_rows + k[None, :], mask=row_mask[:, None], other=0.0)
-        else:
-            w = tl.load(w_rows + k[None, :], mask=row_mask[:, None] & (k < K)[None, :], other=0.0)
         x = _input(a_ptr, r_ptr, nw_ptr, k, k < K, K, inv, PROLOGUE, HAS_RESIDUAL, EVEN_K, dtype)
-        if SCALE == 2:  # the block row of this program's rows (BLOCK_N divides 128)
-            x *= tl.load(scale_ptr + (pid * BLOCK_N // 128) * tl.cdiv(K, 128) + k // 128, mask=k < K, other=0.0)
-        acc += w.to(tl.float32) * x[None, :]
-    y = tl.sum(acc, axis=1)
-    if SCALE == 1:
-        y = y * tl.load(scale_ptr)
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
+        acc += _rows_dot(w_rows, row_mask, x, k, K, scale_ptr, pid * BLOCK_N // 128, SCALE, EVEN_K)
+        if GATED:  # the same rows of up, x loaded once
+            acc_up += _rows_dot(w_ptr + (rows + half).to(tl.int64)[:, None] * K, row_mask, x, k, K, scale_ptr,
+                                (half + pid * BLOCK_N) // 128, SCALE, EVEN_K)
+    y = _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, SCALE, HAS_BIAS)
+    if GATED:  # each rounded to the dtype first, as gate_up's own output would be
+        up = _rows_out(acc_up, half + rows, row_mask, scale_ptr, bias_ptr, SCALE, HAS_BIAS)
+        tl.store(out_ptr + rows, silu_mul_rounded(y.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype),
+                 mask=row_mask)
+    else:
+        tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
 def choose(n: int, k: int, weight_dtype: torch.dtype) -> Tile:
@@ -167,47 +179,50 @@ def _check(x: torch.Tensor, weight: torch.Tensor, k: int) -> None:
         raise ValueError("x has no columns")
 
 
-def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
-               bias: torch.Tensor | None = None, prologue: Prologue = Prologue.PLAIN,
-               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-               eps: float = 1e-6, tile: Tile | None = None):
-    """x [1, K'] @ weight^T [N, K] (* scale) (+ bias [N]): [1, N]. FP8 weights take their fp32
-    scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
-
-    prologue SILU_MUL: x is gate_up's row [1, 2K]. RMS_NORM: x [1, K] (+ residual [1, K]) is
-    normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
-    """
-    k = x.shape[-1] // 2 if prologue == Prologue.SILU_MUL else x.shape[-1]
-    _check(x, weight, k)
-    x = x.contiguous()
+def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None, k: int, tile: Tile, half: int) -> int:
+    """The kernel's SCALE for these operands (0 none, 1 tensor, 2 block), or a ValueError."""
     if (weight.dtype == torch.float8_e4m3fn) != (scale is not None):
         raise ValueError("FP8 weights need their scale (and 16-bit weights take none)")
     blocks = (triton.cdiv(weight.shape[0], 128), triton.cdiv(k, 128))
     if scale is not None and tuple(scale.shape) not in ((1,), blocks):
         raise ValueError(f"scale must be [1] or {list(blocks)} (128 x 128 blocks), got {tuple(scale.shape)}")
+    scaling = 0 if scale is None else 1 if scale.dim() == 1 else 2
+    if scaling == 2 and (128 % tile.block_n or half % 128):
+        raise ValueError(f"block scales need BLOCK_N dividing 128 (got {tile.block_n}) and, with silu_mul, "
+                         f"gate and up on block boundaries (half {half})")
+    return scaling
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
+               bias: torch.Tensor | None = None, silu_mul: bool = False, prologue: Prologue = Prologue.PLAIN,
+               residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+               eps: float = 1e-6, tile: Tile | None = None):
+    """x [1, K] @ weight^T [N, K] (* scale) (+ bias [N]): [1, N]. FP8 weights take their fp32
+    scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
+
+    silu_mul: the weight packs gate and up ([2I, K], gate_up_proj's); the result is silu(gate) *
+    up [1, I] (`tile.block_n`: rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
+    normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
+    """
+    k = x.shape[-1]
+    _check(x, weight, k)
+    x = x.contiguous()
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if silu_mul and (weight.shape[0] % 2 or prologue != Prologue.PLAIN):
+        raise ValueError(f"silu_mul needs gate and up rows ([2I, K], got {tuple(weight.shape)}) and no prologue")
     if prologue == Prologue.RMS_NORM and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"RMS_NORM needs norm_weight [{k}]")
-    n = weight.shape[0]
+    if tile is None:
+        tile = choose(weight.shape[0], k, weight.dtype)
+        tile = tile._replace(block_n=max(1, tile.block_n // 2)) if silu_mul else tile  # the same program count
+    scaling = _check_scale(weight, scale, k, tile, n if silu_mul else 0)
     out = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else None
-    tile = tile or choose(n, k, weight.dtype)
-    scaling = 0 if scale is None else 1 if scale.dim() == 1 else 2
-    if scaling == 2 and 128 % tile.block_n:
-        raise ValueError(f"block scales need BLOCK_N dividing 128, got {tile.block_n}")
     dense_gemv_kernel[(triton.cdiv(n, tile.block_n),)](
         weight, x, residual if residual is not None else x, norm_weight if norm_weight is not None else x,
         res_out if res_out is not None else out, scale if scale is not None else out,
-        bias if bias is not None else out, out, n, k, float(eps),
-        PROLOGUE=int(prologue), HAS_RESIDUAL=residual is not None, SCALE=scaling,
-        HAS_BIAS=bias is not None, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.warps)
+        bias if bias is not None else out, out, n, k, n, float(eps),
+        PROLOGUE=int(prologue), HAS_RESIDUAL=residual is not None, SCALE=scaling, HAS_BIAS=bias is not None,
+        GATED=silu_mul, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k,
+        num_warps=tile.warps)
     return out if res_out is None else (out, res_out)
-
-
-def gated(gate_up: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
-          bias: torch.Tensor | None) -> torch.Tensor:
-    """silu(gate) * up @ weight^T (* scale) (+ bias) for gate_up's one row [1, 2K]: SiLU * up as
-    the prologue, or for a weight over GATED_MAX_BYTES as its own kernel first."""
-    if weight.numel() * weight.element_size() > GATED_MAX_BYTES:
-        return dense_gemv(silu_and_mul(gate_up), weight, scale=scale, bias=bias)
-    return dense_gemv(gate_up, weight, scale=scale, bias=bias, prologue=Prologue.SILU_MUL)

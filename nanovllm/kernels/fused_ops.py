@@ -164,6 +164,15 @@ def rms_norm(
 
 
 @triton.jit
+def silu_mul_rounded(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from fp32 values, in `dtype`, rounded where torch's layers round: silu to
+    the dtype, then the product (also the batch-1 GEMVs' SiLU epilogue, so both paths agree).
+    exp(-gate) overflowing to inf for very negative gate gives gate / inf = -0: correct limit."""
+    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (act * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, x_stride, y_ptr, d, BLOCK: tl.constexpr):
     """y[r, c] = silu(x[r, c]) * x[r, d + c] for one row r and BLOCK columns c.
 
@@ -177,9 +186,7 @@ def _silu_and_mul_kernel(x_ptr, x_stride, y_ptr, d, BLOCK: tl.constexpr):
     dtype = y_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * x_stride + d + cols, mask=mask, other=0.0).to(tl.float32)
-    # exp(-gate) overflowing to inf for very negative gate gives gate / inf = -0: correct limit.
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(y_ptr + row * d + cols, (act * up).to(dtype), mask=mask)
+    tl.store(y_ptr + row * d + cols, silu_mul_rounded(gate, up, dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

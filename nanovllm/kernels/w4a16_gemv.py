@@ -17,6 +17,8 @@ kernel spends ~3.7 (kernels/w4a16.py's earlier GEMV ~6, with scalar loads of wor
 - x read as int32 pairs of bf16: each value's bits moved to the top of an fp32 are that value.
 - Bytes in flight: the next strip's words load before this strip's arithmetic (a register
   prefetch); 16-32 columns a program give each SM a few programs, each running all of K.
+- gate_up's SiLU * up in the epilogue (`silu_mul`): a program's columns are half gate, half the
+  same columns of up, so it writes silu(gate) * up and the separate kernel goes away.
 Measured on the H200 and dropped (BENCHMARKS.md): Triton's cp.async pipelining of the strips,
 8 columns a thread (fewer instructions, fewer programs: slower), split-K, and PDL launches.
 """
@@ -29,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanovllm.kernels.fused_ops import silu_mul_rounded
 from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
 
 
@@ -104,11 +107,36 @@ def _strip(qw_ptr, first, n2, N, n_words, EVEN: tl.constexpr):
 
 
 @triton.jit
-def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, P: tl.constexpr,
-                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+def _columns(half, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """The program's columns: BLOCK_N in a row, or GATED half as many of gate and the same of up
+    (`half` columns further), each half in runs of 4 (a thread's vector)."""
+    j = tl.arange(0, BLOCK_N)
+    if GATED:
+        return tl.program_id(0) * (BLOCK_N // 2) + j % (BLOCK_N // 2) + (j // (BLOCK_N // 2)) * half
+    return tl.program_id(0) * BLOCK_N + j
+
+
+@triton.jit
+def _store(out_ptr, y, half, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+    """The column sums y [BLOCK_N] to out, or GATED silu(gate) * up (each first rounded to out's
+    dtype, as gate_up's own output would be) to out[program's gate columns]."""
+    dtype = out_ptr.dtype.element_ty
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2)), (1, 0)))
+        offs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + offs, silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype),
+                 mask=offs < half)
+    else:
+        offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + offs, y.to(dtype), mask=offs < half)
+
+
+@triton.jit
+def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, half, GROUP: tl.constexpr, P: tl.constexpr,
+                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, ASM: tl.constexpr):
     n_words = K // 8
     p2 = tl.arange(0, P)[:, None]
-    n2 = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    n2 = _columns(half, BLOCK_N, GATED)[None, :]
     acc = tl.zeros((P, BLOCK_N), dtype=tl.float32)
     w0_, w1_, w2_, w3_ = _strip(qw_ptr, p2 * 4, n2, N, n_words, EVEN)
     for w0 in range(0, n_words, 4 * P):
@@ -126,21 +154,30 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr
         z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
         acc += (part - (z + 128.0) * xsum) * s
         w0_, w1_, w2_, w3_ = next0, next1, next2, next3
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + offs_n, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=offs_n < N)
+    _store(out_ptr, tl.sum(acc, axis=0), half, BLOCK_N, GATED)
+
+
+def gated_fits(n: int, cfg: Strips) -> bool:
+    """Whether gemv(silu_mul=True) takes N packed gate + up columns in cfg's strips: whole runs of
+    4 columns of each half in every program (the halves' vectors stay 16-byte loads)."""
+    return n % 2 == 0 and cfg.block_n % 8 == 0 and (n // 2) % (cfg.block_n // 2) == 0
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-         cfg: Strips) -> torch.Tensor:
+         cfg: Strips, silu_mul: bool = False) -> torch.Tensor:
     """x [1, K] (bf16) @ the unpacked weight -> [1, N] in x's dtype (K and the group, as the
-    kernel layout holds it: K for one group per column, in whole strips of 32 K-rows: can_run)."""
+    kernel layout holds it: K for one group per column, in whole strips of 32 K-rows: can_run).
+    silu_mul: N packs gate and up (gate_up_proj's); the result is silu(gate) * up [1, N / 2]."""
     k, n = x.shape[1], qweight.shape[1]
+    if silu_mul and not gated_fits(n, cfg):
+        raise ValueError(f"silu_mul: {n} columns do not split into gate and up runs of {cfg.block_n // 2}")
     if x.storage_offset() % 2:  # (read as int32 pairs: a view starting mid-pair gets a copy)
         x = x.clone()
     p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    half = n // 2 if silu_mul else n
+    out = torch.empty(1, half, dtype=x.dtype, device=x.device)
     even = n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0
-    gemv_kernel[(triton.cdiv(n, cfg.block_n),)](x.view(torch.int32), qweight, scales, zeros, out, n, k,
+    gemv_kernel[(triton.cdiv(n, cfg.block_n),)](x.view(torch.int32), qweight, scales, zeros, out, n, k, half,
                                                 GROUP=group_size, P=p, BLOCK_N=cfg.block_n, EVEN=even,
-                                                ASM=not INTERPRETED, num_warps=cfg.warps)
+                                                GATED=silu_mul, ASM=not INTERPRETED, num_warps=cfg.warps)
     return out

@@ -146,8 +146,14 @@ class BlockFp8Linear:
         layer.weight.data.copy_(w_q)
         layer.weight_scale_inv.data.copy_(scale_inv)
 
-    def gemv_operands(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.weight, layer.weight_scale_inv
+    def apply_silu_mul(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """gate_up's silu(gate) * up at one row from the GEMV's epilogue (LinearBase.silu_mul),
+        when gate and up start on block rows; None otherwise."""
+        if not one_row(x) or (layer.weight.shape[0] // 2) % BLOCK:
+            return None
+        from nanovllm.kernels.dense_gemv import dense_gemv
+
+        return dense_gemv(x, layer.weight, scale=layer.weight_scale_inv, bias=bias, silu_mul=True)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if one_row(x):  # batch 1: as TensorFp8Linear's, the block scales multiplying x in the GEMV
@@ -171,8 +177,13 @@ class TensorFp8Linear:
         layer.weight = nn.Parameter(w_q, requires_grad=False)
         layer.register_buffer("weight_scale", scale.reshape(1).to(torch.float32))
 
-    def gemv_operands(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
-        return layer.weight, layer.weight_scale
+    def apply_silu_mul(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """gate_up's silu(gate) * up at one row from the GEMV's epilogue (LinearBase.silu_mul)."""
+        if not one_row(x):
+            return None
+        from nanovllm.kernels.dense_gemv import dense_gemv
+
+        return dense_gemv(x, layer.weight, scale=layer.weight_scale, bias=bias, silu_mul=True)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if one_row(x):

@@ -21,7 +21,9 @@ from nanovllm.features.quantization.int4_formats import dequantize
 from nanovllm.features.quantization.int4_loading import CONVERTERS, fill_dummy, load_part, tensor_specs
 from nanovllm.features.quantization.int4_moe import Int4Experts
 from nanovllm.features.quantization.model_steps import SchemeSteps
-from nanovllm.kernels.w4a16 import can_run, w4a16_matmul
+from nanovllm.kernels import one_row
+from nanovllm.kernels.w4a16 import Strips, can_run, choose, w4a16_matmul
+from nanovllm.kernels.w4a16_gemv import gated_fits, gemv
 
 
 def _ignored(qc: dict, *keys: str) -> tuple[str, ...]:
@@ -202,6 +204,18 @@ class Int4Linear:
         layer.int4 = w = CONVERTERS[self.config.format](loaded, self.config, layer.int4_dtype)
         if w.qweight.is_cuda:
             self.config.workspace.reserve(w.qweight.numel() * 8, layer.int4_dtype, w.qweight.device)
+
+    def apply_silu_mul(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """gate_up's silu(gate) * up for one bf16 row from the batch-1 GEMV's epilogue
+        (LinearBase.silu_mul; kernels/w4a16_gemv.py); None where that GEMV does not run."""
+        w = layer.int4
+        k, n = w.qweight.shape[0] * 8, w.qweight.shape[1]
+        cfg = choose(1, n, k, x.dtype) if one_row(x) and bias is None and can_run(k, w.group_size) else None
+        if not isinstance(cfg, Strips) or not gated_fits(n, cfg):
+            return None
+        if w.perm is not None:
+            x = x.index_select(-1, w.perm)
+        return gemv(x, w.qweight, w.scales, w.zeros, w.group_size, cfg, silu_mul=True)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.int4

@@ -74,15 +74,15 @@ class LinearBase(nn.Module):
             return dense_gemv(x, self.weight, bias=bias)
         return F.linear(x, self.weight, bias)
 
-    def gated_matmul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of gate_up_proj's output through this layer; one row in one kernel where
-        that pays (dense_gemv.gated; `gemv_operands`: the weight a quantization method lends it)."""
-        w = (self.weight, None) if self.quant is None else getattr(self.quant, "gemv_operands", lambda _: None)(self)
-        if w is not None and self.tp_size == 1 and one_row(gate_up):
-            from nanovllm.kernels.dense_gemv import gated
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of gate_up's packed output; one row from the GEMV's epilogue (or `apply_silu_mul`'s)."""
+        out = None
+        if one_row(x):
+            from nanovllm.kernels.dense_gemv import dense_gemv
 
-            return gated(gate_up, *w, self.bias)
-        return self(silu_and_mul(gate_up))
+            out = (dense_gemv(x, self.weight, bias=self.bias, silu_mul=True) if self.quant is None
+                   else getattr(self.quant, "apply_silu_mul", lambda *_: None)(self, x, self.bias))
+        return out if out is not None else silu_and_mul(self(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
