@@ -1,8 +1,15 @@
 import os
 import random
+import signal
 
 import pytest
 import torch
+
+# A shell starting the suite as a background job without job control (`cmd &` in a script)
+# hands it SIGINT ignored, and Python then keeps it so: every Ctrl-C test would see nothing.
+# Those tests are about Python's own Ctrl-C (KeyboardInterrupt), so that is what they get.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Without a GPU the Triton kernels run through Triton's interpreter. It must be switched on
 # before any kernel module is imported, which is why it lives here and not in the tests.
