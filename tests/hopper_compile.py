@@ -100,6 +100,16 @@ def _paged_decode(cache_dtype, num_splits):
     paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.088, num_splits, k_scale=scales[0], v_scale=scales[1])
 
 
+def _paged_prefill(cache_dtype):
+    from nanovllm.kernels.paged_prefill import paged_prefill_attention
+
+    caches = [torch.zeros(8, 256, 8, 128).to(cache_dtype) for _ in range(2)]
+    scales = dict(k_scale=torch.ones(1), v_scale=torch.ones(1)) if cache_dtype == FP8 else {}
+    paged_prefill_attention(torch.randn(40, 32, 128).to(BF16), *caches, torch.zeros(2, 4, dtype=torch.int32),
+                            torch.tensor([0, 30, 40], dtype=torch.int32), torch.tensor([300, 10], dtype=torch.int32),
+                            30, 0.088, **scales)
+
+
 def _store(cache_dtype):
     from nanovllm.kernels.kv_store import store_kvcache
 
@@ -254,6 +264,8 @@ SCENARIOS = {
     "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
     # INT4 weights: the GEMV (decode), split-K tiles with atomic fp32 sums (group 32), the
     # dequantizing kernel of large batches.
+    "paged_prefill_bf16": lambda: _paged_prefill(BF16),
+    "paged_prefill_fp8": lambda: _paged_prefill(FP8),
     "w4a16_decode": lambda: _w4a16(1, 128),
     "w4a16_decode_silu": lambda: _w4a16(1, 128, silu_mul=True),
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),

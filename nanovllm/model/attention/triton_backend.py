@@ -1,6 +1,7 @@
 """The attention backend of CUDA without flash-attn: PyTorch's bundled FlashAttention-2 varlen
-kernel for prefill, our Triton split-KV kernel (kernels/paged_decode.py) for decode, the Triton
-store kernel (kernels/kv_store.py) for the paged cache; FP8 caches included."""
+kernel for prefill (on an FP8 cache with cached tokens, our paged prefill kernel,
+kernels/paged_prefill.py), our Triton split-KV kernel (kernels/paged_decode.py) for decode, the
+Triton store kernel (kernels/kv_store.py) for the paged cache."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ import torch
 
 from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.kernels.paged_decode import paged_decode_attention
+from nanovllm.kernels.paged_prefill import paged_prefill_attention
 from nanovllm.model.attention.metadata import AttentionMetadata
-from nanovllm.model.attention.fp8_cache import dequantize_kv, fp8_kv, round_trip_kv
+from nanovllm.model.attention.fp8_cache import fp8_kv, round_trip_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
 
 
@@ -86,19 +88,21 @@ class TritonBackend:
                 k, v = round_trip_kv(k, k_scale, q.dtype), round_trip_kv(v, v_scale, q.dtype)
             return self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                meta.max_seqlen_k, scale)
+        if fp8:  # cached prefix + new tokens, the FP8 cache read in place (no dequantized copies)
+            return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                           meta.context_lens, meta.max_seqlen_q, scale, k_scale, v_scale)
         # Cached prefix + new tokens: aten's kernel has no block table, so read each context back
         # from the paged cache (the new tokens were stored there a moment ago) as contiguous
         # varlen K/V. Prefix hits make contexts much longer than the step's token budget (say
         # 512 requests behind one 4k-token system prompt), so gather a bounded group at a time.
-        # An FP8 cache is dequantized group by group (a transient fp32 copy of the group).
         out = torch.empty_like(q)
         cu_q_host = [0, *itertools.accumulate(meta.query_lens)]
         for a, b in groups_of_at_most(meta.kv_lens, self.GATHER_TOKENS):
             cu_q = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a]
             cu_k = meta.cu_seqlens_k[a:b + 1] - meta.cu_seqlens_k[a]
             total = sum(meta.kv_lens[a:b])
-            kk = dequantize_kv(gather_kv_varlen(k_cache, meta.block_tables[a:b], cu_k, total), k_scale, q.dtype)
-            vv = dequantize_kv(gather_kv_varlen(v_cache, meta.block_tables[a:b], cu_k, total), v_scale, q.dtype)
+            kk = gather_kv_varlen(k_cache, meta.block_tables[a:b], cu_k, total)
+            vv = gather_kv_varlen(v_cache, meta.block_tables[a:b], cu_k, total)
             rows = slice(cu_q_host[a], cu_q_host[b])
             out[rows] = self._flash(q[rows], kk, vv, cu_q, cu_k, max(meta.query_lens[a:b]), max(meta.kv_lens[a:b]),
                                     scale)
