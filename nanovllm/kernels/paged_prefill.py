@@ -104,7 +104,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q = q.contiguous()
     out = torch.empty_like(q)
     seqs = cu_seqlens_q.numel() - 1
-    if seqs <= 0 or q.shape[0] == 0:
+    if seqs <= 0 or q.shape[0] == 0 or max_seqlen_q <= 0:
         return out
     heads, head_dim = q.shape[1], q.shape[2]
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
