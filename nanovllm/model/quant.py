@@ -12,10 +12,10 @@ module's weights (features/quantization/model_steps.py runs these steps for ever
     after_loading convert what was loaded (e.g. quantize 16-bit weights at load time)
     apply         the module's product with the stored weights (linear: x @ W^T (+ bias);
                   MoE experts: features/moe.py's ExpertsMethod)
+    apply_silu_mul  optional (linear): gate_up's silu(gate) * up from one kernel, None if it cannot
 
-Quantizable modules name their kind in `quant_kind` ("linear", "experts"; None keeps a module,
-such as an MoE router, 16-bit under every scheme) and hold their method in `quant` (None:
-16-bit). A wrapper (LoRA) can stand in for a method by delegating to it.
+Quantizable modules name their kind in `quant_kind` ("linear", "experts"; None keeps a module, such
+as an MoE router, 16-bit) and hold their method in `quant` (None: 16-bit); a wrapper (LoRA) may stand in.
 """
 
 from __future__ import annotations
