@@ -213,9 +213,13 @@ def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
     from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 
     silu_mul = prologue == "SILU_MUL"  # the epilogue of gate_up's [2I, K] weight
-    p = Prologue.PLAIN if silu_mul else Prologue[prologue]
+    p = Prologue.PLAIN if prologue in ("SILU_MUL", "ADD_RESIDUAL") else Prologue[prologue]
     scale = (torch.ones(-(-n // 128), -(-k // 128)) if block else torch.ones(1)) if weight_dtype == FP8 else None
     extra = dict(residual=torch.randn(1, k).to(BF16), norm_weight=torch.ones(k).to(BF16)) if p == Prologue.RMS_NORM else {}
+    if p == Prologue.NORM_PARTS:
+        extra = dict(norm_weight=torch.ones(k).to(BF16), norm_parts=torch.ones(256))
+    if prologue == "ADD_RESIDUAL":
+        extra = dict(add_residual=torch.randn(1, n).to(BF16))
     dense_gemv(torch.randn(1, k).to(BF16), torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p,
                silu_mul=silu_mul, **extra)
 
@@ -278,6 +282,8 @@ SCENARIOS = {
     "dense_gemv_bf16": lambda: _dense_gemv(BF16, "PLAIN"),
     "dense_gemv_bf16_norm": lambda: _dense_gemv(BF16, "RMS_NORM"),
     "dense_gemv_bf16_silu": lambda: _dense_gemv(BF16, "SILU_MUL", n=6144),
+    "dense_gemv_bf16_add_residual": lambda: _dense_gemv(BF16, "ADD_RESIDUAL", k=2048, n=1024),
+    "dense_gemv_fp8_norm_parts": lambda: _dense_gemv(FP8, "NORM_PARTS", n=6144),
     "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144),
     "dense_gemv_fp8_norm_odd_k": lambda: _dense_gemv(FP8, "RMS_NORM", k=1000, n=300),
     "dense_gemv_fp8_block_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144, block=True),

@@ -136,6 +136,32 @@ def test_norm_prologue_equals_the_separate_kernel(n, k, tile, residual):
     close(out, normed.float() @ w32.t())
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n, k, tile", SHAPES)
+def test_residual_epilogue_and_a_norm_from_its_parts(n, k, tile, fp8):
+    """A GEMV adding the residual to its output (o_proj / down_proj's place) and writing each
+    program's sum of squares of that; the next GEMV norming it from those parts (NORM_PARTS).
+    The new residual equals the plain GEMV's output + r bit for bit (one rounded add, as torch);
+    the parts add up to its sum of squares (fp32 order: 1e-5); the product is within one ulp of
+    the GEMV over the norm made in torch from the same parts (their total rounded the same way
+    or one fp32 ulp apart: at most an input rounding flips, far below an output ulp)."""
+    gen = torch.Generator().manual_seed(11 * n + k + fp8)
+    w, scale, _ = weights(n, k, fp8, gen)
+    x = torch.randn(1, k, generator=gen).to(DTYPE).to(DEVICE)
+    r = torch.randn(1, n, generator=gen).to(DTYPE).to(DEVICE)
+    s, parts = dense_gemv(x, w, scale=scale, add_residual=r, tile=tile)
+    plain = dense_gemv(x, w, scale=scale, tile=tile)
+    assert torch.equal(s, (plain.float() + r.float()).to(DTYPE))
+    total = (s.float() ** 2).sum()
+    assert parts.dtype == torch.float32 and abs(parts.sum() - total) <= 1e-5 * total
+    w2, scale2, w2_32 = weights(24, n, fp8, gen)
+    nw = (torch.rand(n, generator=gen) + 0.5).to(DTYPE)
+    out = dense_gemv(s, w2, scale=scale2, prologue=Prologue.NORM_PARTS, norm_weight=nw.to(DEVICE), norm_parts=parts)
+    inv = torch.rsqrt(parts.sum().cpu() / n + EPS)
+    normed = (s.cpu().float() * inv).to(DTYPE) * nw  # fused_ops' two roundings
+    close(out, normed.float() @ w2_32.t())
+
+
 @pytest.mark.skipif(CUDA, reason="the interpreter's per-row sums do not depend on the tile; the GPU's may")
 @pytest.mark.parametrize("method", [None, "fp8-tensor"])
 def test_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, method):
@@ -177,6 +203,10 @@ def test_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, method):
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE),
                         prologue=Prologue.RMS_NORM), "norm_weight"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(5, 8, dtype=DTYPE), silu_mul=True), "gate and up"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE), prologue=Prologue.NORM_PARTS,
+                        norm_weight=torch.ones(8, dtype=DTYPE)), "norm_parts"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE),
+                        add_residual=torch.zeros(1, 5, dtype=DTYPE)), r"\[1, 4\]"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=FP8), scale=torch.ones(1, 1),
                         silu_mul=True), "block boundaries"),
 ])

@@ -4,8 +4,9 @@ Without CUDA it runs in Triton's interpreter: fp32 with IEEE dots (the same prod
 as the reference in another order: within 1e-5), and fp16 with 16-bit dots and the output
 rounded once (2^-10 relative, plus the probabilities rounded to fp16 before the PV dot: within
 2e-3). FP8 caches: the kernel and the reference both read stored * scale rounded to q's dtype.
-Random inputs each run (the seed is printed).
-"""
+Not bf16 here: the interpreter's tl.dot on bf16 operands returns garbage (Triton 3.9, numpy has
+no bf16); fp16 runs the same code, and the GPU tests run bf16. Random inputs each run (the seed
+is printed)."""
 
 from __future__ import annotations
 
@@ -51,13 +52,15 @@ def run(case: str, dtype, fp8: bool, seed: int, block_size: int = 16, heads=(4, 
 
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_paged_prefill_equals_attention_over_the_cache(case, dtype, fp8, fresh_seed):
     if dtype == torch.float32 and CUDA:
         pytest.skip("fp32 q is the CPU path's (the GPU's dots would run in TF32)")
+    if dtype == torch.bfloat16 and not CUDA:
+        pytest.skip("the interpreter's bf16 dots are wrong (module docstring)")
     out, ref = run(case, dtype, fp8, fresh_seed % 10_000)
     assert out.dtype == dtype and torch.isfinite(out).all()
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}[dtype]  # bf16: 2^-8 roundings
     torch.testing.assert_close(out.float().cpu(), ref.cpu(), rtol=tol, atol=tol)
 
 

@@ -9,7 +9,10 @@ Per GEMM, microseconds of:
   the norm as its prologue (qkv, gate_up); the GEMV then SiLU * up | the GEMV writing SiLU * up
   from its epilogue (gate_up);
 - FP8 (one scale per tensor): the engine's path (activation amax + cast, torch._scaled_mm) | the
-  GEMV (weights converted in registers, no activation quantization) | the same folds.
+  GEMV (weights converted in registers, no activation quantization) | the same folds;
+- chains o -> norm -> gate_up and down -> norm -> qkv: 3 kernels (GEMV, residual add + RMSNorm,
+  GEMV) against 2 (the first GEMV adding the residual and writing its sums of squares, the second
+  norming from them: Prologue.NORM_PARTS).
 Each GEMV output is first checked against fp32 arithmetic (max |out - ref| / max |ref| > 1e-2:
 WRONG). --sweep times a few tiles per GEMM and keeps the best. Writes $OUT/dense_gemv.json.
 """
@@ -109,6 +112,35 @@ def row(model: str, name: str, n: int, k: int, folds: tuple, sweep: bool, gen) -
     return res
 
 
+def chain(model: str, producer: str, consumer: str, gen) -> dict:
+    """The producer's GEMV, the residual add + RMSNorm, the consumer's GEMV (3 kernels) against the
+    producer adding the residual and writing its sums of squares, the consumer norming from those
+    (NORM_PARTS, 2 kernels): microseconds of each chain, bf16 and FP8 (per-tensor) weights."""
+    (n1, k1, _), (n2, k2, _) = GEMMS[model][producer], GEMMS[model][consumer]
+    dev, res = "cuda", {"model": model, "chain": f"{producer} -> norm -> {consumer}"}
+    x = torch.randn(1, k1, generator=gen, device=dev).to(torch.bfloat16)
+    r = torch.randn(1, n1, generator=gen, device=dev).to(torch.bfloat16)
+    nw = (torch.rand(k2, generator=gen, device=dev) + 0.5).to(torch.bfloat16)
+    for kind in ("bf16", "fp8"):
+        make = lambda n, k: (torch.randn(n, k, generator=gen, device=dev) * 0.02).to(torch.bfloat16)  # noqa: E731
+        if kind == "fp8":
+            make = lambda n, k, m=make: quantize_weight_per_tensor_fp8(m(n, k))[0]  # noqa: E731
+        _, p_next = rotating(lambda: make(n1, k1), n1 * k1 * 2)
+        _, c_next = rotating(lambda: make(n2, k2), n2 * k2 * 2)
+        f8 = {"scale": torch.ones(1, device=dev)} if kind == "fp8" else {}
+
+        def unfused():
+            h, _ = rms_norm(dense_gemv(x, p_next(), **f8), nw, 1e-6, r)
+            return dense_gemv(h, c_next(), **f8)
+
+        def fused():
+            s, parts = dense_gemv(x, p_next(), add_residual=r, **f8)
+            return dense_gemv(s, c_next(), prologue=Prologue.NORM_PARTS, norm_weight=nw, norm_parts=parts, **f8)
+        res[f"{kind}_unfused_us"] = round(cuda_graph_us(unfused, median=True), 2)
+        res[f"{kind}_fused_us"] = round(cuda_graph_us(fused, median=True), 2)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sweep", action="store_true")
@@ -124,9 +156,13 @@ def main() -> None:
         best = f"  bf16 {r.get('bf16_best')} fp8 {r.get('fp8_best')}" if "bf16_best" in r else ""
         print(f"{r['model'] + ' ' + r['gemm']:<12}" + "".join(f"{r.get(c, '-'):>16}" for c in cols)
               + f"  {'ok' if r['rel_err'] < 1e-2 else 'WRONG'}{best}")
+    chains = [chain(model, p, c, gen) for model in GEMMS for p, c in (("o", "gate_up"), ("down", "qkv"))]
+    for c in chains:
+        print(f"{c['model']} {c['chain']:<22} bf16 {c['bf16_unfused_us']} -> {c['bf16_fused_us']} us, "
+              f"fp8 {c['fp8_unfused_us']} -> {c['fp8_fused_us']} us")
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "dense_gemv.json"), "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump({"gemms": rows, "norm_chains": chains}, f, indent=1)
 
 
 if __name__ == "__main__":
