@@ -2,9 +2,9 @@
 # What the 2026-12-05 session built without a GPU, checked on one in one device call (~6 min):
 # the GPU tests of the code it touched, then the kernel benches that decide its open choices
 # (SiLU from gate_up's GEMV epilogue; the norm between two GEMVs from sums of squares; INT4
-# dequant in L2-sized chunks; the FP8 paged prefill
-# against gather + FlashAttention-2). Logs and JSON under $OUT; a summary last. The engine A/B
-# of the epilogue is scripts/gpu_batch1.sh (AB_BASE: a git archive of fb1234b).
+# dequant in L2-sized chunks; the FP8 paged prefill against gather + FlashAttention-2). Logs and
+# JSON under $OUT; a summary last. The engine A/B of the epilogue is scripts/gpu_batch1.sh
+# (AB_BASE: a git archive of fb1234b).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEST=${OUT:-/tmp/gpu_pending}
