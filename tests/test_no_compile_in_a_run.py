@@ -47,12 +47,14 @@ def options(i: int) -> SamplingParams:
 
 
 @pytest.mark.gpu
-def test_a_run_after_start_up_compiles_no_triton_kernel():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: prefix hits run the paged prefill kernel
+def test_a_run_after_start_up_compiles_no_triton_kernel(kv_cache_dtype):
     sys.path.insert(0, ROOT)
     import bench
 
     llm = LLM(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-0.6b"]), load_format="dummy", skip_tokenizer_init=True,
-              max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, mixed_steps=True)
+              max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, mixed_steps=True,
+              kv_cache_dtype=kv_cache_dtype)
     try:
         kernels = triton_kernels()
         before = compiled(kernels)

@@ -18,11 +18,13 @@ logger = logging.getLogger(__name__)
 
 
 def capture_graphs(runner, forward_strategy) -> None:
-    """TritonSampler.warm_up's compiles; then, without enforce_eager, the decode graphs and the
-    forward strategy's (prefill graphs) of `runner` (a ModelRunner with its KV cache). The torch
-    backend loops on the host: nothing to replay."""
+    """TritonSampler.warm_up's and the attention backend's compiles; then, without enforce_eager,
+    the decode graphs and the forward strategy's (prefill graphs) of `runner` (a ModelRunner with
+    its KV cache). The torch backend loops on the host: nothing to replay."""
     config = runner.config
     runner.sampler.sampler.warm_up(config.hf_config.vocab_size, {config.dtype, torch.float32}, runner.device)
+    if hasattr(runner.backend, "warm_up"):  # kernels only some steps launch (TritonBackend.warm_up)
+        runner.backend.warm_up(runner.model, config.dtype)
     if config.enforce_eager or runner.backend.name == "torch":
         return
     reserved = torch.cuda.memory_reserved(runner.device)

@@ -72,6 +72,23 @@ class TritonBackend:
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None):
         store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
+    @staticmethod
+    def warm_up(model, dtype: torch.dtype) -> None:
+        """At start-up, compile the paged prefill of an FP8 cache (else the first prefix hit
+        compiles it inside a step): one launch per block-table width Triton tells apart (1, a
+        multiple of 16, another), on fresh aligned tensors as the steps' are."""
+        layer = next((m for m in model.modules() if isinstance(getattr(m, "k_cache", None), torch.Tensor)
+                      and m.k_cache.dtype == torch.float8_e4m3fn), None)
+        if layer is None:
+            return
+        dev = layer.k_cache.device
+        q = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=dtype, device=dev)
+        cu, ctx = torch.tensor([0, 1], dtype=torch.int32, device=dev), torch.ones(1, dtype=torch.int32, device=dev)
+        for width in (1, 16, 3):
+            table = torch.zeros(1, width, dtype=torch.int32, device=dev)
+            paged_prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, ctx, 1, layer.scale, layer.k_scale,
+                                    layer.v_scale)
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale=None, v_scale=None) -> torch.Tensor:
         if not meta.is_prefill:
