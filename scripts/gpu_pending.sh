@@ -11,8 +11,9 @@ DEST=${OUT:-/tmp/gpu_pending}
 mkdir -p "$DEST"
 export PYTHONUNBUFFERED=1 OUT="$DEST"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader
-PYTHONPATH=. timeout 240 python3 -m pytest -q -m gpu tests/test_dense_gemv.py tests/test_int4.py \
-  tests/test_paged_prefill.py tests/test_attention.py tests/test_fused_ops.py > "$DEST/tests.log" 2>&1
+PYTHONPATH=. timeout 300 python3 -m pytest -q -m gpu tests/test_dense_gemv.py tests/test_int4.py \
+  tests/test_paged_prefill.py tests/test_attention.py tests/test_fused_ops.py \
+  tests/test_no_compile_in_a_run.py > "$DEST/tests.log" 2>&1
 export PYTHONPATH=.:benchmarks/kernels
 timeout 90 python3 benchmarks/kernels/bench_paged_prefill.py > "$DEST/paged_prefill.log" 2>&1
 timeout 120 python3 benchmarks/kernels/bench_w4a16_chunks.py > "$DEST/w4a16_chunks.log" 2>&1
