@@ -212,7 +212,8 @@ def _w4a16(m, group_size, dtype=BF16, config=None, silu_mul=False):
 def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
     from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 
-    silu_mul = prologue == "SILU_MUL"  # the epilogue of gate_up's [2I, K] weight
+    silu_mul = prologue.endswith("SILU_MUL")  # the epilogue of gate_up's [2I, K] weight
+    prologue = prologue.removesuffix("+SILU_MUL")
     p = Prologue.PLAIN if prologue in ("SILU_MUL", "ADD_RESIDUAL") else Prologue[prologue]
     scale = (torch.ones(-(-n // 128), -(-k // 128)) if block else torch.ones(1)) if weight_dtype == FP8 else None
     extra = dict(residual=torch.randn(1, k).to(BF16), norm_weight=torch.ones(k).to(BF16)) if p == Prologue.RMS_NORM else {}
@@ -284,6 +285,7 @@ SCENARIOS = {
     "dense_gemv_bf16_silu": lambda: _dense_gemv(BF16, "SILU_MUL", n=6144),
     "dense_gemv_bf16_add_residual": lambda: _dense_gemv(BF16, "ADD_RESIDUAL", k=2048, n=1024),
     "dense_gemv_fp8_norm_parts": lambda: _dense_gemv(FP8, "NORM_PARTS", n=6144),
+    "dense_gemv_bf16_norm_parts_silu": lambda: _dense_gemv(BF16, "NORM_PARTS+SILU_MUL", n=6144),
     "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144),
     "dense_gemv_fp8_norm_odd_k": lambda: _dense_gemv(FP8, "RMS_NORM", k=1000, n=300),
     "dense_gemv_fp8_block_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144, block=True),

@@ -160,6 +160,15 @@ def test_residual_epilogue_and_a_norm_from_its_parts(n, k, tile, fp8):
     inv = torch.rsqrt(parts.sum().cpu() / n + EPS)
     normed = (s.cpu().float() * inv).to(DTYPE) * nw  # fused_ops' two roundings
     close(out, normed.float() @ w2_32.t())
+    # gate_up's place: the norm from the parts with SiLU * up from the epilogue, bit for bit the
+    # same GEMV's [1, 2I] output through fused_ops.silu_and_mul (the same kernel-made norm).
+    from nanovllm.kernels.fused_ops import silu_and_mul
+
+    w3, scale3, _ = weights(2 * 12, n, fp8, gen)
+    folds = dict(scale=scale3, prologue=Prologue.NORM_PARTS, norm_weight=nw.to(DEVICE), norm_parts=parts,
+                 tile=Tile(4, 32, 4))
+    gated = dense_gemv(s, w3, silu_mul=True, **folds)
+    assert gated.shape == (1, 12) and torch.equal(gated, silu_and_mul(dense_gemv(s, w3, **folds)))
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's per-row sums do not depend on the tile; the GPU's may")
@@ -203,6 +212,8 @@ def test_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, method):
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE),
                         prologue=Prologue.RMS_NORM), "norm_weight"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(5, 8, dtype=DTYPE), silu_mul=True), "gate and up"),
+    (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE), silu_mul=True,
+                        prologue=Prologue.RMS_NORM, norm_weight=torch.ones(8, dtype=DTYPE)), "no RMS_NORM"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE), prologue=Prologue.NORM_PARTS,
                         norm_weight=torch.ones(8, dtype=DTYPE)), "norm_parts"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=DTYPE),

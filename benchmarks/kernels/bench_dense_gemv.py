@@ -129,13 +129,16 @@ def chain(model: str, producer: str, consumer: str, gen) -> dict:
         _, c_next = rotating(lambda: make(n2, k2), n2 * k2 * 2)
         f8 = {"scale": torch.ones(1, device=dev)} if kind == "fp8" else {}
 
+        gated = {"silu_mul": consumer == "gate_up"}  # as the engine runs gate_up: SiLU * up from its epilogue
+
         def unfused():
             h, _ = rms_norm(dense_gemv(x, p_next(), **f8), nw, 1e-6, r)
-            return dense_gemv(h, c_next(), **f8)
+            return dense_gemv(h, c_next(), **f8, **gated)
 
         def fused():
             s, parts = dense_gemv(x, p_next(), add_residual=r, **f8)
-            return dense_gemv(s, c_next(), prologue=Prologue.NORM_PARTS, norm_weight=nw, norm_parts=parts, **f8)
+            return dense_gemv(s, c_next(), prologue=Prologue.NORM_PARTS, norm_weight=nw, norm_parts=parts, **f8,
+                              **gated)
         res[f"{kind}_unfused_us"] = round(cuda_graph_us(unfused, median=True), 2)
         res[f"{kind}_fused_us"] = round(cuda_graph_us(fused, median=True), 2)
     return res

@@ -20,7 +20,7 @@ amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
   or the norm's sum of squares made once, by the GEMV before adding the residual to its output
   (`add_residual`: each program writes its rows' share) and read by `Prologue.NORM_PARTS`: one
   kernel fewer than GEMV + add_rms_norm + GEMV, not wired in until bench_dense_gemv.py's chains
-  time it on the H200.
+  time it on the H200. NORM_PARTS combines with `silu_mul` (gate_up normed and gated).
 - Each program owns BLOCK_N rows of W and runs all of K: no split-K, no atomics, no zeroing.
   A thread's loads are 16 bytes along K; the [BLOCK_N, BLOCK_K] products accumulate in fp32
   registers and are summed across the tile once at the end.
@@ -227,9 +227,9 @@ def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None, k: int, tile:
 def _check_folds(k: int, n: int, weight: torch.Tensor, silu_mul: bool, prologue: Prologue, norm_weight,
                  add_residual, norm_parts) -> None:
     """ValueErrors for folds that do not fit these operands or one another."""
-    if silu_mul and (weight.shape[0] % 2 or prologue != Prologue.PLAIN or add_residual is not None):
-        raise ValueError(f"silu_mul needs gate and up rows ([2I, K], got {tuple(weight.shape)}), no prologue, "
-                         f"no add_residual")
+    if silu_mul and (weight.shape[0] % 2 or prologue == Prologue.RMS_NORM or add_residual is not None):
+        raise ValueError(f"silu_mul needs gate and up rows ([2I, K], got {tuple(weight.shape)}), no RMS_NORM "
+                         f"prologue, no add_residual")
     if prologue >= Prologue.RMS_NORM and (norm_weight is None or norm_weight.shape != (k,)):
         raise ValueError(f"{prologue.name} needs norm_weight [{k}]")
     if (prologue == Prologue.NORM_PARTS) != (norm_parts is not None) or (
