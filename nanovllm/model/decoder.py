@@ -25,9 +25,11 @@ if TYPE_CHECKING:
     from nanovllm.model.rope_scaling import Llama3RopeScaling
 
 # Filled by nanovllm/wiring/ at import; each loads its module at first use: Llama 3's RoPE
-# scaling (model/rope_scaling.py), the fused q/k norm + RoPE kernel's path (fused_qk_norm_rope.py).
+# scaling (model/rope_scaling.py), the fused q/k norm + RoPE kernel's path (fused_qk_norm_rope.py),
+# the batch-1 forward (norm_chain.py).
 LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None
 FUSED_QK_NORM_ROPE: Callable[[], ModuleType] | None = None
+NORM_CHAIN: Callable[[], ModuleType] | None = None  # one row's norms folded into its GEMVs (norm_chain.py)
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,10 @@ class DecoderAttention(nn.Module):
         self.use_kernels: bool | None = None
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(positions, self.qkv_proj(hidden), meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention output [tokens, heads x head_dim] from the packed qkv projection (o_proj's input)."""
         stored = False
         if self.fused_rope and (qkv.is_cuda if self.use_kernels is None else self.use_kernels):
             q, k, v, stored = FUSED_QK_NORM_ROPE().qkv_heads(self, qkv, positions, meta)
@@ -168,7 +173,7 @@ class DecoderAttention(nn.Module):
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v, meta, kv_stored=stored).reshape(-1, self.q_size))
+        return self.attn(q, k, v, meta, kv_stored=stored).reshape(-1, self.q_size)
 
 
 class DenseMLP(nn.Module):
@@ -222,9 +227,12 @@ class DecoderModel(nn.Module):
                                  opts.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(opts, i, rotary, sparse_mlp) for i in range(opts.num_layers))
         self.norm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
+        self.use_kernels: bool | None = None  # batch 1's norm chain: CUDA (tests: True, the interpreter)
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
+        if (hidden.is_cuda if self.use_kernels is None else self.use_kernels) and NORM_CHAIN().fits(self, hidden):
+            return NORM_CHAIN().forward(self, hidden, positions, meta)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

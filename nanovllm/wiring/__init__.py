@@ -60,6 +60,7 @@ _engine.EXTRAS = late("nanovllm.core.engine_extras")  # a refused request, an ab
 _config.CONFIG_CHECKS = late("nanovllm.config_checks")  # checks a plain engine never runs
 _limits.QUOTES = late("nanovllm.quotes")  # the first error message quoting a value
 _decoder.FUSED_QK_NORM_ROPE = late("nanovllm.model.fused_qk_norm_rope")  # the fused q/k norm + RoPE (CUDA)
+_decoder.NORM_CHAIN = late("nanovllm.model.norm_chain")  # batch 1 on CUDA: norms folded into the GEMVs
 _loader.KV_SCALES = late("nanovllm.model.kv_scales")  # an FP8 checkpoint's k/v scales
 _checkpoint.HUB = late("nanovllm.model.hub")  # a Hugging Face Hub id
 _block_manager.PREFIX_CACHE = late("nanovllm.core.prefix_cache")  # a lookup with blocks cached, a full block

@@ -1,0 +1,56 @@
+"""The decoder's one-row forward with each RMSNorm folded into the GEMVs around it (CUDA, one
+16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write
+each program's sum of squares of the new residual stream (dense_gemv's `add_residual`); qkv and
+gate_up norm that stream from those sums in their prologue (`Prologue.NORM_PARTS`), gate_up also
+writing SiLU * up. Per layer: qkv, attention, o, gate_up, down, without the two add + RMSNorm
+kernels between them (~2 us and a launch gap each on the H200, BENCHMARKS.md "Batch-1 steps").
+
+Values: the residual adds and the norm's two roundings are the unfused path's; only the sum of
+squares is added in another order (an fp32 ulp of the norm's scale at most). Loaded at first use
+(decoder.py's NORM_CHAIN) for models it `fits`: dense unquantized layers on one rank without
+pre-hooks (a LoRA or quantization method on a layer, MoE, tensor parallelism and EAGLE-3's kept
+layer inputs take the layer-by-layer forward)."""
+
+from __future__ import annotations
+
+import torch
+
+from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
+from nanovllm.model.attention import AttentionMetadata
+
+
+def _plain(linear) -> bool:
+    return linear.quant is None and linear.tp_size == 1
+
+
+def fits(model, hidden: torch.Tensor) -> bool:
+    """Whether `model` (a DecoderModel) takes the chained forward for this embedded row."""
+    if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    for layer in model.layers:
+        mlp, attn = layer.mlp, layer.self_attn
+        projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+        if layer._forward_pre_hooks or layer._forward_hooks or any(p is None or not _plain(p) for p in projections):
+            return False
+    return True
+
+
+def _layer(layer, positions: torch.Tensor, stream: torch.Tensor, parts: torch.Tensor, meta: AttentionMetadata):
+    """One decoder layer on the residual stream (and its sums of squares): the next (stream, parts)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    qkv = dense_gemv(stream, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, prologue=Prologue.NORM_PARTS,
+                     norm_weight=norm1.weight, eps=norm1.eps, norm_parts=parts)
+    stream, parts = dense_gemv(attn.attend(positions, qkv, meta), attn.o_proj.weight, bias=attn.o_proj.bias,
+                               add_residual=stream)
+    act = dense_gemv(stream, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, silu_mul=True,
+                     prologue=Prologue.NORM_PARTS, norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
+    return dense_gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, add_residual=stream)
+
+
+def forward(model, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The final normed hidden state [1, hidden] from the embedded row `hidden`."""
+    stream, parts = hidden, hidden.float().square().sum(-1)  # layer 0 norms the embedding
+    for layer in model.layers:
+        stream, parts = _layer(layer, positions, stream, parts, meta)
+    return model.norm(stream)

@@ -1,0 +1,76 @@
+"""The decoder's batch-1 forward with its RMSNorms folded into the GEMVs (model/norm_chain.py: CUDA
+only in an engine; here through Triton's interpreter in fp16, tests/conftest.py) against the
+layer-by-layer forward on the same weights, and the models it must leave alone.
+
+Bound: the chain rounds every residual add and the norm's two steps as the unfused kernels do;
+only each norm's sum of squares is added in another order (fp32, relative error ~1e-7), which can
+flip a rounding of a normed input by one fp16 ulp (2^-11 relative) now and then. Through three
+layers and the final norm that stays far below 1e-2 absolute on outputs of size ~1 (a skipped
+norm weight, residual or SiLU moves them by O(1))."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import nanovllm.kernels.dense_gemv as dense
+from nanovllm.model import norm_chain
+from nanovllm.model.attention import prefill_metadata
+from nanovllm.model.attention.torch_backend import TorchBackend
+from nanovllm.model.decoder import DecoderModel, DecoderOptions
+
+DTYPE = torch.float16  # the interpreter rounds fp16 as the GPU does (bf16 it truncates)
+
+
+def tiny_model(seed: int, bias: bool = False) -> DecoderModel:
+    opts = DecoderOptions(vocab_size=40, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                          intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
+                          qk_norm=True, qkv_bias=bias, o_bias=bias, mlp_bias=bias)
+    model = DecoderModel(opts)
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        norm_like = p.dim() == 1 and p.shape[0] in (16, 64) and not bias
+        p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if norm_like else 0.0))
+    model.to(DTYPE)
+    for layer in model.layers:
+        layer.self_attn.attn.backend = TorchBackend()
+        layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = torch.zeros(2, 4, 4, 2, 16, dtype=DTYPE)
+    return model
+
+
+def one_token(model: DecoderModel, chained: bool, token: int = 7):
+    model.use_kernels = chained
+    meta = prefill_metadata([1], [1], torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32), "cpu")
+    return model(torch.tensor([token]), torch.tensor([0]), meta)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias):
+    model = tiny_model(3 + bias, bias)
+    launches = []
+    real = dense.dense_gemv
+    monkeypatch.setattr(norm_chain, "dense_gemv", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
+    plain = one_token(model, chained=False)
+    assert not launches
+    chained = one_token(model, chained=True)
+    assert len(launches) == 4 * 3  # qkv, o, gate_up, down per layer, norms inside them
+    assert sum("add_residual" in kw for kw in launches) == 6 and sum("norm_parts" in kw for kw in launches) == 6
+    assert chained.shape == plain.shape == (1, 64) and chained.dtype == DTYPE
+    torch.testing.assert_close(chained, plain, rtol=0, atol=1e-2)
+    assert plain.abs().max() > 0.3  # outputs of size ~1: the bound above is tight against them
+
+
+def test_models_it_cannot_serve_take_the_layer_by_layer_forward():
+    model = tiny_model(5)
+    row = torch.zeros(1, 64, dtype=DTYPE)
+    assert norm_chain.fits(model, row)
+    assert not norm_chain.fits(model, torch.zeros(2, 64, dtype=DTYPE))  # more than one row
+    assert not norm_chain.fits(model, torch.zeros(1, 64))  # fp32
+    handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
+    assert not norm_chain.fits(model, row)
+    handle.remove()
+    model.layers[2].mlp.down_proj.quant = object()  # a quantization method or LoRA on a projection
+    assert not norm_chain.fits(model, row)
+    model.layers[2].mlp.down_proj.quant = None
+    model.layers[0].mlp = torch.nn.Identity()  # a mixture-of-experts block: no gate_up / down
+    assert not norm_chain.fits(model, row)
