@@ -219,10 +219,11 @@ def test_function_level_imports_only_where_they_are_the_point():
 # the engine's refusals and aborts, Config's rare checks, error quotes, the fused q/k-norm + RoPE path,
 # KV scales and the Hub load at first use (the architecture issue's goal: 4,000), 4,010 with the
 # batch-1 GEMV's dispatch (LinearBase.silu_mul: the MLP's gate_up projection of every generate,
-# which at one row on CUDA writes SiLU * up from kernels/dense_gemv.py), 4,019 with the batch-1
-# norm chain's dispatch (DecoderModel.forward's test and slot, DecoderAttention.attend). Lower this bound as code
+# which at one row on CUDA writes SiLU * up from kernels/dense_gemv.py); with the batch-1
+# norm chain's dispatch (DecoderModel.forward's test and slot, DecoderAttention.attend, gemv_operands
+# in quant.py's hook list), 4,020. Lower this bound as code
 # leaves the path, and raise it only for what every generate runs, saying so in the commit.
-PLAIN_GENERATE_LINE_BUDGET = 4_019
+PLAIN_GENERATE_LINE_BUDGET = 4_020
 PLAIN_GENERATE = """
 import json, sys
 sys.path.insert(0, sys.argv[2])

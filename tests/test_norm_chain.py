@@ -44,9 +44,23 @@ def one_token(model: DecoderModel, chained: bool, token: int = 7):
     return model(torch.tensor([token]), torch.tensor([0]), meta)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias):
+def fp8_weights(model: DecoderModel, monkeypatch) -> None:
+    """Online FP8 (one scale per tensor) on every projection; its layer-by-layer path at one row
+    is the same GEMV (CUDA only in an engine: one_row widened to CPU rows here)."""
+    import nanovllm.features.quantization.fp8 as fp8
+
+    monkeypatch.setattr(fp8, "one_row", lambda x: x.dim() == 2 and x.shape[0] == 1 and x.dtype == DTYPE)
+    for layer in model.layers:
+        for proj in norm_chain._projections(layer):
+            proj.quant = fp8.TensorFp8Linear()
+            proj.quant.after_loading(proj)
+
+
+@pytest.mark.parametrize("bias, weights", [(False, "16-bit"), (True, "16-bit"), (False, "fp8")])
+def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias, weights):
     model = tiny_model(3 + bias, bias)
+    if weights == "fp8":
+        fp8_weights(model, monkeypatch)
     launches = []
     real = dense.dense_gemv
     monkeypatch.setattr(norm_chain, "dense_gemv", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
@@ -54,6 +68,7 @@ def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias):
     assert not launches
     chained = one_token(model, chained=True)
     assert len(launches) == 4 * 3  # qkv, o, gate_up, down per layer, norms inside them
+    assert all((kw["scale"] is not None) == (weights == "fp8") for kw in launches)
     assert sum("add_residual" in kw for kw in launches) == 6 and sum("norm_parts" in kw for kw in launches) == 6
     assert chained.shape == plain.shape == (1, 64) and chained.dtype == DTYPE
     torch.testing.assert_close(chained, plain, rtol=0, atol=1e-2)
@@ -69,8 +84,12 @@ def test_models_it_cannot_serve_take_the_layer_by_layer_forward():
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
     assert not norm_chain.fits(model, row)
     handle.remove()
-    model.layers[2].mlp.down_proj.quant = object()  # a quantization method or LoRA on a projection
+    model.layers[2].mlp.down_proj.quant = object()  # LoRA, or a method without gemv_operands (INT4)
     assert not norm_chain.fits(model, row)
     model.layers[2].mlp.down_proj.quant = None
+    gate_up = model.layers[1].mlp.gate_up_proj  # FP8 block scales with gate / up off a block row
+    gate_up.quant = type("Blocks", (), {"gemv_operands": lambda self, layer: (layer.weight, torch.ones(1, 1))})()
+    assert not norm_chain.fits(model, row)
+    gate_up.quant = None
     model.layers[0].mlp = torch.nn.Identity()  # a mixture-of-experts block: no gate_up / down
     assert not norm_chain.fits(model, row)

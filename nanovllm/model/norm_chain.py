@@ -7,9 +7,10 @@ kernels between them (~2 us and a launch gap each on the H200, BENCHMARKS.md "Ba
 
 Values: the residual adds and the norm's two roundings are the unfused path's; only the sum of
 squares is added in another order (an fp32 ulp of the norm's scale at most). Loaded at first use
-(decoder.py's NORM_CHAIN) for models it `fits`: dense unquantized layers on one rank without
-pre-hooks (a LoRA or quantization method on a layer, MoE, tensor parallelism and EAGLE-3's kept
-layer inputs take the layer-by-layer forward)."""
+(decoder.py's NORM_CHAIN) for models it `fits`: dense layers on one rank, 16-bit or with a
+quantization method that offers the GEMV its operands (FP8's `gemv_operands`), without layer
+hooks; LoRA, INT4, MoE, tensor parallelism and EAGLE-3's kept layer inputs take the layer-by-layer
+forward."""
 
 from __future__ import annotations
 
@@ -19,8 +20,21 @@ from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 from nanovllm.model.attention import AttentionMetadata
 
 
-def _plain(linear) -> bool:
-    return linear.quant is None and linear.tp_size == 1
+def _operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, scale) the GEMV multiplies for a projection on one rank: its 16-bit weight, or
+    what its quantization method offers (`gemv_operands`: FP8's codes and scales); else None."""
+    if linear is None or linear.tp_size != 1:
+        return None
+    if linear.quant is None:
+        return linear.weight, None
+    offer = getattr(linear.quant, "gemv_operands", None)
+    return offer(linear) if offer is not None else None
+
+
+def _projections(layer) -> list:
+    mlp = layer.mlp
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(mlp, "gate_up_proj", None),
+            getattr(mlp, "down_proj", None)]
 
 
 def fits(model, hidden: torch.Tensor) -> bool:
@@ -28,24 +42,27 @@ def fits(model, hidden: torch.Tensor) -> bool:
     if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in (torch.bfloat16, torch.float16):
         return False
     for layer in model.layers:
-        mlp, attn = layer.mlp, layer.self_attn
-        projections = (attn.qkv_proj, attn.o_proj, getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
-        if layer._forward_pre_hooks or layer._forward_hooks or any(p is None or not _plain(p) for p in projections):
+        ops = [_operands(p) for p in _projections(layer)]
+        if layer._forward_pre_hooks or layer._forward_hooks or None in ops:
             return False
+        gate_up, scale = ops[2]
+        if scale is not None and scale.dim() == 2 and (gate_up.shape[0] // 2) % 128:
+            return False  # block scales: gate and up must start on a block row (silu_mul)
     return True
 
 
 def _layer(layer, positions: torch.Tensor, stream: torch.Tensor, parts: torch.Tensor, meta: AttentionMetadata):
     """One decoder layer on the residual stream (and its sums of squares): the next (stream, parts)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    qkv_proj, o_proj, gate_up_proj, down_proj = projections = _projections(layer)
+    (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) = [_operands(p) for p in projections]
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    qkv = dense_gemv(stream, attn.qkv_proj.weight, bias=attn.qkv_proj.bias, prologue=Prologue.NORM_PARTS,
+    qkv = dense_gemv(stream, w_qkv, scale=s_qkv, bias=qkv_proj.bias, prologue=Prologue.NORM_PARTS,
                      norm_weight=norm1.weight, eps=norm1.eps, norm_parts=parts)
-    stream, parts = dense_gemv(attn.attend(positions, qkv, meta), attn.o_proj.weight, bias=attn.o_proj.bias,
+    stream, parts = dense_gemv(layer.self_attn.attend(positions, qkv, meta), w_o, scale=s_o, bias=o_proj.bias,
                                add_residual=stream)
-    act = dense_gemv(stream, mlp.gate_up_proj.weight, bias=mlp.gate_up_proj.bias, silu_mul=True,
-                     prologue=Prologue.NORM_PARTS, norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
-    return dense_gemv(act, mlp.down_proj.weight, bias=mlp.down_proj.bias, add_residual=stream)
+    act = dense_gemv(stream, w_gu, scale=s_gu, bias=gate_up_proj.bias, silu_mul=True, prologue=Prologue.NORM_PARTS,
+                     norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
+    return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream)
 
 
 def forward(model, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -155,6 +155,10 @@ class BlockFp8Linear:
 
         return dense_gemv(x, layer.weight, scale=layer.weight_scale_inv, bias=bias, silu_mul=True)
 
+    def gemv_operands(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, block scales) for the batch-1 GEMV's folds (model/norm_chain.py)."""
+        return layer.weight, layer.weight_scale_inv
+
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if one_row(x):  # batch 1: as TensorFp8Linear's, the block scales multiplying x in the GEMV
             from nanovllm.kernels.dense_gemv import dense_gemv
@@ -184,6 +188,10 @@ class TensorFp8Linear:
         from nanovllm.kernels.dense_gemv import dense_gemv
 
         return dense_gemv(x, layer.weight, scale=layer.weight_scale, bias=bias, silu_mul=True)
+
+    def gemv_operands(self, layer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes, tensor scale) for the batch-1 GEMV's folds (model/norm_chain.py)."""
+        return layer.weight, layer.weight_scale
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if one_row(x):
