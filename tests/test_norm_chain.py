@@ -78,18 +78,18 @@ def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias, weights)
 def test_models_it_cannot_serve_take_the_layer_by_layer_forward():
     model = tiny_model(5)
     row = torch.zeros(1, 64, dtype=DTYPE)
-    assert norm_chain.fits(model, row)
-    assert not norm_chain.fits(model, torch.zeros(2, 64, dtype=DTYPE))  # more than one row
-    assert not norm_chain.fits(model, torch.zeros(1, 64))  # fp32
+    assert norm_chain.operands(model, row) is not None
+    assert norm_chain.operands(model, torch.zeros(2, 64, dtype=DTYPE)) is None  # more than one row
+    assert norm_chain.operands(model, torch.zeros(1, 64)) is None  # fp32
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
-    assert not norm_chain.fits(model, row)
+    assert norm_chain.operands(model, row) is None
     handle.remove()
     model.layers[2].mlp.down_proj.quant = object()  # LoRA, or a method without gemv_operands (INT4)
-    assert not norm_chain.fits(model, row)
+    assert norm_chain.operands(model, row) is None
     model.layers[2].mlp.down_proj.quant = None
     gate_up = model.layers[1].mlp.gate_up_proj  # FP8 block scales with gate / up off a block row
     gate_up.quant = type("Blocks", (), {"gemv_operands": lambda self, layer: (layer.weight, torch.ones(1, 1))})()
-    assert not norm_chain.fits(model, row)
+    assert norm_chain.operands(model, row) is None
     gate_up.quant = None
     model.layers[0].mlp = torch.nn.Identity()  # a mixture-of-experts block: no gate_up / down
-    assert not norm_chain.fits(model, row)
+    assert norm_chain.operands(model, row) is None

@@ -19,8 +19,8 @@ amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
   the row's squares itself, program 0 stores the new residual): measured, not wired in (below);
   or the norm's sum of squares made once, by the GEMV before adding the residual to its output
   (`add_residual`: each program writes its rows' share) and read by `Prologue.NORM_PARTS`: one
-  kernel fewer than GEMV + add_rms_norm + GEMV, not wired in until bench_dense_gemv.py's chains
-  time it on the H200. NORM_PARTS combines with `silu_mul` (gate_up normed and gated).
+  kernel fewer than GEMV + add_rms_norm + GEMV, and with `silu_mul` gate_up normed and gated in
+  one. model/norm_chain.py runs a batch-1 forward on these (bench_dense_gemv.py times the chains).
 - Each program owns BLOCK_N rows of W and runs all of K: no split-K, no atomics, no zeroing.
   A thread's loads are 16 bytes along K; the [BLOCK_N, BLOCK_K] products accumulate in fp32
   registers and are summed across the tile once at the end.

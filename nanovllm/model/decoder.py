@@ -231,8 +231,9 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
-        if (hidden.is_cuda if self.use_kernels is None else self.use_kernels) and NORM_CHAIN().fits(self, hidden):
-            return NORM_CHAIN().forward(self, hidden, positions, meta)
+        if (hidden.is_cuda if self.use_kernels is None else self.use_kernels) and (
+                ops := NORM_CHAIN().operands(self, hidden)) is not None:
+            return NORM_CHAIN().forward(self, ops, hidden, positions, meta)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

@@ -7,7 +7,7 @@ kernels between them (~2 us and a launch gap each on the H200, BENCHMARKS.md "Ba
 
 Values: the residual adds and the norm's two roundings are the unfused path's; only the sum of
 squares is added in another order (an fp32 ulp of the norm's scale at most). Loaded at first use
-(decoder.py's NORM_CHAIN) for models it `fits`: dense layers on one rank, 16-bit or with a
+(decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers on one rank, 16-bit or with a
 quantization method that offers the GEMV its operands (FP8's `gemv_operands`), without layer
 hooks; LoRA, INT4, MoE, tensor parallelism and EAGLE-3's kept layer inputs take the layer-by-layer
 forward."""
@@ -37,24 +37,29 @@ def _projections(layer) -> list:
             getattr(mlp, "down_proj", None)]
 
 
-def fits(model, hidden: torch.Tensor) -> bool:
-    """Whether `model` (a DecoderModel) takes the chained forward for this embedded row."""
+def operands(model, hidden: torch.Tensor) -> list | None:
+    """Each layer's four (weight, scale) pairs if `model` (a DecoderModel) takes the chained
+    forward for this embedded row, else None (checked once a forward, then used as found)."""
     if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in (torch.bfloat16, torch.float16):
-        return False
+        return None
+    found = []
     for layer in model.layers:
         ops = [_operands(p) for p in _projections(layer)]
         if layer._forward_pre_hooks or layer._forward_hooks or None in ops:
-            return False
+            return None
         gate_up, scale = ops[2]
         if scale is not None and scale.dim() == 2 and (gate_up.shape[0] // 2) % 128:
-            return False  # block scales: gate and up must start on a block row (silu_mul)
-    return True
+            return None  # block scales: gate and up must start on a block row (silu_mul)
+        found.append(ops)
+    return found
 
 
-def _layer(layer, positions: torch.Tensor, stream: torch.Tensor, parts: torch.Tensor, meta: AttentionMetadata):
-    """One decoder layer on the residual stream (and its sums of squares): the next (stream, parts)."""
-    qkv_proj, o_proj, gate_up_proj, down_proj = projections = _projections(layer)
-    (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) = [_operands(p) for p in projections]
+def _layer(layer, ops: list, positions: torch.Tensor, stream: torch.Tensor, parts: torch.Tensor,
+           meta: AttentionMetadata):
+    """One decoder layer on the residual stream (and its sums of squares), its projections'
+    (weight, scale) `ops`: the next (stream, parts)."""
+    qkv_proj, o_proj, gate_up_proj, down_proj = _projections(layer)
+    (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) = ops
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     qkv = dense_gemv(stream, w_qkv, scale=s_qkv, bias=qkv_proj.bias, prologue=Prologue.NORM_PARTS,
                      norm_weight=norm1.weight, eps=norm1.eps, norm_parts=parts)
@@ -65,9 +70,9 @@ def _layer(layer, positions: torch.Tensor, stream: torch.Tensor, parts: torch.Te
     return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream)
 
 
-def forward(model, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """The final normed hidden state [1, hidden] from the embedded row `hidden`."""
+def forward(model, ops: list, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The final normed hidden state [1, hidden] from the embedded row `hidden`; `ops`: `operands`'."""
     stream, parts = hidden, hidden.float().square().sum(-1)  # layer 0 norms the embedding
-    for layer in model.layers:
-        stream, parts = _layer(layer, positions, stream, parts, meta)
+    for layer, layer_ops in zip(model.layers, ops):
+        stream, parts = _layer(layer, layer_ops, positions, stream, parts, meta)
     return model.norm(stream)
