@@ -56,11 +56,16 @@ def fp8_weights(model: DecoderModel, monkeypatch) -> None:
             proj.quant.after_loading(proj)
 
 
-@pytest.mark.parametrize("bias, weights", [(False, "16-bit"), (True, "16-bit"), (False, "fp8")])
-def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias, weights):
+@pytest.mark.parametrize("bias, weights, silu_site", [(False, "16-bit", "down"), (True, "16-bit", "down"),
+                                                      (False, "fp8", "down"), (False, "16-bit", "gate_up"),
+                                                      (True, "fp8", "gate_up")])
+def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias, weights, silu_site):
+    """silu_site: SiLU * up in down_proj's prologue (small weights) or gate_up's epilogue."""
     model = tiny_model(3 + bias, bias)
     if weights == "fp8":
         fp8_weights(model, monkeypatch)
+    if silu_site == "gate_up":
+        monkeypatch.setattr(dense, "PROLOGUE_MAX_BYTES", 0)
     launches = []
     real = dense.dense_gemv
     monkeypatch.setattr(norm_chain, "dense_gemv", lambda *a, **kw: launches.append(kw) or real(*a, **kw))
@@ -70,15 +75,20 @@ def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias, weights)
     assert len(launches) == 4 * 3  # qkv, o, gate_up, down per layer, norms inside them
     assert all((kw["scale"] is not None) == (weights == "fp8") for kw in launches)
     assert sum("add_residual" in kw for kw in launches) == 6 and sum("norm_parts" in kw for kw in launches) == 6
+    in_down = sum(kw.get("prologue") == dense.Prologue.SILU_MUL for kw in launches)
+    assert (in_down, sum(kw.get("silu_mul", False) for kw in launches)) == ((3, 0) if silu_site == "down" else (0, 3))
     assert chained.shape == plain.shape == (1, 64) and chained.dtype == DTYPE
     torch.testing.assert_close(chained, plain, rtol=0, atol=1e-2)
     assert plain.abs().max() > 0.3  # outputs of size ~1: the bound above is tight against them
 
 
-def test_models_it_cannot_serve_take_the_layer_by_layer_forward():
+def test_models_it_cannot_serve_take_the_layer_by_layer_forward(monkeypatch):
     model = tiny_model(5)
     row = torch.zeros(1, 64, dtype=DTYPE)
     assert norm_chain.operands(model, row) is not None
+    monkeypatch.setattr(norm_chain, "CHAIN_MAX_BYTES", 48 * 64 * 2 * 2 - 1)  # gate_up's weight is 1 byte over
+    assert norm_chain.operands(model, row) is None
+    monkeypatch.undo()
     assert norm_chain.operands(model, torch.zeros(2, 64, dtype=DTYPE)) is None  # more than one row
     assert norm_chain.operands(model, torch.zeros(1, 64)) is None  # fp32
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs

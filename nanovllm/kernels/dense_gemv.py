@@ -11,10 +11,11 @@ reads every weight once, yet cuBLAS's small-M GEMMs take ~5 us however small the
 amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
 - No activation quantization: FP8 codes become floats in registers and multiply bf16 x in fp32;
   the scale is applied once per output.
-- SiLU * up in the epilogue of gate_up's GEMV (`silu_mul`): each program owns rows of gate and
-  the same rows of up (two tiles a step, x loaded once), so it writes silu(gate) * up and the
-  kernel after it goes away, at no cost in the loop. Rounded as the separate kernel rounds
-  (fused_ops.silu_mul_rounded), so the values are those of the unfused path.
+- SiLU * up folded into a GEMV, so its kernel goes away: down_proj's prologue on small weights
+  (`Prologue.SILU_MUL`, recomputed by every program) or gate_up's epilogue above them
+  (`silu_mul`: each program owns rows of gate and the same rows of up, x loaded once); see
+  PROLOGUE_MAX_BYTES. Rounded as the separate kernel rounds (fused_ops.silu_mul_rounded), so
+  the values are those of the unfused path.
 - Optionally an RMSNorm prologue (`Prologue.RMS_NORM`, with the residual add; each program sums
   the row's squares itself, program 0 stores the new residual): measured, not wired in (below);
   or the norm's sum of squares made once, by the GEMV before adding the residual to its output
@@ -37,14 +38,19 @@ import triton.language as tl
 
 from nanovllm.kernels.fused_ops import silu_mul_rounded
 
-# Measured on the H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): SiLU * up as a
-# prologue of down_proj (recomputed by every program) saved its kernel on Qwen3-0.6B (4.7 us
-# against 7.9) but lost on 8B (33.7 against 31.5), hence the epilogue on gate_up instead; an
+# A prologue is recomputed by every program, so it pays on small weights only. Measured on the
+# H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): SiLU * up as down_proj's prologue
+# saved its kernel on Qwen3-0.6B (4.7 us against 7.9) but lost on 8B (33.7 against 31.5); an
 # RMSNorm prologue won on 0.6B's qkv (5.7 against 6.79) and lost on gate_up (9.6 against 7.84).
+# In the engine (H100, 2026-12-05, benchmarks/bench_decode_step.py) 0.6B's step took 1.102 ms
+# with the SiLU prologue against 1.212 with gate_up's epilogue; so down_proj takes the prologue up
+# to PROLOGUE_MAX_BYTES (0.6B's 6 MB) and gate_up's epilogue above it.
+PROLOGUE_MAX_BYTES = 16 << 20
 
 
 class Prologue(IntEnum):
     PLAIN = 0  # x as given
+    SILU_MUL = 1  # x[k] = silu(a[k]) * a[K + k] (a: gate_up's output row [2K]; down_proj's GEMV)
     RMS_NORM = 2  # x = norm(a (+ residual)) * norm weight
     NORM_PARTS = 3  # the same norm of a, its sum of squares from the GEMV before (`add_residual`'s parts)
 
@@ -103,7 +109,10 @@ def _inv_rms_parts(ss_ptr, parts, K, eps):
 def _input(a_ptr, r_ptr, nw_ptr, k, mask, K, inv, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            EVEN: tl.constexpr, dtype: tl.constexpr):
     """x[k] in fp32, made by the prologue (see Prologue)."""
-    if PROLOGUE >= 2:
+    if PROLOGUE == 1:  # rounded as fused_ops.silu_and_mul rounds
+        x = silu_mul_rounded(_ld(a_ptr + k, mask, EVEN).to(tl.float32), _ld(a_ptr + K + k, mask, EVEN).to(tl.float32),
+                             dtype).to(tl.float32)
+    elif PROLOGUE >= 2:
         s = _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL, EVEN, dtype)
         normed = (s * inv).to(dtype).to(tl.float32)
         w = _ld(nw_ptr + k, mask, EVEN).to(tl.float32)
@@ -187,6 +196,12 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
         tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
 
+def silu_prologue_pays(down_weight: torch.Tensor) -> bool:
+    """Whether down_proj should make SiLU * up in its prologue (PROLOGUE_MAX_BYTES) rather than
+    gate_up in its epilogue."""
+    return down_weight.numel() * down_weight.element_size() <= PROLOGUE_MAX_BYTES
+
+
 def choose(n: int, k: int, weight_dtype: torch.dtype) -> Tile:
     """The tile of an [n, k] weight, from a sweep on the H200 (benchmarks/kernels/bench_dense_gemv.py
     --sweep, Qwen3-0.6B's and 8B's GEMMs; within ~5% of each one's best). 16-byte loads along K."""
@@ -247,13 +262,16 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
     """x [1, K] @ weight^T [N, K] (* scale) (+ bias [N]): [1, N]. FP8 weights take their fp32
     scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
 
-    silu_mul: the weight packs gate and up ([2I, K], gate_up_proj's); the result is silu(gate) *
+    prologue SILU_MUL: x is gate_up's output [1, 2K], multiplied as silu(gate) * up (down_proj's
+    GEMV; where that beats gate_up's epilogue: `silu_prologue_pays`). silu_mul: the weight packs gate and up ([2I, K], gate_up_proj's); the result is silu(gate) *
     up [1, I] (`tile.block_n`: rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
     normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
     add_residual [1, N]: the result is (out + add_residual, each program's fp32 sum of its squares);
     prologue NORM_PARTS then norms that sum (x) from those parts (`norm_parts`), not recomputing them.
     """
-    k = x.shape[-1]
+    k = x.shape[-1] // 2 if prologue == Prologue.SILU_MUL else x.shape[-1]
+    if prologue == Prologue.SILU_MUL and (x.shape[-1] % 2 or silu_mul):
+        raise ValueError(f"SILU_MUL takes gate_up's output [1, 2K] (got {tuple(x.shape)}) and no silu_mul")
     _check(x, weight, k)
     x = x.contiguous()
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]

@@ -1,23 +1,29 @@
 """The decoder's one-row forward with each RMSNorm folded into the GEMVs around it (CUDA, one
 16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write
 each program's sum of squares of the new residual stream (dense_gemv's `add_residual`); qkv and
-gate_up norm that stream from those sums in their prologue (`Prologue.NORM_PARTS`), gate_up also
-writing SiLU * up. Per layer: qkv, attention, o, gate_up, down, without the two add + RMSNorm
+gate_up norm that stream from those sums in their prologue (`Prologue.NORM_PARTS`); SiLU * up is
+down's prologue or gate_up's epilogue (dense_gemv.silu_prologue_pays). Per layer: qkv, attention, o, gate_up, down, without the two add + RMSNorm
 kernels between them (~2 us and a launch gap each on the H200, BENCHMARKS.md "Batch-1 steps").
 
 Values: the residual adds and the norm's two roundings are the unfused path's; only the sum of
 squares is added in another order (an fp32 ulp of the norm's scale at most). Loaded at first use
 (decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers on one rank, 16-bit or with a
 quantization method that offers the GEMV its operands (FP8's `gemv_operands`), without layer
-hooks; LoRA, INT4, MoE, tensor parallelism and EAGLE-3's kept layer inputs take the layer-by-layer
+hooks, with qkv and gate_up within CHAIN_MAX_BYTES; LoRA, INT4, MoE, tensor parallelism and EAGLE-3's kept layer inputs take the layer-by-layer
 forward."""
 
 from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
+from nanovllm.kernels.dense_gemv import Prologue, dense_gemv, silu_prologue_pays
 from nanovllm.model.attention import AttentionMetadata
+
+# The norm prologue is recomputed by each of qkv's and gate_up's programs, so it pays on small
+# weights only. Measured in the engine (H100, 2026-12-05, bench_decode_step.py, batch 1): the chain
+# took Qwen3-0.6B's step from 1.212 to 1.139 ms (qkv 8 MB, gate_up 12 MB) but Qwen3-8B FP8's
+# from 3.969 to 4.238 (25 MB, 100 MB).
+CHAIN_MAX_BYTES = 16 << 20
 
 
 def _operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -47,6 +53,8 @@ def operands(model, hidden: torch.Tensor) -> list | None:
         ops = [_operands(p) for p in _projections(layer)]
         if layer._forward_pre_hooks or layer._forward_hooks or None in ops:
             return None
+        if max(w.numel() * w.element_size() for w, _ in (ops[0], ops[2])) > CHAIN_MAX_BYTES:
+            return None
         gate_up, scale = ops[2]
         if scale is not None and scale.dim() == 2 and (gate_up.shape[0] // 2) % 128:
             return None  # block scales: gate and up must start on a block row (silu_mul)
@@ -65,9 +73,11 @@ def _layer(layer, ops: list, positions: torch.Tensor, stream: torch.Tensor, part
                      norm_weight=norm1.weight, eps=norm1.eps, norm_parts=parts)
     stream, parts = dense_gemv(layer.self_attn.attend(positions, qkv, meta), w_o, scale=s_o, bias=o_proj.bias,
                                add_residual=stream)
-    act = dense_gemv(stream, w_gu, scale=s_gu, bias=gate_up_proj.bias, silu_mul=True, prologue=Prologue.NORM_PARTS,
-                     norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
-    return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream)
+    in_down = silu_prologue_pays(w_down)  # SiLU * up: down's prologue, or else gate_up's epilogue
+    act = dense_gemv(stream, w_gu, scale=s_gu, bias=gate_up_proj.bias, silu_mul=not in_down,
+                     prologue=Prologue.NORM_PARTS, norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
+    return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream,
+                      prologue=Prologue.SILU_MUL if in_down else Prologue.PLAIN)
 
 
 def forward(model, ops: list, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
