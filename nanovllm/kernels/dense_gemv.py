@@ -42,9 +42,10 @@ from nanovllm.kernels.fused_ops import silu_mul_rounded
 # H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): SiLU * up as down_proj's prologue
 # saved its kernel on Qwen3-0.6B (4.7 us against 7.9) but lost on 8B (33.7 against 31.5); an
 # RMSNorm prologue won on 0.6B's qkv (5.7 against 6.79) and lost on gate_up (9.6 against 7.84).
-# In the engine (H100, 2026-12-05, benchmarks/bench_decode_step.py) 0.6B's step took 1.102 ms
-# with the SiLU prologue against 1.212 with gate_up's epilogue; so down_proj takes the prologue up
-# to PROLOGUE_MAX_BYTES (0.6B's 6 MB) and gate_up's epilogue above it.
+# So down_proj takes the SiLU prologue up to PROLOGUE_MAX_BYTES (0.6B's 6 MB) and gate_up's
+# epilogue above it (8.86 -> 7.47 us against GEMV + kernel on 0.6B's gate_up, 73.7 -> 70.9 on
+# 8B's: H100, 2026-12-05). Prologue against epilogue on 0.6B has not been measured with the load
+# order of d2cf239 (the engine's 1.102 against 1.212 ms a step also held that order's ~1 us a GEMV).
 PROLOGUE_MAX_BYTES = 16 << 20
 
 
@@ -208,7 +209,7 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
 def silu_prologue_pays(down_weight: torch.Tensor) -> bool:
     """Whether down_proj should make SiLU * up in its prologue (PROLOGUE_MAX_BYTES) rather than
     gate_up in its epilogue."""
-    return down_weight.numel() * down_weight.element_size() <= PROLOGUE_MAX_BYTES
+    return down_weight.nbytes <= PROLOGUE_MAX_BYTES
 
 
 def choose(n: int, k: int, weight_dtype: torch.dtype) -> Tile:
@@ -272,8 +273,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
     scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
 
     prologue SILU_MUL: x is gate_up's output [1, 2K], multiplied as silu(gate) * up (down_proj's
-    GEMV; where that beats gate_up's epilogue: `silu_prologue_pays`). silu_mul: the weight packs gate and up ([2I, K], gate_up_proj's); the result is silu(gate) *
-    up [1, I] (`tile.block_n`: rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
+    GEMV; where that beats gate_up's epilogue: `silu_prologue_pays`). silu_mul: the weight packs
+    gate and up ([2I, K], gate_up_proj's); the result is silu(gate) * up [1, I] (`tile.block_n`:
+    rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
     normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
     add_residual [1, N]: the result is (out + add_residual, each program's fp32 sum of its squares);
     prologue NORM_PARTS then norms that sum (x) from those parts (`norm_parts`), not recomputing them.

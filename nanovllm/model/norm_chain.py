@@ -2,15 +2,16 @@
 16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write
 each program's sum of squares of the new residual stream (dense_gemv's `add_residual`); qkv and
 gate_up norm that stream from those sums in their prologue (`Prologue.NORM_PARTS`); SiLU * up is
-down's prologue or gate_up's epilogue (dense_gemv.silu_prologue_pays). Per layer: qkv, attention, o, gate_up, down, without the two add + RMSNorm
-kernels between them (~2 us and a launch gap each on the H200, BENCHMARKS.md "Batch-1 steps").
+down's prologue or gate_up's epilogue (dense_gemv.silu_prologue_pays). Per layer: qkv,
+attention, o, gate_up, down, without the two add + RMSNorm kernels between them (~2 us and a
+launch gap each on the H200, BENCHMARKS.md "Batch-1 steps").
 
 Values: the residual adds and the norm's two roundings are the unfused path's; only the sum of
 squares is added in another order (an fp32 ulp of the norm's scale at most). Loaded at first use
 (decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers on one rank, 16-bit or with a
 quantization method that offers the GEMV its operands (FP8's `gemv_operands`), without layer
-hooks, with qkv and gate_up within CHAIN_MAX_BYTES; LoRA, INT4, MoE, tensor parallelism and EAGLE-3's kept layer inputs take the layer-by-layer
-forward."""
+hooks, with qkv and gate_up within CHAIN_MAX_BYTES; LoRA, INT4, MoE, tensor parallelism and
+EAGLE-3's kept layer inputs take the layer-by-layer forward."""
 
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def operands(model, hidden: torch.Tensor) -> list | None:
         ops = [_operands(p) for p in _projections(layer)]
         if layer._forward_pre_hooks or layer._forward_hooks or None in ops:
             return None
-        if max(w.numel() * w.element_size() for w, _ in (ops[0], ops[2])) > CHAIN_MAX_BYTES:
+        if max(ops[0][0].nbytes, ops[2][0].nbytes) > CHAIN_MAX_BYTES:
             return None
         gate_up, scale = ops[2]
         if scale is not None and scale.dim() == 2 and (gate_up.shape[0] // 2) % 128:
