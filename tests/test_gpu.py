@@ -44,6 +44,24 @@ def check_greedy_close(hf, prompt, ours, ref, rel_tol=0.02):
     assert gap <= rel_tol * logits.abs().max().item(), f"token {i}: ours {ours[i]} vs ref {ref[i]}, gap {gap}"
 
 
+
+def check_greedy_near_exact(exact, bf16, prompt, ours):
+    """Greedy tokens of a bf16 engine against the exact model (transformers in float32): equal
+    until the first place where the exact margin between its token and ours is within what bf16
+    moves a logit. The yardstick eps is transformers bf16's own largest logit error against float32
+    along the same tokens: two bf16 computations each within eps of the truth can swap any pair of
+    tokens closer than 2 eps (a wrong weight or a kernel bug moves logits far more)."""
+    ref = tm.hf_greedy(exact, prompt, len(ours))
+    if ours == ref:
+        return
+    i = next(j for j, (a, b) in enumerate(zip(ours, ref)) if a != b)
+    with torch.no_grad():
+        ids = torch.tensor([prompt + ref[:i]], device="cuda")
+        truth = exact(ids).logits[0].float()
+        eps = (bf16(ids).logits[0].float() - truth).abs().max().item()
+    gap = (truth[-1, ref[i]] - truth[-1, ours[i]]).item()
+    assert gap <= 2 * eps, f"token {i}: ours {ours[i]} vs exact {ref[i]}, exact gap {gap:.4f} > 2 x bf16's {eps:.4f}"
+
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_bf16_matches_transformers(bf16_model, backend, block_size):

@@ -168,20 +168,25 @@ def test_an_int4_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, act_or
 @pytest.mark.gpu
 def test_batch1_decode_matches_transformers_on_gpu(tmp_path):
     """One request alone, so every decode step runs the INT4 batch-1 GEMVs in the one-row CUDA
-    graph, gate_up writing SiLU * up from its epilogue: greedy tokens agree with transformers in
-    bf16 on the dequantized weights until a near-tie (test_gpu.check_greedy_close)."""
-    from test_gpu import check_greedy_close, prompts_of
+    graph, gate_up writing SiLU * up from its epilogue: greedy tokens agree with the exact model
+    (transformers in float32 on the dequantized weights) until a tie within bf16's own logit error
+    (test_gpu.check_greedy_near_exact). A fixed relative bound was tighter than that error here:
+    transformers bf16 itself is up to ~0.3-0.4 off float32 on this model, and the engine keeps the
+    fp16 scales as bf16 and skips rounding each dequantized weight, so it parts from transformers
+    bf16 at ties of that size (scripts/int4_precision.py shows where)."""
+    from test_gpu import check_greedy_near_exact, prompts_of
 
     from nanovllm import LLM, SamplingParams
 
     path = tm.make_tiny_qwen3(tmp_path / "m", hidden_size=256, num_layers=3, num_heads=8, num_kv_heads=2,
                               head_dim=64, intermediate_size=512, dtype=torch.bfloat16)
     int4, dense = quantized_checkpoint(path, tmp_path, "gptq", 128, True, False)
-    hf = tm.load_hf_model(dense, dtype=torch.bfloat16, device="cuda")
+    exact = tm.load_hf_model(dense, dtype=torch.float32, device="cuda")
+    hf16 = tm.load_hf_model(dense, dtype=torch.bfloat16, device="cuda")
     llm = LLM(int4, max_model_len=512)
     for prompt in prompts_of([1, 40], seed=3):
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-        check_greedy_close(hf, prompt, out[0]["token_ids"], tm.hf_greedy(hf, prompt, 24), rel_tol=0.02)
+        check_greedy_near_exact(exact, hf16, prompt, out[0]["token_ids"])
     llm.shutdown()
 
 
