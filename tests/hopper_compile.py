@@ -212,7 +212,7 @@ def _w4a16(m, group_size, dtype=BF16, config=None, silu_mul=False):
 def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
     from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 
-    silu_mul = prologue.endswith("SILU_MUL")  # the epilogue of gate_up's [2I, K] weight
+    silu_mul = prologue.endswith("SILU_MUL")  # the epilogue of gate_up's [2I, K] weight (not a Prologue)
     prologue = prologue.removesuffix("+SILU_MUL")
     p = Prologue.PLAIN if prologue in ("SILU_MUL", "ADD_RESIDUAL") else Prologue[prologue]
     scale = (torch.ones(-(-n // 128), -(-k // 128)) if block else torch.ones(1)) if weight_dtype == FP8 else None
@@ -223,16 +223,6 @@ def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
         extra = dict(add_residual=torch.randn(1, n).to(BF16))
     dense_gemv(torch.randn(1, k).to(BF16), torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p,
                silu_mul=silu_mul, **extra)
-
-
-def _dense_gemv_silu_prologue(weight_dtype, add_residual, k=3072, n=1024):
-    """down_proj's GEMV making SiLU * up of gate_up's [1, 2K] output in its prologue."""
-    from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
-
-    scale = torch.ones(1) if weight_dtype == FP8 else None
-    extra = dict(add_residual=torch.randn(1, n).to(BF16)) if add_residual else {}
-    dense_gemv(torch.randn(1, 2 * k).to(BF16), torch.zeros(n, k).to(weight_dtype), scale=scale,
-               prologue=Prologue.SILU_MUL, **extra)
 
 
 def _fused_moe_int4(tokens, permuted, experts=8, k=2):
@@ -295,8 +285,6 @@ SCENARIOS = {
     "dense_gemv_bf16_silu": lambda: _dense_gemv(BF16, "SILU_MUL", n=6144),
     "dense_gemv_bf16_add_residual": lambda: _dense_gemv(BF16, "ADD_RESIDUAL", k=2048, n=1024),
     "dense_gemv_fp8_norm_parts": lambda: _dense_gemv(FP8, "NORM_PARTS", n=6144),
-    "dense_gemv_bf16_silu_prologue_residual": lambda: _dense_gemv_silu_prologue(BF16, True),
-    "dense_gemv_fp8_silu_prologue": lambda: _dense_gemv_silu_prologue(FP8, False),
     "dense_gemv_bf16_norm_parts_silu": lambda: _dense_gemv(BF16, "NORM_PARTS+SILU_MUL", n=6144),
     "dense_gemv_fp8_silu": lambda: _dense_gemv(FP8, "SILU_MUL", n=6144),
     "dense_gemv_fp8_norm_odd_k": lambda: _dense_gemv(FP8, "RMS_NORM", k=1000, n=300),

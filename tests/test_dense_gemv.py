@@ -117,25 +117,6 @@ def test_silu_epilogue_equals_the_separate_kernel(n, k, tile, weights_kind):
         close(gate_up, x.float().cpu() @ w32.t() + bias.float().cpu())
 
 
-@pytest.mark.parametrize("n, k, tile", SHAPES)
-@pytest.mark.parametrize("weights_kind", ["16-bit", "fp8"])
-def test_silu_prologue_equals_the_separate_kernel(n, k, tile, weights_kind):
-    """down_proj's GEMV making silu(gate) * up of gate_up's [1, 2K] output itself: equal bit for bit
-    to fused_ops.silu_and_mul then the plain GEMV; with add_residual too (the norm chain's down)."""
-    from nanovllm.kernels.fused_ops import silu_and_mul
-
-    gen = torch.Generator().manual_seed(11 * n + k + len(weights_kind))
-    w, scale, _ = weights(n, k, weights_kind == "fp8", gen)
-    gate_up = (torch.randn(1, 2 * k, generator=gen) * 3).to(DTYPE).to(DEVICE)
-    r = torch.randn(1, n, generator=gen).to(DTYPE).to(DEVICE)
-    fused = dense_gemv(gate_up, w, scale=scale, tile=tile, prologue=Prologue.SILU_MUL)
-    unfused = dense_gemv(silu_and_mul(gate_up), w, scale=scale, tile=tile)
-    assert fused.shape == (1, n) and torch.equal(fused, unfused)
-    (s, parts), (s_ref, parts_ref) = (dense_gemv(a, w, scale=scale, tile=tile, add_residual=r, prologue=p)
-                                      for a, p in ((gate_up, Prologue.SILU_MUL), (silu_and_mul(gate_up), Prologue.PLAIN)))
-    assert torch.equal(s, s_ref) and torch.equal(parts, parts_ref)
-
-
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("n, k, tile", SHAPES)
 def test_norm_prologue_equals_the_separate_kernel(n, k, tile, residual):
@@ -222,34 +203,29 @@ def test_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, method):
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's per-row sums do not depend on the tile; the GPU's may")
-@pytest.mark.parametrize("site", ["down", "gate_up"])
-def test_down_layer_takes_silu_mul_where_it_pays(monkeypatch, site):
-    """LinearBase.swiglu_down at one row (one_row widened to CPU rows, the interpreter): SiLU * up in
-    down_proj's prologue while its weight is within PROLOGUE_MAX_BYTES, else from gate_up's epilogue;
-    either way bit for bit the unfused down(silu_and_mul(gate_up(x)))."""
+def test_the_mlp_takes_silu_mul_from_gate_ups_epilogue(monkeypatch):
+    """decoder.DenseMLP at one row (one_row widened to CPU rows, the interpreter): gate_up's GEMV
+    makes silu(gate) * up in its epilogue, then down's plain GEMV; bit for bit the unfused
+    down(silu_and_mul(gate_up(x)))."""
     import nanovllm.kernels.dense_gemv as dense
     import nanovllm.model.layers.linear as linear
     from nanovllm.kernels.fused_ops import silu_and_mul
+    from nanovllm.model.decoder import DenseMLP
 
     monkeypatch.setattr(linear, "one_row", lambda x: x.dim() == 2 and x.shape[0] == 1 and x.dtype == DTYPE)
-    if site == "gate_up":
-        monkeypatch.setattr(dense, "PROLOGUE_MAX_BYTES", 32 * 40 * 2 - 1)  # down's weight: 1 byte over
     launches = []
     real = dense.dense_gemv
     monkeypatch.setattr(dense, "dense_gemv", lambda *a, **kw: launches.append(
         (kw.get("prologue", Prologue.PLAIN), kw.get("silu_mul", False))) or real(*a, **kw))
     gen = torch.Generator().manual_seed(9)
-    gate_up, down = linear.MergedColumnParallelLinear(32, [40, 40]), linear.RowParallelLinear(40, 32, bias=True)
-    for p in (gate_up.weight, down.weight, down.bias):
+    mlp = DenseMLP(32, 40, bias=False)
+    for p in mlp.parameters():
         p.data = (torch.randn(p.shape, generator=gen) * 0.3).to(DTYPE)
     x = torch.randn(1, 32, generator=gen).to(DTYPE)
-    out = down.swiglu_down(gate_up, x)
-    first, second = ((Prologue.PLAIN, False), (Prologue.SILU_MUL, False)) if site == "down" else (
-        (Prologue.PLAIN, True), (Prologue.PLAIN, False))  # gate_up's launch, then down's
-    want = [first, second]
-    assert launches == want and out.shape == (1, 32)
+    out = mlp(x)
+    assert launches == [(Prologue.PLAIN, True), (Prologue.PLAIN, False)] and out.shape == (1, 32)
     launches.clear()
-    assert torch.equal(out, down(silu_and_mul(gate_up(x))))
+    assert torch.equal(out, mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x))))
 
 
 @pytest.mark.parametrize("call, match", [
@@ -270,10 +246,6 @@ def test_down_layer_takes_silu_mul_where_it_pays(monkeypatch, site):
                         add_residual=torch.zeros(1, 5, dtype=DTYPE)), r"\[1, 4\]"),
     (lambda: dense_gemv(torch.zeros(1, 8, dtype=DTYPE), torch.zeros(4, 8, dtype=FP8), scale=torch.ones(1, 1),
                         silu_mul=True), "block boundaries"),
-    (lambda: dense_gemv(torch.zeros(1, 9, dtype=DTYPE), torch.zeros(4, 4, dtype=DTYPE), prologue=Prologue.SILU_MUL),
-     r"\[1, 2K\]"),
-    (lambda: dense_gemv(torch.zeros(1, 16, dtype=DTYPE), torch.zeros(4, 4, dtype=DTYPE), prologue=Prologue.SILU_MUL),
-     r"\[N, 8\]"),
 ])
 def test_bad_operands_are_refused_before_launch(call, match):
     with pytest.raises(ValueError, match=match):

@@ -11,11 +11,10 @@ reads every weight once, yet cuBLAS's small-M GEMMs take ~5 us however small the
 amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
 - No activation quantization: FP8 codes become floats in registers and multiply bf16 x in fp32;
   the scale is applied once per output.
-- SiLU * up folded into a GEMV, so its kernel goes away: down_proj's prologue on small weights
-  (`Prologue.SILU_MUL`, recomputed by every program) or gate_up's epilogue above them
-  (`silu_mul`: each program owns rows of gate and the same rows of up, x loaded once); see
-  PROLOGUE_MAX_BYTES. Rounded as the separate kernel rounds (fused_ops.silu_mul_rounded), so
-  the values are those of the unfused path.
+- SiLU * up folded into gate_up's epilogue (`silu_mul`: each program owns rows of gate and the
+  same rows of up, x loaded once), so its kernel goes away; rounded as the separate kernel
+  rounds (fused_ops.silu_mul_rounded), so the values are those of the unfused path. Measured
+  against the alternative, down_proj's prologue (recomputed by every program), below.
 - Optionally an RMSNorm prologue (`Prologue.RMS_NORM`, with the residual add; each program sums
   the row's squares itself, program 0 stores the new residual): measured, not wired in (below);
   or the norm's sum of squares made once, by the GEMV before adding the residual to its output
@@ -39,21 +38,17 @@ import triton.language as tl
 from nanovllm.kernels.fused_ops import silu_mul_rounded
 
 # A prologue is recomputed by every program, so it pays on small weights only. Measured on the
-# H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): SiLU * up as down_proj's prologue
-# saved its kernel on Qwen3-0.6B (4.7 us against 7.9) but lost on 8B (33.7 against 31.5); an
-# RMSNorm prologue won on 0.6B's qkv (5.7 against 6.79) and lost on gate_up (9.6 against 7.84).
-# So down_proj takes the SiLU prologue up to PROLOGUE_MAX_BYTES (0.6B's 6 MB) and gate_up's
-# epilogue above it (8.86 -> 7.47 us against GEMV + kernel on 0.6B's gate_up, 73.7 -> 70.9 on
-# 8B's: H100, 2026-12-05). Prologue against epilogue on 0.6B has not been measured with the load
-# order of d2cf239 (the engine's 1.102 against 1.212 ms a step also held that order's ~1 us a GEMV).
-PROLOGUE_MAX_BYTES = 16 << 20
+# H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): an RMSNorm prologue won on 0.6B's
+# qkv (5.7 against 6.79 us) and lost on gate_up (9.6 against 7.84). SiLU * up as down_proj's
+# prologue lost on 8B (33.7 against 31.5 us) and, once the weights' loads came first in the loop,
+# on 0.6B too: gate_up's epilogue made the engine's batch-1 step 0.4% and 1.7% faster in two
+# A/B runs (1.055 / 1.044 against 1.059 / 1.062 ms, H100, 2026-12-05), so that prologue is gone.
 
 
 class Prologue(IntEnum):
     PLAIN = 0  # x as given
-    SILU_MUL = 1  # x[k] = silu(a[k]) * a[K + k] (a: gate_up's output row [2K]; down_proj's GEMV)
-    RMS_NORM = 2  # x = norm(a (+ residual)) * norm weight
-    NORM_PARTS = 3  # the same norm of a, its sum of squares from the GEMV before (`add_residual`'s parts)
+    RMS_NORM = 1  # x = norm(a (+ residual)) * norm weight
+    NORM_PARTS = 2  # the same norm of a, its sum of squares from the GEMV before (`add_residual`'s parts)
 
 
 class Tile(NamedTuple):
@@ -107,13 +102,10 @@ def _inv_rms_parts(ss_ptr, parts, K, eps):
 
 
 @triton.jit
-def _input(a_ptr, r_ptr, nw_ptr, k, mask, K, inv, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+def _input(a_ptr, r_ptr, nw_ptr, k, mask, inv, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            EVEN: tl.constexpr, dtype: tl.constexpr):
     """x[k] in fp32, made by the prologue (see Prologue)."""
-    if PROLOGUE == 1:  # rounded as fused_ops.silu_and_mul rounds
-        x = silu_mul_rounded(_ld(a_ptr + k, mask, EVEN).to(tl.float32), _ld(a_ptr + K + k, mask, EVEN).to(tl.float32),
-                             dtype).to(tl.float32)
-    elif PROLOGUE >= 2:
+    if PROLOGUE >= 1:
         s = _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL, EVEN, dtype)
         normed = (s * inv).to(dtype).to(tl.float32)
         w = _ld(nw_ptr + k, mask, EVEN).to(tl.float32)
@@ -177,9 +169,9 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
     offs = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
     inv = 1.0
-    if PROLOGUE == 2:
+    if PROLOGUE == 1:
         inv = _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, pid == 0, HAS_RESIDUAL, BLOCK_K, dtype)
-    elif PROLOGUE == 3:
+    elif PROLOGUE == 2:
         inv = _inv_rms_parts(ss_ptr, parts, K, eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N if GATED else 1, BLOCK_K], dtype=tl.float32)
@@ -191,7 +183,7 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
         w = _rows_w(w_rows, row_mask, k, K, EVEN_K)
         if GATED:  # the same rows of up, x loaded once
             w_up = _rows_w(up_rows, row_mask, k, K, EVEN_K)
-        x = _input(a_ptr, r_ptr, nw_ptr, k, k < K, K, inv, PROLOGUE, HAS_RESIDUAL, EVEN_K, dtype)
+        x = _input(a_ptr, r_ptr, nw_ptr, k, k < K, inv, PROLOGUE, HAS_RESIDUAL, EVEN_K, dtype)
         acc += _rows_dot(w, x, k, K, scale_ptr, pid * BLOCK_N // 128, SCALE)
         if GATED:
             acc_up += _rows_dot(w_up, x, k, K, scale_ptr, (half + pid * BLOCK_N) // 128, SCALE)
@@ -204,12 +196,6 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
         _store_residual_sum(out_ptr, ss_ptr, y, r_ptr, rows, row_mask, dtype)
     else:
         tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
-
-
-def silu_prologue_pays(down_weight: torch.Tensor) -> bool:
-    """Whether down_proj should make SiLU * up in its prologue (PROLOGUE_MAX_BYTES) rather than
-    gate_up in its epilogue."""
-    return down_weight.nbytes <= PROLOGUE_MAX_BYTES
 
 
 def choose(n: int, k: int, weight_dtype: torch.dtype) -> Tile:
@@ -272,17 +258,13 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
     """x [1, K] @ weight^T [N, K] (* scale) (+ bias [N]): [1, N]. FP8 weights take their fp32
     scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
 
-    prologue SILU_MUL: x is gate_up's output [1, 2K], multiplied as silu(gate) * up (down_proj's
-    GEMV; where that beats gate_up's epilogue: `silu_prologue_pays`). silu_mul: the weight packs
-    gate and up ([2I, K], gate_up_proj's); the result is silu(gate) * up [1, I] (`tile.block_n`:
-    rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
+    silu_mul: the weight packs gate and up ([2I, K], gate_up_proj's); the result is silu(gate) *
+    up [1, I] (`tile.block_n`: rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
     normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
     add_residual [1, N]: the result is (out + add_residual, each program's fp32 sum of its squares);
     prologue NORM_PARTS then norms that sum (x) from those parts (`norm_parts`), not recomputing them.
     """
-    k = x.shape[-1] // 2 if prologue == Prologue.SILU_MUL else x.shape[-1]
-    if prologue == Prologue.SILU_MUL and (x.shape[-1] % 2 or silu_mul):
-        raise ValueError(f"SILU_MUL takes gate_up's output [1, 2K] (got {tuple(x.shape)}) and no silu_mul")
+    k = x.shape[-1]
     _check(x, weight, k)
     x = x.contiguous()
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]

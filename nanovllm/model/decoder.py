@@ -185,7 +185,7 @@ class DenseMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, reduce_results=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.swiglu_down(self.gate_up_proj, x)
+        return self.down_proj(self.gate_up_proj.silu_mul(x))
 
 
 class DecoderLayer(nn.Module):

@@ -2,7 +2,7 @@
 16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write
 each program's sum of squares of the new residual stream (dense_gemv's `add_residual`); qkv and
 gate_up norm that stream from those sums in their prologue (`Prologue.NORM_PARTS`); SiLU * up is
-down's prologue or gate_up's epilogue (dense_gemv.silu_prologue_pays). Per layer: qkv,
+gate_up's epilogue. Per layer: qkv,
 attention, o, gate_up, down, without the two add + RMSNorm kernels between them (~2 us and a
 launch gap each on the H200, BENCHMARKS.md "Batch-1 steps").
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.dense_gemv import Prologue, dense_gemv, silu_prologue_pays
+from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
 from nanovllm.model.attention import AttentionMetadata
 
 # The norm prologue is recomputed by each of qkv's and gate_up's programs, so it pays on small
@@ -74,11 +74,9 @@ def _layer(layer, ops: list, positions: torch.Tensor, stream: torch.Tensor, part
                      norm_weight=norm1.weight, eps=norm1.eps, norm_parts=parts)
     stream, parts = dense_gemv(layer.self_attn.attend(positions, qkv, meta), w_o, scale=s_o, bias=o_proj.bias,
                                add_residual=stream)
-    in_down = silu_prologue_pays(w_down)  # SiLU * up: down's prologue, or else gate_up's epilogue
-    act = dense_gemv(stream, w_gu, scale=s_gu, bias=gate_up_proj.bias, silu_mul=not in_down,
+    act = dense_gemv(stream, w_gu, scale=s_gu, bias=gate_up_proj.bias, silu_mul=True,
                      prologue=Prologue.NORM_PARTS, norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
-    return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream,
-                      prologue=Prologue.SILU_MUL if in_down else Prologue.PLAIN)
+    return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream)
 
 
 def forward(model, ops: list, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

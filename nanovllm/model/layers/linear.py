@@ -74,16 +74,6 @@ class LinearBase(nn.Module):
             return dense_gemv(x, self.weight, bias=bias)
         return F.linear(x, self.weight, bias)
 
-    def swiglu_down(self, gate_up_proj: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        """This layer (down_proj) of silu(gate) * up of gate_up_proj(x). At one row SiLU * up folds into a GEMV:
-        this 16-bit one's prologue where that pays (dense_gemv.silu_prologue_pays), else gate_up's epilogue."""
-        if self.quant is None and self.tp_size == 1 and one_row(x):
-            from nanovllm.kernels.dense_gemv import Prologue, dense_gemv, silu_prologue_pays
-
-            if silu_prologue_pays(self.weight):
-                return dense_gemv(gate_up_proj(x), self.weight, bias=self.bias, prologue=Prologue.SILU_MUL)
-        return self(gate_up_proj.silu_mul(x))
-
     def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of gate_up's packed output; one row from the GEMV's epilogue (or `apply_silu_mul`'s)."""
         out = None
