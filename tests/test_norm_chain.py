@@ -20,6 +20,7 @@ from nanovllm.model.attention.torch_backend import TorchBackend
 from nanovllm.model.decoder import DecoderModel, DecoderOptions
 
 DTYPE = torch.float16  # the interpreter rounds fp16 as the GPU does (bf16 it truncates)
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # real Triton takes no CPU tensors
 
 
 def tiny_model(seed: int, bias: bool = False) -> DecoderModel:
@@ -31,17 +32,18 @@ def tiny_model(seed: int, bias: bool = False) -> DecoderModel:
     for p in model.parameters():
         norm_like = p.dim() == 1 and p.shape[0] in (16, 64) and not bias
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if norm_like else 0.0))
-    model.to(DTYPE)
+    model.to(DTYPE).to(DEVICE)
     for layer in model.layers:
         layer.self_attn.attn.backend = TorchBackend()
-        layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = torch.zeros(2, 4, 4, 2, 16, dtype=DTYPE)
+        layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = torch.zeros(2, 4, 4, 2, 16, dtype=DTYPE,
+                                                                                 device=DEVICE)
     return model
 
 
 def one_token(model: DecoderModel, chained: bool, token: int = 7):
     model.use_kernels = chained
-    meta = prefill_metadata([1], [1], torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32), "cpu")
-    return model(torch.tensor([token]), torch.tensor([0]), meta)
+    meta = prefill_metadata([1], [1], torch.tensor([0]), torch.tensor([[0]], dtype=torch.int32, device=DEVICE), DEVICE)
+    return model(torch.tensor([token], device=DEVICE), torch.tensor([0], device=DEVICE), meta)
 
 
 def fp8_weights(model: DecoderModel, monkeypatch) -> None:
@@ -79,13 +81,13 @@ def test_the_chain_equals_the_layer_by_layer_forward(monkeypatch, bias, weights)
 
 def test_models_it_cannot_serve_take_the_layer_by_layer_forward(monkeypatch):
     model = tiny_model(5)
-    row = torch.zeros(1, 64, dtype=DTYPE)
+    row = torch.zeros(1, 64, dtype=DTYPE, device=DEVICE)
     assert norm_chain.operands(model, row) is not None
     monkeypatch.setattr(norm_chain, "CHAIN_MAX_BYTES", 48 * 64 * 2 * 2 - 1)  # gate_up's weight is 1 byte over
     assert norm_chain.operands(model, row) is None
     monkeypatch.undo()
-    assert norm_chain.operands(model, torch.zeros(2, 64, dtype=DTYPE)) is None  # more than one row
-    assert norm_chain.operands(model, torch.zeros(1, 64)) is None  # fp32
+    assert norm_chain.operands(model, torch.zeros(2, 64, dtype=DTYPE, device=DEVICE)) is None  # more than one row
+    assert norm_chain.operands(model, torch.zeros(1, 64, device=DEVICE)) is None  # fp32
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
     assert norm_chain.operands(model, row) is None
     handle.remove()
