@@ -38,9 +38,6 @@ from nanovllm.kernels.w4a16_mma import Mma, float_128, mma_matmul, nibble_128
 
 GEMV_MAX_M = 4
 DEQUANT_MIN_M = 128
-# 16-bit bytes of a Dequant chunk (0: the whole weight at once). Whole until an H200 run of
-# benchmarks/kernels/bench_w4a16_chunks.py shows L2-sized chunks winning (see Dequant).
-DEQUANT_CHUNK_BYTES = 0
 
 
 class Gemv(NamedTuple):
@@ -53,16 +50,12 @@ class Gemv(NamedTuple):
 
 
 class Dequant(NamedTuple):
-    """Above DEQUANT_MIN_M rows: the weight dequantized to x's dtype, then cuBLAS; `chunk`
-    columns at a time (0: all at once), each chunk multiplied into its columns of the output.
-
-    Why chunks: the whole weight written and read back moves 0.5 + 2 + 2 bytes a weight through
-    HBM (2.25x bf16's 2); a chunk of a few MB may stay in L2 from its write to cuBLAS's read and
-    be overwritten there by the next one, leaving ~0.5 (benchmarks/kernels/bench_w4a16_chunks.py
-    measures both; `choose` keeps whole weights until the H200 says otherwise)."""
+    """From DEQUANT_MIN_M rows: the weight dequantized to x's dtype, then cuBLAS. The weight is
+    written and read back whole: 0.5 + 2 + 2 bytes a weight through HBM (2.25x bf16's 2).
+    Measured and dropped (H100, BENCHMARKS.md): L2-sized column chunks, each multiplied right
+    after its dequantization, were slower than the whole weight at every chunk size (2-32 MB)."""
     block_w: int = 8
     block_n: int = 128
-    chunk: int = 0
 
 
 @triton.jit
@@ -128,45 +121,31 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, strid
 
 
 @triton.jit
-def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, C, K, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
+def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-    """Columns [0, C) of the weight [K, N] (the pointers at the first one) into out [K, C] in
-    out's dtype: word row i of the tile gives K-rows 8i .. 8i + 7."""
+    """The weight [K, N] into out [K, N] in out's dtype: word row i of the tile gives K-rows
+    8i .. 8i + 7."""
     w3 = (tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W))[:, None, None]
     j3 = tl.arange(0, 8)[None, :, None]
     n3 = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, None, :]
-    mask = (w3 < K // 8) & (n3 < C)
+    mask = (w3 < K // 8) & (n3 < N)
     words = tl.load(qw_ptr + w3 * N + n3, mask=mask, other=0)
     sz = (w3 * 8 // GROUP) * N + n3
     s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
     c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
     q = float_128(((words >> (4 * j3)) & 0xF) << 16)
-    tl.store(out_ptr + (w3 * 8 + j3) * C + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty), mask=mask & (j3 < 8))
+    tl.store(out_ptr + (w3 * 8 + j3) * N + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty), mask=mask & (j3 < 8))
 
 
 def _dequant_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                     group_size: int, cfg: Dequant, workspace: torch.Tensor | None) -> torch.Tensor:
-    """x2 @ the weight dequantized into the workspace, whole or `cfg.chunk` columns at a time."""
+    """x2 @ the weight dequantized into the workspace (or a new buffer)."""
     k, n = qweight.shape[0] * 8, qweight.shape[1]
-    chunk = min(cfg.chunk or n, n)
-    out = torch.empty(x2.shape[0], n, dtype=x2.dtype, device=x2.device) if chunk < n else None
-    for n0 in range(0, n, chunk):
-        c = min(chunk, n - n0)
-        w = workspace[: k * c].view(k, c) if workspace is not None else torch.empty(k, c, dtype=x2.dtype,
-                                                                                     device=x2.device)
-        _dequant_kernel[(triton.cdiv(k // 8, cfg.block_w), triton.cdiv(c, cfg.block_n))](
-            qweight[:, n0:], scales[:, n0:], zeros[:, n0:], w, n, c, k, GROUP=group_size, BLOCK_W=cfg.block_w,
-            BLOCK_N=cfg.block_n)
-        if out is None:
-            return x2 @ w
-        torch.mm(x2, w, out=out[:, n0:n0 + c])  # cuBLAS writes the strided columns in place
-    return out
-
-
-def dequant_chunk(k: int, nbytes: int) -> int:
-    """Columns of a K-row 16-bit chunk of at most `nbytes` (whole 128-column tiles, at least one;
-    0 for nbytes 0: the whole weight)."""
-    return max(128, nbytes // (2 * k) // 128 * 128) if nbytes else 0
+    w = workspace[: k * n].view(k, n) if workspace is not None else torch.empty(k, n, dtype=x2.dtype,
+                                                                                 device=x2.device)
+    _dequant_kernel[(triton.cdiv(k // 8, cfg.block_w), triton.cdiv(n, cfg.block_n))](
+        qweight, scales, zeros, w, n, k, GROUP=group_size, BLOCK_W=cfg.block_w, BLOCK_N=cfg.block_n)
+    return x2 @ w
 
 
 def _pow2_divisor(g: int, cap: int) -> int:
@@ -190,7 +169,7 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
         block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 and m == 1 else (16, 128)
         return Gemv(block_n, block_w, 8 if m == 1 or n < 16384 else 4, GEMV_MAX_M, m == 1, m == 1)
     if m >= DEQUANT_MIN_M:
-        return Dequant(chunk=dequant_chunk(k, DEQUANT_CHUNK_BYTES))
+        return Dequant()
     block_k = _pow2_divisor(k, 128)
     return Mma(16, 64, block_k, min(4, k // block_k)) if m <= 16 else Mma(64, 64, block_k, min(2, k // block_k))
 
