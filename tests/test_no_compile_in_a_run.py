@@ -47,7 +47,7 @@ def options(i: int) -> SamplingParams:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # fp8: prefix hits run the paged prefill kernel
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # prefix hits run the paged prefill kernel on either
 def test_a_run_after_start_up_compiles_no_triton_kernel(kv_cache_dtype):
     sys.path.insert(0, ROOT)
     import bench

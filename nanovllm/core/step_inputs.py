@@ -69,7 +69,7 @@ class StepInput:
 
 class DecodeBuffers:
     """All decode inputs of up to `max_bs` sequences in one flat int32 buffer, pinned on the host
-    and mirrored on the device: a decode step costs two small host-to-device copies. Layout: token
+    and mirrored on the device: a decode step costs one small host-to-device copy. Layout: token
     ids | positions | slot mapping | context lens | source rows (TokenSampler.input_tokens) | block
     tables [max_bs, width]; each field's first `bs` rows are contiguous, so CUDA graphs captured on
     `views(bs)` read the current step's inputs in place."""
@@ -118,11 +118,10 @@ class DecodeBuffers:
         ctx[:n] = p + 1
         for field, pad in ((ids, 0), (pos, 0), (slots, -1), (ctx, 0), (src, -1)):
             field[n:bs] = pad
-        # Two copies: the small fields, and only the block-table rows in use (the full table can
-        # be megabytes with small blocks and a long max_model_len).
+        # One copy: the small fields and only the block-table rows in use, which follow them (the
+        # full table can be megabytes with small blocks and a long max_model_len).
         end = self._small + bs * self.width
-        self.device[:self._small].copy_(self.host[:self._small], non_blocking=True)
-        self.device[self._small:end].copy_(self.host[self._small:end], non_blocking=True)
+        self.device[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
         return self.views(bs)

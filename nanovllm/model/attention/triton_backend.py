@@ -1,12 +1,12 @@
 """The attention backend of CUDA without flash-attn: PyTorch's bundled FlashAttention-2 varlen
-kernel for prefill (on an FP8 cache with cached tokens, our paged prefill kernel,
-kernels/paged_prefill.py), our Triton split-KV kernel (kernels/paged_decode.py) for decode, the
-Triton store kernel (kernels/kv_store.py) for the paged cache."""
+kernel for prefills without cached tokens, our paged prefill kernel (kernels/paged_prefill.py)
+for those with cached tokens (it reads the cache in place), our Triton split-KV kernel
+(kernels/paged_decode.py) for decode, the Triton store kernel (kernels/kv_store.py) for the
+paged cache."""
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 
 import torch
 
@@ -16,22 +16,6 @@ from nanovllm.kernels.paged_prefill import paged_prefill_attention
 from nanovllm.model.attention.metadata import AttentionMetadata
 from nanovllm.model.attention.fp8_cache import fp8_kv, round_trip_kv
 from nanovllm.model.attention.torch_backend import TorchBackend
-
-
-def gather_kv_varlen(cache: torch.Tensor, block_tables: torch.Tensor, cu_seqlens_k: torch.Tensor,
-                     total: int) -> torch.Tensor:
-    """The cached K (or V) of several sequences packed varlen as `cu_seqlens_k` describes.
-
-    Vectorised (no per-sequence loop): token t of sequence i is slot
-    block_tables[i, t // block_size] * block_size + t % block_size.
-    """
-    block_size = cache.size(1)
-    kv_lens = cu_seqlens_k.diff().long()
-    seq_idx = torch.repeat_interleave(torch.arange(kv_lens.numel(), device=cache.device), kv_lens,
-                                      output_size=total)
-    pos = torch.arange(total, device=cache.device) - cu_seqlens_k[seq_idx]
-    blocks = block_tables[seq_idx, pos // block_size].long()
-    return cache.view(-1, *cache.shape[2:])[blocks * block_size + pos % block_size]
 
 
 def prefill_part(meta: AttentionMetadata) -> AttentionMetadata:
@@ -46,24 +30,12 @@ def prefill_part(meta: AttentionMetadata) -> AttentionMetadata:
         has_prefix=kl != ql, query_lens=ql, kv_lens=kl, num_decode_rows=0)
 
 
-def groups_of_at_most(lengths: list[int], limit: int):
-    """Consecutive index ranges [a, b) whose lengths sum to <= limit (a single longer one alone)."""
-    a, total = 0, 0
-    for i, n in enumerate(lengths):
-        if total and total + n > limit:
-            yield a, i
-            a, total = i, 0
-        total += n
-    if a < len(lengths):
-        yield a, len(lengths)
-
-
 class TritonBackend:
-    """CUDA without flash-attn: aten's FlashAttention-2 varlen prefill, Triton paged decode."""
+    """CUDA without flash-attn: aten's FlashAttention-2 varlen prefill, Triton paged prefill
+    (cached tokens) and decode."""
 
     name = "triton"
     fp8_cache = True
-    GATHER_TOKENS = 1 << 16  # K/V tokens gathered per group: 256 MiB of K+V at 8 heads x 128 in bf16
 
     def __init__(self):
         self._decode = paged_decode_attention
@@ -74,20 +46,21 @@ class TritonBackend:
 
     @staticmethod
     def warm_up(model, dtype: torch.dtype) -> None:
-        """At start-up, compile the paged prefill of an FP8 cache (else the first prefix hit
-        compiles it inside a step): one launch per block-table width Triton tells apart (1, a
-        multiple of 16, another), on fresh aligned tensors as the steps' are."""
+        """At start-up, compile the paged prefill for the model's cache (else the first prefix
+        hit compiles it inside a step): one launch per block-table width Triton tells apart (1,
+        a multiple of 16, another), on fresh aligned tensors as the steps' are."""
         layer = next((m for m in model.modules() if isinstance(getattr(m, "k_cache", None), torch.Tensor)
-                      and m.k_cache.dtype == torch.float8_e4m3fn), None)
-        if layer is None:
+                      and m.k_cache.numel()), None)
+        if layer is None or dtype == torch.float32:  # fp32 prefills take the reference
             return
+        fp8 = layer.k_cache.dtype == torch.float8_e4m3fn
         dev = layer.k_cache.device
         q = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=dtype, device=dev)
         cu, ctx = torch.tensor([0, 1], dtype=torch.int32, device=dev), torch.ones(1, dtype=torch.int32, device=dev)
         for width in (1, 16, 3):
             table = torch.zeros(1, width, dtype=torch.int32, device=dev)
-            paged_prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, ctx, 1, layer.scale, layer.k_scale,
-                                    layer.v_scale)
+            paged_prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, ctx, 1, layer.scale,
+                                    layer.k_scale if fp8 else None, layer.v_scale if fp8 else None)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale=None, v_scale=None) -> torch.Tensor:
@@ -105,30 +78,16 @@ class TritonBackend:
                 k, v = round_trip_kv(k, k_scale, q.dtype), round_trip_kv(v, v_scale, q.dtype)
             return self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
                                meta.max_seqlen_k, scale)
-        if fp8:  # cached prefix + new tokens, the FP8 cache read in place (no dequantized copies)
-            return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                           meta.context_lens, meta.max_seqlen_q, scale, k_scale, v_scale)
-        # Cached prefix + new tokens: aten's kernel has no block table, so read each context back
-        # from the paged cache (the new tokens were stored there a moment ago) as contiguous
-        # varlen K/V. Prefix hits make contexts much longer than the step's token budget (say
-        # 512 requests behind one 4k-token system prompt), so gather a bounded group at a time.
-        out = torch.empty_like(q)
-        cu_q_host = [0, *itertools.accumulate(meta.query_lens)]
-        for a, b in groups_of_at_most(meta.kv_lens, self.GATHER_TOKENS):
-            cu_q = meta.cu_seqlens_q[a:b + 1] - meta.cu_seqlens_q[a]
-            cu_k = meta.cu_seqlens_k[a:b + 1] - meta.cu_seqlens_k[a]
-            total = sum(meta.kv_lens[a:b])
-            kk = gather_kv_varlen(k_cache, meta.block_tables[a:b], cu_k, total)
-            vv = gather_kv_varlen(v_cache, meta.block_tables[a:b], cu_k, total)
-            rows = slice(cu_q_host[a], cu_q_host[b])
-            out[rows] = self._flash(q[rows], kk, vv, cu_q, cu_k, max(meta.query_lens[a:b]), max(meta.kv_lens[a:b]),
-                                    scale)
-        return out
+        # Cached prefix + new tokens: read the paged cache in place (aten's kernel takes only
+        # contiguous K/V; gathering each context into a copy for it was 1.05-2.8x slower on an
+        # H100, BENCHMARKS.md "Prefills with cached tokens").
+        return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                                       meta.max_seqlen_q, scale, k_scale, v_scale)
 
     def _mixed(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale, v_scale):
         """A prefill step whose last rows are one-token decode rows (a mixed step): those attend
-        through the paged decode kernel, reading the cache in place as a decode step does; the
-        prefill path would first gather each one's whole context into a contiguous copy."""
+        through the paged decode kernel as in a decode step (its KV splits keep the GPU busy with
+        one query token a sequence, where the prefill kernel's query tiles would sit mostly idle)."""
         d = meta.num_decode_rows
         p, t = len(meta.query_lens) - d, q.size(0) - d  # prefill rows, and their packed tokens
         out = torch.empty_like(q)
