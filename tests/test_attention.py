@@ -235,19 +235,54 @@ def test_triton_backend_decode_matches_torch_on_gpu(block_size):
         assert err < 1e-2, (backend.name, err.item())
 
 
+def test_gather_groups_and_varlen_gather_on_cpu():
+    from nanovllm.model.attention.gathered_prefill import gather_kv_varlen, groups_of_at_most
+
+    assert list(groups_of_at_most([5, 5, 5], 10)) == [(0, 2), (2, 3)]
+    assert list(groups_of_at_most([20, 1, 1], 10)) == [(0, 1), (1, 3)]   # a long one alone
+    assert list(groups_of_at_most([3], 10)) == [(0, 1)]
+    cached, new = CASES["prefix_hit"]
+    _, ks, _, kc, _, bt = make_cache_scenario(cached, new, 4, 2, 16, 256, torch.float32, "cpu", seed=5)
+    lens = [c + n for c, n in zip(cached, new)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    packed = gather_kv_varlen(kc, bt, cu, sum(lens))
+    torch.testing.assert_close(packed, torch.cat(ks))
+    torch.testing.assert_close(gather_kv(kc, bt[1], lens[1]), ks[1])
+
+
 @pytest.mark.gpu
-def test_triton_prefix_prefill_reads_the_16_bit_cache_in_place():
-    """A bf16 cache with cached tokens: the paged prefill kernel through the backend (blocks of
-    16 tokens, so its 64-token K/V tiles span several blocks) against attention on the sequences'
-    own K/V. Bound: bf16 inputs and probabilities, fp32 sums; 1e-2 relative as the other GPU cases."""
+@pytest.mark.parametrize("path", ["paged", "gathered"])
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
+def test_triton_prefix_prefill_paths(monkeypatch, path, cache):
+    """Prefills with cached tokens through the backend, against attention on the sequences' own
+    K/V (FP8: round-tripped through the cache's rounding): the paged prefill kernel (blocks of 16
+    tokens, so its 64-token tiles span several blocks), or, for query chunks above
+    PAGED_PREFILL_MAX_Q, the contexts gathered (and dequantized) for FlashAttention-2, here one
+    group a sequence. Bound: bf16 inputs and probabilities, fp32 sums; 1e-2 relative as the other
+    GPU cases."""
+    from nanovllm.model.attention import gathered_prefill
     from nanovllm.model.attention.triton_backend import TritonBackend
 
     cached, new = CASES["prefix_hit"]
     q, ks, vs, kc, vc, bt = make_cache_scenario(cached, new, 16, 8, 128, 16, torch.bfloat16, "cuda", seed=11)
+    scales = {}
+    if cache == "fp8":
+        scales = dict(k_scale=(kc.abs().amax().float() / 200).reshape(1),
+                      v_scale=(vc.abs().amax().float() / 100).reshape(1))
+        kc, vc = ((c.float() / s).clamp(-448, 448).to(FP8) for c, s in zip((kc, vc), scales.values()))
+        ks = [ref_round_trip(k, scales["k_scale"], torch.bfloat16) for k in ks]
+        vs = [ref_round_trip(v, scales["v_scale"], torch.bfloat16) for v in vs]
     meta = prefill_meta(cached, new, bt, "cuda")
     k_new, v_new = dense_new_kv(ks, vs, new)
     ref = reference_attention(q, ks, vs, new, 128 ** -0.5).float()
-    out = TritonBackend().forward(q, k_new, v_new, kc, vc, meta, 128 ** -0.5).float()
+    calls = []
+    if path == "gathered":
+        monkeypatch.setattr(TritonBackend, "PAGED_PREFILL_MAX_Q", 0)
+        monkeypatch.setattr(gathered_prefill, "GATHER_TOKENS", 300)
+        real = gathered_prefill.gather_kv_varlen
+        monkeypatch.setattr(gathered_prefill, "gather_kv_varlen", lambda *a: calls.append(1) or real(*a))
+    out = TritonBackend().forward(q, k_new, v_new, kc, vc, meta, 128 ** -0.5, **scales).float()
+    assert len(calls) == (2 * len(new) if path == "gathered" else 0)  # K and V, one group a sequence
     assert ((out - ref).norm() / ref.norm()) < 1e-2
 
 
@@ -519,7 +554,7 @@ def test_fp8_bad_inputs_and_backend_selection(monkeypatch):
 @pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_triton_backend_fp8_matches_torch_on_gpu(case, block_size):
-    """Prefill (fresh: round trip; prefix hit / chunked: dequantizing gather) and decode of the
+    """Prefill (fresh: round trip; prefix hit / chunked: the paged prefill kernel) and decode of the
     triton backend on an FP8 cache vs the torch backend on the same cache, and both vs fp32
     attention over the round-tripped K/V. bf16 throughout: 1e-2 as the bf16 tests above."""
     from nanovllm.kernels.paged_decode import choose_num_splits

@@ -32,7 +32,10 @@ def tiny_model(seed: int, bias: bool = False) -> DecoderModel:
     for p in model.parameters():
         norm_like = p.dim() == 1 and p.shape[0] in (16, 64) and not bias
         p.data.copy_(torch.randn(p.shape, generator=gen) * 0.2 + (1.0 if norm_like else 0.0))
+    rope = model.layers[0].self_attn.rotary_emb  # one table shared by the layers
+    cos_sin = rope.cos_sin
     model.to(DTYPE).to(DEVICE)
+    rope.cos_sin = cos_sin.to(DEVICE)  # fp32, as an engine keeps it (the CUDA RoPE kernel takes no other)
     for layer in model.layers:
         layer.self_attn.attn.backend = TorchBackend()
         layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = torch.zeros(2, 4, 4, 2, 16, dtype=DTYPE,

@@ -21,7 +21,7 @@ import torch
 
 from nanovllm.kernels.paged_prefill import paged_prefill_attention
 from nanovllm.model.attention.fp8_cache import dequantize_kv
-from nanovllm.model.attention.triton_backend import TritonBackend
+from nanovllm.model.attention.gathered_prefill import flash_varlen
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
 # (sequences, cached tokens, new tokens): chat turns behind a shared system prompt, a few long
@@ -46,7 +46,7 @@ def gathered(q, kc, vc, bt, cu_q, cu_k, ctx_total, max_q, max_k, scale, k_scale,
     """The gather (+ dequantize) + FlashAttention-2 path, one group."""
     k = dequantize_kv(gather_varlen(kc, bt, cu_k, ctx_total), k_scale, q.dtype)
     v = dequantize_kv(gather_varlen(vc, bt, cu_k, ctx_total), v_scale, q.dtype)
-    return TritonBackend._flash(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+    return flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
 def ms(fn, calls: int = 20) -> float:

@@ -1,6 +1,7 @@
 """The attention backend of CUDA without flash-attn: PyTorch's bundled FlashAttention-2 varlen
 kernel for prefills without cached tokens, our paged prefill kernel (kernels/paged_prefill.py)
-for those with cached tokens (it reads the cache in place), our Triton split-KV kernel
+for those with cached tokens (it reads the cache in place; big query chunks gather the contexts
+for FlashAttention-2 instead, gathered_prefill.py), our Triton split-KV kernel
 (kernels/paged_decode.py) for decode, the Triton store kernel (kernels/kv_store.py) for the
 paged cache."""
 
@@ -13,8 +14,9 @@ import torch
 from nanovllm.kernels.kv_store import store_kvcache
 from nanovllm.kernels.paged_decode import paged_decode_attention
 from nanovllm.kernels.paged_prefill import paged_prefill_attention
-from nanovllm.model.attention.metadata import AttentionMetadata
 from nanovllm.model.attention.fp8_cache import fp8_kv, round_trip_kv
+from nanovllm.model.attention.gathered_prefill import flash_varlen, gathered_prefill
+from nanovllm.model.attention.metadata import AttentionMetadata
 from nanovllm.model.attention.torch_backend import TorchBackend
 
 
@@ -36,6 +38,10 @@ class TritonBackend:
 
     name = "triton"
     fp8_cache = True
+    # Prefills with cached tokens and at most this many new tokens a sequence read the cache in
+    # place; longer chunks gather for FlashAttention-2. H100 (BENCHMARKS.md): the paged kernel
+    # 1.04-2.8x faster up to 2,048 new tokens (FP8: 0.97x at 2,048), 0.93x (FP8 0.78x) at 8,192.
+    PAGED_PREFILL_MAX_Q = 2048
 
     def __init__(self):
         self._decode = paged_decode_attention
@@ -76,11 +82,10 @@ class TritonBackend:
         if not meta.has_prefix:
             if fp8:
                 k, v = round_trip_kv(k, k_scale, q.dtype), round_trip_kv(v, v_scale, q.dtype)
-            return self._flash(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
-                               meta.max_seqlen_k, scale)
-        # Cached prefix + new tokens: read the paged cache in place (aten's kernel takes only
-        # contiguous K/V; gathering each context into a copy for it was 1.05-2.8x slower on an
-        # H100, BENCHMARKS.md "Prefills with cached tokens").
+            return flash_varlen(q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q,
+                                meta.max_seqlen_k, scale)
+        if meta.max_seqlen_q > self.PAGED_PREFILL_MAX_Q:  # cached prefix + a big chunk: compute-bound
+            return gathered_prefill(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
         return paged_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                                        meta.max_seqlen_q, scale, k_scale, v_scale)
 
@@ -96,8 +101,3 @@ class TritonBackend:
         if p:
             out[:t] = self.forward(q[:t], k[:t], v[:t], k_cache, v_cache, prefill_part(meta), scale, k_scale, v_scale)
         return out
-
-    @staticmethod
-    def _flash(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-        return torch.ops.aten._flash_attention_forward(q, k, v.contiguous(), cu_q, cu_k, max_q, max_k, 0.0, True,
-                                                      False, scale=scale)[0]
