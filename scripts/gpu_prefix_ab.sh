@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Prefills with cached tokens on the paged prefill kernel for 16-bit caches too, in one device
-# call: the GPU tests of what it touches (and the chain / GEMV tests, which run on CUDA when it
-# is there), the kernel against gather + FlashAttention-2, then the engine A/B against AB_BASE
-# (a `git archive` of the commit before, carried): prefix-hit prefills (bench_prefix_prefill.py)
-# (the batch-1 decode step's one host-to-device copy instead of two: gpu_batch1.sh).
+# Prefills with cached tokens on the paged prefill kernel, in one device call: the GPU tests of
+# what it touches (and the chain / GEMV tests, which run on CUDA when it is there), the kernel
+# against gather + FlashAttention-2, then the engine A/B of prefix-hit prefills
+# (bench_prefix_prefill.py) against AB_BASE (a `git archive` of the commit before, carried).
 #   AB_BASE=.ab_base bash scripts/gpu_prefix_ab.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -65,8 +65,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
     with atomic sums, masked rows and columns, groups smaller and larger than its K-tile), and
     from 128 rows the dequantizing kernel (into a NaN-poisoned workspace, masked columns) and a
-    matmul. The same
-    products summed in another order: within 1e-4."""
+    matmul. The same products summed in another order: within 1e-4."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import Dequant, Gemv, Mma, w4a16_matmul
 

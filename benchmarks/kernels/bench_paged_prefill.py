@@ -1,7 +1,8 @@
 """Prefills with cached tokens: the paged prefill kernel (kernels/paged_prefill.py, reading the
-cache in place, the Triton backend's path) against gathering each context into contiguous K/V
-for aten's FlashAttention-2 (the backend's 16-bit path until this bench measured it slower; for
-FP8 caches the same plus the torch dequantization it ran before).
+cache in place) against gathering each context into contiguous K/V for aten's FlashAttention-2
+(model/attention/gathered_prefill.py; FP8 caches dequantized on the way). The Triton backend
+takes the kernel up to TritonBackend.PAGED_PREFILL_MAX_Q new tokens a sequence and the gather
+above, where this bench found FlashAttention-2 faster.
 
     PYTHONPATH=.:benchmarks/kernels python3 benchmarks/kernels/bench_paged_prefill.py
 
@@ -21,7 +22,7 @@ import torch
 
 from nanovllm.kernels.paged_prefill import paged_prefill_attention
 from nanovllm.model.attention.fp8_cache import dequantize_kv
-from nanovllm.model.attention.gathered_prefill import flash_varlen
+from nanovllm.model.attention.gathered_prefill import flash_varlen, gather_kv_varlen
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 256
 # (sequences, cached tokens, new tokens): chat turns behind a shared system prompt, a few long
@@ -31,21 +32,10 @@ SCENARIOS = [(64, 1024, 32), (16, 4096, 256), (4, 8192, 512), (1, 6144, 2048), (
              (1, 16384, 16384)]
 
 
-def gather_varlen(cache, block_tables, cu_seqlens_k, total: int) -> torch.Tensor:
-    """Every sequence's cached K (or V) as one contiguous varlen tensor: token t of sequence i
-    sits at slot block_tables[i, t // block] * block + t % block (one indexed read, no loop)."""
-    block = cache.size(1)
-    seq = torch.repeat_interleave(torch.arange(cu_seqlens_k.numel() - 1, device=cache.device),
-                                  cu_seqlens_k.diff().long(), output_size=total)
-    t = torch.arange(total, device=cache.device) - cu_seqlens_k[seq]
-    slots = block_tables[seq, t // block].long() * block + t % block
-    return cache.flatten(0, 1)[slots]
-
-
 def gathered(q, kc, vc, bt, cu_q, cu_k, ctx_total, max_q, max_k, scale, k_scale, v_scale):
     """The gather (+ dequantize) + FlashAttention-2 path, one group."""
-    k = dequantize_kv(gather_varlen(kc, bt, cu_k, ctx_total), k_scale, q.dtype)
-    v = dequantize_kv(gather_varlen(vc, bt, cu_k, ctx_total), v_scale, q.dtype)
+    k = dequantize_kv(gather_kv_varlen(kc, bt, cu_k, ctx_total), k_scale, q.dtype)
+    v = dequantize_kv(gather_kv_varlen(vc, bt, cu_k, ctx_total), v_scale, q.dtype)
     return flash_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
 
 
