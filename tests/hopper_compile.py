@@ -63,14 +63,22 @@ def capture_launches(scenario) -> list[tuple]:
     return launches
 
 
+def _aligned(value) -> bool:
+    """Whether a launch would specialize this argument as divisible by 16 (a tensor's address, an
+    int), as Triton's launcher does: its vector loads and the SASS read from it depend on it."""
+    if isinstance(value, torch.Tensor):
+        return value.data_ptr() % 16 == 0
+    return isinstance(value, int) and not isinstance(value, bool) and value % 16 == 0
+
+
 def compile_launch(kernel, named: dict, options: dict, capability: int = 90):
     """triton.compile of one caught launch for sm90, or another capability (a missing argument
-    keeps its default)."""
+    keeps its default), with the divisibility a real launch would specialize."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
     for i, p in enumerate(kernel.params):
         if p.name in named:
             value = named[p.name]
@@ -83,7 +91,9 @@ def compile_launch(kernel, named: dict, options: dict, capability: int = 90):
             constexprs[(i,)] = value
         else:
             signature[p.name] = _type_of(value)
-    src = ASTSource(kernel, signature, constexprs=constexprs)
+            if _aligned(value) and not p.do_not_specialize:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 

@@ -85,7 +85,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
 
 
 @pytest.mark.parametrize("k, n, group, strips", [
-    (1024, 96, 128, (32, 2)),  # 4 steps (each prefetching the next); the last column block masked
+    (1024, 96, 128, (32, 2)),  # 4 steps (each prefetching the next); whole blocks and steps: EVEN, no masks
     (480, 64, 32, (16, 1)),  # groups of 32 (one strip); K not in whole steps: masked rows
     (768, 40, -1, (16, 1))])  # one group per column (group_size = K = 768); 2 of 3 column blocks whole
 def test_the_batch1_gemv_equals_its_torch_arithmetic(k, n, group, strips):

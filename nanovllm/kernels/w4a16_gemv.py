@@ -4,8 +4,10 @@ points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
 
 A decode step at batch 1 reads every weight once, so this kernel must keep the memory busy with
 few instructions a weight: the H200 moves ~8.6e12 four-bit weights a second and issues ~3.3e13
-thread instructions (integer ones at half that), ~3.9 a weight in all. Read from SASS, this
-kernel spends ~3.7 (kernels/w4a16.py's earlier GEMV ~6, with scalar loads of words and x):
+thread instructions (integer ones at half that), ~3.9 a weight in all. Read from SASS (sm90,
+specialized as a launch is), this kernel's loop spends ~3.4 (3.9 with masked scalar loads of x;
+kernels/w4a16.py's earlier GEMV ~6). Yet the GEMVs run at 40-52% of the bandwidth: cutting 13%
+of the instructions made them 2-4% faster (H100), so they wait mostly on memory latency:
 - Strips: each thread owns 4 consecutive word rows (32 K-rows: one group, a single scale and
   zero point) of 4 adjacent columns, loaded as 128-bit vectors; the 4 rows are 4 tiles of one
   layout, so their sum is register arithmetic, and x's 32 values serve 4 columns.
@@ -14,7 +16,8 @@ kernel spends ~3.7 (kernels/w4a16.py's earlier GEMV ~6, with scalar loads of wor
   integer instructions a weight), then one FMA with x. The 128 and the zero point come off once
   per strip and column: sum x (q - z) = sum x (128 + q) - (128 + z) sum x, then times the scale.
   The fp32 sums lose nothing a 16-bit output can see (the offset costs 7 of fp32's 24 bits).
-- x read as int32 pairs of bf16: each value's bits moved to the top of an fp32 are that value.
+- x read as int32 pairs of bf16, a 16-byte vector a thread a word row: each value's bits moved
+  to the top of an fp32 are that value.
 - Bytes in flight: the next strip's words load before this strip's arithmetic (a register
   prefetch); 16-32 columns a program give each SM a few programs, each running all of K.
 - gate_up's SiLU * up in the epilogue (`silu_mul`): a program's columns are half gate, half the
@@ -71,11 +74,31 @@ def _floats_128(words, ASM: tl.constexpr):
 
 
 @triton.jit
-def _x_pair(xw_ptr, offs, mask):
-    """Two bf16 values of x from one int32 (x viewed as words): each one's bits moved to the top
-    16 of an fp32 are that value exactly (a shift or a mask, no conversion)."""
-    v = tl.load(xw_ptr + offs, mask=mask, other=0)
-    return (v << 16).to(tl.float32, bitcast=True), (v & -65536).to(tl.float32, bitcast=True)
+def _x_values(xw_ptr, rows, n_words, BLOCK_N: tl.constexpr, EVEN: tl.constexpr):
+    """x's eight bf16 values of word row `rows` [P, 1] as fp32, each [P, BLOCK_N / 4] (one a
+    thread). x is read as int32 pairs, one 16-byte vector a thread: element c of the [P, BLOCK_N]
+    load is pair c % 4, so a thread's four columns hold the row's four pairs and the reshape and
+    splits below stay in its registers. A pair's bits moved to the top of an fp32 are each value
+    exactly (a shift or a mask, no conversion). EVEN: no row past K's end, so no mask (its
+    zeroing and 64-bit compares were ~10% of the loop's instructions)."""
+    offs = rows * 4 + (tl.arange(0, BLOCK_N) % 4)[None, :]
+    if EVEN:
+        v = tl.load(xw_ptr + offs)
+    else:
+        v = tl.load(xw_ptr + offs, mask=rows < n_words, other=0)
+    even, odd = tl.split(tl.reshape(v, (v.shape[0], BLOCK_N // 4, 2, 2)))  # pairs 0, 2 and 1, 3
+    p0, p2 = tl.split(even)
+    p1, p3 = tl.split(odd)
+    return ((p0 << 16).to(tl.float32, bitcast=True), (p0 & -65536).to(tl.float32, bitcast=True),
+            (p1 << 16).to(tl.float32, bitcast=True), (p1 & -65536).to(tl.float32, bitcast=True),
+            (p2 << 16).to(tl.float32, bitcast=True), (p2 & -65536).to(tl.float32, bitcast=True),
+            (p3 << 16).to(tl.float32, bitcast=True), (p3 & -65536).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _spread(e, BLOCK_N: tl.constexpr):
+    """[P, BLOCK_N / 4] -> [P, BLOCK_N]: each value over its thread's four columns."""
+    return tl.reshape(tl.broadcast_to(e[:, :, None], (e.shape[0], BLOCK_N // 4, 4)), (e.shape[0], BLOCK_N))
 
 
 @triton.jit
@@ -87,15 +110,15 @@ def _words(qw_ptr, rows, n2, N, n_words, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _row(words, xw_ptr, rows, n_words, part, xsum, ASM: tl.constexpr):
-    """part += the word row's eight (128 + q) times x's eight values; xsum += those values."""
+def _row(words, xw_ptr, rows, n_words, part, xsum, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """part += the word row's eight (128 + q) times x's eight values; xsum ([P, BLOCK_N / 4])
+    += those values."""
     f0, f1, f2, f3, f4, f5, f6, f7 = _floats_128(words, ASM)
-    x0, x1 = _x_pair(xw_ptr, rows * 4, rows < n_words)
-    x2, x3 = _x_pair(xw_ptr, rows * 4 + 1, rows < n_words)
-    x4, x5 = _x_pair(xw_ptr, rows * 4 + 2, rows < n_words)
-    x6, x7 = _x_pair(xw_ptr, rows * 4 + 3, rows < n_words)
-    part = tl.fma(f0, x0, tl.fma(f1, x1, tl.fma(f2, x2, tl.fma(f3, x3, part))))  # one FMA a weight
-    part = tl.fma(f4, x4, tl.fma(f5, x5, tl.fma(f6, x6, tl.fma(f7, x7, part))))
+    x0, x1, x2, x3, x4, x5, x6, x7 = _x_values(xw_ptr, rows, n_words, BLOCK_N, EVEN)
+    part = tl.fma(f0, _spread(x0, BLOCK_N), tl.fma(f1, _spread(x1, BLOCK_N), part))  # one FMA a weight
+    part = tl.fma(f2, _spread(x2, BLOCK_N), tl.fma(f3, _spread(x3, BLOCK_N), part))
+    part = tl.fma(f4, _spread(x4, BLOCK_N), tl.fma(f5, _spread(x5, BLOCK_N), part))
+    part = tl.fma(f6, _spread(x6, BLOCK_N), tl.fma(f7, _spread(x7, BLOCK_N), part))
     return part, xsum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
 
 
@@ -143,16 +166,20 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, half, GROUP: tl.con
         first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
         next0, next1, next2, next3 = _strip(qw_ptr, first + 4 * P, n2, N, n_words, EVEN)  # in flight meanwhile
         part = tl.zeros((P, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((P, 1), dtype=tl.float32)
-        part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, ASM)
-        part, xsum = _row(w1_, xw_ptr, first + 1, n_words, part, xsum, ASM)
-        part, xsum = _row(w2_, xw_ptr, first + 2, n_words, part, xsum, ASM)
-        part, xsum = _row(w3_, xw_ptr, first + 3, n_words, part, xsum, ASM)
+        xsum = tl.zeros((P, BLOCK_N // 4), dtype=tl.float32)
+        part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, BLOCK_N, EVEN, ASM)
+        part, xsum = _row(w1_, xw_ptr, first + 1, n_words, part, xsum, BLOCK_N, EVEN, ASM)
+        part, xsum = _row(w2_, xw_ptr, first + 2, n_words, part, xsum, BLOCK_N, EVEN, ASM)
+        part, xsum = _row(w3_, xw_ptr, first + 3, n_words, part, xsum, BLOCK_N, EVEN, ASM)
         g2 = (first * 8 // GROUP) * N + n2
-        smask = (first < n_words) & (n2 < N)
-        s = tl.load(s_ptr + g2, mask=smask, other=0.0).to(tl.float32)
-        z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
-        acc += (part - (z + 128.0) * xsum) * s
+        if EVEN:
+            s = tl.load(s_ptr + g2).to(tl.float32)
+            z = tl.load(z_ptr + g2).to(tl.float32)
+        else:
+            smask = (first < n_words) & (n2 < N)
+            s = tl.load(s_ptr + g2, mask=smask, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
+        acc += (part - (z + 128.0) * _spread(xsum, BLOCK_N)) * s
         w0_, w1_, w2_, w3_ = next0, next1, next2, next3
     _store(out_ptr, tl.sum(acc, axis=0), half, BLOCK_N, GATED)
 
