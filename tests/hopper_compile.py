@@ -149,12 +149,13 @@ def _qk_norm_rope(cache_dtype, norm):
 
 
 def _rms_norm_and_silu():
-    from nanovllm.kernels.fused_ops import rms_norm, silu_and_mul
+    from nanovllm.kernels.fused_ops import norm_parts, rms_norm, silu_and_mul
 
     x, w = torch.randn(6, 1024).to(BF16), torch.ones(1024).to(BF16)
     rms_norm(x, w, 1e-6)
     rms_norm(x, w, 1e-6, torch.randn(6, 1024).to(BF16))
     silu_and_mul(torch.randn(6, 2 * 3072).to(BF16))
+    norm_parts(x[:1].contiguous(), w)  # the norm chain's first norm
 
 
 def _fp8_gemm():
@@ -206,15 +207,22 @@ def _filtered_sampling(dtype, top_k=True, top_p=True, min_p=True, scale=True, ro
                            rounds=rounds)
 
 
-def _w4a16(m, group_size, dtype=BF16, config=None, silu_mul=False):
+def _w4a16(m, group_size, dtype=BF16, config=None, silu_mul=False, folds=False):
     from nanovllm.kernels.w4a16 import choose, w4a16_matmul
     from nanovllm.kernels.w4a16_gemv import gemv
 
     k, n = 4096, 6144
     qweight = torch.zeros(k // 8, n, dtype=torch.int32)
     scales = torch.ones(k // group_size, n).to(dtype)
-    if silu_mul:  # gate_up's batch-1 GEMV with SiLU * up in its epilogue
-        gemv(torch.randn(1, k).to(dtype), qweight, scales, scales, group_size, choose(1, n, k), silu_mul=True)
+    if silu_mul:  # gate_up's batch-1 GEMV with SiLU * up in its epilogue (and the norm chain's scaling)
+        gemv(torch.randn(1, k).to(dtype), qweight, scales, scales, group_size, choose(1, n, k), silu_mul=True,
+             norm_parts=torch.ones(256))
+        return
+    if folds:  # o_proj / down_proj in the norm chain; qkv with its bias and the norm's scaling
+        x, cfg = torch.randn(1, k).to(dtype), choose(1, n, k)
+        gemv(x, qweight, scales, scales, group_size, cfg, add_residual=torch.randn(1, n).to(dtype),
+             next_norm_weight=torch.ones(n).to(dtype))
+        gemv(x, qweight, scales, scales, group_size, cfg, bias=torch.ones(n).to(dtype), norm_parts=torch.ones(256))
         return
     w4a16_matmul(torch.randn(m, k).to(dtype), qweight, scales, scales, group_size, config=config)
 
@@ -228,9 +236,9 @@ def _dense_gemv(weight_dtype, prologue, k=1024, n=4096, block=False):
     scale = (torch.ones(-(-n // 128), -(-k // 128)) if block else torch.ones(1)) if weight_dtype == FP8 else None
     extra = dict(residual=torch.randn(1, k).to(BF16), norm_weight=torch.ones(k).to(BF16)) if p == Prologue.RMS_NORM else {}
     if p == Prologue.NORM_PARTS:
-        extra = dict(norm_weight=torch.ones(k).to(BF16), norm_parts=torch.ones(256))
-    if prologue == "ADD_RESIDUAL":
-        extra = dict(add_residual=torch.randn(1, n).to(BF16))
+        extra = dict(norm_parts=torch.ones(256))
+    if prologue == "ADD_RESIDUAL":  # o_proj / down_proj in the norm chain: the next norm's product too
+        extra = dict(add_residual=torch.randn(1, n).to(BF16), next_norm_weight=torch.ones(n).to(BF16))
     dense_gemv(torch.randn(1, k).to(BF16), torch.zeros(n, k).to(weight_dtype), scale=scale, prologue=p,
                silu_mul=silu_mul, **extra)
 
@@ -283,6 +291,7 @@ SCENARIOS = {
     "paged_prefill_fp8": lambda: _paged_prefill(FP8),
     "w4a16_decode": lambda: _w4a16(1, 128),
     "w4a16_decode_silu": lambda: _w4a16(1, 128, silu_mul=True),
+    "w4a16_decode_norm_folds": lambda: _w4a16(1, 128, folds=True),
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),
     "w4a16_prefill": lambda: _w4a16(300, 128),
     # The unpacking tensor-core kernel's inline PTX in fp16 (bf16: w4a16_split_k_g32).

@@ -134,6 +134,53 @@ def test_the_batch1_gemv_silu_epilogue_equals_the_separate_kernel(k, half, group
         gemv(x, w.qweight[:, :36], w.scales[:, :36], w.zeros[:, :36], group, cfg, silu_mul=True)
 
 
+def _random_int4(k: int, n: int, group: int, g: torch.Generator):
+    from nanovllm.features.quantization.int4_formats import Int4Weights
+
+    return Int4Weights(torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g).to(torch.int32),
+                       (torch.rand(k // group, n, generator=g) * 0.02).to(torch.bfloat16),
+                       torch.randint(0, 16, (k // group, n), generator=g).to(torch.bfloat16), group, None)
+
+
+def _within_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Within one bf16 ulp (the interpreter truncates to bf16 where torch rounds to nearest)."""
+    w = want.float()
+    return bool(((got.float() - w).abs() <= torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)).all())
+
+
+@pytest.mark.parametrize("k, n, strips", [(256, 64, (16, 1)), (1024, 96, (32, 2))])
+def test_the_batch1_gemv_norm_folds(k, n, strips):
+    """The INT4 GEMV's folds of model/norm_chain.py, in the interpreter: add_residual writes
+    s = out + r (each rounded), s * the next norm's weight and each program's sum of s^2; a GEMV
+    taking that product with those sums (norm_parts) and a bias equals the same arithmetic in torch
+    (the product's row @ the dequantized weight * rsqrt(mean + eps) + bias: within 2^-7 + 1e-3, as
+    the plain GEMV), and gate_up's SiLU * up from it is bit for bit that GEMV's through silu_and_mul."""
+    from nanovllm.features.quantization.int4_formats import dequantize
+    from nanovllm.kernels.fused_ops import silu_and_mul
+    from nanovllm.kernels.w4a16_gemv import Strips, gemv
+
+    g, cfg, eps = torch.Generator().manual_seed(k + n), Strips(*strips), 1e-6
+    w, w2, w3 = _random_int4(k, n, 128, g), _random_int4(n, 32, 32, g), _random_int4(n, 64, 32, g)
+    x, r = torch.randn(1, k, generator=g).to(torch.bfloat16), torch.randn(1, n, generator=g).to(torch.bfloat16)
+    nw, bias = (torch.rand(n, generator=g) + 0.5).to(torch.bfloat16), torch.randn(32, generator=g).to(torch.bfloat16)
+    s, parts, scaled = gemv(x, w.qweight, w.scales, w.zeros, 128, cfg, add_residual=r, next_norm_weight=nw)
+    assert _within_ulp(s, gemv(x, w.qweight, w.scales, w.zeros, 128, cfg).float() + r.float())
+    assert _within_ulp(scaled, s.float() * nw.float())
+    assert parts.dtype == torch.float32 and torch.allclose(parts.sum(), (s.float() ** 2).sum(), rtol=1e-5)
+    out = gemv(scaled, w2.qweight, w2.scales, w2.zeros, 32, Strips(16, 1), bias=bias, norm_parts=parts, eps=eps)
+    want = scaled.float() @ dequantize(w2).float() * torch.rsqrt(parts.sum() / n + eps) + bias.float()
+    assert torch.allclose(out.float(), want, rtol=2**-7, atol=1e-3), (out.float() - want).abs().max()
+    folds = dict(norm_parts=parts, eps=eps)
+    gated = gemv(scaled, w3.qweight, w3.scales, w3.zeros, 32, Strips(16, 1), silu_mul=True, **folds)
+    assert torch.equal(gated, silu_and_mul(gemv(scaled, w3.qweight, w3.scales, w3.zeros, 32, Strips(16, 1), **folds)))
+    for bad, match in ((dict(add_residual=torch.zeros(1, n + 1, dtype=torch.bfloat16)), r"\[1, %d\]" % n),
+                       (dict(next_norm_weight=nw), "comes with add_residual"),
+                       (dict(bias=torch.zeros(n - 1, dtype=torch.bfloat16)), "bias"),
+                       (dict(add_residual=r, norm_parts=parts), "no add_residual")):
+        with pytest.raises(ValueError, match=match):
+            gemv(x, w.qweight, w.scales, w.zeros, 128, cfg, **bad)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="runs the CUDA-only dispatch on CPU rows, in the interpreter")
 @pytest.mark.parametrize("act_order", [False, True])
 def test_an_int4_gate_up_layer_writes_silu_mul_from_its_gemv(monkeypatch, act_order):

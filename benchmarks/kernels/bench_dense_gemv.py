@@ -11,8 +11,8 @@ Per GEMM, microseconds of:
 - FP8 (one scale per tensor): the engine's path (activation amax + cast, torch._scaled_mm) | the
   GEMV (weights converted in registers, no activation quantization) | the same folds;
 - chains o -> norm -> gate_up and down -> norm -> qkv: 3 kernels (GEMV, residual add + RMSNorm,
-  GEMV) against 2 (the first GEMV adding the residual and writing its sums of squares, the second
-  norming from them: Prologue.NORM_PARTS).
+  GEMV) against 2 (the first GEMV adding the residual and writing the stream times the norm weight
+  and its sums of squares, the second scaling by the rsqrt made from them: Prologue.NORM_PARTS).
 Each GEMV output is first checked against fp32 arithmetic (max |out - ref| / max |ref| > 1e-2:
 WRONG). --sweep times a few tiles per GEMM and keeps the best. Writes $OUT/dense_gemv.json.
 """
@@ -114,8 +114,8 @@ def row(model: str, name: str, n: int, k: int, folds: tuple, sweep: bool, gen) -
 
 def chain(model: str, producer: str, consumer: str, gen) -> dict:
     """The producer's GEMV, the residual add + RMSNorm, the consumer's GEMV (3 kernels) against the
-    producer adding the residual and writing its sums of squares, the consumer norming from those
-    (NORM_PARTS, 2 kernels): microseconds of each chain, bf16 and FP8 (per-tensor) weights."""
+    producer adding the residual and writing the normed product and its sums of squares, the
+    consumer scaling by the rsqrt made from those (NORM_PARTS, 2 kernels): microseconds of each chain, bf16 and FP8 (per-tensor) weights."""
     (n1, k1, _), (n2, k2, _) = GEMMS[model][producer], GEMMS[model][consumer]
     dev, res = "cuda", {"model": model, "chain": f"{producer} -> norm -> {consumer}"}
     x = torch.randn(1, k1, generator=gen, device=dev).to(torch.bfloat16)
@@ -136,8 +136,8 @@ def chain(model: str, producer: str, consumer: str, gen) -> dict:
             return dense_gemv(h, c_next(), **f8, **gated)
 
         def fused():
-            s, parts = dense_gemv(x, p_next(), add_residual=r, **f8)
-            return dense_gemv(s, c_next(), prologue=Prologue.NORM_PARTS, norm_weight=nw, norm_parts=parts, **f8,
+            s, parts, scaled = dense_gemv(x, p_next(), add_residual=r, next_norm_weight=nw, **f8)
+            return dense_gemv(scaled, c_next(), prologue=Prologue.NORM_PARTS, norm_parts=parts, **f8,
                               **gated)
         res[f"{kind}_unfused_us"] = round(cuda_graph_us(unfused, median=True), 2)
         res[f"{kind}_fused_us"] = round(cuda_graph_us(fused, median=True), 2)

@@ -17,10 +17,14 @@ amax + cast) add a launch and ~1.5-2.6 us each, 3-7 of them a layer. Here:
   against the alternative, down_proj's prologue (recomputed by every program), below.
 - Optionally an RMSNorm prologue (`Prologue.RMS_NORM`, with the residual add; each program sums
   the row's squares itself, program 0 stores the new residual): measured, not wired in (below);
-  or the norm's sum of squares made once, by the GEMV before adding the residual to its output
-  (`add_residual`: each program writes its rows' share) and read by `Prologue.NORM_PARTS`: one
-  kernel fewer than GEMV + add_rms_norm + GEMV, and with `silu_mul` gate_up normed and gated in
-  one. model/norm_chain.py runs a batch-1 forward on these (bench_dense_gemv.py times the chains).
+  or the norm split between its neighbours: the GEMV before adds the residual to its output and
+  writes that stream times the norm's weight and each program's sum of squares of the stream
+  (`add_residual`, `next_norm_weight`); `Prologue.NORM_PARTS` multiplies that product and scales
+  each output by the rsqrt made from those sums. No per-element work is added to either GEMV, so
+  the fold serves any size (an earlier prologue that normed x in every program cost more than
+  the kernel it saved above ~16 MB); one kernel fewer than GEMV + add_rms_norm + GEMV, and with
+  `silu_mul` gate_up normed and gated in one. model/norm_chain.py runs a batch-1 forward on these
+  (bench_dense_gemv.py times the chains).
 - Each program owns BLOCK_N rows of W and runs all of K: no split-K, no atomics, no zeroing.
   A thread's loads are 16 bytes along K; the [BLOCK_N, BLOCK_K] products accumulate in fp32
   registers and are summed across the tile once at the end.
@@ -35,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_ops import silu_mul_rounded
+from nanovllm.kernels.fused_ops import inv_rms_parts, silu_mul_rounded, store_residual_sum
 
 # A prologue is recomputed by every program, so it pays on small weights only. Measured on the
 # H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): an RMSNorm prologue won on 0.6B's
@@ -48,7 +52,8 @@ from nanovllm.kernels.fused_ops import silu_mul_rounded
 class Prologue(IntEnum):
     PLAIN = 0  # x as given
     RMS_NORM = 1  # x = norm(a (+ residual)) * norm weight
-    NORM_PARTS = 2  # the same norm of a, its sum of squares from the GEMV before (`add_residual`'s parts)
+    NORM_PARTS = 2  # x = the stream times the norm weight and the stream's sums of squares, from the GEMV
+    # before (`add_residual` with `next_norm_weight`); the outputs are scaled by rsqrt(mean + eps)
 
 
 class Tile(NamedTuple):
@@ -91,21 +96,10 @@ def _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, first, HAS_RESIDUAL: tl.constexp
 
 
 @triton.jit
-def _inv_rms_parts(ss_ptr, parts, K, eps):
-    """rsqrt(mean(s^2) + eps) from the per-program sums of squares the GEMV before wrote (every
-    program adds them in the same order, so all use the same value)."""
-    offs = tl.arange(0, 256)
-    acc = tl.zeros([256], dtype=tl.float32)
-    for p0 in range(0, parts, 256):
-        acc += tl.load(ss_ptr + p0 + offs, mask=p0 + offs < parts, other=0.0)
-    return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
-
-
-@triton.jit
 def _input(a_ptr, r_ptr, nw_ptr, k, mask, inv, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            EVEN: tl.constexpr, dtype: tl.constexpr):
-    """x[k] in fp32, made by the prologue (see Prologue)."""
-    if PROLOGUE >= 1:
+    """x[k] in fp32, made by the prologue (see Prologue; NORM_PARTS takes x as given)."""
+    if PROLOGUE == 1:
         s = _residual_sum(a_ptr, r_ptr, k, mask, HAS_RESIDUAL, EVEN, dtype)
         normed = (s * inv).to(dtype).to(tl.float32)
         w = _ld(nw_ptr + k, mask, EVEN).to(tl.float32)
@@ -133,35 +127,27 @@ def _rows_dot(w, x, k, K, scale_ptr, block_row, SCALE: tl.constexpr):
 
 
 @triton.jit
-def _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The rows' sums (* the tensor scale) (+ bias), fp32."""
+def _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, inv, SCALE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """The rows' sums (* the tensor scale) * inv (NORM_PARTS's norm, else 1) (+ bias), fp32."""
     y = tl.sum(acc, axis=1)
     if SCALE == 1:
         y = y * tl.load(scale_ptr)
+    y = y * inv
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     return y
 
 
 @triton.jit
-def _store_residual_sum(out_ptr, ss_ptr, y, r_ptr, rows, row_mask, dtype: tl.constexpr):
-    """out = y + residual (each rounded to the dtype, as torch adds 16-bit tensors), and this
-    program's sum of the squares of that, for the norm the next GEMV's prologue makes."""
-    s = (y.to(dtype).to(tl.float32) + tl.load(r_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)).to(dtype)
-    tl.store(out_ptr + rows, s, mask=row_mask)
-    sf = tl.where(row_mask, s.to(tl.float32), 0.0)
-    tl.store(ss_ptr + tl.program_id(0), tl.sum(sf * sf, axis=0))
-
-
-@triton.jit
-def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_ptr, out_ptr, ss_ptr, N, K, half,
-                      parts, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
+def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_ptr, out_ptr, ss_ptr, scaled_ptr, N,
+                      K, half, parts, eps, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, SCALE: tl.constexpr,
                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, ADD_RESIDUAL: tl.constexpr,
-                      EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      NORM_OUT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """BLOCK_N outputs of out = x @ W^T over all of K; x made by PROLOGUE from a (, residual, norm
     weight). SCALE 0: none, 1: one fp32 scale, 2: [cdiv(N, 128), cdiv(K, 128)] block scales.
     GATED: rows r (gate) and half + r (up) of W give out[r] = silu(gate) * up (N = half).
-    ADD_RESIDUAL: out = that + residual (r), and ss[program] its sum of squares (NORM_PARTS's)."""
+    ADD_RESIDUAL: out = that + residual (r), ss[program] its sum of squares and with NORM_OUT
+    scaled = out * the next norm's weight (nw, over N): what NORM_PARTS takes (x, ss)."""
     pid = tl.program_id(0)
     dtype = out_ptr.dtype.element_ty
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,7 +158,7 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
     if PROLOGUE == 1:
         inv = _inv_rms(a_ptr, r_ptr, res_out_ptr, K, eps, pid == 0, HAS_RESIDUAL, BLOCK_K, dtype)
     elif PROLOGUE == 2:
-        inv = _inv_rms_parts(ss_ptr, parts, K, eps)
+        inv = inv_rms_parts(ss_ptr, parts, K, eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N if GATED else 1, BLOCK_K], dtype=tl.float32)
     up_rows = w_ptr + (rows + half).to(tl.int64)[:, None] * K
@@ -187,13 +173,14 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
         acc += _rows_dot(w, x, k, K, scale_ptr, pid * BLOCK_N // 128, SCALE)
         if GATED:
             acc_up += _rows_dot(w_up, x, k, K, scale_ptr, (half + pid * BLOCK_N) // 128, SCALE)
-    y = _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, SCALE, HAS_BIAS)
+    y = _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, inv if PROLOGUE == 2 else 1.0, SCALE, HAS_BIAS)
     if GATED:  # each rounded to the dtype first, as gate_up's own output would be
-        up = _rows_out(acc_up, half + rows, row_mask, scale_ptr, bias_ptr, SCALE, HAS_BIAS)
+        up = _rows_out(acc_up, half + rows, row_mask, scale_ptr, bias_ptr, inv if PROLOGUE == 2 else 1.0, SCALE,
+                       HAS_BIAS)
         tl.store(out_ptr + rows, silu_mul_rounded(y.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype),
                  mask=row_mask)
     elif ADD_RESIDUAL:
-        _store_residual_sum(out_ptr, ss_ptr, y, r_ptr, rows, row_mask, dtype)
+        store_residual_sum(out_ptr, ss_ptr, y, r_ptr, rows, row_mask, nw_ptr, scaled_ptr, NORM_OUT, dtype)
     else:
         tl.store(out_ptr + rows, y.to(dtype), mask=row_mask)
 
@@ -236,39 +223,43 @@ def _check_scale(weight: torch.Tensor, scale: torch.Tensor | None, k: int, tile:
 
 
 def _check_folds(k: int, n: int, weight: torch.Tensor, silu_mul: bool, prologue: Prologue, norm_weight,
-                 add_residual, norm_parts) -> None:
+                 add_residual, norm_parts, next_norm_weight) -> None:
     """ValueErrors for folds that do not fit these operands or one another."""
     if silu_mul and (weight.shape[0] % 2 or prologue == Prologue.RMS_NORM or add_residual is not None):
         raise ValueError(f"silu_mul needs gate and up rows ([2I, K], got {tuple(weight.shape)}), no RMS_NORM "
                          f"prologue, no add_residual")
-    if prologue >= Prologue.RMS_NORM and (norm_weight is None or norm_weight.shape != (k,)):
-        raise ValueError(f"{prologue.name} needs norm_weight [{k}]")
+    if (prologue == Prologue.RMS_NORM) != (norm_weight is not None and norm_weight.shape == (k,)):
+        raise ValueError(f"RMS_NORM needs norm_weight [{k}] (and only it takes one)")
     if (prologue == Prologue.NORM_PARTS) != (norm_parts is not None) or (
             norm_parts is not None and (norm_parts.dim() != 1 or norm_parts.dtype != torch.float32)):
         raise ValueError("NORM_PARTS takes norm_parts, the fp32 [programs] sums add_residual returned (and only it)")
-    if add_residual is not None and (add_residual.shape != (1, n) or prologue == Prologue.RMS_NORM):
-        raise ValueError(f"add_residual must be [1, {n}] (and not with RMS_NORM's residual)")
+    if add_residual is not None and (add_residual.shape != (1, n) or prologue != Prologue.PLAIN):
+        raise ValueError(f"add_residual must be [1, {n}] (and x taken as given: PLAIN)")
+    if next_norm_weight is not None and (add_residual is None or next_norm_weight.shape != (n,)):
+        raise ValueError(f"next_norm_weight must be [{n}] and comes with add_residual")
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,
                bias: torch.Tensor | None = None, silu_mul: bool = False, prologue: Prologue = Prologue.PLAIN,
                residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
                eps: float = 1e-6, tile: Tile | None = None, add_residual: torch.Tensor | None = None,
-               norm_parts: torch.Tensor | None = None):
+               norm_parts: torch.Tensor | None = None, next_norm_weight: torch.Tensor | None = None):
     """x [1, K] @ weight^T [N, K] (* scale) (+ bias [N]): [1, N]. FP8 weights take their fp32
     scale: one value [1], or [cdiv(N, 128), cdiv(K, 128)] for 128 x 128 blocks.
 
     silu_mul: the weight packs gate and up ([2I, K], gate_up_proj's); the result is silu(gate) *
     up [1, I] (`tile.block_n`: rows of each a program). prologue RMS_NORM: x (+ residual [1, K]) is
     normed with `norm_weight` [K] and `eps` first; with a residual the result is (out, x + residual).
-    add_residual [1, N]: the result is (out + add_residual, each program's fp32 sum of its squares);
-    prologue NORM_PARTS then norms that sum (x) from those parts (`norm_parts`), not recomputing them.
+    add_residual [1, N]: the result is (s = out + add_residual, each program's fp32 sum of s^2,
+    s * next_norm_weight [N] or None). Prologue NORM_PARTS takes that product as x and those sums
+    as `norm_parts`: its outputs are those of the norm of s, up to the norm's rounding of s * rsqrt
+    (applied to the sums here instead), without a norm kernel or a per-element prologue.
     """
     k = x.shape[-1]
     _check(x, weight, k)
     x = x.contiguous()
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
-    _check_folds(k, n, weight, silu_mul, prologue, norm_weight, add_residual, norm_parts)
+    _check_folds(k, n, weight, silu_mul, prologue, norm_weight, add_residual, norm_parts, next_norm_weight)
     if tile is None:
         tile = choose(weight.shape[0], k, weight.dtype)
         tile = tile._replace(block_n=max(1, tile.block_n // 2)) if silu_mul else tile  # the same program count
@@ -278,14 +269,16 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
     programs = triton.cdiv(n, tile.block_n)
     parts = torch.empty(programs, dtype=torch.float32, device=x.device) if add_residual is not None else norm_parts
     r = residual if residual is not None else add_residual
+    nw = norm_weight if norm_weight is not None else next_norm_weight
+    scaled = torch.empty_like(out) if next_norm_weight is not None else None
     dense_gemv_kernel[(programs,)](
-        weight, x, r if r is not None else x, norm_weight if norm_weight is not None else x,
+        weight, x, r if r is not None else x, nw if nw is not None else x,
         res_out if res_out is not None else out, scale if scale is not None else out,
-        bias if bias is not None else out, out, parts if parts is not None else out, n, k, n,
-        parts.numel() if parts is not None else 0, float(eps), PROLOGUE=int(prologue),
-        HAS_RESIDUAL=residual is not None, SCALE=scaling, HAS_BIAS=bias is not None, GATED=silu_mul,
-        ADD_RESIDUAL=add_residual is not None, EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n,
-        BLOCK_K=tile.block_k, num_warps=tile.warps)
+        bias if bias is not None else out, out, parts if parts is not None else out,
+        scaled if scaled is not None else out, n, k, n, parts.numel() if parts is not None else 0, float(eps),
+        PROLOGUE=int(prologue), HAS_RESIDUAL=residual is not None, SCALE=scaling, HAS_BIAS=bias is not None,
+        GATED=silu_mul, ADD_RESIDUAL=add_residual is not None, NORM_OUT=scaled is not None,
+        EVEN_K=k % tile.block_k == 0, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, num_warps=tile.warps)
     if add_residual is not None:
-        return out, parts
+        return out, parts, scaled
     return out if res_out is None else (out, res_out)

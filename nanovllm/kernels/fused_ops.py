@@ -160,6 +160,68 @@ def rms_norm(
     return y if residual is None else (y, res_out)
 
 
+# ----------------------------------------------------------------------------- norms across GEMVs
+# The batch-1 GEMVs (dense_gemv.py, w4a16_gemv.py) fold each RMSNorm into their neighbours
+# (model/norm_chain.py): the GEMV before it adds the residual and writes the new residual stream s,
+# s times the norm's weight (rounded to the dtype) and each program's sum of s^2; the GEMV after it
+# multiplies that product and scales each output by rsqrt(mean(s^2) + eps), made from those sums.
+
+
+@triton.jit
+def store_residual_sum(out_ptr, ss_ptr, y, r_ptr, offs, mask, nw_ptr, scaled_ptr, NORM_OUT: tl.constexpr,
+                       dtype: tl.constexpr):
+    """out = y + residual (each rounded to the dtype, as torch adds 16-bit tensors), this
+    program's sum of its squares at ss[program], and with NORM_OUT scaled = out * norm weight
+    (one rounding: both factors exact in fp32, their product fits its mantissa)."""
+    s = (y.to(dtype).to(tl.float32) + tl.load(r_ptr + offs, mask=mask, other=0.0).to(tl.float32)).to(dtype)
+    tl.store(out_ptr + offs, s, mask=mask)
+    sf = tl.where(mask, s.to(tl.float32), 0.0)
+    tl.store(ss_ptr + tl.program_id(0), tl.sum(sf * sf, axis=0))
+    if NORM_OUT:
+        w = tl.load(nw_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(scaled_ptr + offs, (sf * w).to(dtype), mask=mask)
+
+
+@triton.jit
+def inv_rms_parts(ss_ptr, parts, K, eps):
+    """rsqrt(mean(s^2) + eps) from the per-program sums of squares store_residual_sum wrote (every
+    program adds them in the same order, so all use the same value)."""
+    offs = tl.arange(0, 256)
+    acc = tl.zeros([256], dtype=tl.float32)
+    for p0 in range(0, parts, 256):
+        acc += tl.load(ss_ptr + p0 + offs, mask=p0 + offs < parts, other=0.0)
+    return tl.rsqrt(tl.sum(acc, axis=0) / K + eps)
+
+
+@triton.jit
+def _norm_parts_kernel(x_ptr, w_ptr, scaled_ptr, ss_ptr, n_cols, BLOCK: tl.constexpr):
+    """For one row s: its sum of squares at ss[0] and s * weight (store_residual_sum's, no add)."""
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(ss_ptr, tl.sum(x * x, axis=0))
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(scaled_ptr + offs, (x * w).to(scaled_ptr.dtype.element_ty), mask=mask)
+
+
+def norm_parts(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of squares [1] fp32, x * weight [1, H]) of one 16-bit row x [1, H]: what the GEMV after
+    a norm takes (model/norm_chain.py's first layer, from the embedding), in one launch."""
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise ValueError(f"x must be 16-bit (bf16 / fp16), got {x.dtype}")
+    if x.dim() != 2 or x.shape[0] != 1 or not 0 < x.shape[1] <= _MAX_HIDDEN or not x.is_contiguous():
+        raise ValueError(f"x must be one contiguous row [1, H <= {_MAX_HIDDEN}], got {tuple(x.shape)}")
+    if weight.shape != (x.shape[1],) or weight.dtype != x.dtype:
+        raise ValueError(f"weight must be [{x.shape[1]}] {x.dtype}, got {tuple(weight.shape)} {weight.dtype}")
+    _check_same_device(x=x, weight=weight)
+    parts = torch.empty(1, dtype=torch.float32, device=x.device)
+    scaled = torch.empty_like(x)
+    block = triton.next_power_of_2(x.shape[1])
+    _norm_parts_kernel[(1,)](x, weight.contiguous(), scaled, parts, x.shape[1], BLOCK=block,
+                             num_warps=_num_warps(block), enable_fp_fusion=False)
+    return parts, scaled
+
+
 # ----------------------------------------------------------------------------- SiLU * mul
 
 

@@ -34,13 +34,25 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_ops import silu_mul_rounded
+from nanovllm.kernels.fused_ops import inv_rms_parts, silu_mul_rounded, store_residual_sum
 from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
 
 
 class Strips(NamedTuple):
     block_n: int = 16  # columns per program
     warps: int = 8
+
+
+class Int4Operands(NamedTuple):
+    """What a quantization method offers model/norm_chain.py for one projection's batch-1 GEMV
+    (its `gemv_operands`): the kernel layout's tensors, the permutation of x's columns under
+    act-order (or None) and the launch."""
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+    perm: torch.Tensor | None
+    cfg: Strips
 
 
 # Eight nibbles of a word as the floats 128 + q: two masks split the word into its even and odd
@@ -140,11 +152,16 @@ def _columns(half, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def _store(out_ptr, y, half, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
+def _store(out_ptr, y, half, r_ptr, nw_ptr, scaled_ptr, ss_ptr, BLOCK_N: tl.constexpr, GATED: tl.constexpr,
+           ADD_RESIDUAL: tl.constexpr, NORM_OUT: tl.constexpr):
     """The column sums y [BLOCK_N] to out, or GATED silu(gate) * up (each first rounded to out's
-    dtype, as gate_up's own output would be) to out[program's gate columns]."""
+    dtype, as gate_up's own output would be) to out[program's gate columns], or with ADD_RESIDUAL
+    y + residual, its sum of squares and times the next norm's weight (store_residual_sum)."""
     dtype = out_ptr.dtype.element_ty
-    if GATED:
+    if ADD_RESIDUAL:
+        offs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        store_residual_sum(out_ptr, ss_ptr, y, r_ptr, offs, offs < half, nw_ptr, scaled_ptr, NORM_OUT, dtype)
+    elif GATED:
         gate, up = tl.split(tl.permute(tl.reshape(y, (2, BLOCK_N // 2)), (1, 0)))
         offs = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         tl.store(out_ptr + offs, silu_mul_rounded(gate.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype),
@@ -155,8 +172,12 @@ def _store(out_ptr, y, half, BLOCK_N: tl.constexpr, GATED: tl.constexpr):
 
 
 @triton.jit
-def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, half, GROUP: tl.constexpr, P: tl.constexpr,
-                BLOCK_N: tl.constexpr, EVEN: tl.constexpr, GATED: tl.constexpr, ASM: tl.constexpr):
+def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, r_ptr, nw_ptr, scaled_ptr, ss_ptr, N, K, half,
+                parts, eps, GROUP: tl.constexpr, P: tl.constexpr, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+                GATED: tl.constexpr, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, NORM_OUT: tl.constexpr,
+                NORM_PARTS: tl.constexpr, ASM: tl.constexpr):
+    """BLOCK_N columns of out = x @ W over all of K; with NORM_PARTS times rsqrt(mean + eps) of the
+    sums of squares at ss (+ bias), then _store's epilogue."""
     n_words = K // 8
     p2 = tl.arange(0, P)[:, None]
     n2 = _columns(half, BLOCK_N, GATED)[None, :]
@@ -181,7 +202,13 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, N, K, half, GROUP: tl.con
             z = tl.load(z_ptr + g2, mask=smask, other=0.0).to(tl.float32)
         acc += (part - (z + 128.0) * _spread(xsum, BLOCK_N)) * s
         w0_, w1_, w2_, w3_ = next0, next1, next2, next3
-    _store(out_ptr, tl.sum(acc, axis=0), half, BLOCK_N, GATED)
+    y = tl.sum(acc, axis=0)
+    if NORM_PARTS:
+        y = y * inv_rms_parts(ss_ptr, parts, K, eps)
+    if HAS_BIAS:
+        cols = _columns(half, BLOCK_N, GATED)
+        y += tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+    _store(out_ptr, y, half, r_ptr, nw_ptr, scaled_ptr, ss_ptr, BLOCK_N, GATED, ADD_RESIDUAL, NORM_OUT)
 
 
 def gated_fits(n: int, cfg: Strips) -> bool:
@@ -190,21 +217,45 @@ def gated_fits(n: int, cfg: Strips) -> bool:
     return n % 2 == 0 and cfg.block_n % 8 == 0 and (n // 2) % (cfg.block_n // 2) == 0
 
 
+def _check_folds(n: int, half: int, silu_mul: bool, bias, add_residual, next_norm_weight, norm_parts) -> None:
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
+    if add_residual is not None and (silu_mul or add_residual.shape != (1, half)):
+        raise ValueError(f"add_residual must be [1, {half}] (and not with silu_mul)")
+    if next_norm_weight is not None and (add_residual is None or next_norm_weight.shape != (half,)):
+        raise ValueError(f"next_norm_weight must be [{half}] and comes with add_residual")
+    if norm_parts is not None and (add_residual is not None or norm_parts.dim() != 1
+                                   or norm_parts.dtype != torch.float32):
+        raise ValueError("norm_parts takes the fp32 [programs] sums add_residual returned (and no add_residual)")
+
+
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-         cfg: Strips, silu_mul: bool = False) -> torch.Tensor:
-    """x [1, K] (bf16) @ the unpacked weight -> [1, N] in x's dtype (K and the group, as the
-    kernel layout holds it: K for one group per column, in whole strips of 32 K-rows: can_run).
-    silu_mul: N packs gate and up (gate_up_proj's); the result is silu(gate) * up [1, N / 2]."""
+         cfg: Strips, silu_mul: bool = False, *, bias: torch.Tensor | None = None,
+         add_residual: torch.Tensor | None = None, next_norm_weight: torch.Tensor | None = None,
+         norm_parts: torch.Tensor | None = None, eps: float = 1e-6):
+    """x [1, K] (bf16) @ the unpacked weight (+ bias [N]) -> [1, N] in x's dtype (K and the group,
+    as the kernel layout holds it: K for one group per column, in whole strips of 32 K-rows:
+    can_run). silu_mul: N packs gate and up (gate_up_proj's); the result is silu(gate) * up
+    [1, N / 2]. The norm folds of dense_gemv (fused_ops.store_residual_sum): add_residual [1, N]
+    returns (s = out + add_residual, each program's sum of s^2, s * next_norm_weight or None);
+    norm_parts (those sums, with x = that product) scales the outputs by rsqrt(mean + eps)."""
     k, n = x.shape[1], qweight.shape[1]
     if silu_mul and not gated_fits(n, cfg):
         raise ValueError(f"silu_mul: {n} columns do not split into gate and up runs of {cfg.block_n // 2}")
+    half = n // 2 if silu_mul else n
+    _check_folds(n, half, silu_mul, bias, add_residual, next_norm_weight, norm_parts)
     if x.storage_offset() % 2:  # (read as int32 pairs: a view starting mid-pair gets a copy)
         x = x.clone()
     p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
-    half = n // 2 if silu_mul else n
     out = torch.empty(1, half, dtype=x.dtype, device=x.device)
-    even = n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0
-    gemv_kernel[(triton.cdiv(n, cfg.block_n),)](x.view(torch.int32), qweight, scales, zeros, out, n, k, half,
-                                                GROUP=group_size, P=p, BLOCK_N=cfg.block_n, EVEN=even,
-                                                GATED=silu_mul, ASM=not INTERPRETED, num_warps=cfg.warps)
-    return out
+    programs = triton.cdiv(n, cfg.block_n)
+    new_parts = torch.empty(programs, dtype=torch.float32, device=x.device) if add_residual is not None else None
+    scaled = torch.empty_like(out) if next_norm_weight is not None else None
+    ss = new_parts if new_parts is not None else norm_parts
+    gemv_kernel[(programs,)](
+        x.view(torch.int32), qweight, scales, zeros, out, *(t if t is not None else out for t in (
+            bias, add_residual, next_norm_weight, scaled, ss)), n, k, half, ss.numel() if ss is not None else 0,
+        float(eps), GROUP=group_size, P=p, BLOCK_N=cfg.block_n, EVEN=n % cfg.block_n == 0 and (k // 8) % (4 * p) == 0,
+        GATED=silu_mul, HAS_BIAS=bias is not None, ADD_RESIDUAL=add_residual is not None,
+        NORM_OUT=scaled is not None, NORM_PARTS=norm_parts is not None, ASM=not INTERPRETED, num_warps=cfg.warps)
+    return out if add_residual is None else (out, new_parts, scaled)

@@ -1,35 +1,41 @@
 """The decoder's one-row forward with each RMSNorm folded into the GEMVs around it (CUDA, one
-16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write
-each program's sum of squares of the new residual stream (dense_gemv's `add_residual`); qkv and
-gate_up norm that stream from those sums in their prologue (`Prologue.NORM_PARTS`); SiLU * up is
-gate_up's epilogue. Per layer: qkv,
-attention, o, gate_up, down, without the two add + RMSNorm kernels between them (~2 us and a
-launch gap each on the H200, BENCHMARKS.md "Batch-1 steps").
+16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write the
+new residual stream s, s times the next norm's weight and each program's sum of s^2
+(`add_residual`, `next_norm_weight`); qkv and gate_up multiply that product and scale their
+outputs by rsqrt(mean(s^2) + eps) from those sums (`norm_parts`); SiLU * up is gate_up's epilogue.
+Per layer: qkv, attention, o, gate_up, down, without the two add + RMSNorm kernels between them
+(~2 us and a launch gap each, BENCHMARKS.md "Batch-1 steps"). The GEMVs are kernels/dense_gemv.py
+(16-bit, FP8) and kernels/w4a16_gemv.py (INT4), whichever the projection's weights take.
 
-Values: the residual adds and the norm's two roundings are the unfused path's; only the sum of
-squares is added in another order (an fp32 ulp of the norm's scale at most). Loaded at first use
-(decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers on one rank, 16-bit or with a
-quantization method that offers the GEMV its operands (FP8's `gemv_operands`), without layer
-hooks, with qkv and gate_up within CHAIN_MAX_BYTES; LoRA, INT4, MoE, tensor parallelism and
-EAGLE-3's kept layer inputs take the layer-by-layer forward."""
+Values: the residual adds are the unfused path's, bit for bit. The norm is not rounded where the
+unfused kernel rounds s * rsqrt to 16 bits before the weight: here s * weight is rounded and the
+rsqrt multiplies the fp32 sums, so each normed input may differ from the unfused one by one
+rounding (2^-8 relative in bf16), which moves an output by about one of its own roundings now
+and then. In return neither GEMV does per-element work for the norm, so the fold serves weights
+of any size (normalizing x in every program, as before, cost more than the kernel it saved above
+~16 MB). Measured (H100, one call, BENCHMARKS.md "Batch-1 steps"): Qwen3-8B's step 1.5% (bf16),
+0.9% (FP8) and 2.0% (INT4) faster; Qwen3-0.6B's 0.4% slower than the exact per-element prologue
+it replaced, within the spread.
+
+Loaded at first use (decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers
+on one rank, 16-bit or with a quantization method that offers the GEMV its operands
+(`gemv_operands`: FP8's codes and scales, INT4's Int4Operands), without layer hooks; LoRA, MoE,
+tensor parallelism and EAGLE-3's kept layer inputs take the layer-by-layer forward."""
 
 from __future__ import annotations
 
 import torch
 
 from nanovllm.kernels.dense_gemv import Prologue, dense_gemv
+from nanovllm.kernels.fused_ops import norm_parts
+from nanovllm.kernels.w4a16_gemv import Int4Operands, gated_fits
+from nanovllm.kernels.w4a16_gemv import gemv as int4_gemv
 from nanovllm.model.attention import AttentionMetadata
 
-# The norm prologue is recomputed by each of qkv's and gate_up's programs, so it pays on small
-# weights only. Measured in the engine (H100, 2026-12-05, bench_decode_step.py, batch 1): the chain
-# took Qwen3-0.6B's step from 1.212 to 1.139 ms (qkv 8 MB, gate_up 12 MB) but Qwen3-8B FP8's
-# from 3.969 to 4.238 (25 MB, 100 MB).
-CHAIN_MAX_BYTES = 16 << 20
 
-
-def _operands(linear) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """(weight, scale) the GEMV multiplies for a projection on one rank: its 16-bit weight, or
-    what its quantization method offers (`gemv_operands`: FP8's codes and scales); else None."""
+def _operands(linear):
+    """What the GEMV multiplies for a projection on one rank: (16-bit weight, None), or what its
+    quantization method offers (`gemv_operands`: FP8's (codes, scale), INT4's Int4Operands); else None."""
     if linear is None or linear.tp_size != 1:
         return None
     if linear.quant is None:
@@ -44,44 +50,60 @@ def _projections(layer) -> list:
             getattr(mlp, "down_proj", None)]
 
 
+def _gate_up_fits(op) -> bool:
+    """Whether gate_up's GEMV can write SiLU * up: INT4 in whole gate / up runs of its strips;
+    FP8 block scales with gate and up each starting on a block row."""
+    if isinstance(op, Int4Operands):
+        return gated_fits(op.qweight.shape[1], op.cfg)
+    weight, scale = op
+    return scale is None or scale.dim() != 2 or (weight.shape[0] // 2) % 128 == 0
+
+
 def operands(model, hidden: torch.Tensor) -> list | None:
-    """Each layer's four (weight, scale) pairs if `model` (a DecoderModel) takes the chained
+    """Each layer's four projections' operands if `model` (a DecoderModel) takes the chained
     forward for this embedded row, else None (checked once a forward, then used as found)."""
     if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in (torch.bfloat16, torch.float16):
         return None
     found = []
     for layer in model.layers:
         ops = [_operands(p) for p in _projections(layer)]
-        if layer._forward_pre_hooks or layer._forward_hooks or None in ops:
+        if layer._forward_pre_hooks or layer._forward_hooks or None in ops or not _gate_up_fits(ops[2]):
             return None
-        if max(ops[0][0].nbytes, ops[2][0].nbytes) > CHAIN_MAX_BYTES:
-            return None
-        gate_up, scale = ops[2]
-        if scale is not None and scale.dim() == 2 and (gate_up.shape[0] // 2) % 128:
-            return None  # block scales: gate and up must start on a block row (silu_mul)
         found.append(ops)
     return found
 
 
-def _layer(layer, ops: list, positions: torch.Tensor, stream: torch.Tensor, parts: torch.Tensor,
-           meta: AttentionMetadata):
-    """One decoder layer on the residual stream (and its sums of squares), its projections'
-    (weight, scale) `ops`: the next (stream, parts)."""
+def _gemv(x: torch.Tensor, op, linear, **folds):
+    """One projection's GEMV with its folds (silu_mul; add_residual + next_norm_weight; norm_parts + eps)."""
+    if isinstance(op, Int4Operands):
+        if op.perm is not None:  # act-order: x's columns in the order of the packed rows
+            x = x.index_select(-1, op.perm)
+        return int4_gemv(x, op.qweight, op.scales, op.zeros, op.group_size, op.cfg, bias=linear.bias, **folds)
+    weight, scale = op
+    if "norm_parts" in folds:
+        folds["prologue"] = Prologue.NORM_PARTS
+    return dense_gemv(x, weight, scale=scale, bias=linear.bias, **folds)
+
+
+def _layer(layer, ops: list, positions: torch.Tensor, x: torch.Tensor, stream: torch.Tensor, parts: torch.Tensor,
+           meta: AttentionMetadata, next_norm: torch.Tensor | None):
+    """One decoder layer on x (the residual stream times the input norm's weight), the stream and
+    its sums of squares: the next (stream, parts, x for the norm `next_norm`, or None)."""
     qkv_proj, o_proj, gate_up_proj, down_proj = _projections(layer)
-    (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) = ops
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
-    qkv = dense_gemv(stream, w_qkv, scale=s_qkv, bias=qkv_proj.bias, prologue=Prologue.NORM_PARTS,
-                     norm_weight=norm1.weight, eps=norm1.eps, norm_parts=parts)
-    stream, parts = dense_gemv(layer.self_attn.attend(positions, qkv, meta), w_o, scale=s_o, bias=o_proj.bias,
-                               add_residual=stream)
-    act = dense_gemv(stream, w_gu, scale=s_gu, bias=gate_up_proj.bias, silu_mul=True,
-                     prologue=Prologue.NORM_PARTS, norm_weight=norm2.weight, eps=norm2.eps, norm_parts=parts)
-    return dense_gemv(act, w_down, scale=s_down, bias=down_proj.bias, add_residual=stream)
+    qkv = _gemv(x, ops[0], qkv_proj, norm_parts=parts, eps=norm1.eps)
+    stream, parts, x = _gemv(layer.self_attn.attend(positions, qkv, meta), ops[1], o_proj, add_residual=stream,
+                             next_norm_weight=norm2.weight)
+    act = _gemv(x, ops[2], gate_up_proj, silu_mul=True, norm_parts=parts, eps=norm2.eps)
+    return _gemv(act, ops[3], down_proj, add_residual=stream, next_norm_weight=next_norm)
 
 
 def forward(model, ops: list, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     """The final normed hidden state [1, hidden] from the embedded row `hidden`; `ops`: `operands`'."""
-    stream, parts = hidden, hidden.float().square().sum(-1)  # layer 0 norms the embedding
-    for layer, layer_ops in zip(model.layers, ops):
-        stream, parts = _layer(layer, layer_ops, positions, stream, parts, meta)
+    layers = model.layers
+    parts, x = norm_parts(hidden, layers[0].input_layernorm.weight)  # layer 0's norm, of the embedding
+    stream = hidden
+    for i, (layer, layer_ops) in enumerate(zip(layers, ops)):
+        next_norm = layers[i + 1].input_layernorm.weight if i + 1 < len(layers) else None
+        stream, parts, x = _layer(layer, layer_ops, positions, x, stream, parts, meta, next_norm)
     return model.norm(stream)

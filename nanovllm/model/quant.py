@@ -13,7 +13,8 @@ module's weights (features/quantization/model_steps.py runs these steps for ever
     apply         the module's product with the stored weights (linear: x @ W^T (+ bias);
                   MoE experts: features/moe.py's ExpertsMethod)
     apply_silu_mul  optional (linear): gate_up's silu(gate) * up from one kernel, None if it cannot
-    gemv_operands   optional (linear): (weight, scale) for kernels/dense_gemv.py at one row (model/norm_chain.py)
+    gemv_operands   optional (linear): what the batch-1 GEMV multiplies (model/norm_chain.py): (weight,
+                    scale) for kernels/dense_gemv.py, or kernels/w4a16_gemv.Int4Operands; None if it cannot
 
 Quantizable modules name their kind in `quant_kind` ("linear", "experts"; None keeps a module, such
 as an MoE router, 16-bit) and hold their method in `quant` (None: 16-bit); a wrapper (LoRA) may stand in.

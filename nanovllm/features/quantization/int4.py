@@ -23,7 +23,7 @@ from nanovllm.features.quantization.int4_moe import Int4Experts
 from nanovllm.features.quantization.model_steps import SchemeSteps
 from nanovllm.kernels import one_row
 from nanovllm.kernels.w4a16 import Strips, can_run, choose, w4a16_matmul
-from nanovllm.kernels.w4a16_gemv import gated_fits, gemv
+from nanovllm.kernels.w4a16_gemv import Int4Operands, gated_fits, gemv
 
 
 def _ignored(qc: dict, *keys: str) -> tuple[str, ...]:
@@ -216,6 +216,15 @@ class Int4Linear:
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
         return gemv(x, w.qweight, w.scales, w.zeros, w.group_size, cfg, silu_mul=True)
+
+    def gemv_operands(self, layer) -> Int4Operands | None:
+        """The batch-1 GEMV's operands for the norm folds (model/norm_chain.py), or None where that
+        GEMV does not run (fp16 models, a K it does not tile)."""
+        w = layer.int4
+        k, n = w.qweight.shape[0] * 8, w.qweight.shape[1]
+        if layer.int4_dtype != torch.bfloat16 or not can_run(k, w.group_size):
+            return None
+        return Int4Operands(w.qweight, w.scales, w.zeros, w.group_size, w.perm, choose(1, n, k, torch.bfloat16))
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         w = layer.int4
