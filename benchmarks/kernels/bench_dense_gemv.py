@@ -114,7 +114,7 @@ def row(model: str, name: str, n: int, k: int, folds: tuple, sweep: bool, gen) -
 
 def chain(model: str, producer: str, consumer: str, gen) -> dict:
     """The producer's GEMV, the residual add + RMSNorm, the consumer's GEMV (3 kernels) against the
-    producer adding the residual and writing the normed product and its sums of squares, the
+    producer adding the residual and writing the stream times the norm weight and its sums of squares, the
     consumer scaling by the rsqrt made from those (NORM_PARTS, 2 kernels): microseconds of each chain, bf16 and FP8 (per-tensor) weights."""
     (n1, k1, _), (n2, k2, _) = GEMMS[model][producer], GEMMS[model][consumer]
     dev, res = "cuda", {"model": model, "chain": f"{producer} -> norm -> {consumer}"}

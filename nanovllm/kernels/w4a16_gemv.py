@@ -6,7 +6,7 @@ A decode step at batch 1 reads every weight once, so this kernel must keep the m
 few instructions a weight: the H200 moves ~8.6e12 four-bit weights a second and issues ~3.3e13
 thread instructions (integer ones at half that), ~3.9 a weight in all. Read from SASS (sm90,
 specialized as a launch is), this kernel's loop spends ~3.4 (3.9 with masked scalar loads of x;
-kernels/w4a16.py's earlier GEMV ~6). Yet the GEMVs run at 40-52% of the bandwidth: cutting 13%
+kernels/w4a16.py's earlier GEMV ~6). Yet the GEMVs run at 45-67% of the bandwidth: cutting 13%
 of the instructions made them 2-4% faster (H100), so they wait mostly on memory latency:
 - Strips: each thread owns 4 consecutive word rows (32 K-rows: one group, a single scale and
   zero point) of 4 adjacent columns, loaded as 128-bit vectors; the 4 rows are 4 tiles of one

@@ -14,8 +14,9 @@ rounding (2^-8 relative in bf16), which moves an output by about one of its own 
 and then. In return neither GEMV does per-element work for the norm, so the fold serves weights
 of any size (normalizing x in every program, as before, cost more than the kernel it saved above
 ~16 MB). Measured (H100, one call, BENCHMARKS.md "Batch-1 steps"): Qwen3-8B's step 1.5% (bf16),
-0.9% (FP8) and 2.0% (INT4) faster; Qwen3-0.6B's 0.4% slower than the exact per-element prologue
-it replaced, within the spread.
+0.9% (FP8) and 2.0% (INT4) faster; Qwen3-0.6B's 0.4-0.8% slower (three runs) than the exact
+per-element prologue it replaced. fp16 caveat: s * weight is rounded before the rsqrt scales
+it, so an element past fp16's range (|s * w| > 65504) overflows where the unfused norm would not.
 
 Loaded at first use (decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers
 on one rank, 16-bit or with a quantization method that offers the GEMV its operands
