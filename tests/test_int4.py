@@ -148,9 +148,10 @@ def _within_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got.float() - w).abs() <= torch.exp2(torch.floor(torch.log2(w.abs().clamp_min(1e-30))) - 7)).all())
 
 
-@pytest.mark.parametrize("k, n, strips", [(256, 64, (16, 1)), (1024, 96, (32, 2))])
+@pytest.mark.parametrize("k, n, strips", [(256, 64, (16, 1)), (1024, 96, (32, 2)), (256, 256, (16, 1))])
 def test_the_batch1_gemv_norm_folds(k, n, strips):
-    """The INT4 GEMV's folds of model/norm_chain.py, in the interpreter: add_residual writes
+    """The INT4 GEMV's folds of model/norm_chain.py, in the interpreter (n = 256: the GEMVs taking
+    the folds' outputs run whole strips, EVEN, as in a real model; smaller n masked): add_residual writes
     s = out + r (each rounded), s * the next norm's weight and each program's sum of s^2; a GEMV
     taking that product with those sums (norm_parts) and a bias equals the same arithmetic in torch
     (the product's row @ the dequantized weight * rsqrt(mean + eps) + bias: within 2^-7 + 1e-3, as

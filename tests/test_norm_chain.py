@@ -24,6 +24,15 @@ from nanovllm.model.decoder import DecoderModel, DecoderOptions
 
 DTYPE = torch.float16  # the interpreter rounds fp16 as the GPU does (bf16 it truncates)
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # real Triton takes no CPU tensors
+ENGINE_DTYPES = norm_chain.CHAIN_DTYPES
+
+
+@pytest.fixture(autouse=True)
+def fp16_chains(monkeypatch):
+    """The chain's arithmetic is the same in either 16-bit dtype; engines take it in bf16 only
+    (fp16's range), the tests in fp16 for the interpreter's exact roundings (the values here
+    stay far inside fp16's range)."""
+    monkeypatch.setattr(norm_chain, "CHAIN_DTYPES", (torch.bfloat16, torch.float16))
 
 
 def tiny_model(seed: int, bias: bool = False, dtype: torch.dtype = DTYPE, intermediate: int = 48) -> DecoderModel:
@@ -116,6 +125,11 @@ def test_models_it_cannot_serve_take_the_layer_by_layer_forward(monkeypatch):
     assert norm_chain.operands(model, row) is not None
     assert norm_chain.operands(model, torch.zeros(2, 64, dtype=DTYPE, device=DEVICE)) is None  # more than one row
     assert norm_chain.operands(model, torch.zeros(1, 64, device=DEVICE)) is None  # fp32
+    monkeypatch.setattr(norm_chain, "CHAIN_DTYPES", ENGINE_DTYPES)
+    assert norm_chain.operands(model, row) is None  # fp16 in an engine: |s * norm weight| may pass 65504
+    assert norm_chain.operands(model.to(torch.bfloat16), row.to(torch.bfloat16)) is not None
+    model.to(DTYPE)
+    monkeypatch.setattr(norm_chain, "CHAIN_DTYPES", (torch.bfloat16, torch.float16))
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
     assert norm_chain.operands(model, row) is None
     handle.remove()

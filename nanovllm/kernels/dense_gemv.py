@@ -173,10 +173,10 @@ def dense_gemv_kernel(w_ptr, a_ptr, r_ptr, nw_ptr, res_out_ptr, scale_ptr, bias_
         acc += _rows_dot(w, x, k, K, scale_ptr, pid * BLOCK_N // 128, SCALE)
         if GATED:
             acc_up += _rows_dot(w_up, x, k, K, scale_ptr, (half + pid * BLOCK_N) // 128, SCALE)
-    y = _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, inv if PROLOGUE == 2 else 1.0, SCALE, HAS_BIAS)
+    out_scale = inv if PROLOGUE == 2 else 1.0  # NORM_PARTS scales the outputs (RMS_NORM scaled x)
+    y = _rows_out(acc, rows, row_mask, scale_ptr, bias_ptr, out_scale, SCALE, HAS_BIAS)
     if GATED:  # each rounded to the dtype first, as gate_up's own output would be
-        up = _rows_out(acc_up, half + rows, row_mask, scale_ptr, bias_ptr, inv if PROLOGUE == 2 else 1.0, SCALE,
-                       HAS_BIAS)
+        up = _rows_out(acc_up, half + rows, row_mask, scale_ptr, bias_ptr, out_scale, SCALE, HAS_BIAS)
         tl.store(out_ptr + rows, silu_mul_rounded(y.to(dtype).to(tl.float32), up.to(dtype).to(tl.float32), dtype),
                  mask=row_mask)
     elif ADD_RESIDUAL:

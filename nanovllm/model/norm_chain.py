@@ -1,5 +1,5 @@
 """The decoder's one-row forward with each RMSNorm folded into the GEMVs around it (CUDA, one
-16-bit row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write the
+bf16 row: batch-1 decode). o_proj and down_proj add the residual in their epilogue and write the
 new residual stream s, s times the next norm's weight and each program's sum of s^2
 (`add_residual`, `next_norm_weight`); qkv and gate_up multiply that product and scale their
 outputs by rsqrt(mean(s^2) + eps) from those sums (`norm_parts`); SiLU * up is gate_up's epilogue.
@@ -10,13 +10,17 @@ Per layer: qkv, attention, o, gate_up, down, without the two add + RMSNorm kerne
 Values: the residual adds are the unfused path's, bit for bit. The norm is not rounded where the
 unfused kernel rounds s * rsqrt to 16 bits before the weight: here s * weight is rounded and the
 rsqrt multiplies the fp32 sums, so each normed input may differ from the unfused one by one
-rounding (2^-8 relative in bf16), which moves an output by about one of its own roundings now
-and then. In return neither GEMV does per-element work for the norm, so the fold serves weights
-of any size (normalizing x in every program, as before, cost more than the kernel it saved above
-~16 MB). Measured (H100, one call, BENCHMARKS.md "Batch-1 steps"): Qwen3-8B's step 1.5% (bf16),
-0.9% (FP8) and 2.0% (INT4) faster; Qwen3-0.6B's 0.4-0.8% slower (three runs) than the exact
-per-element prologue it replaced. fp16 caveat: s * weight is rounded before the rsqrt scales
-it, so an element past fp16's range (|s * w| > 65504) overflows where the unfused norm would not.
+rounding (2^-8 relative in bf16), which moves an output by about one of its own roundings now and
+then. In return neither GEMV does per-element work for the norm, so the fold serves weights of any
+size (normalizing x in every program, as before, cost more than the kernel it saved above ~16 MB).
+A bias is added in fp32 before the output's one rounding (as cuBLAS's epilogue does for 16-bit
+weights; INT4's layer-by-layer path rounds the product first, so one rounding apart there).
+Measured (H100, one call, BENCHMARKS.md "Batch-1 steps"): Qwen3-8B's step 1.5% (bf16), 0.9% (FP8)
+and 2.0% (INT4) faster; Qwen3-0.6B's 0.4-0.8% slower (three runs) than the exact per-element
+prologue it replaced. bf16 only (CHAIN_DTYPES): s * weight is rounded before the rsqrt scales it,
+so in fp16 an element past its range (|s * w| > 65504: a stream of a few thousand times a norm
+weight of tens, which real checkpoints hold) would overflow where the unfused norm, rounding s *
+rsqrt first, does not; bf16's range is fp32's.
 
 Loaded at first use (decoder.py's NORM_CHAIN) for models it finds `operands` for: dense layers
 on one rank, 16-bit or with a quantization method that offers the GEMV its operands
@@ -32,6 +36,8 @@ from nanovllm.kernels.fused_ops import norm_parts
 from nanovllm.kernels.w4a16_gemv import Int4Operands, gated_fits
 from nanovllm.kernels.w4a16_gemv import gemv as int4_gemv
 from nanovllm.model.attention import AttentionMetadata
+
+CHAIN_DTYPES = (torch.bfloat16,)  # the dtypes whose range holds s * weight (the docstring's fp16 overflow)
 
 
 def _operands(linear):
@@ -63,7 +69,7 @@ def _gate_up_fits(op) -> bool:
 def operands(model, hidden: torch.Tensor) -> list | None:
     """Each layer's four projections' operands if `model` (a DecoderModel) takes the chained
     forward for this embedded row, else None (checked once a forward, then used as found)."""
-    if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in (torch.bfloat16, torch.float16):
+    if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in CHAIN_DTYPES:
         return None
     found = []
     for layer in model.layers:
