@@ -18,8 +18,11 @@ of the instructions made them 2-4% faster (H100), so they wait mostly on memory 
   The fp32 sums lose nothing a 16-bit output can see (the offset costs 7 of fp32's 24 bits).
 - x read as int32 pairs of bf16, a 16-byte vector a thread a word row: each value's bits moved
   to the top of an fp32 are that value.
-- Bytes in flight: the next strip's words load before this strip's arithmetic (a register
-  prefetch); 16-32 columns a program give each SM a few programs, each running all of K.
+- Bytes in flight: the source loads the next strip's words before this strip's arithmetic,
+  but ptxas sinks those loads to the loop's bottom and loads scales and zero points after the
+  arithmetic (SASS, 63 registers), so each step waits about two DRAM latencies; 16-32 columns a
+  program give each SM a few programs, each running all of K. Forcing the order (volatile
+  loads) and an L2 prefetch of each program's slice were both slower (BENCHMARKS.md).
 - gate_up's SiLU * up in the epilogue (`silu_mul`): a program's columns are half gate, half the
   same columns of up, so it writes silu(gate) * up and the separate kernel goes away.
 Measured on the H200 and dropped (BENCHMARKS.md): Triton's cp.async pipelining of the strips,
