@@ -666,6 +666,8 @@ def parse_args(argv=None):
                     help="TP: rank 0 gathers the logits and samples alone (default: every rank samples its vocabulary shard)")
     ap.add_argument("--max-num-seqs", type=int, default=512)
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    ap.add_argument("--max-prefill-graph-tokens", type=int, default=None,
+                    help="LLM(max_prefill_graph_tokens=...): prefill steps up to this many tokens replay graphs")
     ap.add_argument("--block-size", type=int, default=256)
     ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...): "auto" or "fp8"')
     ap.add_argument("--quantization", default=None, help='LLM(quantization=...): "fp8" quantizes the weights at load '
@@ -732,7 +734,9 @@ def load(path: str, args):
               max_num_batched_tokens=args.max_num_batched_tokens, kvcache_block_size=args.block_size,
               kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization,
               calculate_kv_scales=args.calculate_kv_scales, speculative_config=args.speculative_config,
-              **({"data_parallel_size": args.dp} if args.dp > 1 else {}))
+              **({"data_parallel_size": args.dp} if args.dp > 1 else {}),
+              **({} if args.max_prefill_graph_tokens is None else
+                 {"max_prefill_graph_tokens": args.max_prefill_graph_tokens}))
     cold_start = time.perf_counter() - t0
     if args.tp > 1 and args.gather_logits:
         llm.model_runner.sample_on_every_rank = False

@@ -69,6 +69,8 @@ def main(argv=None) -> None:
     ap.add_argument("--bandwidth", type=float, default=4.3e12)
     ap.add_argument("--quantization", help='LLM(quantization=...): "fp8", or "gptq" / "awq" (dummy INT4)')
     ap.add_argument("--kv-cache-dtype", default="auto", help='LLM(kv_cache_dtype=...)')
+    ap.add_argument("--max-model-len", type=int, default=4096,
+                    help="LLM(max_model_len=...): the block tables' width, hence the decode kernel's splits")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
@@ -76,11 +78,11 @@ def main(argv=None) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the KV budget's charges
     if args.model:
-        llm = LLM(args.model, skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=256,
+        llm = LLM(args.model, skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=256,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     else:
         llm = LLM(os.path.join(os.path.dirname(bench.__file__), bench.DUMMY_CONFIGS[args.dummy]), load_format="dummy",
-                  skip_tokenizer_init=True, max_model_len=4096, max_num_seqs=256, max_num_batched_tokens=16384,
+                  skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=256, max_num_batched_tokens=16384,
                   quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     opts = bench.decoder_options(llm.config.hf_config)
     kv_elem, linear_elem = bench.weight_element_bytes(llm)

@@ -259,7 +259,9 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | N
     """
     k = x.shape[-1]
     _check(x, weight, k)
-    x = x.contiguous()
+    # Triton specializes on 16-byte alignment: an unaligned view gets an aligned copy, so the launch
+    # keeps the variant compiled at start-up instead of compiling a slower one inside a step.
+    x = x.contiguous() if x.data_ptr() % 16 == 0 else x.clone(memory_format=torch.contiguous_format)
     n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
     _check_folds(k, n, weight, silu_mul, prologue, norm_weight, add_residual, norm_parts, next_norm_weight)
     if tile is None:
