@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_ops import inv_rms_parts, silu_mul_rounded, store_residual_sum
+from nanovllm.kernels.fused_ops import check_norm_fold, inv_rms_parts, silu_mul_rounded, store_residual_sum
 
 # A prologue is recomputed by every program, so it pays on small weights only. Measured on the
 # H200 (bench_dense_gemv.py, BENCHMARKS.md "Batch-1 steps"): an RMSNorm prologue won on 0.6B's
@@ -232,13 +232,11 @@ def _check_folds(k: int, n: int, weight: torch.Tensor, silu_mul: bool, prologue:
                          f"prologue, no add_residual")
     if (prologue == Prologue.RMS_NORM) != (norm_weight is not None and norm_weight.shape == (k,)):
         raise ValueError(f"RMS_NORM needs norm_weight [{k}] (and only it takes one)")
-    if (prologue == Prologue.NORM_PARTS) != (norm_parts is not None) or (
-            norm_parts is not None and (norm_parts.dim() != 1 or norm_parts.dtype != torch.float32)):
+    if (prologue == Prologue.NORM_PARTS) != (norm_parts is not None):
         raise ValueError("NORM_PARTS takes norm_parts, the fp32 [programs] sums add_residual returned (and only it)")
-    if add_residual is not None and (add_residual.shape != (1, n) or prologue != Prologue.PLAIN):
-        raise ValueError(f"add_residual must be [1, {n}] (and x taken as given: PLAIN)")
-    if next_norm_weight is not None and (add_residual is None or next_norm_weight.shape != (n,)):
-        raise ValueError(f"next_norm_weight must be [{n}] and comes with add_residual")
+    if add_residual is not None and prologue != Prologue.PLAIN:
+        raise ValueError("add_residual takes x as given (prologue PLAIN)")
+    check_norm_fold(n, add_residual, next_norm_weight, norm_parts)
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, *, scale: torch.Tensor | None = None,

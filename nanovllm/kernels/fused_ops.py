@@ -182,6 +182,19 @@ def store_residual_sum(out_ptr, ss_ptr, y, r_ptr, offs, mask, nw_ptr, scaled_ptr
         tl.store(scaled_ptr + offs, (sf * w).to(dtype), mask=mask)
 
 
+def check_norm_fold(n: int, add_residual, next_norm_weight, norm_parts) -> None:
+    """The fold's operands as a GEMV of N outputs takes them (ValueError naming the one that does
+    not fit): add_residual [1, N]; next_norm_weight [N], only with add_residual; norm_parts, the
+    fp32 [programs] sums add_residual returned, never with add_residual (one GEMV does either)."""
+    if add_residual is not None and add_residual.shape != (1, n):
+        raise ValueError(f"add_residual must be [1, {n}], got {tuple(add_residual.shape)}")
+    if next_norm_weight is not None and (add_residual is None or next_norm_weight.shape != (n,)):
+        raise ValueError(f"next_norm_weight must be [{n}] and comes with add_residual")
+    if norm_parts is not None and (add_residual is not None or norm_parts.dim() != 1
+                                   or norm_parts.dtype != torch.float32):
+        raise ValueError("norm_parts takes the fp32 [programs] sums add_residual returned (and no add_residual)")
+
+
 @triton.jit
 def inv_rms_parts(ss_ptr, parts, K, eps):
     """rsqrt(mean(s^2) + eps) from the per-program sums of squares store_residual_sum wrote (every

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanovllm.kernels.fused_ops import inv_rms_parts, silu_mul_rounded, store_residual_sum
+from nanovllm.kernels.fused_ops import check_norm_fold, inv_rms_parts, silu_mul_rounded, store_residual_sum
 from nanovllm.kernels.w4a16_mma import INTERPRETED, nibble_128
 
 
@@ -223,13 +223,9 @@ def gated_fits(n: int, cfg: Strips) -> bool:
 def _check_folds(n: int, half: int, silu_mul: bool, bias, add_residual, next_norm_weight, norm_parts) -> None:
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    if add_residual is not None and (silu_mul or add_residual.shape != (1, half)):
-        raise ValueError(f"add_residual must be [1, {half}] (and not with silu_mul)")
-    if next_norm_weight is not None and (add_residual is None or next_norm_weight.shape != (half,)):
-        raise ValueError(f"next_norm_weight must be [{half}] and comes with add_residual")
-    if norm_parts is not None and (add_residual is not None or norm_parts.dim() != 1
-                                   or norm_parts.dtype != torch.float32):
-        raise ValueError("norm_parts takes the fp32 [programs] sums add_residual returned (and no add_residual)")
+    if add_residual is not None and silu_mul:
+        raise ValueError("add_residual does not go with silu_mul")
+    check_norm_fold(half, add_residual, next_norm_weight, norm_parts)
 
 
 def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
