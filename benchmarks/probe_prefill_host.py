@@ -39,31 +39,37 @@ def prompts(n_tokens: int, seed: int) -> list[list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dummy", default="qwen3-0.6b")
+    ap.add_argument("--model", help="a checkpoint folder instead of --dummy's shape (its own weights)")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--prefill-graph-tokens", type=int, default=None)
     args = ap.parse_args()
     extra = {} if args.prefill_graph_tokens is None else {"max_prefill_graph_tokens": args.prefill_graph_tokens}
-    llm = LLM(os.path.join(HERE, "configs", args.dummy), load_format="dummy", skip_tokenizer_init=True,
+    path = args.model or os.path.join(HERE, "configs", args.dummy)
+    llm = LLM(path, load_format="auto" if args.model else "dummy", skip_tokenizer_init=True,
               max_model_len=4096, max_num_batched_tokens=args.tokens, **extra)
+    cuda = torch.cuda.is_available()
     params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=1)
     llm.generate(prompts(args.tokens, 0), params, use_tqdm=False)  # warm-up: same shapes
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
     walls = []
     for seed in (1, 2, 3):
         t = time.perf_counter()
         llm.generate(prompts(args.tokens, seed), params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
         walls.append(time.perf_counter() - t)
     print(f"wall ms of one {args.tokens}-token prefill generate: {[round(w * 1e3, 1) for w in walls]}")
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
         llm.generate(prompts(args.tokens, 4), params, use_tqdm=False)
-        torch.cuda.synchronize()
+        sync()
     events = prof.key_averages()
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     print(f"device kernel time: {device_us / 1e3:.1f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
 
+    if not cuda:
+        return
     torch.cuda.set_sync_debug_mode("warn")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
