@@ -99,16 +99,11 @@ class PrefillGraphStrategy:
 
 
 def prefill_graph_sizes(max_tokens: int) -> list[int]:
-    """Token buckets up to `max_tokens`: powers of two from 16 to 256, steps of 256 up to 2,048,
-    then four steps a doubling (padding wastes at most a quarter below 1,024 tokens, an eighth
-    from 1,024 to 2,048 and a fifth above: 12 buckets from 2,048 to 16,384 instead of 56)."""
+    """Token buckets up to `max_tokens`: powers of two from 16 to 256, then steps of 256 (padding
+    wastes at most a quarter below 1,024 tokens and an eighth above 2,048)."""
     if max_tokens < 1:
         return []
-    sizes = [s for s in (16, 32, 64, 128) if s < max_tokens] + list(range(256, min(max_tokens, 2048), 256))
-    size = 2048
-    while size < max_tokens:
-        sizes.append(size)
-        size += 2 ** (size.bit_length() - 1) // 4  # a quarter of the power of two at or below it
+    sizes = [s for s in (16, 32, 64, 128) if s < max_tokens] + list(range(256, max_tokens, 256))
     return sizes + [max_tokens]
 
 

@@ -243,8 +243,10 @@ def gemv(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: to
         raise ValueError(f"silu_mul: {n} columns do not split into gate and up runs of {cfg.block_n // 2}")
     half = n // 2 if silu_mul else n
     _check_folds(n, half, silu_mul, bias, add_residual, next_norm_weight, norm_parts)
-    if x.data_ptr() % 16:  # read as int32 pairs in 16-byte vectors: other views get an aligned copy (the
-        x = x.clone()       # launch then takes the variant compiled at start-up, not a slower new one)
+    # x is read as int32 pairs in 16-byte vectors, and Triton specializes on that alignment: an
+    # unaligned view gets an aligned copy, so the launch keeps the variant compiled at start-up.
+    if x.data_ptr() % 16:
+        x = x.clone()
     p = cfg.warps * 128 // cfg.block_n  # thread rows: a warp's 32 threads, 4 columns each, over BLOCK_N
     out = torch.empty(1, half, dtype=x.dtype, device=x.device)
     programs = triton.cdiv(n, cfg.block_n)
