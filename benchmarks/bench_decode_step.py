@@ -56,6 +56,18 @@ def finish(llm, seqs) -> None:
         llm.step()
 
 
+def load(args):
+    """The LLM of the run: a checkpoint's own weights (--model) or dummy weights of a real shape."""
+    from nanovllm import LLM
+
+    common = dict(skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=256,
+                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    if args.model:
+        return LLM(args.model, **common)
+    return LLM(os.path.join(os.path.dirname(bench.__file__), bench.DUMMY_CONFIGS[args.dummy]), load_format="dummy",
+               max_num_batched_tokens=16384, **common)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group()
@@ -74,16 +86,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json")
     args = ap.parse_args(argv)
 
-    from nanovllm import LLM
-
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # the KV budget's charges
-    if args.model:
-        llm = LLM(args.model, skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=256,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    else:
-        llm = LLM(os.path.join(os.path.dirname(bench.__file__), bench.DUMMY_CONFIGS[args.dummy]), load_format="dummy",
-                  skip_tokenizer_init=True, max_model_len=args.max_model_len, max_num_seqs=256, max_num_batched_tokens=16384,
-                  quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    llm = load(args)
     opts = bench.decoder_options(llm.config.hf_config)
     kv_elem, linear_elem = bench.weight_element_bytes(llm)
     kv_bytes = 2 * opts.num_layers * opts.num_kv_heads * opts.head_dim * kv_elem  # K and V, every layer
