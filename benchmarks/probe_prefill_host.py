@@ -5,8 +5,8 @@ synchronize the host with the GPU inside it.
 
 Runs fresh prompts of ~560 tokens (the bench workload's mean) filling one step of --tokens, with
 max_tokens=1, on dummy weights. Prints: the wall time of one such generate; the device time of its
-kernels (torch.profiler); the host's self time by op, top 25; every op torch reports as
-synchronizing (torch.cuda.set_sync_debug_mode) with the Python line that called it.
+kernels (torch.profiler); the host's self time by op, top 25; the device time by kernel, top 15;
+every op torch reports as synchronizing (torch.cuda.set_sync_debug_mode) with the Python line that called it.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ def main() -> None:
     device_us = sum(e.self_device_time_total for e in events if e.device_type.name == "CUDA")
     print(f"device kernel time: {device_us / 1e3:.1f} ms")
     print(events.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if cuda:
+        print("device time by kernel")
+        print(events.table(sort_by="self_device_time_total", row_limit=15, max_name_column_width=60))
 
     if not cuda:
         return

@@ -22,4 +22,5 @@ grep -E "wall ms|device kernel|synchronizing" $D/prefill-*.log
 for g in 2048 16384; do python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], r['output_tok_s'], r.get('cold_start_s'), [(t['group'], t['seconds']) for t in r.get('timeline', [])[:2]])" $D/bench-g$g.json; done
 grep -A12 "synchronizing calls" $D/prefill-eager.log | tail -n 12 | cut -c1-220
 grep -B1 -A28 "Self CPU %" $D/prefill-eager.log | cut -c1-160 | head -32
+grep -A19 "device time by kernel" $D/prefill-eager.log | cut -c1-200
 for f in $D/base-*.json $D/new-*.json; do python3 -c "import json,sys; r=json.load(open(sys.argv[1]))['rows'][0]; print(sys.argv[1].split('/')[-1], r['ms_per_step'], r.get('profile',{}).get('kernel_ms'))" $f; done
