@@ -10,6 +10,7 @@ us per call from a CUDA graph, and the achieved KV bandwidth (bytes of the conte
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import torch
@@ -26,7 +27,7 @@ def run(q, k, v, tables, ctx, splits, scales, config) -> float:
     kw = {"k_scale": scales[0], "v_scale": scales[1]} if scales else {}
     default = paged_decode._launch_config
     if config:
-        paged_decode._launch_config = lambda head_dim, elem_size: config
+        paged_decode._launch_config = lambda head_dim, elem_size, fp8=False: config
     try:
         return cuda_graph_us(lambda: paged_decode_attention(q, k, v, tables, ctx, 128 ** -0.5, splits, **kw))
     finally:
@@ -34,6 +35,15 @@ def run(q, k, v, tables, ctx, splits, scales, config) -> float:
 
 
 def main() -> None:
+    global CONFIGS, SPLIT_FACTORS
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", help="tile/warps/stages,... (default: %s)" % ",".join("/".join(map(str, c)) for c in CONFIGS))
+    ap.add_argument("--split-factors", help="multipliers of the split rule, e.g. 1,2 (default 1)")
+    args = ap.parse_args()
+    if args.configs:
+        CONFIGS = [tuple(int(x) for x in c.split("/")) for c in args.configs.split(",")]
+    if args.split_factors:
+        SPLIT_FACTORS = tuple(int(x) for x in args.split_factors.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     one = torch.ones(1, device="cuda")

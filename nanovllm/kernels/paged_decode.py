@@ -222,14 +222,19 @@ def choose_num_splits(
     return min(max_blocks_per_seq, triton.cdiv(10 * num_sms, batch_size * num_kv_heads))
 
 
-def _launch_config(head_dim: int, elem_size: int) -> tuple[int, int, int]:
-    """(TILE, num_warps, num_stages) for the split kernel; elem_size is q's."""
+def _launch_config(head_dim: int, elem_size: int, fp8: bool = False) -> tuple[int, int, int]:
+    """(TILE, num_warps, num_stages) for the split kernel; elem_size is q's, fp8 the cache's."""
     # 64 tokens x 128 dims of bf16 per K or V tile (16 KiB each): on an H200 this was at the
     # top of a sweep over tiles 32-128, 2-8 warps and 1-3 stages; bigger tiles add registers
     # without adding bandwidth. Keep those bytes per tile for other element sizes and head
     # sizes. An FP8 cache keeps q's tile: on the H200, 128-token FP8 tiles were no faster
     # (benchmarks/kernels/bench_decode_fp8_config.py; BENCHMARKS.md).
     tile = max(16, min(128, 64 * 2 * 128 // (elem_size * head_dim)))
+    if fp8:
+        # Half the bytes a tile: two warps a program (twice the programs an SM holds) and three
+        # stages keep more tiles in flight; 8-10% faster than (4, 2) at the bench's decode
+        # shapes on an H100 (bench_decode_fp8_config.py, BENCHMARKS.md).
+        return tile, 2, 3
     return tile, 4, 2
 
 
@@ -334,7 +339,7 @@ def paged_decode_attention(
 
     max_blocks = block_tables.shape[1]
     group = num_heads // num_kv_heads
-    tile, num_warps, num_stages = _launch_config(head_dim, q.element_size())
+    tile, num_warps, num_stages = _launch_config(head_dim, q.element_size(), fp8)
     # Splits beyond the table's capacity in tiles could never get tokens.
     num_splits = max(1, min(num_splits, triton.cdiv(max_blocks * block_size, tile)))
     part_out, part_lse = _partials(out, num_splits)
