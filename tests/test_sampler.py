@@ -755,11 +755,13 @@ def test_filter_kernel_greedy_ties_suppress_and_masked_rows(fused):
     seed = gen.seed()
     b, vocab = 8, 1000
     logits = torch.randn(b, vocab, generator=gen) * 2
-    logits[0, [700, 300, 301]] = 9.0  # a greedy row: the first of the tied maxima, across chunks
+    # A greedy row: the first of the tied maxima, across chunks. Above the row's own draws for
+    # sure (a fixed 9.0 lost to a randn * 2 draw past 4.5 sigma: one run in ~300).
+    logits[0, [700, 300, 301]] = logits[0].max() + 1.0
     params = [SP(temperature=0.0), SP(top_p=0.9), SP(top_k=3, top_p=0.5), SP(min_p=0.2, top_p=0.8),
               SP(temperature=0.0, top_p=0.5), SP(temperature=0.6, top_p=0.7), SP(), SP(top_k=10)]
     t = tensors(params, *random_keys(gen, b))
-    assert fused(logits, t)[0] == 300
+    assert fused(logits, t)[0] == 300, seed
     # Suppressed tokens (the kernel then reads the scaled copy): each row's top 3, and all but
     # 5 tokens of row 5, which leaves most chunks of that row empty.
     top3 = logits.topk(3, dim=-1).indices
