@@ -6,7 +6,8 @@ synchronize the host with the GPU inside it.
 Runs fresh prompts of ~560 tokens (the bench workload's mean) filling one step of --tokens, with
 max_tokens=1, on dummy weights. Prints: the wall time of one such generate; the device time of its
 kernels (torch.profiler); the host's self time by op, top 25; the device time by kernel, top 15;
-every op torch reports as synchronizing (torch.cuda.set_sync_debug_mode) with the Python line that called it.
+every op torch reports as synchronizing (torch.cuda.set_sync_debug_mode) with the Python line
+that called it. On CPU (--model a checkpoint folder) only the first three.
 """
 
 from __future__ import annotations

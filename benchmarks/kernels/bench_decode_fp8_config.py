@@ -19,7 +19,7 @@ import nanovllm.kernels.paged_decode as paged_decode
 from nanovllm.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from timing import cuda_graph_us, random_paged_batch  # benchmarks/kernels/timing.py (this folder)
 
-CONFIGS = [(64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)]
+CONFIGS = [(64, 2, 3), (64, 4, 2), (64, 4, 3), (128, 4, 2), (128, 8, 2), (32, 4, 3)]  # the first: the default
 SPLIT_FACTORS = (1,)
 
 
@@ -35,20 +35,18 @@ def run(q, k, v, tables, ctx, splits, scales, config) -> float:
 
 
 def main() -> None:
-    global CONFIGS, SPLIT_FACTORS
     ap = argparse.ArgumentParser()
-    ap.add_argument("--configs", help="tile/warps/stages,... (default: %s)" % ",".join("/".join(map(str, c)) for c in CONFIGS))
-    ap.add_argument("--split-factors", help="multipliers of the split rule, e.g. 1,2 (default 1)")
+    ap.add_argument("--configs", default=CONFIGS, help="tile/warps/stages,... (default: %s)"
+                    % ",".join("/".join(map(str, c)) for c in CONFIGS),
+                    type=lambda v: [tuple(int(x) for x in c.split("/")) for c in v.split(",")])
+    ap.add_argument("--split-factors", default=SPLIT_FACTORS, help="multipliers of the split rule, e.g. 1,2 (default 1)",
+                    type=lambda v: tuple(int(x) for x in v.split(",")))
     args = ap.parse_args()
-    if args.configs:
-        CONFIGS = [tuple(int(x) for x in c.split("/")) for c in args.configs.split(",")]
-    if args.split_factors:
-        SPLIT_FACTORS = tuple(int(x) for x in args.split_factors.split(","))
     gen = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     one = torch.ones(1, device="cuda")
     print(f"{'model':<6}{'B':>5}{'ctx':>11}{'bf16 us':>9}{'TB/s':>6}  " + "  ".join(
-        f"{t}/{w}/{s}x{f}" for (t, w, s), f in itertools.product(CONFIGS, SPLIT_FACTORS)))
+        f"{t}/{w}/{s}x{f}" for (t, w, s), f in itertools.product(args.configs, args.split_factors)))
     for group, batch, lo, hi in ((2, 256, 500, 1100), (2, 64, 1000, 2000), (4, 256, 500, 1100), (4, 32, 200, 1000)):
         q, k, v, tables, ctx = random_paged_batch(batch, 8, 8, (lo, hi), gen, group=group)
         k8, v8 = k.to(torch.float8_e4m3fn), v.to(torch.float8_e4m3fn)
@@ -56,7 +54,7 @@ def main() -> None:
         tokens = ctx.sum().item()
         bf16 = run(q, k, v, tables, ctx, rule, None, None)
         cells = []
-        for config, factor in itertools.product(CONFIGS, SPLIT_FACTORS):
+        for config, factor in itertools.product(args.configs, args.split_factors):
             us = run(q, k8, v8, tables, ctx, min(rule * factor, 64), (one, one), config)
             cells.append(f"{us:7.1f} ({tokens * 8 * 128 * 2 / us / 1e6:3.1f})")
         name = "0.6b" if group == 2 else "8b"

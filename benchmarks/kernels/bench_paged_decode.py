@@ -44,7 +44,8 @@ def decode_us(q, k, v, tables, ctx, splits, scales=None, tile=None) -> float:
     fn = lambda: paged_decode_attention(q, k, v, tables, ctx, HEAD_DIM ** -0.5, splits, **kw)  # noqa: E731
     default = paged_decode._launch_config
     if tile:
-        paged_decode._launch_config = lambda head_dim, elem_size, fp8=False: (tile, *default(head_dim, elem_size, fp8)[1:])
+        paged_decode._launch_config = lambda head_dim, elem_size, fp8=False: (
+            tile, *default(head_dim, elem_size, fp8)[1:])
     try:
         return cuda_graph_us(fn)
     finally:
