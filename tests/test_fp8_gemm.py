@@ -154,6 +154,20 @@ def test_tensor_quant_max_anywhere():
         assert torch.equal(s, s_ref) and s.item() == (torch.tensor(300.0) / torch.tensor(448.0)).item()
 
 
+def test_tensor_quant_slots_of_several_tiles_and_nan():
+    """The amax slots (quantize_fp8_per_tensor's first kernel): 1,100 rows of 2,048 make 138
+    slots of two 4-row tiles each, the largest value in the last tile of a middle slot; a NaN
+    anywhere makes the scale NaN, as torch's amax does."""
+    x = torch.randn(1100, 2048, dtype=torch.bfloat16)
+    x[7 * 8 + 5, 1500] = 500.0  # slot 7, its second tile
+    q, s = quantize_fp8_per_tensor(x)
+    q_ref, s_ref = quantize_per_tensor_torch(x)
+    assert_same_bytes(q, q_ref)
+    assert torch.equal(s, s_ref) and s.item() == (torch.tensor(500.0) / torch.tensor(448.0)).item()
+    x[900, 3] = float("nan")
+    assert quantize_fp8_per_tensor(x)[1].isnan().all() and quantize_per_tensor_torch(x)[1].isnan().all()
+
+
 def test_tensor_quant_zero_input_and_scale_out():
     x = torch.zeros(3, 64, dtype=torch.float16)
     out = torch.full((1,), float("nan"))

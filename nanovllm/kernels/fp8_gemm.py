@@ -135,17 +135,48 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = BLOCK,
 # ----------------------------------------------------------------------------- per-tensor quantization
 
 
-@triton.jit
-def _quant_tensor_kernel(x_ptr, q_ptr, amax_ptr, scale_ptr, M, K, stride_xm, stride_qm, TILE_M: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
-    """q = fp8(clamp(x * (1 / scale))) for one [TILE_M, BLOCK_K] tile of x [M, K], with
-    scale = max(amax / 448, MIN_SCALE) computed here from the amax the previous kernel left.
+# Programs of the per-tensor amax: about two an SM of an H200, each writing the max of its rows
+# to a slot of its own (no zeroed buffer, no atomics); the quantize kernel reduces the slots.
+AMAX_PARTS = 256
 
-    Grid (cdiv(M, TILE_M), cdiv(K, BLOCK_K)); program (0, 0) also stores the scale (a separate
-    buffer from amax, which the other programs are still reading)."""
+
+@triton.jit
+def _max_nan(v):
+    """The max of all of v, NaN if any element is (tl.max alone may drop NaNs)."""
+    return tl.where(tl.sum((v != v).to(tl.int32)) > 0, float("nan"), tl.max(v))
+
+
+@triton.jit
+def _amax_parts_kernel(x_ptr, part_ptr, M, K, stride_xm, rows_per_part, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[p] = max |x| over rows [p * rows_per_part, (p + 1) * rows_per_part) of x [M, K] (NaN
+    if any is: torch's amax propagates it). Grid (parts,)."""
+    first = tl.program_id(0) * rows_per_part
+    end = tl.minimum(first + rows_per_part, M)
+    acc = tl.zeros([TILE_M, BLOCK_K], tl.float32)
+    for m0 in range(first, end, TILE_M):
+        rows = (m0 + tl.arange(0, TILE_M)).to(tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = (rows[:, None] < end) & (cols[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            acc = tl.maximum(acc, tl.abs(x.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
+    tl.store(part_ptr + tl.program_id(0), _max_nan(acc))
+
+
+@triton.jit
+def _quant_tensor_kernel(x_ptr, q_ptr, part_ptr, parts, scale_ptr, M, K, stride_xm, stride_qm,
+                         PARTS_PAD: tl.constexpr, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                         FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """q = fp8(clamp(x * (1 / scale))) for one [TILE_M, BLOCK_K] tile of x [M, K], with
+    scale = max(amax / 448, MIN_SCALE) and amax the max of the `parts` slots _amax_parts_kernel
+    left (a few hundred floats, from L2).
+
+    Grid (cdiv(M, TILE_M), cdiv(K, BLOCK_K)); program (0, 0) also stores the scale."""
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    scale = tl.maximum(tl.div_rn(tl.load(amax_ptr), FP8_MAX), MIN_SCALE)
+    slots = tl.arange(0, PARTS_PAD)
+    amax = _max_nan(tl.load(part_ptr + slots, mask=slots < parts, other=0.0))
+    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
     inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
     rows = (pid_m * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -162,9 +193,9 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
     Returns q [M, K] float8_e4m3fn and scale, an fp32 tensor of shape [1] (torch._scaled_mm's
     tensor-wise check is numel() == 1 in fp32, so [1] and [] both pass on torch 2.11 and 2.13),
     with x ~= q * scale, scale = max(amax / 448, 1e-12). `scale_out`, a float32 tensor of one
-    element on x's device, receives the scale instead of a new tensor. Two launches (torch's
-    max-abs reduction, then the quantize kernel) and no host sync: CUDA-graph capturable.
-    Bit-identical to quantize_per_tensor_torch.
+    element on x's device, receives the scale instead of a new tensor. Two launches (the amax of
+    row slices into slots, then the quantize kernel, which reduces the slots) and no host sync:
+    CUDA-graph capturable. Bit-identical to quantize_per_tensor_torch (a max is exact in any order).
     """
     _check_float("x", x)
     _check_matrix("x", x)
@@ -178,16 +209,17 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
     if m == 0 or k == 0:
         scale_out.fill_(FP8_MIN_SCALE)
         return q, scale_out
-    # torch's own reduction (one tuned kernel, no zeroed buffer to prepare): the max of |x| is
-    # exact in any dtype, so this equals an fp32 amax bit for bit.
-    amax = torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
     block_k = min(1024, triton.next_power_of_2(k))
     tile_m = max(1, 4096 // block_k)
-    tiles = triton.cdiv(m, tile_m)
-    _quant_tensor_kernel[(tiles, triton.cdiv(k, block_k))](x, q, amax, scale_out, m, k, x.stride(0), q.stride(0),
-                                                           TILE_M=tile_m, BLOCK_K=block_k, FP8_MAX=FP8_MAX,
-                                                           MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
-                                                           enable_fp_fusion=False)
+    rows_per_part = triton.cdiv(triton.cdiv(m, AMAX_PARTS), tile_m) * tile_m  # whole tiles a slot
+    parts = triton.cdiv(m, rows_per_part)
+    part = torch.empty(parts, dtype=torch.float32, device=x.device)
+    _amax_parts_kernel[(parts,)](x, part, m, k, x.stride(0), rows_per_part, TILE_M=tile_m, BLOCK_K=block_k,
+                                 num_warps=4)
+    _quant_tensor_kernel[(triton.cdiv(m, tile_m), triton.cdiv(k, block_k))](
+        x, q, part, parts, scale_out, m, k, x.stride(0), q.stride(0), PARTS_PAD=triton.next_power_of_2(parts),
+        TILE_M=tile_m, BLOCK_K=block_k, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
+        enable_fp_fusion=False)
     return q, scale_out
 
 
