@@ -143,7 +143,7 @@ def test_tensor_quant_matches_torch_bitwise(dtype, m, k):
 
 
 def test_tensor_quant_max_anywhere():
-    """The amax (torch's reduction) and the quantize kernel's tiles: the largest value in a later
+    """The amax slots and the quantize kernel's tiles: the largest value in a later
     tile, in the short last one, and at the first element."""
     for where in [(100, 17), (200, 0), (299, 39), (0, 0)]:
         x = torch.randn(300, 40, dtype=torch.float16)
