@@ -168,6 +168,19 @@ def test_tensor_quant_slots_of_several_tiles_and_nan():
     assert quantize_fp8_per_tensor(x)[1].isnan().all() and quantize_per_tensor_torch(x)[1].isnan().all()
 
 
+def test_tensor_quant_slots_split_along_k():
+    """Few rows split K among the amax slots (3 rows of 8,192: eight 1,024-column slots): the
+    largest value in a middle slot's columns, then a NaN in the last slot's."""
+    x = torch.randn(3, 8192, dtype=torch.float16)
+    x[2, 3 * 1024 + 700] = -300.0
+    q, s = quantize_fp8_per_tensor(x)
+    q_ref, s_ref = quantize_per_tensor_torch(x)
+    assert_same_bytes(q, q_ref)
+    assert torch.equal(s, s_ref) and s.item() == (torch.tensor(300.0) / torch.tensor(448.0)).item()
+    x[0, 8191] = float("nan")
+    assert quantize_fp8_per_tensor(x)[1].isnan().all()
+
+
 def test_tensor_quant_zero_input_and_scale_out():
     x = torch.zeros(3, 64, dtype=torch.float16)
     out = torch.full((1,), float("nan"))

@@ -135,7 +135,7 @@ def quantize_fp8_per_token_group(x: torch.Tensor, group_size: int = BLOCK,
 # ----------------------------------------------------------------------------- per-tensor quantization
 
 
-# Programs of the per-tensor amax: about two an SM of an H200, each writing the max of its rows
+# Programs of the per-tensor amax: about two an SM of an H200, each writing the max of its rectangle
 # to a slot of its own (no zeroed buffer, no atomics); the quantize kernel reduces the slots.
 AMAX_PARTS = 256
 
@@ -147,20 +147,25 @@ def _max_nan(v):
 
 
 @triton.jit
-def _amax_parts_kernel(x_ptr, part_ptr, M, K, stride_xm, rows_per_part, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr):
-    """part[p] = max |x| over rows [p * rows_per_part, (p + 1) * rows_per_part) of x [M, K] (NaN
-    if any is: torch's amax propagates it). Grid (parts,)."""
+def _amax_parts_kernel(x_ptr, part_ptr, M, K, stride_xm, rows_per_part, k_per_part, TILE_M: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """part[p] = max |x| over one rectangle of x [M, K]: rows [i * rows_per_part, ...) and
+    columns [j * k_per_part, ...) for program (i, j), p = i * programs_along_K + j (NaN if any
+    element is: torch's amax propagates it). Few rows get K split too, so that a decode-sized x
+    still spreads over a few hundred programs."""
     first = tl.program_id(0) * rows_per_part
     end = tl.minimum(first + rows_per_part, M)
+    k_first = tl.program_id(1) * k_per_part
+    k_end = tl.minimum(k_first + k_per_part, K)
     acc = tl.zeros([TILE_M, BLOCK_K], tl.float32)
     for m0 in range(first, end, TILE_M):
         rows = (m0 + tl.arange(0, TILE_M)).to(tl.int64)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_first, k_end, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            mask = (rows[:, None] < end) & (cols[None, :] < K)
+            mask = (rows[:, None] < end) & (cols[None, :] < k_end)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
             acc = tl.maximum(acc, tl.abs(x.to(tl.float32)), propagate_nan=tl.PropagateNan.ALL)
-    tl.store(part_ptr + tl.program_id(0), _max_nan(acc))
+    tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _max_nan(acc))
 
 
 @triton.jit
@@ -211,11 +216,15 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
         return q, scale_out
     block_k = min(1024, triton.next_power_of_2(k))
     tile_m = max(1, 4096 // block_k)
-    rows_per_part = triton.cdiv(triton.cdiv(m, AMAX_PARTS), tile_m) * tile_m  # whole tiles a slot
-    parts = triton.cdiv(m, rows_per_part)
+    row_tiles, k_tiles = triton.cdiv(m, tile_m), triton.cdiv(k, block_k)
+    k_parts = min(k_tiles, max(1, AMAX_PARTS // row_tiles))  # K split only where rows are few
+    rows_per_part = triton.cdiv(row_tiles, AMAX_PARTS // k_parts) * tile_m  # whole tiles a slot
+    k_per_part = triton.cdiv(k_tiles, k_parts) * block_k
+    grid = (triton.cdiv(m, rows_per_part), triton.cdiv(k, k_per_part))
+    parts = grid[0] * grid[1]
     part = torch.empty(parts, dtype=torch.float32, device=x.device)
-    _amax_parts_kernel[(parts,)](x, part, m, k, x.stride(0), rows_per_part, TILE_M=tile_m, BLOCK_K=block_k,
-                                 num_warps=4)
+    _amax_parts_kernel[grid](x, part, m, k, x.stride(0), rows_per_part, k_per_part, TILE_M=tile_m,
+                             BLOCK_K=block_k, num_warps=4)
     _quant_tensor_kernel[(triton.cdiv(m, tile_m), triton.cdiv(k, block_k))](
         x, q, part, parts, scale_out, m, k, x.stride(0), q.stride(0), PARTS_PAD=triton.next_power_of_2(parts),
         TILE_M=tile_m, BLOCK_K=block_k, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
