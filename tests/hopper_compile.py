@@ -130,7 +130,7 @@ def _store(cache_dtype):
     store_kvcache(k, v, k_cache, v_cache, torch.arange(7), *scales)
 
 
-def _qk_norm_rope(cache_dtype, norm):
+def _qk_norm_rope(cache_dtype, norm, row_scale=False):
     from nanovllm.kernels.qk_norm_rope import qk_norm_rope
     from nanovllm.model.layers.rotary_embedding import RotaryEmbedding
 
@@ -139,11 +139,11 @@ def _qk_norm_rope(cache_dtype, norm):
     w = [torch.ones(hd).to(BF16), torch.ones(hd).to(BF16)] if norm else [None, None]
     cos_sin = RotaryEmbedding(hd, 4096, 1e6).cos_sin
     positions = torch.arange(tokens)
-    kw = {}
+    kw = dict(row_scale=torch.ones(tokens)) if row_scale else {}
     if cache_dtype is not None:
         caches = [torch.zeros(4, 256, nkv, hd).to(cache_dtype) for _ in range(2)]
         scales = (torch.ones(1), torch.ones(1)) if cache_dtype == FP8 else (None, None)
-        kw = dict(k_cache=caches[0], v_cache=caches[1], slot_mapping=torch.arange(tokens), k_scale=scales[0],
+        kw.update(k_cache=caches[0], v_cache=caches[1], slot_mapping=torch.arange(tokens), k_scale=scales[0],
                   v_scale=scales[1])
     qk_norm_rope(qkv, w[0], w[1], cos_sin, positions, nh, nkv, hd, 1e-6, **kw)
 
@@ -167,6 +167,17 @@ def _fp8_gemm():
     a_q, a_s = torch.zeros(9, 512).to(FP8), torch.ones(9, 4)
     w_q, w_s = torch.zeros(384, 512).to(FP8), torch.ones(3, 4)
     fp8_block_matmul(a_q, a_s, w_q, w_s, BF16)
+
+
+def _fp8_rows():
+    from nanovllm.kernels.fp8_rows import add_norm_quant, quantize_rows, silu_mul_quant
+
+    x, w, s = torch.randn(6, 4096).to(BF16), torch.ones(4096).to(BF16), torch.ones(6)
+    add_norm_quant(x, None, None, w, 1e-6)  # the first layer's input norm
+    add_norm_quant(x, s, x.clone(), w, 1e-6)
+    add_norm_quant(x, s, x.clone(), w, 1e-6, quantize=False)  # the final norm
+    silu_mul_quant(torch.randn(6, 2 * 12288).to(BF16), s)
+    quantize_rows(x)
 
 
 def _fused_moe(fp8, tokens=5, experts=8, k=2):
@@ -278,7 +289,9 @@ SCENARIOS = {
     "qk_norm_rope_store_bf16": lambda: _qk_norm_rope(BF16, True),
     "qk_norm_rope_store_fp8": lambda: _qk_norm_rope(FP8, True),
     "rope_only_store_fp8": lambda: _qk_norm_rope(FP8, False),
+    "qk_norm_rope_store_fp8_row_scale": lambda: _qk_norm_rope(FP8, True, row_scale=True),  # online FP8's chain
     "rms_norm_silu": _rms_norm_and_silu,
+    "fp8_rows": _fp8_rows,
     "fp8_gemm": _fp8_gemm,
     "fused_moe_bf16": lambda: _fused_moe(False),
     "fused_moe_fp8": lambda: _fused_moe(True),

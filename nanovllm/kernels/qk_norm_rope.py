@@ -29,11 +29,13 @@ def _norm_rope_heads(
     cache_ptr,
     scale_ptr,
     slot,
+    row_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_HEADS: tl.constexpr,
     NORM: tl.constexpr,
     STORE: tl.constexpr,
     FP8: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     """(RMSNorm +) NeoX rotary of heads [first_head, first_head + BLOCK_HEADS) of one token.
 
@@ -44,6 +46,7 @@ def _norm_rope_heads(
     STORE: the rotated heads also go to the paged cache row of `slot` (cache_ptr: the cache's
     first slot, rows of num_heads * HEAD_DIM), skipped when slot < 0; with FP8, quantized by
     the scale at scale_ptr exactly as _store_kvcache_kernel does (so the bytes are the same).
+    ROW_SCALE: the heads are first multiplied by the token's `row_scale` (rounded to the dtype).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     dtype = dst_ptr.dtype.element_ty
@@ -53,6 +56,9 @@ def _norm_rope_heads(
     mask = (heads[:, None] < num_heads) & (d[None, :] < HALF)
     n1 = tl.load(src_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     n2 = tl.load(src_ptr + offs + HALF, mask=mask, other=0.0).to(tl.float32)
+    if ROW_SCALE:
+        n1 = (n1 * row_scale).to(dtype).to(tl.float32)
+        n2 = (n2 * row_scale).to(dtype).to(tl.float32)
     if NORM:
         var = (tl.sum(n1 * n1, axis=1) + tl.sum(n2 * n2, axis=1)) / HEAD_DIM
         rstd = tl.rsqrt(var + eps)[:, None]
@@ -106,6 +112,7 @@ def _qk_norm_rope_kernel(
     slot_ptr,
     k_scale_ptr,
     v_scale_ptr,
+    row_scale_ptr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -115,6 +122,7 @@ def _qk_norm_rope_kernel(
     NORM: tl.constexpr,
     STORE: tl.constexpr,
     FP8: tl.constexpr,
+    ROW_SCALE: tl.constexpr,
 ):
     """q/k RMSNorm (if NORM) + NeoX rotary for one token and one block of BLOCK_HEADS q or k heads.
 
@@ -131,6 +139,9 @@ def _qk_norm_rope_kernel(
     skips the token), and NUM_K_BLOCKS more programs copy the v heads into v_cache. FP8: the
     caches are float8_e4m3fn, values quantized by *k_scale_ptr / *v_scale_ptr. Saves the
     separate store kernel's launch and its read of k back from memory (v is read once either way).
+    ROW_SCALE: every head of the token is first multiplied by row_scale_ptr[token] (fp32; the
+    product rounded to qkv's dtype): qkv rows made by an FP8 GEMM with per-row activation
+    scales (kernels/fp8_rows.py).
     """
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
@@ -140,6 +151,9 @@ def _qk_norm_rope_kernel(
         # int64: slot * row width overflows int32 for caches above 2**31 elements.
         slot = tl.load(slot_ptr + token).to(tl.int64)
     src = qkv_ptr + token * qkv_stride
+    row_scale = 1.0
+    if ROW_SCALE:
+        row_scale = tl.load(row_scale_ptr + token)
     if blk >= NUM_Q_BLOCKS + NUM_K_BLOCKS:  # (STORE only) copy v heads into the cache
         heads = (blk - NUM_Q_BLOCKS - NUM_K_BLOCKS) * BLOCK_HEADS + tl.arange(0, BLOCK_HEADS)
         d = tl.arange(0, HALF)
@@ -148,6 +162,9 @@ def _qk_norm_rope_kernel(
         v_src = src + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM
         v1 = tl.load(v_src + offs, mask=mask, other=0.0)
         v2 = tl.load(v_src + offs + HALF, mask=mask, other=0.0)
+        if ROW_SCALE:
+            v1 = (v1.to(tl.float32) * row_scale).to(v1.dtype)
+            v2 = (v2.to(tl.float32) * row_scale).to(v2.dtype)
         _store_heads(v_cache_ptr, v_scale_ptr, slot, NUM_KV_HEADS * HEAD_DIM, offs, v1, v2, mask, HALF, FP8)
     else:
         pos = tl.load(pos_ptr + token).to(tl.int64)
@@ -156,12 +173,12 @@ def _qk_norm_rope_kernel(
         sin = tl.load(cos_sin_ptr + pos * cos_sin_stride + HALF + d)
         if blk < NUM_Q_BLOCKS:
             _norm_rope_heads(src, q_w_ptr, q_ptr + token * (NUM_HEADS * HEAD_DIM), blk * BLOCK_HEADS,
-                             NUM_HEADS, cos, sin, eps, k_cache_ptr, k_scale_ptr, slot, HEAD_DIM, BLOCK_HEADS,
-                             NORM, False, FP8)
+                             NUM_HEADS, cos, sin, eps, k_cache_ptr, k_scale_ptr, slot, row_scale, HEAD_DIM,
+                             BLOCK_HEADS, NORM, False, FP8, ROW_SCALE)
         else:
             _norm_rope_heads(src + NUM_HEADS * HEAD_DIM, k_w_ptr, k_ptr + token * (NUM_KV_HEADS * HEAD_DIM),
                              (blk - NUM_Q_BLOCKS) * BLOCK_HEADS, NUM_KV_HEADS, cos, sin, eps, k_cache_ptr,
-                             k_scale_ptr, slot, HEAD_DIM, BLOCK_HEADS, NORM, STORE, FP8)
+                             k_scale_ptr, slot, row_scale, HEAD_DIM, BLOCK_HEADS, NORM, STORE, FP8, ROW_SCALE)
 
 
 def _check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin, positions, num_heads, num_kv_heads, head_dim) -> None:
@@ -231,6 +248,13 @@ def _check_kv_store(qkv, k_cache, v_cache, slot_mapping, k_scale, v_scale, num_k
     return fp8
 
 
+def _check_row_scale(qkv, row_scale, store: bool) -> None:
+    if row_scale is not None and (not store or row_scale.dtype != torch.float32
+                                  or row_scale.shape != (qkv.shape[0],) or not row_scale.is_contiguous()):
+        raise ValueError(f"row_scale must be float32 [{qkv.shape[0]}] and comes with the KV store, got "
+                         f"{row_scale.dtype} {tuple(row_scale.shape)}{'' if store else ' without k_cache'}")
+
+
 def qk_norm_rope(
     qkv: torch.Tensor,
     q_weight: torch.Tensor | None,
@@ -242,12 +266,9 @@ def qk_norm_rope(
     head_dim: int,
     eps: float,
     *,
-    k_cache: torch.Tensor | None = None,
-    v_cache: torch.Tensor | None = None,
-    slot_mapping: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-):
+    k_cache: torch.Tensor | None = None, v_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, row_scale: torch.Tensor | None = None):
     """Per-head q/k RMSNorm then NeoX rotary, from the packed qkv projection: (q, k, v).
 
     qkv: [tokens, (num_heads + 2 * num_kv_heads) * head_dim] float16/bfloat16/float32,
@@ -265,10 +286,13 @@ def qk_norm_rope(
     same launch also stores the rotated k and v into the paged caches, bitwise what
     store_kvcache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale) writes (an FP8
     cache needs the fp32 [1] k_scale / v_scale). Slots are not bounds-checked.
+    row_scale (fp32 [tokens], with the store only: v stays qkv's unscaled view): each token's heads
+    first times it, rounded to qkv's dtype (FP8 rows: kernels/fp8_rows.py).
     """
     _check_qk_norm_rope(qkv, q_weight, k_weight, cos_sin, positions, num_heads, num_kv_heads, head_dim)
     fp8 = _check_kv_store(qkv, k_cache, v_cache, slot_mapping, k_scale, v_scale, num_kv_heads, head_dim)
     store = k_cache is not None or v_cache is not None
+    _check_row_scale(qkv, row_scale, store)
     norm = q_weight is not None
     tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
@@ -286,8 +310,8 @@ def qk_norm_rope(
             k_weight.contiguous() if norm else unused, cos_sin, cos_sin.stride(0), positions.contiguous(), q, k,
             float(eps), k_cache if store else unused, v_cache if store else unused,
             slot_mapping.contiguous() if store else unused, k_scale if fp8 else unused, v_scale if fp8 else unused,
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HEADS=block_heads,
+            row_scale if row_scale is not None else unused, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HEADS=block_heads,
             NUM_Q_BLOCKS=num_q_blocks, NUM_K_BLOCKS=num_k_blocks, NORM=norm, STORE=store, FP8=fp8,
-            num_warps=_num_warps(block_heads * head_dim, max_warps=8), enable_fp_fusion=False,
+            ROW_SCALE=row_scale is not None, num_warps=_num_warps(block_heads * head_dim, max_warps=8), enable_fp_fusion=False,
         )
     return q, k, v

@@ -22,14 +22,13 @@ if TYPE_CHECKING:
     from types import ModuleType
 
     from nanovllm.model.experts import MoeOptions, SparseMlpFactory
+    from nanovllm.model.forward_chain import ForwardChain
     from nanovllm.model.rope_scaling import Llama3RopeScaling
 
-# Filled by nanovllm/wiring/ at import; each loads its module at first use: Llama 3's RoPE
-# scaling (model/rope_scaling.py), the fused q/k norm + RoPE kernel's path (fused_qk_norm_rope.py),
-# the batch-1 forward (norm_chain.py).
-LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None
-FUSED_QK_NORM_ROPE: Callable[[], ModuleType] | None = None
-NORM_CHAIN: Callable[[], ModuleType] | None = None  # one row's norms folded into its GEMVs (norm_chain.py)
+# Filled by nanovllm/wiring/ at import; each loads its module at first use.
+LLAMA3_ROPE_SCALING: Callable[[], type[Llama3RopeScaling]] | None = None  # model/rope_scaling.py
+FUSED_QK_NORM_ROPE: Callable[[], ModuleType] | None = None  # the fused q/k norm + RoPE kernel's path
+NORM_CHAIN: Callable[[], ModuleType] | None = None  # batch 1: norms folded into its GEMVs (norm_chain.py)
 
 
 @dataclass(frozen=True)
@@ -227,13 +226,15 @@ class DecoderModel(nn.Module):
                                  opts.rope_scaling)
         self.layers = nn.ModuleList(DecoderLayer(opts, i, rotary, sparse_mlp) for i in range(opts.num_layers))
         self.norm = RMSNorm(opts.hidden_size, eps=opts.rms_norm_eps)
-        self.use_kernels: bool | None = None  # batch 1's norm chain: CUDA (tests: True, the interpreter)
+        self.use_kernels: bool | None = None  # the forward chains: CUDA (tests: True, the interpreter)
+        self.chains: list[ForwardChain] = []  # features' (model/forward_chain.py), after NORM_CHAIN's
 
     def forward(self, input_ids, positions, meta):
         hidden = self.embed_tokens(input_ids)
-        if (hidden.is_cuda if self.use_kernels is None else self.use_kernels) and (
-                ops := NORM_CHAIN().operands(self, hidden)) is not None:
-            return NORM_CHAIN().forward(self, ops, hidden, positions, meta)
+        if hidden.is_cuda if self.use_kernels is None else self.use_kernels:
+            for chain in (NORM_CHAIN(), *self.chains):
+                if (ops := chain.operands(self, hidden, meta)) is not None:
+                    return chain.forward(self, ops, hidden, positions, meta)
         residual = None
         for layer in self.layers:
             hidden, residual = layer(positions, hidden, residual, meta)

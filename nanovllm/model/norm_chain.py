@@ -66,9 +66,10 @@ def _gate_up_fits(op) -> bool:
     return scale is None or scale.dim() != 2 or (weight.shape[0] // 2) % 128 == 0
 
 
-def operands(model, hidden: torch.Tensor) -> list | None:
+def operands(model, hidden: torch.Tensor, meta: AttentionMetadata | None = None) -> list | None:
     """Each layer's four projections' operands if `model` (a DecoderModel) takes the chained
-    forward for this embedded row, else None (checked once a forward, then used as found)."""
+    forward for this embedded row, else None (checked once a forward, then used as found; any
+    one-row step is taken, so `meta` is not read)."""
     if hidden.dim() != 2 or hidden.shape[0] != 1 or hidden.dtype not in CHAIN_DTYPES:
         return None
     found = []

@@ -26,7 +26,8 @@ import torch
 from torch import nn
 
 from nanovllm.kernels import one_row
-from nanovllm.model.decoder import head_dim_of
+from nanovllm.model.decoder import DecoderModel, head_dim_of
+from nanovllm.features.quantization.fp8_chain import Fp8RowChain
 from nanovllm.features.quantization.fp8_moe import CheckpointFp8Experts, OnlineFp8Experts
 from nanovllm.features.quantization.model_steps import SchemeSteps
 from nanovllm.features.quantization.fp8_ops import (BLOCK, FP8_DTYPE, fp8_block_linear, fp8_tensor_linear,
@@ -96,6 +97,16 @@ class Fp8Config(SchemeSteps):
         "model.layers.1.mlp.gate_up_proj")."""
         dotted = f".{module_name}."
         return not any(name and f".{name}." in dotted for name in self.ignored)
+
+    def quantize(self, model: nn.Module) -> int:
+        """SchemeSteps.quantize; online FP8 also gives each decoder its per-row chain for decode
+        steps (fp8_chain.py), which multiplies TensorFp8Linear's weights."""
+        count = super().quantize(model)
+        if self.scheme == "tensor":
+            for module in model.modules():
+                if isinstance(module, DecoderModel):
+                    module.chains.append(Fp8RowChain(TensorFp8Linear))
+        return count
 
     def method_for(self, kind: str, name: str):
         """The FP8 method of a linear layer or MoE experts module (both schemes store experts
