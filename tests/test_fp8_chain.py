@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import nanovllm.features.quantization.fp8 as fp8
+import nanovllm.features.quantization.fp8_chain as fp8_chain
 from nanovllm.features.quantization.fp8_chain import Fp8RowChain, gemm
 from nanovllm.features.quantization.fp8_ops import quantize_per_token_group_torch
 from nanovllm.kernels.fp8_rows import add_norm_quant, quantize_rows, silu_mul_quant
@@ -32,6 +33,13 @@ from nanovllm.model.decoder import DecoderModel, DecoderOptions
 
 DTYPE = torch.float16
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(autouse=True)
+def fp16_chains(monkeypatch):
+    """Engines take the chain in bf16 only (fp16's range: fp8_chain.CHAIN_DTYPES); its arithmetic
+    is the same in fp16, which the interpreter rounds exactly, and these values stay far inside it."""
+    monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16, torch.float16))
 
 
 def rows_torch(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,7 +228,8 @@ def test_the_chain_against_its_torch_arithmetic_and_the_16_bit_forward(monkeypat
     want_caches = _caches(model)
     _restore(model, saved)
     calls = []
-    monkeypatch.setattr(Fp8RowChain, "forward", lambda self, *a, real=Fp8RowChain.forward: calls.append(1) or real(self, *a))
+    real = Fp8RowChain.forward
+    monkeypatch.setattr(Fp8RowChain, "forward", lambda self, *a: calls.append(1) or real(self, *a))
     model.use_kernels = True
     got = model(ids, positions, meta)
     assert calls == [1] and got.shape == (3, 64) and got.dtype == DTYPE
@@ -233,7 +242,7 @@ def test_the_chain_against_its_torch_arithmetic_and_the_16_bit_forward(monkeypat
     assert _rms(got - per_tensor) > 1e-3 and _rms(full) > 0.5  # per-row and per-tensor scales do differ
 
 
-def test_steps_and_models_it_declines():
+def test_steps_and_models_it_declines(monkeypatch):
     model = tiny_model()
     fp8_weights(model)
     chain = model.chains[0]
@@ -242,6 +251,9 @@ def test_steps_and_models_it_declines():
     assert chain.operands(model, rows, None) is None
     assert chain.operands(model, rows, AttentionMetadata(**{**vars(meta), "is_prefill": True})) is None
     assert chain.operands(model, rows.float(), meta) is None
+    monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16,))
+    assert chain.operands(model, rows, meta) is None  # fp16 in an engine (the module's CHAIN_DTYPES)
+    monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16, torch.float16))
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
     assert chain.operands(model, rows, meta) is None
     handle.remove()

@@ -32,7 +32,7 @@ from nanovllm.kernels.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
 from nanovllm.kernels.fp8_gemm import _to_e4m3
 from nanovllm.kernels.fused_ops import _MAX_HIDDEN, _num_warps, _rms_norm_row, silu_mul_rounded
 
-CHAIN_DTYPES = (torch.bfloat16, torch.float16)
+ROW_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -104,7 +104,7 @@ def _quantize_rows_kernel(x_ptr, q_ptr, s_ptr, n_cols, BLOCK: tl.constexpr, FP8_
 
 
 def _check_rows(name: str, x: torch.Tensor, cols: int | None = None) -> None:
-    if x.dtype not in CHAIN_DTYPES:
+    if x.dtype not in ROW_DTYPES:
         raise ValueError(f"{name} must be bf16 or fp16, got {x.dtype}")
     if x.dim() != 2 or not x.is_contiguous() or not 0 < x.shape[1] <= 2 * _MAX_HIDDEN:
         raise ValueError(f"{name} must be contiguous rows [tokens, <= {_MAX_HIDDEN}], got {tuple(x.shape)}")

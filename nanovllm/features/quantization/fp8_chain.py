@@ -17,20 +17,24 @@ on the batch it runs in.
 
 Taken for decode steps (every row one cached token; v then goes to the cache only, scaled by the
 q/k kernel) of dense models on one rank whose four projections are all online FP8 without bias,
-in 16 bits, with no layer hooks, and fused q/k norm + RoPE with the KV store. Anything else takes
-the layer-by-layer forward. Values: tests/test_fp8_chain.py holds the same arithmetic in torch.
+in bf16 (CHAIN_DTYPES), with no layer hooks, and fused q/k norm + RoPE with the KV store.
+Anything else takes the layer-by-layer forward. Values: tests/test_fp8_chain.py holds the same
+arithmetic in torch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.fp8_rows import CHAIN_DTYPES, add_norm_quant, quantize_rows, silu_mul_quant
+from nanovllm.kernels.fp8_rows import add_norm_quant, quantize_rows, silu_mul_quant
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.model.attention import AttentionMetadata
 from nanovllm.model.fused_qk_norm_rope import store_args
 
 _ONES: dict[torch.device, torch.Tensor] = {}  # the unit activation scale, one per device
+# bf16 only: the GEMM's unscaled rows (codes up to 448 times the weights) could pass fp16's 65,504
+# before their scale brings them back, where the per-tensor path scales in the GEMM's fp32 epilogue.
+CHAIN_DTYPES = (torch.bfloat16,)
 
 
 def _projections(layer) -> list:
