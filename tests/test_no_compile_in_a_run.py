@@ -47,14 +47,16 @@ def options(i: int) -> SamplingParams:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])  # prefix hits run the paged prefill kernel on either
-def test_a_run_after_start_up_compiles_no_triton_kernel(kv_cache_dtype):
+# Prefix hits run the paged prefill kernel on either cache; FP8 weights (online) add the per-tensor
+# quantizer of prefill and mixed steps and the per-row decode chain (features/quantization/fp8_chain.py).
+@pytest.mark.parametrize("kv_cache_dtype, quantization", [("auto", None), ("fp8", None), ("fp8", "fp8")])
+def test_a_run_after_start_up_compiles_no_triton_kernel(kv_cache_dtype, quantization):
     sys.path.insert(0, ROOT)
     import bench
 
     llm = LLM(os.path.join(ROOT, bench.DUMMY_CONFIGS["qwen3-0.6b"]), load_format="dummy", skip_tokenizer_init=True,
               max_model_len=2048, max_num_seqs=64, max_num_batched_tokens=1024, mixed_steps=True,
-              kv_cache_dtype=kv_cache_dtype)
+              kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     try:
         kernels = triton_kernels()
         before = compiled(kernels)

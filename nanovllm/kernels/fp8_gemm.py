@@ -146,7 +146,9 @@ def _max_nan(v):
     return tl.where(tl.sum((v != v).to(tl.int32)) > 0, float("nan"), tl.max(v))
 
 
-@triton.jit
+# M and the slices vary with the step's rows: not specialized (== 1, multiple of 16), so that the
+# variants start-up compiles serve every step (no compile inside a run; they only bound loops).
+@triton.jit(do_not_specialize=["M", "rows_per_part"])
 def _amax_parts_kernel(x_ptr, part_ptr, M, K, stride_xm, rows_per_part, k_per_part, TILE_M: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     """part[p] = max |x| over one rectangle of x [M, K]: rows [i * rows_per_part, ...) and
@@ -168,7 +170,7 @@ def _amax_parts_kernel(x_ptr, part_ptr, M, K, stride_xm, rows_per_part, k_per_pa
     tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _max_nan(acc))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _quant_tensor_kernel(x_ptr, q_ptr, part_ptr, parts, scale_ptr, M, K, stride_xm, stride_qm,
                          PARTS_PAD: tl.constexpr, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
