@@ -85,6 +85,17 @@ def test_silu_mul_quant(rows, d, with_scale):
     assert_same_codes(silu_mul_quant(x, xs), rows_torch(act))
 
 
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # (the interpreter's reduction of the NaN row)
+def test_a_nan_makes_its_rows_scale_nan():
+    """As torch's amax (and the per-tensor quantizer) propagate it; the other rows stay finite."""
+    x = randn(3, 256)
+    x[1, 40] = float("nan")
+    for _, s in (quantize_rows(x), add_norm_quant(x, None, None, randn(256) + 1, 1e-6)[0],
+                 silu_mul_quant(torch.cat([x, x], dim=1), None)):
+        assert s[1].isnan() and s[[0, 2]].isfinite().all()
+    assert rows_torch(x)[1][1].isnan()
+
+
 def test_quantize_rows_and_a_zero_row():
     x = randn(6, 512, scale=3.0)
     x[2] = 0.0  # scale 1e-12, codes 0
@@ -140,10 +151,10 @@ def test_qk_norm_rope_row_scale_is_the_scaled_input(fp8_cache):
 # ----------------------------------------------------------------------------- the chain
 
 
-def tiny_model(seed: int = 3) -> DecoderModel:
+def tiny_model(seed: int = 3, qk_norm: bool = True) -> DecoderModel:
     opts = DecoderOptions(vocab_size=40, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
                           intermediate_size=48, rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64,
-                          qk_norm=True)
+                          qk_norm=qk_norm)
     model = DecoderModel(opts)
     gen = torch.Generator().manual_seed(seed)
     for p in model.parameters():
@@ -214,15 +225,17 @@ def _rms(t: torch.Tensor) -> float:
     return t.float().pow(2).mean().sqrt().item()
 
 
-def test_the_chain_against_its_torch_arithmetic_and_the_16_bit_forward(monkeypatch):
-    model = tiny_model()
+@pytest.mark.parametrize("qk_norm", [True, False])  # Qwen3; Llama 3 and Qwen2.5 (RoPE alone)
+def test_the_chain_against_its_torch_arithmetic_and_the_16_bit_forward(monkeypatch, qk_norm):
+    model = tiny_model(qk_norm=qk_norm)
     ids, ctx = torch.tensor([7, 1, 30], device=DEVICE), [5, 8, 2]
     positions, meta = torch.tensor([c - 1 for c in ctx], device=DEVICE), decode_meta(ctx)
     saved = _caches(model)
     full = model(ids, positions, meta)  # 16-bit weights, layer by layer
     fp8_weights(model)
     _restore(model, saved)
-    per_tensor = model(ids, positions, meta)  # use_kernels off: the layer-by-layer FP8 path
+    model.use_kernels = False  # the layer-by-layer FP8 path (on CUDA, None would take the chain)
+    per_tensor = model(ids, positions, meta)
     _restore(model, saved)
     want = reference(model, model.embed_tokens(ids), positions, meta)
     want_caches = _caches(model)
@@ -236,9 +249,10 @@ def test_the_chain_against_its_torch_arithmetic_and_the_16_bit_forward(monkeypat
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
     for c, w in zip(_caches(model), want_caches):
         torch.testing.assert_close(c, w, rtol=0, atol=2e-2)
-    # FP8's own error: about the per-tensor path's (rms 0.18 on outputs of rms 1.0 here, this
+    # FP8's own error: about the per-tensor path's (rms 0.18-0.32 on outputs of rms 1.0 here, this
     # random model amplifying each rounding); a scale skipped or applied twice gives O(1) and more.
-    assert _rms(got - full) <= 1.5 * _rms(per_tensor - full) and (got - full).abs().max() < 1.0
+    assert _rms(got - full) <= 1.5 * _rms(per_tensor - full)
+    assert (got - full).abs().max() <= 1.5 * (per_tensor - full).abs().max()
     assert _rms(got - per_tensor) > 1e-3 and _rms(full) > 0.5  # per-row and per-tensor scales do differ
 
 
@@ -254,6 +268,17 @@ def test_steps_and_models_it_declines(monkeypatch):
     monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16,))
     assert chain.operands(model, rows, meta) is None  # fp16 in an engine (the module's CHAIN_DTYPES)
     monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16, torch.float16))
+    qkv = model.layers[0].self_attn.qkv_proj
+    qkv.tp_size = 2  # tensor parallelism: a row's scale would differ by rank
+    assert chain.operands(model, rows, meta) is None
+    qkv.tp_size = 1
+    monkeypatch.setattr(fp8_chain, "MAX_ROW", 63)  # a row past what one program of fp8_rows holds
+    assert chain.operands(model, rows, meta) is None
+    monkeypatch.setattr(fp8_chain, "MAX_ROW", 64)
+    assert chain.operands(model, rows, meta) is not None
+    model.layers[1].self_attn.fused_rope = False  # a head size the fused q/k kernel does not take
+    assert chain.operands(model, rows, meta) is None
+    model.layers[1].self_attn.fused_rope = True
     handle = model.layers[1].register_forward_pre_hook(lambda *_: None)  # EAGLE-3's kept layer inputs
     assert chain.operands(model, rows, meta) is None
     handle.remove()
@@ -264,6 +289,10 @@ def test_steps_and_models_it_declines(monkeypatch):
     down.bias = torch.nn.Parameter(torch.zeros(64, dtype=DTYPE, device=DEVICE), requires_grad=False)
     assert chain.operands(model, rows, meta) is None
     down.bias = None
+    mlp, model.layers[1].mlp = model.layers[1].mlp, torch.nn.Identity()  # a mixture-of-experts block
+    assert chain.operands(model, rows, meta) is None
+    model.layers[1].mlp = mlp
+    assert chain.operands(model, rows, meta) is not None
     model.layers[0].self_attn.attn.k_cache = torch.empty(0)  # start-up forwards: no cache yet
     assert chain.operands(model, rows, meta) is None
 
@@ -275,3 +304,29 @@ def test_online_fp8_gives_each_decoder_the_chain_and_block_fp8_none():
                                             rope_theta=1e4, max_position_embeddings=64))
         fp8.Fp8Config(scheme).quantize(model)
         assert [type(c) for c in model.chains] == ([Fp8RowChain] if chained else [])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
+def test_gpu_the_chain_in_a_cuda_graph_replays_its_eager_result(monkeypatch):
+    """bf16 as engines take it; a decode step's forward captured after an eager one (as
+    core/cuda_graphs.py does), replayed on the same inputs and caches: the same bytes."""
+    monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16,))
+    model = tiny_model()
+    model.to(torch.bfloat16)
+    for layer in model.layers:
+        attn = layer.self_attn.attn
+        attn.k_cache, attn.v_cache = attn.k_cache.to(torch.bfloat16), attn.v_cache.to(torch.bfloat16)
+    fp8_weights(model)
+    ids, ctx = torch.tensor([7, 1, 30, 4], device=DEVICE), [5, 8, 2, 3]
+    positions, meta = torch.tensor([c - 1 for c in ctx], device=DEVICE), decode_meta(ctx)
+    saved = _caches(model)
+    eager = model(ids, positions, meta)
+    eager_caches = _caches(model)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = model(ids, positions, meta)
+    _restore(model, saved)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager) and all(torch.equal(a, b) for a, b in zip(_caches(model), eager_caches))

@@ -293,8 +293,7 @@ def qk_norm_rope(
     fp8 = _check_kv_store(qkv, k_cache, v_cache, slot_mapping, k_scale, v_scale, num_kv_heads, head_dim)
     store = k_cache is not None or v_cache is not None
     _check_row_scale(qkv, row_scale, store)
-    norm = q_weight is not None
-    tokens = qkv.shape[0]
+    norm, tokens = q_weight is not None, qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
@@ -310,8 +309,9 @@ def qk_norm_rope(
             k_weight.contiguous() if norm else unused, cos_sin, cos_sin.stride(0), positions.contiguous(), q, k,
             float(eps), k_cache if store else unused, v_cache if store else unused,
             slot_mapping.contiguous() if store else unused, k_scale if fp8 else unused, v_scale if fp8 else unused,
-            row_scale if row_scale is not None else unused, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_HEADS=block_heads,
-            NUM_Q_BLOCKS=num_q_blocks, NUM_K_BLOCKS=num_k_blocks, NORM=norm, STORE=store, FP8=fp8,
-            ROW_SCALE=row_scale is not None, num_warps=_num_warps(block_heads * head_dim, max_warps=8), enable_fp_fusion=False,
+            row_scale if row_scale is not None else unused, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads,
+            HEAD_DIM=head_dim, BLOCK_HEADS=block_heads, NUM_Q_BLOCKS=num_q_blocks, NUM_K_BLOCKS=num_k_blocks,
+            NORM=norm, STORE=store, FP8=fp8, ROW_SCALE=row_scale is not None,
+            num_warps=_num_warps(block_heads * head_dim, max_warps=8), enable_fp_fusion=False,
         )
     return q, k, v

@@ -11,7 +11,8 @@ quantized when they load (`LLM(quantization="fp8")`).
   quantized with one fp32 scale (per rank's shard); activations get one dynamic scale per call.
   The fastest FP8 GEMMs on an H200 at decode sizes (torch._scaled_mm tensor-wise; BENCHMARKS.md),
   and the scheme vLLM's online FP8 uses. Its cost: a batch shares one activation scale, so an
-  outlier token coarsens the others' rounding, and results depend (slightly) on the batch.
+  outlier token coarsens the others' rounding, and results depend (slightly) on the batch; decode
+  steps of two rows and more take fp8_chain.py instead, one activation scale per row.
 
 MoE experts (Qwen3-MoE) are FP8 in 128x128 blocks under both schemes (from the checkpoint, or
 quantized at load time): the fused-MoE kernel's format (fp8_moe.py). Embeddings, norms, the LM

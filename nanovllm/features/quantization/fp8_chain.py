@@ -35,6 +35,7 @@ _ONES: dict[torch.device, torch.Tensor] = {}  # the unit activation scale, one p
 # bf16 only: the GEMM's unscaled rows (codes up to 448 times the weights) could pass fp16's 65,504
 # before their scale brings them back, where the per-tensor path scales in the GEMM's fp32 epilogue.
 CHAIN_DTYPES = (torch.bfloat16,)
+MAX_ROW = 32768  # the longest GEMM input row (hidden, heads x head_dim, intermediate) fp8_rows takes
 
 
 def _projections(layer) -> list:
@@ -46,11 +47,8 @@ def _projections(layer) -> list:
 def gemm(codes: torch.Tensor, linear, dtype: torch.dtype) -> torch.Tensor:
     """codes @ W_q^T * w_scale in `dtype`: cuBLASLt tensor-wise with activation scale 1 on CUDA,
     the same product in fp32 elsewhere (tests)."""
-    if codes.is_cuda:
-        one = _ONES.get(codes.device)
-        if one is None:
-            one = _ONES[codes.device] = torch.ones(1, dtype=torch.float32, device=codes.device)
-        return torch._scaled_mm(codes, linear.weight.t(), one, linear.weight_scale, out_dtype=dtype)
+    if codes.is_cuda:  # (Fp8RowChain.operands made the unit scale)
+        return torch._scaled_mm(codes, linear.weight.t(), _ONES[codes.device], linear.weight_scale, out_dtype=dtype)
     return ((codes.float() @ linear.weight.float().t()) * linear.weight_scale).to(dtype)
 
 
@@ -62,15 +60,21 @@ class Fp8RowChain:
         self.linear_method = linear_method  # the projections' method this chain multiplies (TensorFp8Linear)
 
     def _takes(self, layer) -> bool:
+        """Dense, one rank, online FP8 without bias, no hooks, fused q/k norm + RoPE, and rows the
+        one-program-a-row kernels hold (fp8_rows: up to 32,768 elements)."""
         projections = _projections(layer)
         return (not (layer._forward_pre_hooks or layer._forward_hooks) and layer.self_attn.fused_rope
                 and all(p is not None and p.tp_size == 1 and p.bias is None and type(p.quant) is self.linear_method
-                        for p in projections))
+                        and p.in_features <= MAX_ROW for p in projections))
 
     def operands(self, model, hidden: torch.Tensor, meta: AttentionMetadata | None):
         """Each layer's KV-store arguments for a decode step the chain takes, else None."""
         if meta is None or meta.is_prefill or hidden.dim() != 2 or hidden.dtype not in CHAIN_DTYPES:
             return None
+        if hidden.is_cuda and hidden.device not in _ONES:  # made outside a graph capture (its fill would
+            if torch.cuda.is_current_stream_capturing():  # run only when that graph replays)
+                return None
+            _ONES[hidden.device] = torch.ones(1, dtype=torch.float32, device=hidden.device)
         stores = []
         for layer in model.layers:
             store = store_args(layer.self_attn.attn, meta) if self._takes(layer) else {}
