@@ -4,7 +4,8 @@
 # them here first:  rm -rf .ab_base && mkdir .ab_base && git archive main | tar -x -C .ab_base
 # (and likewise .ab_mid from the commit before the chain); run() with carry [".ab_base", ".ab_mid"].
 # Order: the chain's and kernels' tests (CUDA: its graph-replay test too), bench.py on Qwen3-8B
-# FP8 weights + cache per side and bf16 on this tree (PAIRS side:spec), ratios, then GPU_TESTS (-m gpu).
+# FP8 weights + cache per side and bf16 on this tree (PAIRS side:spec), ratios, batch-1 latency runs
+# (LATENCY model:quant ...), then GPU_TESTS (-m gpu).
 set -uo pipefail
 D=$OUT; mkdir -p $D
 PYTHONPATH=. timeout 150 python3 -m pytest -q tests/test_fp8_chain.py tests/test_fused_qk_norm_rope.py \
@@ -24,5 +25,10 @@ tok = {f[:-5]: json.load(open(os.path.join(sys.argv[1], f)))["output_tok_s"] for
 if "new-bf16" in tok:
     print("ratios to bf16:", {k: round(v / tok["new-bf16"], 3) for k, v in tok.items() if k != "new-bf16"})
 PY
+for spec in ${LATENCY-qwen3-8b:gptq}; do  # batch-1 ms/token on this tree (INT4's H200 figure after 12-06's norm fold)
+  m=${spec%%:*}; q=""; [ "$spec" != "$m" ] && q="--quantization ${spec#*:}"
+  PYTHONPATH=. timeout 150 python3 bench.py --dummy $m $q --latency --json $D/latency-${spec/:/-}.json > $D/latency-${spec/:/-}.log 2>&1
+  tail -n 2 $D/latency-${spec/:/-}.log
+done
 GPU_TESTS=${GPU_TESTS-"tests/test_fp8.py tests/test_no_compile_in_a_run.py"}
 [ -n "$GPU_TESTS" ] && { PYTHONPATH=. timeout 300 python3 -m pytest -q -m gpu $GPU_TESTS > $D/gpu_tests.log 2>&1; tail -n 3 $D/gpu_tests.log; }
