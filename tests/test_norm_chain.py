@@ -68,7 +68,7 @@ def fp8_weights(model: DecoderModel, monkeypatch) -> None:
 
     monkeypatch.setattr(fp8, "one_row", lambda x: x.dim() == 2 and x.shape[0] == 1 and x.dtype == DTYPE)
     for layer in model.layers:
-        for proj in norm_chain._projections(layer):
+        for proj in norm_chain.projections(layer):
             proj.quant = fp8.TensorFp8Linear()
             proj.quant.after_loading(proj)
 
@@ -82,7 +82,7 @@ def int4_weights(model: DecoderModel, act_order: bool) -> None:
 
     gen = torch.Generator().manual_seed(17)
     for layer in model.layers:
-        for proj in norm_chain._projections(layer):
+        for proj in norm_chain.projections(layer):
             n, k = proj.weight.shape
             perm = torch.randperm(k, generator=gen).to(DEVICE) if act_order else None
             proj.int4 = Int4Weights(

@@ -146,6 +146,13 @@ def _max_nan(v):
     return tl.where(tl.sum((v != v).to(tl.int32)) > 0, float("nan"), tl.max(v))
 
 
+@triton.jit
+def scale_and_inverse(amax, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """(scale, 1 / scale) of an amax: scale = max(amax / 448, MIN_SCALE), NaN kept, both IEEE divisions."""
+    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
+    return scale, tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+
+
 # M and the slices vary with the step's rows: not specialized (== 1, multiple of 16), so that the
 # variants start-up compiles serve every step (no compile inside a run; they only bound loops).
 @triton.jit(do_not_specialize=["M", "rows_per_part"])
@@ -182,9 +189,8 @@ def _quant_tensor_kernel(x_ptr, q_ptr, part_ptr, parts, scale_ptr, M, K, stride_
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     slots = tl.arange(0, PARTS_PAD)
-    amax = _max_nan(tl.load(part_ptr + slots, mask=slots < parts, other=0.0))
-    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    scale, inv = scale_and_inverse(_max_nan(tl.load(part_ptr + slots, mask=slots < parts, other=0.0)),
+                                   FP8_MAX, MIN_SCALE)
     rows = (pid_m * TILE_M + tl.arange(0, TILE_M)).to(tl.int64)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)

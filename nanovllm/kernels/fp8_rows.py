@@ -14,7 +14,7 @@ kernel that reads it next (`row_scale` of these kernels and of qk_norm_rope). No
 - `silu_mul_quant`: silu(gate * s) * (up * s) -> codes + row scales.
 - `quantize_rows`: codes + row scales of any 16-bit rows (attention's output).
 
-Arithmetic (what features/quantization/fp8_chain.py's torch reference does): a scaled input
+Arithmetic (tests/test_fp8_chain.py's torch reference of the chain does the same): a scaled input
 x * s is rounded to the 16-bit dtype (the value the layer-by-layer path holds, one rounding
 later); norm, residual add and SiLU round as fused_ops.py's kernels; a row y of 16-bit values
 becomes scale = max(amax(|y|) / 448, 1e-12) and codes e4m3(clamp(y * (1 / scale))), both
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.fp8_format import FP8_DTYPE, FP8_MAX, FP8_MIN_SCALE
-from nanovllm.kernels.fp8_gemm import _max_nan, _to_e4m3
+from nanovllm.kernels.fp8_gemm import _max_nan, _to_e4m3, scale_and_inverse
 from nanovllm.kernels.fused_ops import _MAX_HIDDEN, _num_warps, _rms_norm_row, silu_mul_rounded
 
 ROW_DTYPES = (torch.bfloat16, torch.float16)
@@ -39,9 +39,7 @@ ROW_DTYPES = (torch.bfloat16, torch.float16)
 def _store_row_fp8(q_ptr, s_ptr, row, y, offs, mask, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
     """Quantize one fp32 row y (exact 16-bit values; masked lanes 0) with its own scale:
     codes at q_ptr + offs, the scale at s_ptr + row."""
-    amax = _max_nan(tl.abs(y))  # a NaN makes the row's scale NaN, as torch's amax does
-    scale = tl.maximum(tl.div_rn(amax, FP8_MAX), MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
-    inv = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    scale, inv = scale_and_inverse(_max_nan(tl.abs(y)), FP8_MAX, MIN_SCALE)  # NaN: as torch's amax
     tl.store(q_ptr + offs, _to_e4m3(y * inv, FP8_MAX), mask=mask)
     tl.store(s_ptr + row, scale)
 

@@ -51,7 +51,8 @@ def _operands(linear):
     return offer(linear) if offer is not None else None
 
 
-def _projections(layer) -> list:
+def projections(layer) -> list:
+    """A decoder layer's qkv, o, gate_up and down projections (None for an MoE block's two)."""
     mlp = layer.mlp
     return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(mlp, "gate_up_proj", None),
             getattr(mlp, "down_proj", None)]
@@ -74,7 +75,7 @@ def operands(model, hidden: torch.Tensor, meta: AttentionMetadata | None = None)
         return None
     found = []
     for layer in model.layers:
-        ops = [_operands(p) for p in _projections(layer)]
+        ops = [_operands(p) for p in projections(layer)]
         if layer._forward_pre_hooks or layer._forward_hooks or None in ops or not _gate_up_fits(ops[2]):
             return None
         found.append(ops)
@@ -97,7 +98,7 @@ def _layer(layer, ops: list, positions: torch.Tensor, x: torch.Tensor, stream: t
            meta: AttentionMetadata, next_norm: torch.Tensor | None):
     """One decoder layer on x (the residual stream times the input norm's weight), the stream and
     its sums of squares: the next (stream, parts, x for the norm `next_norm`, or None)."""
-    qkv_proj, o_proj, gate_up_proj, down_proj = _projections(layer)
+    qkv_proj, o_proj, gate_up_proj, down_proj = projections(layer)
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     qkv = _gemv(x, ops[0], qkv_proj, norm_parts=parts, eps=norm1.eps)
     stream, parts, x = _gemv(layer.self_attn.attend(positions, qkv, meta), ops[1], o_proj, add_residual=stream,

@@ -30,18 +30,13 @@ from nanovllm.kernels.fp8_rows import add_norm_quant, quantize_rows, silu_mul_qu
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.model.attention import AttentionMetadata
 from nanovllm.model.fused_qk_norm_rope import store_args
+from nanovllm.model.norm_chain import projections
 
 _ONES: dict[torch.device, torch.Tensor] = {}  # the unit activation scale, one per device
 # bf16 only: the GEMM's unscaled rows (codes up to 448 times the weights) could pass fp16's 65,504
 # before their scale brings them back, where the per-tensor path scales in the GEMM's fp32 epilogue.
 CHAIN_DTYPES = (torch.bfloat16,)
 MAX_ROW = 32768  # the longest GEMM input row (hidden, heads x head_dim, intermediate) fp8_rows takes
-
-
-def _projections(layer) -> list:
-    mlp = layer.mlp
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(mlp, "gate_up_proj", None),
-            getattr(mlp, "down_proj", None)]
 
 
 def gemm(codes: torch.Tensor, linear, dtype: torch.dtype) -> torch.Tensor:
@@ -62,10 +57,9 @@ class Fp8RowChain:
     def _takes(self, layer) -> bool:
         """Dense, one rank, online FP8 without bias, no hooks, fused q/k norm + RoPE, and rows the
         one-program-a-row kernels hold (fp8_rows: up to 32,768 elements)."""
-        projections = _projections(layer)
         return (not (layer._forward_pre_hooks or layer._forward_hooks) and layer.self_attn.fused_rope
                 and all(p is not None and p.tp_size == 1 and p.bias is None and type(p.quant) is self.linear_method
-                        and p.in_features <= MAX_ROW for p in projections))
+                        and p.in_features <= MAX_ROW for p in projections(layer)))
 
     def operands(self, model, hidden: torch.Tensor, meta: AttentionMetadata | None):
         """Each layer's KV-store arguments for a decode step the chain takes, else None."""
