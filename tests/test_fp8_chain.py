@@ -313,7 +313,10 @@ def test_gpu_the_chain_in_a_cuda_graph_replays_its_eager_result(monkeypatch):
     core/cuda_graphs.py does), replayed on the same inputs and caches: the same bytes."""
     monkeypatch.setattr(fp8_chain, "CHAIN_DTYPES", (torch.bfloat16,))
     model = tiny_model()
+    rope = model.layers[0].self_attn.rotary_emb
+    cos_sin = rope.cos_sin  # kept in fp32, as an engine's load keeps it (qk_norm_rope takes fp32 only)
     model.to(torch.bfloat16)
+    rope.cos_sin = cos_sin
     for layer in model.layers:
         attn = layer.self_attn.attn
         attn.k_cache, attn.v_cache = attn.k_cache.to(torch.bfloat16), attn.v_cache.to(torch.bfloat16)

@@ -42,9 +42,18 @@ MAX_ROW = 32768  # the longest GEMM input row (hidden, heads x head_dim, interme
 def gemm(codes: torch.Tensor, linear, dtype: torch.dtype) -> torch.Tensor:
     """codes @ W_q^T * w_scale in `dtype`: cuBLASLt tensor-wise with activation scale 1 on CUDA,
     the same product in fp32 elsewhere (tests)."""
-    if codes.is_cuda:  # (Fp8RowChain.operands made the unit scale)
-        return torch._scaled_mm(codes, linear.weight.t(), _ONES[codes.device], linear.weight_scale, out_dtype=dtype)
+    if codes.is_cuda:
+        return torch._scaled_mm(codes, linear.weight.t(), unit_scale(codes.device), linear.weight_scale, out_dtype=dtype)
     return ((codes.float() @ linear.weight.float().t()) * linear.weight_scale).to(dtype)
+
+
+def unit_scale(device: torch.device) -> torch.Tensor:
+    """The GEMMs' activation scale 1 on `device`, made at its first use. Fp8RowChain.operands makes
+    it before a step runs the chain, so that it is never made inside a CUDA graph capture (its fill
+    would run only when that graph replays)."""
+    if device not in _ONES:
+        _ONES[device] = torch.ones(1, dtype=torch.float32, device=device)
+    return _ONES[device]
 
 
 class Fp8RowChain:
@@ -65,10 +74,10 @@ class Fp8RowChain:
         """Each layer's KV-store arguments for a decode step the chain takes, else None."""
         if meta is None or meta.is_prefill or hidden.dim() != 2 or hidden.dtype not in CHAIN_DTYPES:
             return None
-        if hidden.is_cuda and hidden.device not in _ONES:  # made outside a graph capture (its fill would
-            if torch.cuda.is_current_stream_capturing():  # run only when that graph replays)
+        if hidden.is_cuda and hidden.device not in _ONES:  # (unit_scale: never made inside a capture)
+            if torch.cuda.is_current_stream_capturing():
                 return None
-            _ONES[hidden.device] = torch.ones(1, dtype=torch.float32, device=hidden.device)
+            unit_scale(hidden.device)
         stores = []
         for layer in model.layers:
             store = store_args(layer.self_attn.attn, meta) if self._takes(layer) else {}
