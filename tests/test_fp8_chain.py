@@ -12,6 +12,8 @@ then move a value across an e4m3 rounding boundary (one code step, 2^-4 relative
 of a 48-96 wide product); through three layers that stays below 2e-2 on outputs of size ~1.
 Against the 16-bit forward on the same weights the chain's error is FP8's own, about that of the
 per-tensor layer-by-layer path (rms within 1.5x of it), where a skipped scale moves outputs by O(1).
+Where torch runs FP8 `_scaled_mm` on CPU, the chain also runs through the call CUDA makes
+(`scaled_gemm`, the unit activation scale) against the fp32 product.
 """
 
 from __future__ import annotations
@@ -254,6 +256,41 @@ def test_the_chain_against_its_torch_arithmetic_and_the_16_bit_forward(monkeypat
     assert _rms(got - full) <= 1.5 * _rms(per_tensor - full)
     assert (got - full).abs().max() <= 1.5 * (per_tensor - full).abs().max()
     assert _rms(got - per_tensor) > 1e-3 and _rms(full) > 0.5  # per-row and per-tensor scales do differ
+
+
+def _cpu_scaled_mm() -> bool:
+    """Whether this torch runs FP8 torch._scaled_mm on CPU (2.13's CPU build does)."""
+    try:
+        one = torch.ones(1)
+        torch._scaled_mm(torch.zeros(16, 16).to(torch.float8_e4m3fn), torch.zeros(16, 16).to(torch.float8_e4m3fn).t(),
+                         one, one, out_dtype=DTYPE)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@pytest.mark.skipif(DEVICE != "cpu" or not _cpu_scaled_mm(), reason="the GEMM CUDA takes, run on CPU")
+def test_the_chain_through_the_gemm_cuda_takes(monkeypatch):
+    """The chain with scaled_gemm (torch._scaled_mm with the unit activation scale, the call CUDA
+    makes) instead of the fp32 product the CPU path multiplies: outputs and caches as close as
+    two roundings of the same products (one fp16 ulp of a GEMM output, through three layers)."""
+    model = tiny_model()
+    fp8_weights(model)
+    ids, ctx = torch.tensor([7, 1, 30], device=DEVICE), [5, 8, 2]
+    positions, meta = torch.tensor([c - 1 for c in ctx], device=DEVICE), decode_meta(ctx)
+    saved, results, calls = _caches(model), [], []
+    real = Fp8RowChain.forward
+    monkeypatch.setattr(Fp8RowChain, "forward", lambda self, *a: calls.append(1) or real(self, *a))
+    model.use_kernels = True
+    for product in (gemm, fp8_chain.scaled_gemm):
+        _restore(model, saved)
+        monkeypatch.setattr(fp8_chain, "gemm", product)
+        results.append((model(ids, positions, meta), _caches(model)))
+    (want, want_caches), (got, got_caches) = results
+    assert calls == [1, 1] and _rms(want) > 0.5
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2)
+    for c, w in zip(got_caches, want_caches):
+        torch.testing.assert_close(c, w, rtol=0, atol=2e-2)
 
 
 def test_steps_and_models_it_declines(monkeypatch):

@@ -40,11 +40,17 @@ MAX_ROW = 32768  # the longest GEMM input row (hidden, heads x head_dim, interme
 
 
 def gemm(codes: torch.Tensor, linear, dtype: torch.dtype) -> torch.Tensor:
-    """codes @ W_q^T * w_scale in `dtype`: cuBLASLt tensor-wise with activation scale 1 on CUDA,
-    the same product in fp32 elsewhere (tests)."""
+    """codes @ W_q^T * w_scale in `dtype`: scaled_gemm on CUDA, the same product in fp32 elsewhere
+    (the CPU tests; test_fp8_chain also runs the chain through scaled_gemm on CPU)."""
     if codes.is_cuda:
-        return torch._scaled_mm(codes, linear.weight.t(), unit_scale(codes.device), linear.weight_scale, out_dtype=dtype)
+        return scaled_gemm(codes, linear, dtype)
     return ((codes.float() @ linear.weight.float().t()) * linear.weight_scale).to(dtype)
+
+
+def scaled_gemm(codes: torch.Tensor, linear, dtype: torch.dtype) -> torch.Tensor:
+    """torch._scaled_mm tensor-wise (cuBLASLt on CUDA) with activation scale 1: the rows' own
+    scales are applied by the kernel that reads the output."""
+    return torch._scaled_mm(codes, linear.weight.t(), unit_scale(codes.device), linear.weight_scale, out_dtype=dtype)
 
 
 def unit_scale(device: torch.device) -> torch.Tensor:
