@@ -33,6 +33,7 @@ from nanovllm.kernels.fp8_gemm import _max_nan, _to_e4m3, scale_and_inverse
 from nanovllm.kernels.fused_ops import _MAX_HIDDEN, _num_warps, _rms_norm_row, silu_mul_rounded
 
 ROW_DTYPES = (torch.bfloat16, torch.float16)
+MAX_ROW = _MAX_HIDDEN  # the longest row one program holds (a GEMM input: hidden, heads x head_dim, intermediate)
 
 
 @triton.jit
@@ -127,8 +128,8 @@ def add_norm_quant(x: torch.Tensor, x_scale: torch.Tensor | None, residual: torc
     `quantize`, else the normed rows; then s when a residual was added, else None)."""
     _check_rows("x", x)
     rows, hidden = x.shape
-    if hidden > _MAX_HIDDEN:
-        raise ValueError(f"hidden size {hidden} exceeds the supported {_MAX_HIDDEN}")
+    if hidden > MAX_ROW:
+        raise ValueError(f"hidden size {hidden} exceeds the supported {MAX_ROW}")
     if residual is not None:
         _check_rows("residual", residual, hidden)
     if weight.shape != (hidden,) or weight.dtype != x.dtype:
@@ -170,8 +171,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, row scales fp32 [tokens]) of 16-bit rows x [tokens, K] (contiguous), one scale a row."""
     _check_rows("x", x)
     rows, cols = x.shape
-    if cols > _MAX_HIDDEN:
-        raise ValueError(f"rows of {cols} exceed the supported {_MAX_HIDDEN}")
+    if cols > MAX_ROW:
+        raise ValueError(f"rows of {cols} exceed the supported {MAX_ROW}")
     q, s = _outputs(rows, cols, x.device)
     if rows:
         block = triton.next_power_of_2(cols)

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from nanovllm.kernels.fp8_rows import add_norm_quant, quantize_rows, silu_mul_quant
+from nanovllm.kernels.fp8_rows import MAX_ROW, add_norm_quant, quantize_rows, silu_mul_quant
 from nanovllm.kernels.qk_norm_rope import qk_norm_rope
 from nanovllm.model.attention import AttentionMetadata
 from nanovllm.model.fused_qk_norm_rope import store_args
@@ -36,7 +36,6 @@ _ONES: dict[torch.device, torch.Tensor] = {}  # the unit activation scale, one p
 # bf16 only: the GEMM's unscaled rows (codes up to 448 times the weights) could pass fp16's 65,504
 # before their scale brings them back, where the per-tensor path scales in the GEMM's fp32 epilogue.
 CHAIN_DTYPES = (torch.bfloat16,)
-MAX_ROW = 32768  # the longest GEMM input row (hidden, heads x head_dim, intermediate) fp8_rows takes
 
 
 def gemm(codes: torch.Tensor, linear, dtype: torch.dtype) -> torch.Tensor:
