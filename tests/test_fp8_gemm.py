@@ -10,6 +10,11 @@ The `gpu` tests rerun the checks with bf16 at Qwen3-8B sizes.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -522,3 +527,32 @@ def test_gpu_linears_capture_in_cuda_graph():
     torch.cuda.synchronize()
     for got, want in zip(outs, run()):
         assert torch.equal(got, want)
+
+
+_KEYS_BY_K = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from triton_caches import compile_keys
+from nanovllm.kernels.fp8_gemm import quantize_fp8_per_tensor
+keys = {k: sorted(set().union(*(compile_keys(lambda: quantize_fp8_per_tensor(torch.randn(m, k).to(torch.bfloat16)))
+                                 for m in (1, 2, 3, 5, 16, 17, 48, 100, 256, 300, 1024, 1100, 4099, 16384))))
+        for k in (1024, 2048, 4096, 12288)}
+print(json.dumps({k: [v[0] for v in vs] for k, vs in keys.items()}))
+"""
+
+
+def test_tensor_quant_launches_one_variant_a_k_whatever_the_rows():
+    """Prefill and mixed steps quantize inputs of every row count; the variants start-up compiles
+    must serve them all (a compile inside a run stalls it). The launches are caught, not run
+    (tests/hopper_compile.py, in a process without the interpreter), and their compile keys over
+    M = 1 .. 16,384 are one a kernel for each K: the amax slots and their count (which vary with
+    M) are neither constexprs nor specialized integers."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    here = os.path.dirname(os.path.abspath(__file__))
+    proc = subprocess.run([sys.executable, "-c", _KEYS_BY_K, here], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=os.path.dirname(here))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert sorted(kernels) == ["1024", "12288", "2048", "4096"]
+    for k, names in kernels.items():
+        assert sorted(names) == ["_amax_parts_kernel", "_quant_tensor_kernel"], (k, names)

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import hopper_compile  # noqa: E402
 import triton_caches  # noqa: E402
+from triton_caches import compile_keys  # noqa: E402
 
 from nanovllm.core import triton_sampler as triton_mod  # noqa: E402
 from nanovllm.core.sampler import SamplingTensors  # noqa: E402
@@ -26,24 +26,6 @@ from nanovllm.core.triton_sampler import TritonSampler  # noqa: E402
 
 pytestmark = pytest.mark.skipif(triton_mod.triton is None, reason="needs Triton")
 VOCAB = 3000
-
-
-def compile_keys(fn) -> set:
-    """The compile keys of the Triton launches fn() makes (caught, not run)."""
-    keys = set()
-    for kernel, named, _ in hopper_compile.capture_launches(fn):
-        plain = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
-        key = [kernel.fn.__name__]
-        for p in kernel.params:
-            v = named.get(p.name)
-            if p.is_constexpr:
-                key.append((p.name, v))
-            elif isinstance(v, torch.Tensor):
-                key.append((p.name, v.dtype))
-            elif isinstance(v, int) and not isinstance(v, bool) and p.name not in plain:
-                key.append((p.name, "1" if v == 1 else "16k" if v % 16 == 0 else "n"))
-        keys.add((key[0], repr(key[1:])))
-    return keys
 
 
 def random_row(rng: random.Random, vocab: int = VOCAB) -> tuple:

@@ -1,6 +1,11 @@
 """How many variants of Triton kernels this process has compiled, read from Triton's own caches
 (per device; the first item of each entry maps compile keys to kernels): the GPU tests that
-check nothing compiles inside a run count with it."""
+check nothing compiles inside a run count with it; and the compile keys of caught launches, for
+the CPU tests that check a warm-up covers every variant a run launches."""
+
+import torch
+
+import hopper_compile
 
 
 def compiled_variants(*kernels) -> int:
@@ -13,3 +18,21 @@ def forget_compiled(*kernels) -> None:
     for k in kernels:
         for entry in k.device_caches.values():
             entry[0].clear()
+
+
+def compile_keys(fn) -> set:
+    """The compile keys of the Triton launches fn() makes (caught, not run)."""
+    keys = set()
+    for kernel, named, _ in hopper_compile.capture_launches(fn):
+        plain = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        key = [kernel.fn.__name__]
+        for p in kernel.params:
+            v = named.get(p.name)
+            if p.is_constexpr:
+                key.append((p.name, v))
+            elif isinstance(v, torch.Tensor):
+                key.append((p.name, v.dtype))
+            elif isinstance(v, int) and not isinstance(v, bool) and p.name not in plain:
+                key.append((p.name, "1" if v == 1 else "16k" if v % 16 == 0 else "n"))
+        keys.add((key[0], repr(key[1:])))
+    return keys

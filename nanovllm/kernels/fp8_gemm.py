@@ -177,7 +177,7 @@ def _amax_parts_kernel(x_ptr, part_ptr, M, K, stride_xm, rows_per_part, k_per_pa
     tl.store(part_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), _max_nan(acc))
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "parts"])
 def _quant_tensor_kernel(x_ptr, q_ptr, part_ptr, parts, scale_ptr, M, K, stride_xm, stride_qm,
                          PARTS_PAD: tl.constexpr, TILE_M: tl.constexpr, BLOCK_K: tl.constexpr,
                          FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
@@ -229,12 +229,14 @@ def quantize_fp8_per_tensor(x: torch.Tensor, scale_out: torch.Tensor | None = No
     rows_per_part = triton.cdiv(row_tiles, AMAX_PARTS // k_parts) * tile_m  # whole tiles a slot
     k_per_part = triton.cdiv(k_tiles, k_parts) * block_k
     grid = (triton.cdiv(m, rows_per_part), triton.cdiv(k, k_per_part))
-    parts = grid[0] * grid[1]
+    parts = grid[0] * grid[1]  # <= AMAX_PARTS: at most AMAX_PARTS // k_parts row slices of k_parts
     part = torch.empty(parts, dtype=torch.float32, device=x.device)
     _amax_parts_kernel[grid](x, part, m, k, x.stride(0), rows_per_part, k_per_part, TILE_M=tile_m,
                              BLOCK_K=block_k, num_warps=4)
-    _quant_tensor_kernel[(triton.cdiv(m, tile_m), triton.cdiv(k, block_k))](
-        x, q, part, parts, scale_out, m, k, x.stride(0), q.stride(0), PARTS_PAD=triton.next_power_of_2(parts),
+    # PARTS_PAD fixed (not the next power of two of `parts`, which varies with M): one variant for
+    # every step; the slots past `parts` are masked, so no bytes move for them.
+    _quant_tensor_kernel[(row_tiles, k_tiles)](
+        x, q, part, parts, scale_out, m, k, x.stride(0), q.stride(0), PARTS_PAD=AMAX_PARTS,
         TILE_M=tile_m, BLOCK_K=block_k, FP8_MAX=FP8_MAX, MIN_SCALE=FP8_MIN_SCALE, num_warps=4,
         enable_fp_fusion=False)
     return q, scale_out
