@@ -358,7 +358,7 @@ def test_gpu_the_chain_in_a_cuda_graph_replays_its_eager_result(monkeypatch):
         attn = layer.self_attn.attn
         attn.k_cache, attn.v_cache = attn.k_cache.to(torch.bfloat16), attn.v_cache.to(torch.bfloat16)
     fp8_weights(model)
-    ids, ctx = torch.tensor([7, 1, 30, 4], device=DEVICE), [5, 8, 2, 3]
+    ids, ctx = torch.tensor([7, 1, 30], device=DEVICE), [5, 8, 2]  # (the caches hold 6 blocks: 3 sequences)
     positions, meta = torch.tensor([c - 1 for c in ctx], device=DEVICE), decode_meta(ctx)
     saved = _caches(model)
     eager = model(ids, positions, meta)
