@@ -6,8 +6,10 @@ in nanovllm.kernels, so any variant compiled on first use shows, named."""
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import pkgutil
+import subprocess
 import sys
 
 import pytest
@@ -70,3 +72,43 @@ def test_a_run_after_start_up_compiles_no_triton_kernel(kv_cache_dtype, quantiza
         llm.shutdown()
     new = {n: after[n] - before[n] for n in after if after[n] != before[n]}
     assert not new, f"compiled inside the run: {new}"
+
+
+_WARM_UP_COVERS = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from triton_caches import compile_keys
+from nanovllm.kernels.paged_decode import paged_decode_attention
+from nanovllm.model.attention import Attention
+from nanovllm.model.attention.triton_backend import TritonBackend
+layer = Attention(16, 128, 128 ** -0.5, 8)
+layer.k_cache, layer.v_cache = (torch.zeros(4, int(sys.argv[2]), 8, 128, dtype=torch.bfloat16) for _ in range(2))
+warm = compile_keys(lambda: TritonBackend.warm_up(layer, torch.bfloat16))
+q, ctx = torch.zeros(3, 16, 128, dtype=torch.bfloat16), torch.ones(3, dtype=torch.int32)
+run = set()
+for width in range(1, 81):
+    for splits in (1, 2, 3, 4, 5, 16, 17, 32, 48):
+        table = torch.zeros(3, width, dtype=torch.int32)
+        run |= compile_keys(lambda: paged_decode_attention(q, layer.k_cache, layer.v_cache, table, ctx, 0.1, splits))
+split = {k for k in run if k[0] == "_paged_decode_split_kernel"}
+print(json.dumps({"run": sorted(map(list, split)), "missing": sorted(map(list, split - warm))}))
+"""
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_the_backends_warm_up_compiles_every_decode_variant_of_mixed_steps(block_size):
+    """A mixed step's decode rows launch the paged decode kernel with the step's table width (its
+    longest sequence's blocks: 1 for contexts within a block) and the split count for it; decode
+    graphs compile only the full width. The Triton backend's warm-up covers them all: the split
+    kernel's compile keys of launches over widths 1-80 and split counts 1-48 are among the
+    warm-up's, for blocks of 16 and 256 (paged_decode takes no more splits than a table holds
+    tiles, so the warm-up's tables are wide enough for 16). The merge kernel's variants (one a
+    power of two of splits) compile with the decode graphs. Launches caught, not run, in a
+    process without the interpreter (tests/triton_caches.py)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _WARM_UP_COVERS, here, str(block_size)], env=env,
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    keys = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(keys["run"]) >= 3 and not keys["missing"], keys["missing"]

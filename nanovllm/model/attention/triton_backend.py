@@ -52,21 +52,30 @@ class TritonBackend:
 
     @staticmethod
     def warm_up(model, dtype: torch.dtype) -> None:
-        """At start-up, compile the paged prefill for the model's cache (else the first prefix
-        hit compiles it inside a step): one launch per block-table width Triton tells apart (1,
-        a multiple of 16, another), on fresh aligned tensors as the steps' are."""
+        """At start-up, compile what steps would otherwise compile inside a run: the paged prefill
+        for the model's cache (a prefix hit's first) and the decode kernel for a mixed step's
+        decode rows, whose table is as wide as the step's longest (decode graphs compile only the
+        full width). One launch per block-table width and split count Triton tells apart (1, a
+        multiple of 16, another), on fresh aligned tensors as the steps' are."""
         layer = next((m for m in model.modules() if isinstance(getattr(m, "k_cache", None), torch.Tensor)
                       and m.k_cache.numel()), None)
         if layer is None or dtype == torch.float32:  # fp32 prefills take the reference
             return
         fp8 = layer.k_cache.dtype == torch.float8_e4m3fn
+        scales = (layer.k_scale, layer.v_scale) if fp8 else (None, None)
         dev = layer.k_cache.device
         q = torch.zeros(1, layer.num_heads, layer.head_dim, dtype=dtype, device=dev)
         cu, ctx = torch.tensor([0, 1], dtype=torch.int32, device=dev), torch.ones(1, dtype=torch.int32, device=dev)
         for width in (1, 16, 3):
             table = torch.zeros(1, width, dtype=torch.int32, device=dev)
-            paged_prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, ctx, 1, layer.scale,
-                                    layer.k_scale if fp8 else None, layer.v_scale if fp8 else None)
+            paged_prefill_attention(q, layer.k_cache, layer.v_cache, table, cu, ctx, 1, layer.scale, *scales)
+        # Widths wide enough for 16 splits of the largest tile (128 tokens): paged_decode takes no
+        # more splits than a table holds tiles.
+        wide = 16 * -(-128 // layer.k_cache.shape[1])
+        for width in (1, wide, wide + 1):
+            table = torch.zeros(1, width, dtype=torch.int32, device=dev)
+            for splits in (1, 16, 3):
+                paged_decode_attention(q, layer.k_cache, layer.v_cache, table, ctx, layer.scale, splits, None, *scales)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 k_scale=None, v_scale=None) -> torch.Tensor:
