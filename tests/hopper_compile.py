@@ -91,7 +91,8 @@ def compile_launch(kernel, named: dict, options: dict, capability: int = 90):
             constexprs[(i,)] = value
         else:
             signature[p.name] = _type_of(value)
-            if _aligned(value) and not p.do_not_specialize:
+            if _aligned(value) and not p.do_not_specialize and not (isinstance(value, torch.Tensor)
+                                                                     and p.do_not_specialize_on_alignment):
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(kernel, signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)

@@ -84,12 +84,15 @@ from nanovllm.model.attention.triton_backend import TritonBackend
 layer = Attention(16, 128, 128 ** -0.5, 8)
 layer.k_cache, layer.v_cache = (torch.zeros(4, int(sys.argv[2]), 8, 128, dtype=torch.bfloat16) for _ in range(2))
 warm = compile_keys(lambda: TritonBackend.warm_up(layer, torch.bfloat16))
-q, ctx = torch.zeros(3, 16, 128, dtype=torch.bfloat16), torch.ones(3, dtype=torch.int32)
+q, lens = torch.zeros(3, 16, 128, dtype=torch.bfloat16), torch.ones(8, dtype=torch.int32)
 run = set()
 for width in range(1, 81):
+    tables = torch.zeros(8, width, dtype=torch.int32)
     for splits in (1, 2, 3, 4, 5, 16, 17, 32, 48):
-        table = torch.zeros(3, width, dtype=torch.int32)
-        run |= compile_keys(lambda: paged_decode_attention(q, layer.k_cache, layer.v_cache, table, ctx, 0.1, splits))
+        for p in range(5):  # a mixed step's decode rows: the rows after its p prefill sequences
+            table, ctx = tables[p:p + 3], lens[p:p + 3]
+            run |= compile_keys(lambda: paged_decode_attention(q, layer.k_cache, layer.v_cache, table, ctx, 0.1,
+                                                               splits))
 split = {k for k in run if k[0] == "_paged_decode_split_kernel"}
 print(json.dumps({"run": sorted(map(list, split)), "missing": sorted(map(list, split - warm))}))
 """
@@ -98,10 +101,12 @@ print(json.dumps({"run": sorted(map(list, split)), "missing": sorted(map(list, s
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_the_backends_warm_up_compiles_every_decode_variant_of_mixed_steps(block_size):
     """A mixed step's decode rows launch the paged decode kernel with the step's table width (its
-    longest sequence's blocks: 1 for contexts within a block) and the split count for it; decode
-    graphs compile only the full width. The Triton backend's warm-up covers them all: the split
-    kernel's compile keys of launches over widths 1-80 and split counts 1-48 are among the
-    warm-up's, for blocks of 16 and 256 (paged_decode takes no more splits than a table holds
+    longest sequence's blocks: 1 for contexts within a block), the split count for it, and its
+    block tables and context lengths from the rows after the prefill ones (addresses not 16-byte
+    aligned unless 4 divides them, which Triton specializes on unless told not to); decode graphs
+    compile only the full width. The Triton backend's warm-up covers them all: the split
+    kernel's compile keys of launches over widths 1-80, split counts 1-48 and 0-4 prefill rows
+    before them are among the warm-up's, for blocks of 16 and 256 (paged_decode takes no more splits than a table holds
     tiles, so the warm-up's tables are wide enough for 16). The merge kernel's variants (one a
     power of two of splits) compile with the decode graphs. Launches caught, not run, in a
     process without the interpreter (tests/triton_caches.py)."""

@@ -25,13 +25,14 @@ def compile_keys(fn) -> set:
     keys = set()
     for kernel, named, _ in hopper_compile.capture_launches(fn):
         plain = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize}
+        any_align = {kernel.arg_names[i] if isinstance(i, int) else i for i in kernel.do_not_specialize_on_alignment}
         key = [kernel.fn.__name__]
         for p in kernel.params:
             v = named.get(p.name)
             if p.is_constexpr:
                 key.append((p.name, v))
-            elif isinstance(v, torch.Tensor):
-                key.append((p.name, v.dtype))
+            elif isinstance(v, torch.Tensor):  # and whether its address is 16-byte aligned, as Triton specializes
+                key.append((p.name, v.dtype, p.name in any_align or v.data_ptr() % 16 == 0))
             elif isinstance(v, int) and not isinstance(v, bool) and p.name not in plain:
                 key.append((p.name, "1" if v == 1 else "16k" if v % 16 == 0 else "n"))
         keys.add((key[0], repr(key[1:])))

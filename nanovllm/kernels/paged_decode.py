@@ -12,7 +12,10 @@ from nanovllm.kernels.kv_store import FP8_KV_DTYPE, check_kv_scales, check_paged
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit
+# A mixed step passes the rows after its prefill ones (TritonBackend._mixed): their tables and
+# lengths start anywhere, and a variant per alignment would compile inside a run. Both are read a
+# value at a time: the sm90 SASS is the same with or without the alignment hint.
+@triton.jit(do_not_specialize_on_alignment=["block_tables_ptr", "context_lens_ptr"])
 def _paged_decode_split_kernel(
     q_ptr,
     q_stride_b,
