@@ -1,6 +1,7 @@
 """Sweep of the Triton paged-decode kernel's KV split count against choose_num_splits' pick.
 
-    PYTHONPATH=. python3 benchmarks/kernels/bench_paged_decode.py [--json out.json] [--kv-fp8 [--tile N]]
+    PYTHONPATH=. python3 benchmarks/kernels/bench_paged_decode.py [--json out.json] [--kv-fp8] [--tile N]
+        [--case BATCHES:WIDTH:LO-HI ...] [--group G] [--kv-heads H,...]
 
 For batch sizes 1-256, 8 and 4 kv heads (Qwen3-8B at TP=1 and TP=2) and a few context-length
 ranges, times every split count (CUDA graph of 20 calls) and prints the best one next to the
@@ -11,6 +12,9 @@ its rule's split count and the FP8/bf16 ratio (FP8 reads half the bytes, so ~0.5
 memory-bound ideal). --tile N: the FP8 kernel's tokens per tile instead of the default
 (_launch_config's: q's, 64 tokens at head_dim 128 in bf16; 128 fetches as many bytes per tile as
 bf16 does, but spilled registers when compiled for sm_90 on the CPU).
+
+--case (repeatable) replaces the cases below, e.g. Qwen3-0.6B's batch-1 step after a 1,000-token
+prompt: --case 1:16:900-1100 --group 2 --kv-heads 8 (16 query and 8 kv heads).
 """
 
 from __future__ import annotations
@@ -52,21 +56,36 @@ def decode_us(q, k, v, tables, ctx, splits, scales=None, tile=None) -> float:
         paged_decode._launch_config = default
 
 
+def parse_case(text: str) -> tuple:
+    """BATCHES:WIDTH:LO-HI (e.g. 1,2:16:900-1100) as a CASES entry."""
+    try:
+        batches, width, span = text.split(":")
+        lo, hi = span.split("-")
+        return tuple(int(b) for b in batches.split(",")), int(width), (int(lo), int(hi))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--case wants BATCHES:WIDTH:LO-HI (e.g. 1,2:16:900-1100), "
+                                         f"got {text!r}") from None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write every measurement here")
     ap.add_argument("--kv-fp8", action="store_true", help="sweep an FP8 cache, and compare with bf16")
     ap.add_argument("--tile", type=int, help="tokens per tile of the swept kernel (with --kv-fp8: of the FP8 one)")
+    ap.add_argument("--case", action="append", type=parse_case, help="BATCHES:WIDTH:LO-HI, e.g. 1,2:16:900-1100")
+    ap.add_argument("--group", type=int, default=GROUP, help="query heads per kv head")
+    ap.add_argument("--kv-heads", default="8,4", help="kv head counts to sweep")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     fp8_cols = f"{'bf16 us':>9}{'fp8/bf16':>9}" if args.kv_fp8 else ""
     print(f"{'B':>4}{'kvh':>4}{'ctx':>12}{'best':>6}{'us':>8}{'rule':>6}{'us':>8}{'loss':>7}{fp8_cols}")
-    for batches, width, (lo, hi) in CASES:
-        for kvh in (8, 4):
+    for batches, width, (lo, hi) in args.case or CASES:
+        for kvh in map(int, args.kv_heads.split(",")):
             for batch in batches:
-                q, k, v, tables, ctx = random_paged_batch(batch, kvh, width, (lo, hi), gen, BLOCK, HEAD_DIM, GROUP)
+                q, k, v, tables, ctx = random_paged_batch(batch, kvh, width, (lo, hi), gen, BLOCK, HEAD_DIM,
+                                                          args.group)
                 rule = choose_num_splits(batch, kvh, width, num_sms=sms)
                 row = {"batch": batch, "kv_heads": kvh, "width": width, "ctx": [lo, hi], "rule": rule}
                 scales, extra = None, ""
