@@ -10,9 +10,7 @@ The `gpu` tests rerun the checks with bf16 at Qwen3-8B sizes.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -32,6 +30,10 @@ from nanovllm.features.quantization.fp8_ops import (
     quantize_weight_block_fp8,
     quantize_weight_per_tensor_fp8,
 )
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from triton_caches import json_without_interpreter  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("fresh_seed", "poisoned_outputs")  # tests/conftest.py
 FP8 = torch.float8_e4m3fn
@@ -547,12 +549,7 @@ def test_tensor_quant_launches_one_variant_a_k_whatever_the_rows():
     (tests/hopper_compile.py, in a process without the interpreter), and their compile keys over
     M = 1 .. 16,384 are one a kernel for each K: the amax slots and their count (which vary with
     M) are neither constexprs nor specialized integers."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    here = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", _KEYS_BY_K, here], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=os.path.dirname(here))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    kernels = json.loads(proc.stdout.strip().splitlines()[-1])
+    kernels = json_without_interpreter(_KEYS_BY_K)
     assert sorted(kernels) == ["1024", "12288", "2048", "4096"]
     for k, names in kernels.items():
         assert sorted(names) == ["_amax_parts_kernel", "_quant_tensor_kernel"], (k, names)

@@ -6,10 +6,8 @@ in nanovllm.kernels, so any variant compiled on first use shows, named."""
 from __future__ import annotations
 
 import importlib
-import json
 import os
 import pkgutil
-import subprocess
 import sys
 
 import pytest
@@ -20,7 +18,7 @@ from nanovllm import LLM, SamplingParams
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from triton_caches import compiled_variants  # noqa: E402
+from triton_caches import compiled_variants, json_without_interpreter  # noqa: E402
 
 
 def triton_kernels() -> dict:
@@ -106,14 +104,9 @@ def test_the_backends_warm_up_compiles_every_decode_variant_of_mixed_steps(block
     aligned unless 4 divides them, which Triton specializes on unless told not to); decode graphs
     compile only the full width. The Triton backend's warm-up covers them all: the split
     kernel's compile keys of launches over widths 1-80, split counts 1-48 and 0-4 prefill rows
-    before them are among the warm-up's, for blocks of 16 and 256 (paged_decode takes no more splits than a table holds
-    tiles, so the warm-up's tables are wide enough for 16). The merge kernel's variants (one a
-    power of two of splits) compile with the decode graphs. Launches caught, not run, in a
-    process without the interpreter (tests/triton_caches.py)."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", _WARM_UP_COVERS, here, str(block_size)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    keys = json.loads(proc.stdout.strip().splitlines()[-1])
+    before them are among the warm-up's, for blocks of 16 and 256 (paged_decode takes no more
+    splits than a table holds tiles, so the warm-up's tables are wide enough for 16). The merge
+    kernel's variants (one a power of two of splits) compile with the decode graphs. Launches
+    caught, not run, in a process without the interpreter (tests/triton_caches.py)."""
+    keys = json_without_interpreter(_WARM_UP_COVERS, str(block_size))
     assert len(keys["run"]) >= 3 and not keys["missing"], keys["missing"]

@@ -3,6 +3,11 @@
 check nothing compiles inside a run count with it; and the compile keys of caught launches, for
 the CPU tests that check a warm-up covers every variant a run launches."""
 
+import json
+import os
+import subprocess
+import sys
+
 import torch
 
 import hopper_compile
@@ -37,3 +42,14 @@ def compile_keys(fn) -> set:
                 key.append((p.name, "1" if v == 1 else "16k" if v % 16 == 0 else "n"))
         keys.add((key[0], repr(key[1:])))
     return keys
+
+
+def json_without_interpreter(script: str, *args: str):
+    """The JSON that `script` prints last, run as `python -c` (argv: this folder, then `args`) in
+    a process without TRITON_INTERPRET: conftest turns the interpreter on, and compile_keys can
+    catch launches only without it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", script, os.path.dirname(os.path.abspath(__file__)), *args],
+                          env=env, capture_output=True, text=True, timeout=300, cwd=hopper_compile.ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
