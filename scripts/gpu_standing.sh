@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One device call for where main stands against issue 39's targets (and 36's INT4 batch 1):
 # the no-compile and kernel GPU tests, bench.py --latency on Qwen3-0.6B (bf16, FP8 cache) and
-# Qwen3-8B (bf16, FP8 weights + cache), the prepacked W4A16 experiment
-# (benchmarks/kernels/bench_w4a16_perm.py), then the batch-1 attention sweep
+# Qwen3-8B (bf16, FP8 weights + cache), then the batch-1 attention sweep
 # (scripts/gpu_batch1_attention.sh). Each step is skipped once the call nears its 10 minutes
 # (BUDGET seconds, default 540). Logs and JSON under $OUT; a table last.
 set -uo pipefail
@@ -23,10 +22,8 @@ bench 0.6b 110 --dummy qwen3-0.6b
 bench 0.6b-fp8kv 110 --dummy qwen3-0.6b --kv-cache-dtype fp8
 bench 8b 140 --dummy qwen3-8b
 bench 8b-fp8 140 --dummy qwen3-8b --quantization fp8 --kv-cache-dtype fp8
-left 150 && (cd benchmarks/kernels && OUT="$D" timeout 200 python3 bench_w4a16_perm.py > "$D/w4a16_perm.log" 2>&1)
 left 130 && OUT="$D/attention" timeout 125 bash scripts/gpu_batch1_attention.sh > "$D/attention.log" 2>&1
 echo "=== tests"; tail -n 3 "$D/tests.log"
-echo "=== w4a16 prepacked"; grep -v -i warn "$D/w4a16_perm.log" 2>/dev/null | tail -n 22 | cut -c1-150
 echo "=== batch-1 attention"; grep -v -i warn "$D/attention.log" 2>/dev/null | tail -n 40 | cut -c1-150
 python3 - "$D" <<'PY'
 import json, os, sys

@@ -299,15 +299,17 @@ SCENARIOS = {
     # Many routed slots: the chunked alignment kernels, and the GEMM tiles of large batches.
     "fused_moe_bf16_prefill": lambda: _fused_moe(False, tokens=2048, experts=128, k=8),
     "fused_moe_fp8_prefill": lambda: _fused_moe(True, tokens=2048, experts=128, k=8),
-    # INT4 weights: the GEMV (decode), split-K tiles with atomic fp32 sums (group 32), the
-    # dequantizing kernel of large batches.
+    # INT4 weights: the GEMVs (decode), split-K tiles with atomic fp32 sums (group 32), 128-row
+    # tiles, the dequantizing kernel of prefills.
     "paged_prefill_bf16": lambda: _paged_prefill(BF16),
     "paged_prefill_fp8": lambda: _paged_prefill(FP8),
     "w4a16_decode": lambda: _w4a16(1, 128),
     "w4a16_decode_silu": lambda: _w4a16(1, 128, silu_mul=True),
     "w4a16_decode_norm_folds": lambda: _w4a16(1, 128, folds=True),
+    "w4a16_decode_fp16": lambda: _w4a16(1, 128, torch.float16),  # one fp16 row: the FMA GEMV
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),
-    "w4a16_prefill": lambda: _w4a16(300, 128),
+    "w4a16_large_m": lambda: _w4a16(300, 128),  # 128-row tensor-core tiles
+    "w4a16_prefill": lambda: _w4a16(600, 128),
     # The unpacking tensor-core kernel's inline PTX in fp16 (bf16: w4a16_split_k_g32).
     "w4a16_mma_g32_fp16": lambda: _w4a16(8, 32, torch.float16),
     "w4a16_mma_g128": lambda: _w4a16(16, 128),  # the tile in one group: a scale per column

@@ -413,7 +413,7 @@ def test_speculative_eagle3_on_gpu(bf16_model, tmp_path, monkeypatch):
     assert same >= 0.95 * min(len(calls), 60), (same, len(calls))
 
 
-@pytest.mark.parametrize("m", [1, 16, 64, 100, 300])
+@pytest.mark.parametrize("m", [1, 2, 16, 33, 64, 100, 300, 600])
 def test_w4a16_kernel_on_gpu(m):
     """kernels/w4a16.py compiled for the GPU, bf16 activations, against its fp32 arithmetic
     (dequantized weight, TF32 off): bf16 inputs and tensor-core products in bf16 with fp32 sums

@@ -58,19 +58,22 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
     (5, 32, 512, None), (70, 128, 256, None), (3, 32, 480, "mma"),  # tensor cores: split-K 4, 2; 15 K-tiles in 4 splits
     (20, 64, 512, "mma-split"), (37, 256, 512, "mma-split"),  # groups smaller / larger than the K-tile
     (8, 96, 576, None),  # a group that is no multiple of the K-tile (64): each word's own group
-    (130, 64, 256, None), (3, 32, 480, "dequant"),  # the weight dequantized, then a matmul
+    (130, 64, 256, None), (40, 32, 256, "mma-256"),  # 128-row tiles (2 programs, masked rows); 256
+    (520, 32, 256, None), (3, 32, 480, "dequant"),  # the weight dequantized, then a matmul
     (5, 64, 256, "dequant")])  # 96 columns in tiles of 64: the second tile half masked
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
     groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
-    with atomic sums, masked rows and columns, groups smaller and larger than its K-tile), and
-    from 128 rows the dequantizing kernel (into a NaN-poisoned workspace, masked columns) and a
-    matmul. The same products summed in another order: within 1e-4."""
+    with atomic sums, masked rows and columns, groups smaller and larger than its K-tile, 16- to
+    256-row tiles), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
+    workspace, masked columns) and a matmul. The same products summed in another order: within
+    1e-4. The reference reads the words through int4_formats.dequantize, which the test below
+    checks against the fragment order's description."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import Dequant, Gemv, Mma, w4a16_matmul
 
     config = {"gemv": Gemv(16, 32, 4), "mma": Mma(16, 64, 32, 4), "mma-split": Mma(16, 32, 128, 2),
-              "dequant": Dequant(4, 64), None: None}[config]
+              "mma-256": Mma(256, 64, 64, 2), "dequant": Dequant(4, 64), None: None}[config]
 
     n = 96
     g = torch.Generator().manual_seed(m)
@@ -82,6 +85,26 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     got = w4a16_matmul(x, w.qweight, w.scales, w.zeros, group, config=config, workspace=workspace)
     want = x @ dequantize(w)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().max()
+
+
+def test_the_kernel_layout_holds_rows_in_fragment_order():
+    """int4_formats.pack_kernel_order against its description, element by element: nibble
+    j = 4a + 2b + c of word 4 * blk + t is K-row 32 * blk + 16a + 8b + 2t + c; unpack_kernel_order
+    (what dequantize reads) inverts it, with and without a leading experts axis."""
+    from nanovllm.features.quantization.int4_formats import pack_kernel_order, unpack_kernel_order
+
+    g = torch.Generator().manual_seed(7)
+    q = torch.randint(0, 16, (3, 96, 5), generator=g, dtype=torch.int32)
+    words = pack_kernel_order(q)
+    assert words.shape == (3, 12, 5) and words.dtype == torch.int32
+    for blk in range(3):
+        for t in range(4):
+            for j in range(8):
+                a, b, c = j // 4, (j // 2) % 2, j % 2
+                nibble = (words[:, 4 * blk + t] >> (4 * j)) & 0xF
+                assert torch.equal(nibble, q[:, 32 * blk + 16 * a + 8 * b + 2 * t + c])
+    assert torch.equal(unpack_kernel_order(words), q)
+    assert torch.equal(unpack_kernel_order(pack_kernel_order(q[0])), q[0])
 
 
 @pytest.mark.parametrize("k, n, group, strips", [
@@ -237,10 +260,10 @@ def test_batch1_decode_matches_transformers_on_gpu(tmp_path):
     llm.shutdown()
 
 
-@pytest.mark.parametrize("config", [(16, 64, 96), (16, 64, 256), (128, 64, 64)])
+@pytest.mark.parametrize("config", [(16, 64, 96), (16, 64, 256), (96, 64, 64), (512, 64, 64)])
 def test_a_tensor_core_launch_that_does_not_fit_is_refused(config):
-    """No mask along K: a K-tile that does not divide K would drop rows; tiles of more than 64
-    rows are refused (kernels/w4a16_mma.py)."""
+    """No mask along K: a K-tile that does not divide K would drop rows; tiles of rows of x other
+    than 16 / 32 / 64 / 128 / 256 are refused (kernels/w4a16_mma.py)."""
     from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
 
     k, n = 384, 64
@@ -252,13 +275,15 @@ def test_a_tensor_core_launch_that_does_not_fit_is_refused(config):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("group, config", [(64, (16, 64, 128, 2)), (128, (64, 64, 128))])
+@pytest.mark.parametrize("group, config", [(64, (16, 64, 128, 2)), (128, (64, 64, 128)), (32, (32, 128, 128, 4, 8)),
+                                           (128, (128, 64, 64, 1, 4, 4)), (64, (256, 64, 64, 1, 4, 4))])
 def test_the_tensor_core_kernel_unpacks_exactly_on_gpu(dtype, group, config):
     """kernels/w4a16_mma.py's inline-PTX unpacking (CUDA only): x is the identity, so output row k
     is K-row k of the weight as the kernel unpacked it (1 x w is exact, and so is a sum of one
     product): equal bit for bit to (q - z) * s rounded once to 16 bits, in torch. Groups smaller
-    than the K-tile (with split-K's fp32 sums) and not; fresh random words each run."""
-    from nanovllm.features.quantization.int4_formats import unpack_int4
+    than the K-tile (with split-K's fp32 sums) and not, 16- to 256-row tiles of x, 8 warps;
+    fresh random words each run."""
+    from nanovllm.features.quantization.int4_formats import unpack_kernel_order
     from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
 
     k, n = 512, 192
@@ -269,7 +294,7 @@ def test_the_tensor_core_kernel_unpacks_exactly_on_gpu(dtype, group, config):
     z = torch.randint(0, 16, (k // group, n), generator=g, device="cuda").to(dtype)
     got = w4a16_matmul(torch.eye(k, device="cuda", dtype=dtype), q, s, z, group, config=Mma(*config))
     rows = torch.arange(k, device="cuda") // group
-    want = ((unpack_int4(q, 0).float() - z.float()[rows]) * s.float()[rows]).to(dtype)
+    want = ((unpack_kernel_order(q).float() - z.float()[rows]) * s.float()[rows]).to(dtype)
     assert torch.equal(got, want), (seed, (got.float() - want.float()).abs().max())
 
 

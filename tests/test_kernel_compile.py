@@ -90,3 +90,40 @@ for kernel in (bad_kernels.reassigning, bad_kernels.not_reassigning):
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
     assert [json.loads(x) for x in proc.stdout.split()] == [False, True], proc.stderr[-3000:]
+
+
+_MMA_LOOP = r"""
+import json, re, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import hopper_compile
+from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
+
+rows = []
+for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, Mma(128, 64, 64, 1, 4, 4))):
+    k, n = 4096, 6144
+    launch = lambda: w4a16_matmul(torch.randn(m, k).to(torch.bfloat16), torch.zeros(k // 8, n, dtype=torch.int32),
+                                  torch.ones(k // 128, n).to(torch.bfloat16), torch.ones(k // 128, n).to(torch.bfloat16),
+                                  128, config=cfg)
+    (kernel, named, options), = hopper_compile.capture_launches(launch)
+    ptx = hopper_compile.compile_launch(kernel, named, options).asm["ptx"]
+    label = re.search(r"^(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx, re.M)  # the K loop's block
+    loop = ptx[label.start():]
+    loop = loop[:re.search(r"bra(\.uni)?\s+" + re.escape(label.group(1)) + ";", loop).end()]  # to its back edge
+    rows.append({"config": list(cfg), "wgmma": loop.count("wgmma.mma_async"), "st_shared": loop.count("st.shared"),
+                 "bar_sync": loop.count("bar.sync")})
+print(json.dumps(rows))
+"""
+
+
+def test_the_int4_tensor_core_loop_keeps_the_unpacked_tile_in_registers():
+    """kernels/w4a16_mma.py compiled for sm90 (PTX): in the fragment order the unpacked weight
+    tile is already wgmma's register operand, so the K loop stores nothing to shared memory and
+    waits at few barriers (the words and x arrive by cp.async). Words in plain order made sm90
+    store each tile to shared memory and read it back (8 st.shared.v4, ~11 bar.sync a step), and
+    any change that brings that back (a tile construction whose layout wgmma cannot take) fails
+    here before it costs the GPU 1.0-2.9x (BENCHMARKS.md)."""
+    from triton_caches import json_without_interpreter
+
+    for row in json_without_interpreter(_MMA_LOOP):
+        assert row["wgmma"] > 0 and row["st_shared"] == 0 and row["bar_sync"] <= 3, row

@@ -44,12 +44,13 @@ def candidates(m: int) -> list:
     if m == 1:
         return [Strips(bn, wp) for bn in (16, 32) for wp in (4, 8)] + [
             Gemv(bn, bw, 8, 4, True, True) for bn, bw in ((8, 256), (16, 128), (32, 64))]
-    if m <= GEMV_MAX_M:
-        return [Gemv(bn, bw, wp, 4, pf, fa) for bn, bw in ((8, 128), (8, 256), (16, 128), (16, 256), (32, 64), (32, 128))
-                for wp in (4, 8) for pf in (1, 0) for fa in (1, 0)]
+    gemv = [Gemv(bn, bw, wp, 4, False, False) for bn, bw in ((8, 256), (16, 128), (32, 64)) for wp in (4, 8)]
     if m <= 64:
-        return [Mma(16 if m <= 16 else 64, bn, bk, sp) for bn in (32, 64, 128) for bk in (64, 128) for sp in (1, 2, 4)]
-    return [Dequant()] + [Mma(64, bn, 128, sp) for bn in (64, 128) for sp in (1, 2)]
+        bms = sorted({max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(m) // 2)})
+        return (gemv if m <= GEMV_MAX_M else []) + [
+            Mma(bm, bn, 128, sp, bn // 16) for bm in bms for bn in (64, 128) for sp in (1, 2, 4)]
+    return [Dequant()] + [Mma(bm, bn, bk, 1, bn // 16, st) for bm in (64, 128, 256) for bn in (64, 128)
+                          for bk in (64, 128) for st in (3, 4) if bm * bn <= 128 * 128]
 
 
 def rotating(make, nbytes: int):
@@ -101,7 +102,7 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--m", default="1,16,64,256")
+    ap.add_argument("--m", default="1,2,16,64,128,256,512")
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False

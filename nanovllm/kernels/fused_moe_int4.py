@@ -3,7 +3,7 @@ with each expert's weight read as 4-bit words and dequantized in registers (w4a1
 arithmetic: a nibble OR-ed into 128.0's bits is 128 + q, and one exact FMA gives (q - z) * s).
 
 Layout (features/quantization/int4_moe.py stacks it from GPTQ / AWQ / compressed-tensors
-experts): per stack, qweight int32 [E, K / 8, N] (eight K-rows a word, value j in bits 4j),
+experts): per stack, qweight int32 [E, K / 8, N] (eight K-rows a word in int4_formats.py's fragment order),
 scales and zeros [E, K / group, N] in the activations' dtype, optional perm int32 [E, K] (an
 act-order expert's input features in group order: the kernel gathers the activation columns
 through it). w13 has N = 2n columns (gate 0..n-1, up n..2n-1), w2 has K = n and N = H.
@@ -24,7 +24,7 @@ import triton.language as tl
 
 from nanovllm.kernels.moe_align import align_tokens_to_experts
 from nanovllm.kernels.w4a16 import can_run
-from nanovllm.kernels.w4a16_mma import float_128
+from nanovllm.kernels.w4a16_mma import float_128, fragment_word_and_shift
 
 
 class Int4Stack(NamedTuple):
@@ -39,21 +39,22 @@ class Int4Stack(NamedTuple):
 
 @triton.jit
 def _tile_step(qw_ptr, s_ptr, z_ptr, N, K, k0, offs_k, offs_n, mask_n, GROUP: tl.constexpr):
-    """One K-tile's words [BLOCK_K, BLOCK_N] (eight K-rows read each word, from L1; row k's value
-    is nibble k % 8) with the tile's scale row s and (128 + z) * s (the tile lies in one group)."""
+    """One K-tile's words [BLOCK_K, BLOCK_N] (several K-rows read each word, from L1; row k's value
+    is the nibble fragment_word_and_shift gives) with the bit offset of each row's nibble, the
+    tile's scale row s and (128 + z) * s (the tile lies in one group)."""
     in_k = (k0 + offs_k) < K
-    words = tl.load(qw_ptr + ((k0 + offs_k) // 8)[:, None] * N + offs_n[None, :],
-                    mask=in_k[:, None] & mask_n[None, :], other=0)
+    word, shift = fragment_word_and_shift(k0 + offs_k)
+    words = tl.load(qw_ptr + word[:, None] * N + offs_n[None, :], mask=in_k[:, None] & mask_n[None, :], other=0)
     g = tl.minimum(k0, K - 1) // GROUP  # (a prefetch past the end reads the last group, unused)
     s = tl.load(s_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     c = (tl.load(z_ptr + g * N + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] + 128.0) * s
-    return words, s, c
+    return words, shift[:, None], s, c
 
 
 @triton.jit
-def _dequantized_tile(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, shifts, GROUP: tl.constexpr):
-    words, s, c = _tile_step(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, GROUP)
-    q = float_128(((words >> shifts) & 0xF) << 16)
+def _dequantized_tile(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, GROUP: tl.constexpr):
+    words, shift, s, c = _tile_step(qw, s_ptr, z_ptr, NT, K, k0, offs_k, offs_n, col_ok, GROUP)
+    q = float_128(((words >> shift) & 0xF) << 16)
     return tl.fma(q, s, -c)
 
 
@@ -77,7 +78,6 @@ def _moe_int4_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, weight_ptr, s
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    shifts = ((offs_k % 8) * 4)[:, None]
     NT = 2 * N if GATE_UP else N  # the stored matrix's columns
     qw = qw_ptr + expert * (K // 8) * NT
     sz = expert * (K // GROUP) * NT
@@ -89,10 +89,10 @@ def _moe_int4_kernel(a_ptr, qw_ptr, s_ptr, z_ptr, perm_ptr, c_ptr, weight_ptr, s
         else:
             cols = k0 + offs_k
         a = tl.load(a_ptr + a_rows[:, None] * stride_am + cols[None, :], mask=row_ok[:, None], other=0.0)
-        w = _dequantized_tile(qw, s_ptr + sz, z_ptr + sz, NT, K, k0, offs_k, offs_n, col_ok, shifts, GROUP)
+        w = _dequantized_tile(qw, s_ptr + sz, z_ptr + sz, NT, K, k0, offs_k, offs_n, col_ok, GROUP)
         acc = tl.dot(a, w.to(a.dtype), acc)
         if GATE_UP:
-            w_up = _dequantized_tile(qw, s_ptr + sz, z_ptr + sz, NT, K, k0, offs_k, offs_n + N, col_ok, shifts, GROUP)
+            w_up = _dequantized_tile(qw, s_ptr + sz, z_ptr + sz, NT, K, k0, offs_k, offs_n + N, col_ok, GROUP)
             acc_up = tl.dot(a, w_up.to(a.dtype), acc_up)
     if GATE_UP:
         out = acc * tl.sigmoid(acc) * acc_up

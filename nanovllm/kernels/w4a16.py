@@ -1,6 +1,7 @@
 """W4A16 GEMM in Triton: out[M, N] = x[M, K] @ W[K, N], W stored as 4-bit values q packed eight
-to an int32 along K (qweight [K / 8, N]; value j of a word in bits 4j..4j+3) with per-group
-scales s and zero points z [K / group_size, N]: W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n].
+to an int32 along K (qweight [K / 8, N]; nibble j of word row i is K-row fragment_row(i, j), the
+fragment order of features/quantization/int4_formats.py) with per-group scales s and zero points
+z [K / group_size, N]: W[k, n] = (q[k, n] - z[k // g, n]) * s[k // g, n].
 
 Unpacking without integer-to-float conversions (a quarter-rate instruction that would cap the
 kernel near half the memory bandwidth): a nibble moved to bits 16..19 and OR-ed into the bits of
@@ -10,19 +11,18 @@ have at most 16 significant bits, so the weight equals the dequantized one round
 16-bit checkpoint of it would hold.
 
 Four launches (`choose` picks one by M):
-- Strips, one bf16 row (batch-1 decode): kernels/w4a16_gemv.py, ~3.7 instructions a weight.
-- Gemv, M <= 4 (small decode batches, or one fp16 row): a GEMV on the FMA units. Each program
-  owns a few output columns over the whole K (no split-K, so no atomics and no zeroing or
-  casting kernels around it); a tile spans several groups (a scale row per word row). PREFETCH
-  issues the next step's loads before this step's arithmetic, so a warp always has bytes in
-  flight. FACTORED (one row of x) sums
-  q_j * x_j per word with the nibble OR-ed in place into 2^23's bits (minus 2^23: no shifts) and
-  applies the scale once per word: (sum - z * sum x) * s, about 6 instructions a weight.
-- Mma, 4 < M < 128: tensor-core tiles with the weight unpacked in registers
+- Strips, one bf16 row (batch-1 decode): kernels/w4a16_gemv.py, ~3.4 instructions a weight.
+- Gemv, one fp16 row (or up to 4 rows when asked): a GEMV on the FMA units. Each program owns a
+  few output columns over the whole K (no split-K, so no atomics and no zeroing or casting
+  kernels around it); a tile spans several groups (a scale row per word row). PREFETCH issues
+  the next step's loads before this step's arithmetic, so a warp always has bytes in flight.
+  FACTORED (one row of x) sums q_j * x_j per word with the nibble OR-ed in place into 2^23's
+  bits (minus 2^23: no shifts) and applies the scale once per word: (sum - z * sum x) * s,
+  about 6 instructions a weight.
+- Mma, 2 <= M < DEQUANT_MIN_M: tensor-core tiles with the weight unpacked in registers
   (kernels/w4a16_mma.py); decode-sized M splits K (fp32 partial sums added atomically).
-- Dequant, M >= 128: the weight is unpacked into a 16-bit workspace and cuBLAS multiplies (the
-  product is compute-bound there, and cuBLAS's tiles beat ours 2-5x; vLLM's AWQ path does the
-  same above 256 tokens).
+- Dequant, from DEQUANT_MIN_M rows: the weight is unpacked into a 16-bit workspace and cuBLAS
+  multiplies (prefill: the product is compute-bound, and cuBLAS's tiles are the fastest there).
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ import triton
 import triton.language as tl
 
 from nanovllm.kernels.w4a16_gemv import Strips, gemv
-from nanovllm.kernels.w4a16_mma import Mma, float_128, mma_matmul, nibble_128
+from nanovllm.kernels.w4a16_mma import Mma, float_128, fragment_row, mma_matmul, nibble_128
 
-GEMV_MAX_M = 4
-DEQUANT_MIN_M = 128
+GEMV_MAX_M = 4  # rows the FMA GEMV takes (choose gives it one fp16 row)
+DEQUANT_MIN_M = 512
 
 
 class Gemv(NamedTuple):
@@ -103,14 +103,14 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, strid
             part = tl.zeros((BLOCK_M, BLOCK_W, BLOCK_N), dtype=tl.float32)
             xsum = tl.zeros((BLOCK_M, BLOCK_W, 1), dtype=tl.float32)
             for j in tl.static_range(8):
-                xj = tl.load(x_ptr + m3 * stride_xm + rows * 8 + j, mask=xmask, other=0.0).to(tl.float32)
+                xj = tl.load(x_ptr + m3 * stride_xm + fragment_row(rows, j), mask=xmask, other=0.0).to(tl.float32)
                 xsum += xj
                 part += _scaled_nibble(words, high, j) * (xj * (1.0 / (1 << (4 * j if j < 5 else 4 * j - 16))))
             acc += tl.fma(-z, xsum, part) * s
         else:
             c = (z + 128.0) * s
             for j in tl.static_range(8):
-                xj = tl.load(x_ptr + m3 * stride_xm + rows * 8 + j, mask=xmask, other=0.0).to(tl.float32)
+                xj = tl.load(x_ptr + m3 * stride_xm + fragment_row(rows, j), mask=xmask, other=0.0).to(tl.float32)
                 acc += xj * tl.fma(nibble_128(words, j), s, -c)  # x * (q - z) * s
         if PREFETCH:
             words, s, z = nxt
@@ -123,8 +123,8 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, strid
 @triton.jit
 def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
                     BLOCK_N: tl.constexpr):
-    """The weight [K, N] into out [K, N] in out's dtype: word row i of the tile gives K-rows
-    8i .. 8i + 7."""
+    """The weight [K, N] into out [K, N] in out's dtype: word row i's nibble j is K-row
+    fragment_row(i, j)."""
     w3 = (tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W))[:, None, None]
     j3 = tl.arange(0, 8)[None, :, None]
     n3 = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N))[None, None, :]
@@ -134,7 +134,8 @@ def _dequant_kernel(qw_ptr, s_ptr, z_ptr, out_ptr, N, K, GROUP: tl.constexpr, BL
     s = tl.load(s_ptr + sz, mask=mask, other=0.0).to(tl.float32)
     c = (tl.load(z_ptr + sz, mask=mask, other=0.0).to(tl.float32) + 128.0) * s
     q = float_128(((words >> (4 * j3)) & 0xF) << 16)
-    tl.store(out_ptr + (w3 * 8 + j3) * N + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty), mask=mask & (j3 < 8))
+    tl.store(out_ptr + fragment_row(w3, j3) * N + n3, tl.fma(q, s, -c).to(out_ptr.dtype.element_ty),
+             mask=mask & (j3 < 8))
 
 
 def _dequant_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -157,21 +158,25 @@ def _pow2_divisor(g: int, cap: int) -> int:
 
 
 def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strips | Gemv | Mma | Dequant:
-    """The launch for an [m, k] x [k, n] product, as measured best on the H200 for Qwen3-8B's
-    shapes (benchmarks/kernels/bench_w4a16.py). Gemv: wide N 32 columns x 64 words, deep K 8 x
-    256, else 16 x 128; one row factored and prefetched, 2-4 rows neither (their registers would
-    spill). Mma: 16 or 64 rows of x a program, 64 columns, K split 4 or 2 ways (the weights'
-    bytes bound these sizes, and splitting puts ~2-4 programs on every SM). Dequant from 128.
-    One bf16 row: the strips GEMV, 16 columns a program (32 from N = 16384: gate_up)."""
-    if m == 1 and dtype == torch.bfloat16:
-        return Strips(32 if n >= 16384 else 16)
-    if m <= GEMV_MAX_M:
-        block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 and m == 1 else (16, 128)
-        return Gemv(block_n, block_w, 8 if m == 1 or n < 16384 else 4, GEMV_MAX_M, m == 1, m == 1)
+    """The launch for an [m, k] x [k, n] product, from sweeps on an H100 of Qwen3-8B's shapes
+    (benchmarks/kernels/bench_w4a16.py; BENCHMARKS.md). One bf16 row: the strips GEMV, 16 columns
+    a program (32 from N = 16384: gate_up); one fp16 row: the FMA GEMV. 2-64 rows: tensor-core
+    tiles of 16 / 32 / 64 rows of x and 64 columns (128 on 8 warps for K >= 8192: down), K split 4
+    ways unless the columns alone make enough programs (N >= 16384). 65 rows up to DEQUANT_MIN_M:
+    128-row tiles, 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
+    if m == 1:
+        if dtype == torch.bfloat16:
+            return Strips(32 if n >= 16384 else 16)
+        block_n, block_w = (32, 64) if n >= 16384 else (8, 256) if k >= 8192 else (16, 128)
+        return Gemv(block_n, block_w, 8, GEMV_MAX_M, True, True)
     if m >= DEQUANT_MIN_M:
         return Dequant()
+    if m > 64:
+        return Mma(128, 64, _pow2_divisor(k, 64), 1, 4, 4)
     block_k = _pow2_divisor(k, 128)
-    return Mma(16, 64, block_k, min(4, k // block_k)) if m <= 16 else Mma(64, 64, block_k, min(2, k // block_k))
+    block_m = max(16, triton.next_power_of_2(m))
+    wide = m > 16 and k >= 8192
+    return Mma(block_m, 128 if wide else 64, block_k, 1 if n >= 16384 else min(4, k // block_k), 8 if wide else 4)
 
 
 def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,

@@ -1,6 +1,7 @@
 """W4A16 GEMV for one row of x (batch-1 decode): out[N] = x[K] @ W[K, N], the layout of
-kernels/w4a16.py (qweight [K / 8, N], nibble j of word row i = K-row 8i + j; scales s and zero
-points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
+features/quantization/int4_formats.py (qweight [K / 8, N], each block of 32 K-rows in fragment
+order: nibble j = 4a + 2b + c of word t is row 16a + 8b + 2t + c; scales s and zero points z
+[K / group, N]: W[k, n] = (q[k, n] - z) * s).
 
 A decode step at batch 1 reads every weight once, so this kernel must keep the memory busy with
 few instructions a weight: the H200 moves ~8.6e12 four-bit weights a second and issues ~3.3e13
@@ -8,9 +9,10 @@ thread instructions (integer ones at half that), ~3.9 a weight in all. Read from
 specialized as a launch is), this kernel's loop spends ~3.4 (3.9 with masked scalar loads of x;
 kernels/w4a16.py's earlier GEMV ~6). Yet the GEMVs run at 45-67% of the bandwidth: cutting 13%
 of the instructions made them 2-4% faster (H100), so they wait mostly on memory latency:
-- Strips: each thread owns 4 consecutive word rows (32 K-rows: one group, a single scale and
-  zero point) of 4 adjacent columns, loaded as 128-bit vectors; the 4 rows are 4 tiles of one
-  layout, so their sum is register arithmetic, and x's 32 values serve 4 columns.
+- Strips: each thread owns 4 consecutive word rows (32 K-rows: one fragment block, one group, a
+  single scale and zero point) of 4 adjacent columns, loaded as 128-bit vectors; the 4 rows are
+  4 tiles of one layout, so their sum is register arithmetic, and x's 32 values serve 4 columns
+  (paired with each word's nibbles in the fragment order by naming registers, not moving them).
 - Nibbles as floats without conversions: two masks split a word into its even and odd nibbles,
   one per byte; `prmt` builds the float 128 + q from a byte under 128.0's exponent byte (1.25
   integer instructions a weight), then one FMA with x. The 128 and the zero point come off once
@@ -125,16 +127,35 @@ def _words(qw_ptr, rows, n2, N, n_words, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _row(words, xw_ptr, rows, n_words, part, xsum, BLOCK_N: tl.constexpr, EVEN: tl.constexpr, ASM: tl.constexpr):
-    """part += the word row's eight (128 + q) times x's eight values; xsum ([P, BLOCK_N / 4])
-    += those values."""
+def _word(words, x0, x1, x2, x3, x4, x5, x6, x7, part, xsum, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """part += a word's eight (128 + q) times x_j, the value of nibble j's K-row; xsum ([P,
+    BLOCK_N / 4]) += those values."""
     f0, f1, f2, f3, f4, f5, f6, f7 = _floats_128(words, ASM)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _x_values(xw_ptr, rows, n_words, BLOCK_N, EVEN)
     part = tl.fma(f0, _spread(x0, BLOCK_N), tl.fma(f1, _spread(x1, BLOCK_N), part))  # one FMA a weight
     part = tl.fma(f2, _spread(x2, BLOCK_N), tl.fma(f3, _spread(x3, BLOCK_N), part))
     part = tl.fma(f4, _spread(x4, BLOCK_N), tl.fma(f5, _spread(x5, BLOCK_N), part))
     part = tl.fma(f6, _spread(x6, BLOCK_N), tl.fma(f7, _spread(x7, BLOCK_N), part))
     return part, xsum + (((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7)))
+
+
+@triton.jit
+def _strip_sum(w0, w1, w2, w3, xw_ptr, first, n_words, BLOCK_N: tl.constexpr, EVEN: tl.constexpr,
+               ASM: tl.constexpr):
+    """(sum over the strip's 32 K-rows of (128 + q) x, per column; sum of x) for the four words
+    of a strip. x's rows are read as four 8-value pieces, a0..a7 = K-rows 0..7 of the strip and
+    so on; in the fragment order word t's nibble 2r + c holds K-row 8r + 2t + c, so each word
+    takes values 2t and 2t + 1 of every piece (registers named differently, no extra work)."""
+    part = tl.zeros((first.shape[0], BLOCK_N), dtype=tl.float32)
+    xsum = tl.zeros((first.shape[0], BLOCK_N // 4), dtype=tl.float32)
+    a0, a1, a2, a3, a4, a5, a6, a7 = _x_values(xw_ptr, first, n_words, BLOCK_N, EVEN)
+    b0, b1, b2, b3, b4, b5, b6, b7 = _x_values(xw_ptr, first + 1, n_words, BLOCK_N, EVEN)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _x_values(xw_ptr, first + 2, n_words, BLOCK_N, EVEN)
+    d0, d1, d2, d3, d4, d5, d6, d7 = _x_values(xw_ptr, first + 3, n_words, BLOCK_N, EVEN)
+    part, xsum = _word(w0, a0, a1, b0, b1, c0, c1, d0, d1, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w1, a2, a3, b2, b3, c2, c3, d2, d3, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w2, a4, a5, b4, b5, c4, c5, d4, d5, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w3, a6, a7, b6, b7, c6, c7, d6, d7, part, xsum, BLOCK_N, ASM)
+    return part, xsum
 
 
 @triton.jit
@@ -189,12 +210,7 @@ def gemv_kernel(xw_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, bias_ptr, r_ptr, nw_ptr, 
     for w0 in range(0, n_words, 4 * P):
         first = w0 + p2 * 4  # thread row p owns word rows first .. first + 3: 32 K-rows of one group
         next0, next1, next2, next3 = _strip(qw_ptr, first + 4 * P, n2, N, n_words, EVEN)  # in flight meanwhile
-        part = tl.zeros((P, BLOCK_N), dtype=tl.float32)
-        xsum = tl.zeros((P, BLOCK_N // 4), dtype=tl.float32)
-        part, xsum = _row(w0_, xw_ptr, first, n_words, part, xsum, BLOCK_N, EVEN, ASM)
-        part, xsum = _row(w1_, xw_ptr, first + 1, n_words, part, xsum, BLOCK_N, EVEN, ASM)
-        part, xsum = _row(w2_, xw_ptr, first + 2, n_words, part, xsum, BLOCK_N, EVEN, ASM)
-        part, xsum = _row(w3_, xw_ptr, first + 3, n_words, part, xsum, BLOCK_N, EVEN, ASM)
+        part, xsum = _strip_sum(w0_, w1_, w2_, w3_, xw_ptr, first, n_words, BLOCK_N, EVEN, ASM)
         g2 = (first * 8 // GROUP) * N + n2
         if EVEN:
             s = tl.load(s_ptr + g2).to(tl.float32)

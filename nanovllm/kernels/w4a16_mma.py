@@ -1,15 +1,19 @@
 """W4A16 on the tensor cores: out[M, N] = x[M, K] @ W[K, N] with W unpacked in registers tile by
-tile, the layout of kernels/w4a16.py (qweight [K / 8, N], nibble j of word row i = K-row 8i + j;
-scales s and zero points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
+tile, the layout of features/quantization/int4_formats.py (qweight [K / 8, N], each block of 32
+K-rows in fragment order: nibble j = 4a + 2b + c of word t is row 16a + 8b + 2t + c; scales s
+and zero points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
 
 The product is computed transposed, out^T = W^T x^T, so that the unpacked weight is the dot's
-first operand, which Hopper's wgmma reads from registers (the tile just unpacked makes no
-shared-memory round trip), and x's few rows sit on the MMA's N side (16-row tiles, not 64).
-Each program loads its words once ([BLOCK_N, BLOCK_K / 8] int32: half a byte a weight from
-memory, no word read twice), unpacks their eight nibbles into eight [BLOCK_N, BLOCK_K / 8]
-parts, and `tl.join` + a reshape lay those out as the [BLOCK_N, BLOCK_K] tile of W^T in K
-order. (Measured on the H200 and dropped: a dot per part with x's strided columns instead of
-the join, 1.1-2x slower; the untransposed product, 2-10x slower below 128 rows.)
+first operand, which Hopper's wgmma reads from registers, and x's few rows sit on the MMA's N
+side (16-row tiles, not 64). Each program loads its words once ([BLOCK_N, BLOCK_K / 8] int32:
+half a byte a weight from memory), unpacks their eight nibbles into eight [BLOCK_N, BLOCK_K / 8]
+parts, and `tl.join`, a reshape and a permute lay them out as the [BLOCK_N, BLOCK_K] tile of
+W^T in K order. In the fragment order that layout is the one wgmma's A operand wants: a thread
+unpacks exactly the rows it feeds the MMA ({2l, 2l + 1} + {0, 8, 16, 24}, l = lane % 4), so the
+tile makes no trip through shared memory. (With words in plain order, sm90's loop stored every
+unpacked tile to shared memory and read it back with ldmatrix: 8 stores, 8 ldmatrix and ~11
+barriers a step against 0, 0 and 2; on an H100 the fragment order made the GEMMs 1.0-2.9x
+faster at 2-256 rows: BENCHMARKS.md.) Up to 256 rows of x a program.
 
 ASM (CUDA, sm_80 on): the unpacking is Marlin's in inline PTX, two weights an instruction each
 step: `lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the bits of the
@@ -89,6 +93,18 @@ def nibble_128(words, J: tl.constexpr):
 
 
 @triton.jit
+def fragment_row(word, j):
+    """The K-row held by nibble j of word row `word` in the fragment order (module docstring)."""
+    return (word // 4) * 32 + (j // 4) * 16 + ((j // 2) % 2) * 8 + (word % 4) * 2 + j % 2
+
+
+@triton.jit
+def fragment_word_and_shift(k):
+    """The inverse of fragment_row for K-row k: (its word row, its nibble's bit offset 4j)."""
+    return (k // 32) * 4 + (k % 8) // 2, (((k // 16) % 2) * 4 + ((k // 8) % 2) * 2 + k % 2) * 4
+
+
+@triton.jit
 def _nibble(words, s, zc, J: tl.constexpr, DTYPE: tl.constexpr):
     """Nibble J as (q - z) * s in fp32 (zc = 128 + z), rounded once to DTYPE."""
     return ((nibble_128(words, J) - zc) * s).to(DTYPE)
@@ -121,8 +137,10 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.
                           _nibble(words, sf, zc, 2, DTYPE), _nibble(words, sf, zc, 3, DTYPE))
         v4, v5, v6, v7 = (_nibble(words, sf, zc, 4, DTYPE), _nibble(words, sf, zc, 5, DTYPE),
                           _nibble(words, sf, zc, 6, DTYPE), _nibble(words, sf, zc, 7, DTYPE))
-    # [BLOCK_N, BLOCK_K / 8, 2, 2, 2] row-major is [BLOCK_N, BLOCK_K] with column 8i + j: in order.
-    return tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K))
+    # [BLOCK_N, BLOCK_K / 8, a, b, c] holds word 4 * blk + t's nibble 4a + 2b + c, K-row 32 * blk
+    # + 16a + 8b + 2t + c: (blk, t, a, b, c) permuted to (blk, a, b, t, c) is the K order.
+    v = tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K // 32, 2, 2, 2, 2, 2))
+    return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
 
 
 @triton.jit
@@ -150,7 +168,7 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
 
 
 class Mma(NamedTuple):
-    block_m: int  # rows of x per program (the MMA's N side: 16 to 64)
+    block_m: int  # rows of x per program (the MMA's N side: 16, 32, 64, 128 or 256)
     block_n: int  # output columns per program (the MMA's M side)
     block_k: int  # K-rows per step (a power of two from 32 that divides K)
     splits: int = 1  # K split into this many programs per tile (atomic fp32 sums when > 1)
@@ -160,13 +178,12 @@ class Mma(NamedTuple):
 
 def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, cfg: Mma) -> torch.Tensor:
-    """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype). Tiles of
-    more than 64 rows are refused: on the H200 one 128-row launch returned wrong sums (not
-    understood; BENCHMARKS.md), and `choose` never takes them."""
+    """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype)."""
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
-    if k % cfg.block_k or cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1) or not 16 <= cfg.block_m <= 64:
+    if k % cfg.block_k or cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_m not in (16, 32, 64, 128,
+                                                                                                      256):
         raise ValueError(f"mma_matmul: {cfg} does not fit K = {k} (block_k: a power of two from 32 dividing K, "
-                         f"no mask along K; block_m: 16 to 64)")
+                         f"no mask along K; block_m: 16, 32, 64, 128 or 256)")
     k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k  # whole tiles (the last split shorter)
     splits = triton.cdiv(k, k_per_split)
     out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \

@@ -17,9 +17,15 @@ consecutive input features (one group for "channel" / group_size -1): w = (q - z
   [out / 8, groups] (packed along the output, also + 8), symmetric ones mean z = 8;
   `weight_shape` [2] = (out, in); `weight_g_idx` [in] with an activation order.
 
-The layout the kernels read (Int4Weights): q packed along the input as GPTQ's qweight [in / 8, out]
-with groups in order (an act-order checkpoint's input features are sorted by group, and the
+The layout the kernels read (Int4Weights): q packed along the input, [in / 8, out] words, with
+groups in order (an act-order checkpoint's input features are sorted by group, and the
 activations permuted to match: `perm`), scales and zero points [groups, out] in the model's dtype.
+Within each block of 32 input rows the words hold their rows in the order of a tensor-core
+fragment (pack_kernel_order): nibble j = 4a + 2b + c of word t (0..3) is row 16a + 8b + 2t + c.
+wgmma takes its A operand from registers in fragments where a thread holds rows {2l, 2l + 1,
+2l + 8, 2l + 9, ...} (l = lane % 4); stored so, a word unpacks into exactly the values its
+thread feeds the MMA, and the unpacked tile needs no shuffle through shared memory
+(kernels/w4a16_mma.py). A block lies in one group (groups are whole multiples of 32 rows).
 """
 
 from __future__ import annotations
@@ -45,6 +51,28 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = _NATURA
     return values.reshape(shape)
 
 
+def _fragment_view(rows: torch.Tensor) -> torch.Tensor:
+    """[..., R, N] (R a multiple of 32) as [..., R / 32, 2, 2, 4, 2, N]: row 16a + 8b + 2t + c of
+    each block of 32 at [.., a, b, t, c, :]."""
+    *lead, r, n = rows.shape
+    return rows.reshape(*lead, r // 32, 2, 2, 4, 2, n)
+
+
+def pack_kernel_order(q: torch.Tensor) -> torch.Tensor:
+    """Values q [..., in, out] (0..15; `in` a multiple of 32) -> the kernels' words [..., in / 8,
+    out] (module docstring): word t of a block holds its rows 2t + {0, 1, 8, 9, 16, 17, 24, 25}."""
+    v = _fragment_view(q).movedim(-3, -5)  # [.., blocks, t, a, b, c, N]: nibble 4a + 2b + c of word t
+    return pack_int4(v.reshape(q.shape), q.dim() - 2)
+
+
+def unpack_kernel_order(words: torch.Tensor) -> torch.Tensor:
+    """The inverse of pack_kernel_order: words [..., in / 8, out] -> values [..., in, out]."""
+    v = unpack_int4(words, words.dim() - 2)  # [.., in, N]: row 8w + j is nibble j of word w
+    *lead, r, n = v.shape
+    blocks = v.reshape(*lead, r // 32, 4, 2, 2, 2, n)  # [.., blocks, t, a, b, c, N]
+    return blocks.movedim(-5, -3).reshape(v.shape)  # -> [.., blocks, a, b, t, c, N]: rows in order
+
+
 def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
     """The inverse of unpack_int4 in the natural order: eight values (0..15) per int32 word."""
     shape = list(values.shape)
@@ -60,7 +88,7 @@ def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
 class Int4Weights:
     """One linear layer's (this rank's) weights in the kernels' layout (module docstring)."""
 
-    qweight: torch.Tensor  # int32 [in / 8, out]
+    qweight: torch.Tensor  # int32 [in / 8, out], rows in fragment order within blocks of 32
     scales: torch.Tensor  # [groups, out]
     zeros: torch.Tensor  # [groups, out], integer-valued
     group_size: int
@@ -80,13 +108,13 @@ def to_kernel_layout(q: torch.Tensor, scales, zeros, g_idx: torch.Tensor | None,
             if not torch.equal(g_idx[perm], in_order):
                 raise ValueError("g_idx does not give every group exactly group_size input features")
             q = q[perm]
-    return Int4Weights(pack_int4(q, 0), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(), group_size,
-                       perm)
+    return Int4Weights(pack_kernel_order(q), scales.to(dtype).contiguous(), zeros.to(dtype).contiguous(),
+                       group_size, perm)
 
 
 def dequantize(w: Int4Weights) -> torch.Tensor:
     """The weight [in, out] in fp32 (rows in group order: apply `perm` to the activations); a
     stack of experts' ([E, in / 8, out] words) gives [E, in, out]."""
-    q = unpack_int4(w.qweight, w.qweight.dim() - 2).float()
+    q = unpack_kernel_order(w.qweight).float()
     groups = torch.arange(q.shape[-2], device=q.device) // w.group_size
     return (q - w.zeros.float()[..., groups, :]) * w.scales.float()[..., groups, :]

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One device call for the INT4 weights in fragment order (int4_formats.py, kernels/w4a16_mma.py):
+# the INT4 GPU tests, bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE (default
+# .ab_base: a git archive of the commit before, carried) and bf16 for the ratio, the GEMMs alone at
+# choose's launches (bench_w4a16.py), then a sweep at 512-2048 rows for the dequantize threshold.
+# Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+D=${OUT:-/tmp/gpu_int4}; mkdir -p "$D"; export PYTHONUNBUFFERED=1
+NEW=$PWD; BASE=$(cd "${AB_BASE:-.ab_base}" && pwd)
+BUDGET=${BUDGET:-560}
+left() { [ $((BUDGET - SECONDS)) -gt "$1" ]; }  # at least $1 seconds left?
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$D/gpu.txt"
+bench() {  # name tree args...
+  local name=$1 tree=$2; shift 2
+  left 110 || { echo "$name skipped (time)"; return; }
+  (cd "$tree" && PYTHONPATH=$tree timeout 110 python3 bench.py --dummy qwen3-8b --latency --json "$D/$name.json" "$@") \
+    > "$D/$name.log" 2>&1 || echo "$name failed: $(tail -n 3 "$D/$name.log")"
+}
+bench gptq-new "$NEW" --quantization gptq
+bench gptq-base "$BASE" --quantization gptq
+bench bf16 "$NEW"
+PYTHONPATH=$NEW timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_int4_moe.py \
+  tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
+left 80 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout 100 python3 bench_w4a16.py) > "$D/gemm.log" 2>&1
+left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
+  --m 1024,2048 --sweep) > "$D/sweep.log" 2>&1
+echo "=== tests"; tail -n 3 "$D/tests.log"
+echo "=== GEMMs (choose's launch)"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
+echo "=== sweep 1024-2048"; grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
+python3 - "$D" <<'PY'
+import json, os, sys
+d = sys.argv[1]
+print(f"{'run':<10}{'tok/s':>9}{'bs1 ms':>8}{'cold s':>8}")
+for n in ("bf16", "gptq-base", "gptq-new"):
+    p = f"{d}/{n}.json"
+    r = json.load(open(p)) if os.path.exists(p) else None
+    print(f"{n:<10}" + (f"{r['output_tok_s']:>9.0f}{r.get('decode_ms_per_token_bs1') or 0:>8.3f}{r.get('cold_start_s') or 0:>8.2f}"
+                        if r else " (none)"))
+PY
