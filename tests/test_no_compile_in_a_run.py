@@ -49,7 +49,9 @@ def options(i: int) -> SamplingParams:
 @pytest.mark.gpu
 # Prefix hits run the paged prefill kernel on either cache; FP8 weights (online) add the per-tensor
 # quantizer of prefill and mixed steps and the per-row decode chain (features/quantization/fp8_chain.py).
-@pytest.mark.parametrize("kv_cache_dtype, quantization", [("auto", None), ("fp8", None), ("fp8", "fp8")])
+# INT4 (dummy GPTQ): tensor-core launches at every row count (kernels/w4a16.warm_up).
+@pytest.mark.parametrize("kv_cache_dtype, quantization", [("auto", None), ("fp8", None), ("fp8", "fp8"),
+                                                          ("auto", "gptq")])
 def test_a_run_after_start_up_compiles_no_triton_kernel(kv_cache_dtype, quantization):
     sys.path.insert(0, ROOT)
     import bench
@@ -110,3 +112,29 @@ def test_the_backends_warm_up_compiles_every_decode_variant_of_mixed_steps(block
     caught, not run, in a process without the interpreter (tests/triton_caches.py)."""
     keys = json_without_interpreter(_WARM_UP_COVERS, str(block_size))
     assert len(keys["run"]) >= 3 and not keys["missing"], keys["missing"]
+
+
+_INT4_WARM_UP_COVERS = """
+import json, sys, torch
+sys.path.insert(0, sys.argv[1])
+from triton_caches import compile_keys
+from nanovllm.kernels.w4a16 import DEQUANT_MIN_M, w4a16_matmul, warm_up
+warm, run = set(), set()
+for k, n, group in ((4096, 6144, 128), (4096, 24576, 128), (12288, 4096, 128), (1024, 3072, 32)):
+    w = (torch.zeros(k // 8, n, dtype=torch.int32), torch.ones(k // group, n).to(torch.bfloat16),
+         torch.ones(k // group, n).to(torch.bfloat16), group)
+    warm |= compile_keys(lambda: warm_up(*w, torch.bfloat16))
+    for m in range(2, DEQUANT_MIN_M):
+        run |= compile_keys(lambda: w4a16_matmul(torch.zeros(m, k, dtype=torch.bfloat16), *w))
+print(json.dumps({"run": sorted(map(list, run)), "missing": sorted(map(list, run - warm))}))
+"""
+
+
+def test_the_int4_warm_up_compiles_every_tensor_core_launch_of_2_to_511_rows():
+    """INT4 layers (features/quantization/int4.py) compile their tensor-core launches at load
+    (kernels/w4a16.warm_up, one row count a range of `choose`); decode graphs compile only their
+    batch sizes', and mixed and prefill steps run any row count. The compile keys of every launch
+    of 2 to DEQUANT_MIN_M - 1 rows on Qwen3-8B's four shapes and a group-32 one are among the
+    warm-up's (M is not specialized, so one variant serves a range). Launches caught, not run."""
+    keys = json_without_interpreter(_INT4_WARM_UP_COVERS)
+    assert len(keys["run"]) >= 8 and not keys["missing"], keys["missing"]

@@ -38,6 +38,7 @@ from nanovllm.kernels.w4a16_mma import Mma, float_128, fragment_row, mma_matmul,
 
 GEMV_MAX_M = 4  # rows the FMA GEMV takes (choose gives it one fp16 row)
 DEQUANT_MIN_M = 512
+WARM_UP_ROWS = (2, 17, 33, 65)  # a row count in each of choose's tensor-core ranges
 
 
 class Gemv(NamedTuple):
@@ -217,3 +218,15 @@ def can_run(k: int, group_size: int) -> bool:
     """Whether the kernels take a weight of K input features in groups of `group_size` (K in
     tiles of 32 rows at least, groups of whole words)."""
     return k % 32 == 0 and group_size % 32 == 0 and k % group_size == 0
+
+
+def warm_up(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            dtype: torch.dtype) -> None:
+    """Compile the tensor-core launches `choose` picks for 2 to DEQUANT_MIN_M - 1 rows of x on
+    this weight, one launch a range: the kernel does not specialize on M, so every row count of a
+    range runs the variant compiled here. (Decode graphs compile only their batch sizes'; a mixed
+    or prefill step of another size would otherwise compile inside a user's run. One row and
+    DEQUANT_MIN_M rows and up compile in the graphs and the warm-up prefill.)"""
+    k = qweight.shape[0] * 8
+    for m in WARM_UP_ROWS:
+        w4a16_matmul(torch.zeros(m, k, dtype=dtype, device=qweight.device), qweight, scales, zeros, group_size)

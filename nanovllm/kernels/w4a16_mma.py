@@ -143,7 +143,7 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.
     return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
 def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                ASM: tl.constexpr, ATOMIC: tl.constexpr):

@@ -22,7 +22,7 @@ from nanovllm.features.quantization.int4_loading import CONVERTERS, fill_dummy, 
 from nanovllm.features.quantization.int4_moe import Int4Experts
 from nanovllm.features.quantization.model_steps import SchemeSteps
 from nanovllm.kernels import one_row
-from nanovllm.kernels.w4a16 import Strips, can_run, choose, w4a16_matmul
+from nanovllm.kernels.w4a16 import Strips, can_run, choose, w4a16_matmul, warm_up
 from nanovllm.kernels.w4a16_gemv import Int4Operands, gated_fits, gemv
 
 
@@ -65,6 +65,7 @@ class Int4Config(SchemeSteps):
     ignored: tuple[str, ...] = ()
     dummy: bool = False  # asked for by name without a checkpoint in the format: random weights only
     workspace: DequantWorkspace = field(default_factory=DequantWorkspace, compare=False, repr=False)
+    warmed: set = field(default_factory=set, compare=False, repr=False)  # weight shapes warm_up compiled for
 
     @classmethod
     def gptq(cls, qc: dict | None) -> "Int4Config":
@@ -204,6 +205,10 @@ class Int4Linear:
         layer.int4 = w = CONVERTERS[self.config.format](loaded, self.config, layer.int4_dtype)
         if w.qweight.is_cuda:
             self.config.workspace.reserve(w.qweight.numel() * 8, layer.int4_dtype, w.qweight.device)
+            shape = (*w.qweight.shape, w.group_size, layer.int4_dtype)
+            if shape not in self.config.warmed and can_run(w.qweight.shape[0] * 8, w.group_size):
+                self.config.warmed.add(shape)  # every row count's kernel compiled now, not in a run
+                warm_up(w.qweight, w.scales, w.zeros, w.group_size, layer.int4_dtype)
 
     def apply_silu_mul(self, layer, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         """gate_up's silu(gate) * up for one bf16 row from the batch-1 GEMV's epilogue
