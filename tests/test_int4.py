@@ -90,7 +90,8 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
 def test_the_kernel_layout_holds_rows_in_fragment_order():
     """int4_formats.pack_kernel_order against its description, element by element: nibble
     j = 4a + 2b + c of word 4 * blk + t is K-row 32 * blk + 16a + 8b + 2t + c; unpack_kernel_order
-    (what dequantize reads) inverts it, with and without a leading experts axis."""
+    (what dequantize reads) inverts it, with and without a leading experts axis; a K that is not
+    whole blocks keeps its last rows in plain order."""
     from nanovllm.features.quantization.int4_formats import pack_kernel_order, unpack_kernel_order
 
     g = torch.Generator().manual_seed(7)
@@ -105,6 +106,13 @@ def test_the_kernel_layout_holds_rows_in_fragment_order():
                 assert torch.equal(nibble, q[:, 32 * blk + 16 * a + 8 * b + 2 * t + c])
     assert torch.equal(unpack_kernel_order(words), q)
     assert torch.equal(unpack_kernel_order(pack_kernel_order(q[0])), q[0])
+    # One group per column allows a K of whole words only (48, 72: 16 and 8 rows past the last
+    # block), which only the torch path multiplies: those rows stay in plain order, and load.
+    for k in (48, 72):
+        q = torch.randint(0, 16, (k, 4), generator=g, dtype=torch.int32)
+        words = pack_kernel_order(q)
+        tail = (words[k // 32 * 4:, None, :] >> (4 * torch.arange(8)[None, :, None])) & 0xF
+        assert torch.equal(tail.reshape(-1, 4), q[k // 32 * 32:]) and torch.equal(unpack_kernel_order(words), q)
 
 
 @pytest.mark.parametrize("k, n, group, strips", [

@@ -93,7 +93,7 @@ def _gemv_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, strid
     acc = tl.zeros((BLOCK_M, BLOCK_W, BLOCK_N), dtype=tl.float32)
     words, s, z = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, w3, n3, GROUP)
     for w0 in range(0, K // 8, BLOCK_W):
-        rows = w0 + w3  # word rows: K-rows 8 * rows + j
+        rows = w0 + w3  # word rows: nibble j is K-row fragment_row(rows, j)
         if PREFETCH:  # the next step's words in flight while this one computes
             nxt = _gemv_step(qw_ptr, s_ptr, z_ptr, N, K, rows + BLOCK_W, n3, GROUP)
         else:
@@ -162,7 +162,8 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
     """The launch for an [m, k] x [k, n] product, from sweeps on an H100 of Qwen3-8B's shapes
     (benchmarks/kernels/bench_w4a16.py; BENCHMARKS.md). One bf16 row: the strips GEMV, 16 columns
     a program (32 from N = 16384: gate_up); one fp16 row: the FMA GEMV. 2-64 rows: tensor-core
-    tiles of 16 / 32 / 64 rows of x and 64 columns (128 on 8 warps for K >= 8192: down), K split 4
+    tiles of 16 / 32 / 64 rows of x and 64 columns (from 17 rows and K >= 8192, down's: 128 on 8
+    warps), K split 4
     ways unless the columns alone make enough programs (N >= 16384). 65 rows up to DEQUANT_MIN_M:
     128-row tiles, 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
     if m == 1:
@@ -215,8 +216,8 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
 
 
 def can_run(k: int, group_size: int) -> bool:
-    """Whether the kernels take a weight of K input features in groups of `group_size` (K in
-    tiles of 32 rows at least, groups of whole words)."""
+    """Whether the kernels take a weight of K input features in groups of `group_size` (K and the
+    groups in whole 32-row fragment blocks)."""
     return k % 32 == 0 and group_size % 32 == 0 and k % group_size == 0
 
 

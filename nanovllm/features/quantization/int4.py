@@ -206,7 +206,8 @@ class Int4Linear:
         if w.qweight.is_cuda:
             self.config.workspace.reserve(w.qweight.numel() * 8, layer.int4_dtype, w.qweight.device)
             shape = (*w.qweight.shape, w.group_size, layer.int4_dtype)
-            if shape not in self.config.warmed and can_run(w.qweight.shape[0] * 8, w.group_size):
+            if (shape not in self.config.warmed and can_run(w.qweight.shape[0] * 8, w.group_size)
+                    and layer.int4_dtype in (torch.bfloat16, torch.float16)):  # (fp32 runs the torch path)
                 self.config.warmed.add(shape)  # every row count's kernel compiled now, not in a run
                 warm_up(w.qweight, w.scales, w.zeros, w.group_size, layer.int4_dtype)
 

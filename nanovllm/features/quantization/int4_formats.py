@@ -25,7 +25,9 @@ fragment (pack_kernel_order): nibble j = 4a + 2b + c of word t (0..3) is row 16a
 wgmma takes its A operand from registers in fragments where a thread holds rows {2l, 2l + 1,
 2l + 8, 2l + 9, ...} (l = lane % 4); stored so, a word unpacks into exactly the values its
 thread feeds the MMA, and the unpacked tile needs no shuffle through shared memory
-(kernels/w4a16_mma.py). A block lies in one group (groups are whole multiples of 32 rows).
+(kernels/w4a16_mma.py). A block lies in one group (groups are whole multiples of 32 rows); a
+K that is not whole blocks (only possible with one group per column) keeps its last 8-24 rows
+in plain order, for the torch path (no kernel tiles such a K).
 """
 
 from __future__ import annotations
@@ -51,26 +53,39 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] = _NATURA
     return values.reshape(shape)
 
 
-def _fragment_view(rows: torch.Tensor) -> torch.Tensor:
-    """[..., R, N] (R a multiple of 32) as [..., R / 32, 2, 2, 4, 2, N]: row 16a + 8b + 2t + c of
-    each block of 32 at [.., a, b, t, c, :]."""
-    *lead, r, n = rows.shape
-    return rows.reshape(*lead, r // 32, 2, 2, 4, 2, n)
+def _in_blocks(rows: torch.Tensor, fn) -> torch.Tensor:
+    """fn applied to the whole 32-row blocks of rows [..., R, N] (R a multiple of 8); a last
+    partial block (K % 32 of 8, 16 or 24 rows: no kernel tiles such a K, only the torch path
+    reads it) stays in plain order."""
+    whole = rows.shape[-2] - rows.shape[-2] % 32
+    if whole == rows.shape[-2]:
+        return fn(rows)
+    return torch.cat([fn(rows[..., :whole, :]), rows[..., whole:, :]], dim=-2)
+
+
+def _to_fragment(q: torch.Tensor) -> torch.Tensor:
+    """Rows of whole blocks in the order the words hold them: row 16a + 8b + 2t + c of a block
+    (viewed [.., a, b, t, c]) moves to 8t + 4a + 2b + c (nibble 4a + 2b + c of word t)."""
+    *lead, r, n = q.shape
+    return q.reshape(*lead, r // 32, 2, 2, 4, 2, n).movedim(-3, -5).reshape(q.shape)
+
+
+def _from_fragment(v: torch.Tensor) -> torch.Tensor:
+    """The inverse of _to_fragment."""
+    *lead, r, n = v.shape
+    return v.reshape(*lead, r // 32, 4, 2, 2, 2, n).movedim(-5, -3).reshape(v.shape)
 
 
 def pack_kernel_order(q: torch.Tensor) -> torch.Tensor:
-    """Values q [..., in, out] (0..15; `in` a multiple of 32) -> the kernels' words [..., in / 8,
-    out] (module docstring): word t of a block holds its rows 2t + {0, 1, 8, 9, 16, 17, 24, 25}."""
-    v = _fragment_view(q).movedim(-3, -5)  # [.., blocks, t, a, b, c, N]: nibble 4a + 2b + c of word t
-    return pack_int4(v.reshape(q.shape), q.dim() - 2)
+    """Values q [..., in, out] (0..15; `in` a multiple of 8) -> the kernels' words [..., in / 8,
+    out] (module docstring): word t of a 32-row block holds its rows 2t + {0, 1, 8, 9, 16, 17, 24,
+    25}."""
+    return pack_int4(_in_blocks(q, _to_fragment), q.dim() - 2)
 
 
 def unpack_kernel_order(words: torch.Tensor) -> torch.Tensor:
     """The inverse of pack_kernel_order: words [..., in / 8, out] -> values [..., in, out]."""
-    v = unpack_int4(words, words.dim() - 2)  # [.., in, N]: row 8w + j is nibble j of word w
-    *lead, r, n = v.shape
-    blocks = v.reshape(*lead, r // 32, 4, 2, 2, 2, n)  # [.., blocks, t, a, b, c, N]
-    return blocks.movedim(-5, -3).reshape(v.shape)  # -> [.., blocks, a, b, t, c, N]: rows in order
+    return _in_blocks(unpack_int4(words, words.dim() - 2), _from_fragment)
 
 
 def pack_int4(values: torch.Tensor, dim: int) -> torch.Tensor:
