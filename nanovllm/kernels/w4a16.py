@@ -38,7 +38,9 @@ from nanovllm.kernels.w4a16_mma import Mma, float_128, fragment_row, mma_matmul,
 
 GEMV_MAX_M = 4  # rows the FMA GEMV takes (choose gives it one fp16 row)
 DEQUANT_MIN_M = 512
-WARM_UP_ROWS = (2, 17, 33, 65)  # a row count in each of choose's tensor-core ranges
+# A row count in each of choose's tensor-core ranges, and the last (65 and up: 64-row tiles
+# up to a row count that depends on N, then 128).
+WARM_UP_ROWS = (2, 17, 33, 65, DEQUANT_MIN_M - 1)
 
 
 class Gemv(NamedTuple):
@@ -165,7 +167,8 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
     tiles of 16 / 32 / 64 rows of x and 64 columns (from 17 rows and K >= 8192, down's: 128 on 8
     warps), K split 4
     ways unless the columns alone make enough programs (N >= 16384). 65 rows up to DEQUANT_MIN_M:
-    128-row tiles, 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
+    128-row tiles (64 while those would make under 90 programs: at 128 rows o and down 18-19%
+    faster), 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
     if m == 1:
         if dtype == torch.bfloat16:
             return Strips(32 if n >= 16384 else 16)
@@ -173,8 +176,8 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
         return Gemv(block_n, block_w, 8, GEMV_MAX_M, True, True)
     if m >= DEQUANT_MIN_M:
         return Dequant()
-    if m > 64:
-        return Mma(128, 64, _pow2_divisor(k, 64), 1, 4, 4)
+    if m > 64:  # 128-row tiles, or 64 where those would leave most SMs idle (o, down: N = 4096)
+        return Mma(128 if triton.cdiv(n, 64) * triton.cdiv(m, 128) >= 90 else 64, 64, _pow2_divisor(k, 64), 1, 4, 4)
     block_k = _pow2_divisor(k, 128)
     block_m = max(16, triton.next_power_of_2(m))
     wide = m > 16 and k >= 8192
@@ -224,8 +227,8 @@ def can_run(k: int, group_size: int) -> bool:
 def warm_up(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
             dtype: torch.dtype) -> None:
     """Compile the tensor-core launches `choose` picks for 2 to DEQUANT_MIN_M - 1 rows of x on
-    this weight, one launch a range: the kernel does not specialize on M, so every row count of a
-    range runs the variant compiled here. (Decode graphs compile only their batch sizes'; a mixed
+    this weight, one launch a range (WARM_UP_ROWS): the kernel does not specialize on M, so every
+    row count of a range runs the variant compiled here. (Decode graphs compile only their batch sizes'; a mixed
     or prefill step of another size would otherwise compile inside a user's run. One row and
     DEQUANT_MIN_M rows and up compile in the graphs and the warm-up prefill.)"""
     k = qweight.shape[0] * 8
