@@ -23,6 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import hopper_compile  # noqa: E402  (its scenarios; nothing here runs a kernel)
+from triton_caches import json_without_interpreter  # noqa: E402
 
 _RESULTS: dict[str, list[dict]] = {}
 
@@ -123,7 +124,5 @@ def test_the_int4_tensor_core_loop_keeps_the_unpacked_tile_in_registers():
     store each tile to shared memory and read it back (8 st.shared.v4, ~11 bar.sync a step), and
     any change that brings that back (a tile construction whose layout wgmma cannot take) fails
     here before it costs the GPU 1.0-2.9x (BENCHMARKS.md)."""
-    from triton_caches import json_without_interpreter
-
     for row in json_without_interpreter(_MMA_LOOP):
         assert row["wgmma"] > 0 and row["st_shared"] == 0 and row["bar_sync"] <= 3, row

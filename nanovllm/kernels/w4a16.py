@@ -165,10 +165,9 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
     (benchmarks/kernels/bench_w4a16.py; BENCHMARKS.md). One bf16 row: the strips GEMV, 16 columns
     a program (32 from N = 16384: gate_up); one fp16 row: the FMA GEMV. 2-64 rows: tensor-core
     tiles of 16 / 32 / 64 rows of x and 64 columns (from 17 rows and K >= 8192, down's: 128 on 8
-    warps), K split 4
-    ways unless the columns alone make enough programs (N >= 16384). 65 rows up to DEQUANT_MIN_M:
-    128-row tiles (64 while those would make under 90 programs: at 128 rows o and down 18-19%
-    faster), 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
+    warps), K split 4 ways unless the columns alone make enough programs (N >= 16384). 65 rows
+    up to DEQUANT_MIN_M: 128-row tiles (64 while those would make under 90 programs: at 128 rows
+    o and down 18-19% faster), 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
     if m == 1:
         if dtype == torch.bfloat16:
             return Strips(32 if n >= 16384 else 16)
@@ -228,9 +227,9 @@ def warm_up(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, gr
             dtype: torch.dtype) -> None:
     """Compile the tensor-core launches `choose` picks for 2 to DEQUANT_MIN_M - 1 rows of x on
     this weight, one launch a range (WARM_UP_ROWS): the kernel does not specialize on M, so every
-    row count of a range runs the variant compiled here. (Decode graphs compile only their batch sizes'; a mixed
-    or prefill step of another size would otherwise compile inside a user's run. One row and
-    DEQUANT_MIN_M rows and up compile in the graphs and the warm-up prefill.)"""
+    row count of a range runs the variant compiled here. (Decode graphs compile only their batch
+    sizes'; a mixed or prefill step of another size would otherwise compile inside a user's run.
+    One row and DEQUANT_MIN_M rows and up compile in the graphs and the warm-up prefill.)"""
     k = qweight.shape[0] * 8
     for m in WARM_UP_ROWS:
         w4a16_matmul(torch.zeros(m, k, dtype=dtype, device=qweight.device), qweight, scales, zeros, group_size)

@@ -180,8 +180,8 @@ def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                group_size: int, cfg: Mma) -> torch.Tensor:
     """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype)."""
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
-    if k % cfg.block_k or cfg.block_k < 32 or cfg.block_k & (cfg.block_k - 1) or cfg.block_m not in (16, 32, 64, 128,
-                                                                                                      256):
+    tile_k_ok = k % cfg.block_k == 0 and cfg.block_k >= 32 and cfg.block_k & (cfg.block_k - 1) == 0
+    if not tile_k_ok or cfg.block_m not in (16, 32, 64, 128, 256):
         raise ValueError(f"mma_matmul: {cfg} does not fit K = {k} (block_k: a power of two from 32 dividing K, "
                          f"no mask along K; block_m: 16, 32, 64, 128 or 256)")
     k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k  # whole tiles (the last split shorter)

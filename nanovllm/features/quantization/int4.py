@@ -26,6 +26,12 @@ from nanovllm.kernels.w4a16 import Strips, can_run, choose, w4a16_matmul, warm_u
 from nanovllm.kernels.w4a16_gemv import Int4Operands, gated_fits, gemv
 
 
+def _kernels_take(w, dtype: torch.dtype) -> bool:
+    """Whether kernels/w4a16.py multiplies 16-bit activations by this layer's weights (else plain
+    torch: fp32, or a K the kernels do not tile)."""
+    return dtype in (torch.bfloat16, torch.float16) and can_run(w.qweight.shape[0] * 8, w.group_size)
+
+
 def _ignored(qc: dict, *keys: str) -> tuple[str, ...]:
     for key in keys:
         if qc.get(key):
@@ -206,8 +212,7 @@ class Int4Linear:
         if w.qweight.is_cuda:
             self.config.workspace.reserve(w.qweight.numel() * 8, layer.int4_dtype, w.qweight.device)
             shape = (*w.qweight.shape, w.group_size, layer.int4_dtype)
-            if (shape not in self.config.warmed and can_run(w.qweight.shape[0] * 8, w.group_size)
-                    and layer.int4_dtype in (torch.bfloat16, torch.float16)):  # (fp32 runs the torch path)
+            if shape not in self.config.warmed and _kernels_take(w, layer.int4_dtype):
                 self.config.warmed.add(shape)  # every row count's kernel compiled now, not in a run
                 warm_up(w.qweight, w.scales, w.zeros, w.group_size, layer.int4_dtype)
 
@@ -236,7 +241,7 @@ class Int4Linear:
         w = layer.int4
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
-        if x.is_cuda and x.dtype != torch.float32 and can_run(x.shape[-1], w.group_size):
+        if x.is_cuda and _kernels_take(w, x.dtype):
             y = w4a16_matmul(x, w.qweight, w.scales, w.zeros, w.group_size,
                              workspace=self.config.workspace.get(x.dtype, x.device))
         else:  # the same arithmetic in plain torch (the CPU, fp32, a K the kernels do not tile)
