@@ -49,7 +49,10 @@ def candidates(m: int) -> list:
         bms = sorted({max(16, triton.next_power_of_2(m)), max(16, triton.next_power_of_2(m) // 2)})
         return (gemv if m <= GEMV_MAX_M else []) + [
             Mma(bm, bn, 128, sp, bn // 16) for bm in bms for bn in (64, 128) for sp in (1, 2, 4)]
-    # bn // 16 warps: one warpgroup per 64 weight columns (fewer spill the tile to shared memory)
+    # bn // 16 warps: one warpgroup per 64 weight columns (fewer spill the tile to shared memory);
+    # K split 2-4 ways where the tiles alone leave SMs with one program or none (o, down: N = 4096)
+    if os.environ.get("SWEEP_SPLITS"):
+        return [Mma(bm, bn, 64, sp, bn // 16, 4) for bm in (64, 128) for bn in (64, 128) for sp in (1, 2, 3, 4)]
     return [Dequant()] + [Mma(bm, bn, bk, 1, bn // 16, st) for bm in (64, 128, 256) for bn in (64, 128, 256)
                           for bk in (64, 128) for st in (3, 4) if bm * bn <= 256 * 128]
 
