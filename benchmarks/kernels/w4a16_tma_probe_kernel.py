@@ -1,0 +1,61 @@
+import torch, triton, triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
+from nanovllm.kernels.w4a16_mma import _nibbles_asm, _nibble, _join8, INTERPRETED, Mma
+
+
+@triton.jit
+def _unpack(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr, NEW: tl.constexpr):
+    if ASM:
+        v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, z, DTYPE)
+    else:
+        sf, zc = s.to(tl.float32), z.to(tl.float32) + 128.0
+        v0, v1, v2, v3 = (_nibble(words, sf, zc, 0, DTYPE), _nibble(words, sf, zc, 1, DTYPE),
+                          _nibble(words, sf, zc, 2, DTYPE), _nibble(words, sf, zc, 3, DTYPE))
+        v4, v5, v6, v7 = (_nibble(words, sf, zc, 4, DTYPE), _nibble(words, sf, zc, 5, DTYPE),
+                          _nibble(words, sf, zc, 6, DTYPE), _nibble(words, sf, zc, 7, DTYPE))
+    v = tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K // 32, 2, 2, 2, 2, 2))
+    if NEW:
+        return tl.reshape(tl.permute(v, (0, 1, 5, 6, 2, 3, 4)), (words.shape[0], BLOCK_K))
+    return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
+
+
+@triton.jit(do_not_specialize=["M"])
+def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_per_split,
+                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   ASM: tl.constexpr, ATOMIC: tl.constexpr, NEW: tl.constexpr):
+    n0 = tl.program_id(0) * BLOCK_N
+    m0 = tl.program_id(1) * BLOCK_M
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    k_start = tl.program_id(2) * k_per_split
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        words = tl.trans(w_desc.load([k0 // 8, n0]))  # [BLOCK_N, BLOCK_K / 8]
+        sz = (k0 // GROUP) * N + offs_n[:, None]
+        s = tl.load(s_ptr + sz, mask=mask_n[:, None], other=0.0)
+        z = tl.load(z_ptr + sz, mask=mask_n[:, None], other=0.0)
+        w = _unpack(words, s, z, BLOCK_K, ASM, x_desc.dtype, NEW)
+        xt = tl.trans(x_desc.load([m0, k0]))  # [BLOCK_K, BLOCK_M]
+        acc = tl.dot(w, xt, acc)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
+    mask = (offs_m < M)[None, :] & mask_n[:, None]
+    if ATOMIC:
+        tl.atomic_add(out, acc, mask=mask)
+    else:
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def mma_tma(x2, qweight, scales, zeros, group_size, cfg, new=False):
+    m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
+    k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
+    splits = triton.cdiv(k, k_per_split)
+    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
+        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    x_desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, cfg.block_k])
+    w_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_k // 8, cfg.block_n])
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
+    mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split,
+                         GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                         ASM=not INTERPRETED, ATOMIC=splits > 1, NEW=new, num_warps=cfg.warps, num_stages=cfg.stages)
+    return out.to(x2.dtype) if splits > 1 else out
