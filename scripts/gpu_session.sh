@@ -8,6 +8,7 @@ GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1); echo "$GPU
 if [[ "$GPU" == *H200* ]]; then
   SKIP_TESTS=1 SKIP_ATTENTION=1 INT4=1 BUDGET=560 bash scripts/gpu_standing.sh
 else
-  (cd benchmarks/kernels && PYTHONPATH=$PWD/../.. timeout 540 python3 w4a16_tma_probe.py "${PROBE_M:-16,64,128,256}" 2>&1) \
-    | grep -v -i warn | tail -n 40
+  mkdir -p "${OUT:-/tmp}"
+  (cd benchmarks/kernels && PYTHONPATH=$PWD/../.. timeout 540 python3 w4a16_tma_probe.py "${PROBE_M:-16,64,128,256}" \
+    2> "${OUT:-/tmp}/probe.err") | grep -v "skip" | tail -n 40
 fi

@@ -18,13 +18,20 @@ from nanovllm.kernels.w4a16 import Mma, choose, w4a16_matmul  # noqa: E402
 
 
 def configs(m: int, n: int):
-    bms = (16, 32) if m <= 32 else (64,) if m <= 64 else (64, 128)
-    for bm in bms:
+    if m <= 64:
+        for bm in ((16, 32) if m <= 32 else (64,)):
+            for bn, wp in ((64, 4), (128, 8)):
+                for sp in ((1, 4) if n <= 8192 else (1,)):
+                    yield Mma(bm, bn, 128, sp, wp, 3)
+        return
+    for bm in (64, 128):
         for bn, wp in ((64, 4), (128, 8)):
-            for bk in (64, 128):
-                for sp in ((1, 2, 4) if n <= 8192 or m <= 64 else (1,)):
-                    for st in (3, 4):
-                        yield Mma(bm, bn, bk, sp, wp, st)
+            for sp in ((1, 4) if n <= 8192 else (1,)):
+                for st in (3, 4):
+                    yield Mma(bm, bn, 64, sp, wp, st)
+
+
+VARIANTS = {"tma": {}, "tma+pairs": {"new": True}, "ws": {"ws": True}, "ws+pairs": {"new": True, "ws": True}}
 
 
 def main() -> None:
@@ -36,19 +43,20 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
             ref = x.float() @ dequantize(w)
             base = cuda_graph_us(lambda: (lambda v: w4a16_matmul(x, v.qweight, v.scales, v.zeros, 128))(next_w()), median=True)
-            timed = []
+            timed = {v: [] for v in VARIANTS}
             for cfg in configs(m, n):
-                try:
-                    got = mma_tma(x, w.qweight, w.scales, w.zeros, 128, cfg)
-                    err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-                    t = cuda_graph_us(lambda: (lambda v: mma_tma(x, v.qweight, v.scales, v.zeros, 128, cfg))(next_w()), median=True)
-                    tn = cuda_graph_us(lambda: (lambda v: mma_tma(x, v.qweight, v.scales, v.zeros, 128, cfg, True))(next_w()), median=True)
-                    timed.append((min(t, tn), t, tn, tuple(cfg), err))
-                except Exception as e:  # noqa: BLE001  (a tile too large for shared memory)
-                    print("  skip", tuple(cfg), type(e).__name__, str(e)[:80])
-            timed.sort()
-            best = " ".join(f"{c}:{t:.1f}/{tn:.1f}{'' if e < 1e-2 else ' WRONG'}" for _, t, tn, c, e in timed[:3])
-            print(f"{name:<8}{m:>5} choose {tuple(choose(m, n, k))} {base:7.2f} | tma best (plain/new) {best}", flush=True)
+                for v, kw in VARIANTS.items():
+                    try:
+                        got = mma_tma(x, w.qweight, w.scales, w.zeros, 128, cfg, **kw)
+                        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
+                        ok = err < 1e-2 or kw.get("new")
+                        t = cuda_graph_us(lambda: (lambda q: mma_tma(x, q.qweight, q.scales, q.zeros, 128, cfg, **kw))(next_w()),
+                                          median=True)
+                        timed[v].append((t, tuple(cfg), ok))
+                    except Exception as e:  # noqa: BLE001  (a tile too large for shared memory, a compile failure)
+                        print("  skip", v, tuple(cfg), type(e).__name__, str(e)[:80], flush=True)
+            best = "  ".join(f"{v} {min(r)[0]:.1f} {min(r)[1]}{'' if min(r)[2] else ' WRONG'}" for v, r in timed.items() if r)
+            print(f"{name:<8}{m:>5} choose {base:7.2f} | {best}", flush=True)
 
 
 if __name__ == "__main__":

@@ -22,14 +22,14 @@ def _unpack(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.con
 @triton.jit(do_not_specialize=["M"])
 def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_per_split,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ASM: tl.constexpr, ATOMIC: tl.constexpr, NEW: tl.constexpr):
+                   ASM: tl.constexpr, ATOMIC: tl.constexpr, NEW: tl.constexpr, WS: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
     m0 = tl.program_id(1) * BLOCK_M
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = tl.program_id(2) * k_per_split
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, warp_specialize=WS):
         words = tl.trans(w_desc.load([k0 // 8, n0]))  # [BLOCK_N, BLOCK_K / 8]
         sz = (k0 // GROUP) * N + offs_n[:, None]
         s = tl.load(s_ptr + sz, mask=mask_n[:, None], other=0.0)
@@ -46,7 +46,7 @@ def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def mma_tma(x2, qweight, scales, zeros, group_size, cfg, new=False):
+def mma_tma(x2, qweight, scales, zeros, group_size, cfg, new=False, ws=False):
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
     k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -57,5 +57,5 @@ def mma_tma(x2, qweight, scales, zeros, group_size, cfg, new=False):
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split,
                          GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         ASM=not INTERPRETED, ATOMIC=splits > 1, NEW=new, num_warps=cfg.warps, num_stages=cfg.stages)
+                         ASM=not INTERPRETED, ATOMIC=splits > 1, NEW=new, WS=ws, num_warps=cfg.warps, num_stages=cfg.stages)
     return out.to(x2.dtype) if splits > 1 else out
