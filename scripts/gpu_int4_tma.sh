@@ -13,7 +13,7 @@ left() { [ $((BUDGET - SECONDS)) -gt "$1" ]; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$D/gpu.txt"
 rm -rf "$PLAIN" && mkdir -p "$PLAIN" && cp -r nanovllm bench.py "$PLAIN"/ && \
   sed -i 's/tma=True, ws=True)/tma=True, ws=False)/' "$PLAIN/nanovllm/kernels/w4a16.py" && grep -c "ws=False)" "$PLAIN/nanovllm/kernels/w4a16.py"
-PYTHONPATH=$NEW timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_gpu.py \
+PYTHONPATH=$NEW timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_gpu.py \
   -k "unpacks_exactly or w4a16" > "$D/tests.log" 2>&1
 bench() {  # name tree args...
   local name=$1 tree=$2; shift 2
@@ -23,8 +23,8 @@ bench() {  # name tree args...
 }
 bench gptq-ws "$NEW" --quantization gptq
 bench gptq-base "$BASE" --quantization gptq
-bench gptq-tma "$PLAIN" --quantization gptq
 bench bf16 "$NEW"
+bench gptq-tma "$PLAIN" --quantization gptq
 echo "=== tests"; tail -n 3 "$D/tests.log"
 python3 - "$D" <<'PY'
 import json, os, sys
