@@ -1,36 +1,33 @@
 #!/usr/bin/env bash
 # One device call for the INT4 tensor-core GEMM with x and the words by TMA (w4a16_mma.py's
 # mma_tma_kernel) at 65-511 rows: the INT4 GPU exactness tests, then bench.py --latency on
-# Qwen3-8B GPTQ for this tree (TMA, warp-specialized), for a copy with the plain TMA loop, and for
+# Qwen3-8B GPTQ for this tree and for
 # AB_BASE (default .ab_base: a git archive of the commit before, carried), then bf16 for the
 # ratio. Steps are skipped near the call's 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 D=${OUT:-/tmp/gpu_int4_tma}; mkdir -p "$D"; export PYTHONUNBUFFERED=1
-NEW=$PWD; BASE=$(cd "${AB_BASE:-.ab_base}" && pwd); PLAIN=/tmp/tree_tma_plain
+NEW=$PWD; BASE=$(cd "${AB_BASE:-.ab_base}" && pwd)
 BUDGET=${BUDGET:-570}
 left() { [ $((BUDGET - SECONDS)) -gt "$1" ]; }
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$D/gpu.txt"
-rm -rf "$PLAIN" && mkdir -p "$PLAIN" && cp -r nanovllm bench.py "$PLAIN"/ && \
-  sed -i 's/tma=True, ws=True)/tma=True, ws=False)/' "$PLAIN/nanovllm/kernels/w4a16.py" && grep -c "ws=False)" "$PLAIN/nanovllm/kernels/w4a16.py"
 PYTHONPATH=$NEW timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_gpu.py \
-  -k "unpacks_exactly or w4a16" > "$D/tests.log" 2>&1
+  -k "${TESTS_K:-unpacks_exactly or w4a16}" > "$D/tests.log" 2>&1
 bench() {  # name tree args...
   local name=$1 tree=$2; shift 2
   left 100 || { echo "$name skipped (time)"; return; }
   (cd "$tree" && PYTHONPATH=$tree timeout 110 python3 bench.py --dummy qwen3-8b --latency --json "$D/$name.json" "$@") \
     > "$D/$name.log" 2>&1 || echo "$name failed: $(tail -n 3 "$D/$name.log")"
 }
-bench gptq-ws "$NEW" --quantization gptq
+bench gptq-tma "$NEW" --quantization gptq
 bench gptq-base "$BASE" --quantization gptq
-bench bf16 "$NEW"
-bench gptq-tma "$PLAIN" --quantization gptq
+[ -z "${SKIP_BF16:-}" ] && bench bf16 "$NEW"
 echo "=== tests"; tail -n 3 "$D/tests.log"
 python3 - "$D" <<'PY'
 import json, os, sys
 d = sys.argv[1]
 print(f"{'run':<10}{'tok/s':>9}{'bs1 ms':>8}{'cold s':>8}   ms/step by decode batch")
-for n in ("bf16", "gptq-base", "gptq-tma", "gptq-ws"):
+for n in ("bf16", "gptq-base", "gptq-tma"):
     p = f"{d}/{n}.json"
     r = json.load(open(p)) if os.path.exists(p) else None
     if not r:

@@ -179,18 +179,17 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
 @triton.jit(do_not_specialize=["M"])
 def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_per_split,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ASM: tl.constexpr, ATOMIC: tl.constexpr, WS: tl.constexpr):
+                   ASM: tl.constexpr, ATOMIC: tl.constexpr):
     """mma_kernel with x's tile and the words brought by TMA (tensor descriptors: one copy
     instruction a tile instead of a cp.async, an address and a mask per thread and row; rows
-    past M arrive as zeros), and with WS a warp-specialized loop (a producer warp issues the
-    copies while the others unpack and multiply)."""
+    past M arrive as zeros)."""
     n0, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_M
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_w = tl.arange(0, BLOCK_K // 8)
     mask_n = offs_n < N
     k_start = tl.program_id(2) * k_per_split
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
-    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, warp_specialize=WS):
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         words = tl.trans(w_desc.load([k0 // 8, n0]))  # [BLOCK_N, BLOCK_K / 8]
         s, z = _group_rows(s_ptr, z_ptr, N, k0, (k0 // 8 + offs_w)[None, :], offs_n[:, None], mask_n[:, None],
                            GROUP, BLOCK_K)
@@ -218,7 +217,6 @@ class Mma(NamedTuple):
     warps: int = 4
     stages: int = 3
     tma: bool = False  # x and the words by TMA (mma_tma_kernel) where their layout allows it
-    ws: bool = False  # with TMA and no K split: the warp-specialized loop
 
 
 def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -239,8 +237,7 @@ def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     if cfg.tma and tma_fits(x2, qweight):
         x_desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, cfg.block_k])
         w_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_k // 8, cfg.block_n])
-        mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split,
-                             WS=cfg.ws and splits == 1, **tiles)  # (Triton 3.6 does not specialize an atomic epilogue)
+        mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split, **tiles)
     else:
         mma_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split, **tiles)
     return out
