@@ -20,7 +20,6 @@ import os
 import sys
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -34,8 +33,6 @@ TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", t
 def _type_of(value) -> str:
     if isinstance(value, torch.Tensor):
         return "*" + TYPES[value.dtype]
-    if isinstance(value, TensorDescriptor):  # (a TMA descriptor: its dtype and block, as Triton's launcher names it)
-        return f"tensordesc<{TYPES[value.base.dtype]}[{','.join(map(str, value.block_shape))}]>"
     if isinstance(value, bool):
         return "i1"
     if isinstance(value, int):
@@ -222,12 +219,6 @@ def _filtered_sampling(dtype, top_k=True, top_p=True, min_p=True, scale=True, ro
                            rounds=rounds)
 
 
-def _mma(*fields):
-    from nanovllm.kernels.w4a16 import Mma
-
-    return Mma(*fields)
-
-
 def _w4a16(m, group_size, dtype=BF16, config=None, silu_mul=False, folds=False):
     from nanovllm.kernels.w4a16 import choose, w4a16_matmul
     from nanovllm.kernels.w4a16_gemv import gemv
@@ -317,8 +308,7 @@ SCENARIOS = {
     "w4a16_decode_norm_folds": lambda: _w4a16(1, 128, folds=True),
     "w4a16_decode_fp16": lambda: _w4a16(1, 128, torch.float16),  # one fp16 row: the FMA GEMV
     "w4a16_split_k_g32": lambda: _w4a16(64, 32),
-    "w4a16_large_m": lambda: _w4a16(300, 128),  # 128-row tensor-core tiles, TMA, warp-specialized
-    "w4a16_tma_split_k": lambda: _w4a16(16, 128, config=_mma(16, 64, 128, 2, 4, 3, True)),
+    "w4a16_large_m": lambda: _w4a16(300, 128),  # 128-row tensor-core tiles
     "w4a16_prefill": lambda: _w4a16(600, 128),
     # The unpacking tensor-core kernel's inline PTX in fp16 (bf16: w4a16_split_k_g32).
     "w4a16_mma_g32_fp16": lambda: _w4a16(8, 32, torch.float16),

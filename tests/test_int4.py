@@ -60,13 +60,12 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
     (8, 96, 576, None),  # a group that is no multiple of the K-tile (64): each word's own group
     (130, 64, 256, None), (40, 32, 256, "mma-256"),  # 128-row tiles (2 programs, masked rows); 256
     (520, 32, 256, None), (3, 32, 480, "dequant"),  # the weight dequantized, then a matmul
-    (5, 64, 256, "dequant"),  # 96 columns in tiles of 64: the second tile half masked
-    (70, 32, 256, "tma"), (20, 128, 512, "tma-split")])  # x and words by TMA (zero-filled past M and N)
+    (5, 64, 256, "dequant")])  # 96 columns in tiles of 64: the second tile half masked
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
     groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
     with atomic sums, masked rows and columns, groups smaller and larger than its K-tile, 16- to
-    256-row tiles; x and the words by TMA, with K split or not, as choose takes from 65 rows), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
+    256-row tiles), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
     workspace, masked columns) and a matmul. The same products summed in another order: within
     1e-4. The reference reads the words through int4_formats.dequantize, which the test below
     checks against the fragment order's description."""
@@ -74,8 +73,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     from nanovllm.kernels.w4a16 import Dequant, Gemv, Mma, w4a16_matmul
 
     config = {"gemv": Gemv(16, 32, 4), "mma": Mma(16, 64, 32, 4), "mma-split": Mma(16, 32, 128, 2),
-              "mma-256": Mma(256, 64, 64, 2), "dequant": Dequant(4, 64), "tma": Mma(64, 64, 64, 1, 4, 3, True),
-              "tma-split": Mma(16, 64, 64, 2, 4, 3, True), None: None}[config]
+              "mma-256": Mma(256, 64, 64, 2), "dequant": Dequant(4, 64), None: None}[config]
 
     n = 96
     g = torch.Generator().manual_seed(m)
@@ -286,15 +284,13 @@ def test_a_tensor_core_launch_that_does_not_fit_is_refused(config):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("group, config", [(64, (16, 64, 128, 2)), (128, (64, 64, 128)), (32, (32, 128, 128, 4, 8)),
-                                           (128, (128, 64, 64, 1, 4, 4)), (64, (256, 64, 64, 1, 4, 4)),
-                                           (128, (128, 64, 64, 1, 4, 4, True)), (32, (64, 64, 64, 1, 4, 4, True)),
-                                           (64, (16, 64, 128, 2, 4, 3, True))])
+                                           (128, (128, 64, 64, 1, 4, 4)), (64, (256, 64, 64, 1, 4, 4))])
 def test_the_tensor_core_kernel_unpacks_exactly_on_gpu(dtype, group, config):
     """kernels/w4a16_mma.py's inline-PTX unpacking (CUDA only): x is the identity, so output row k
     is K-row k of the weight as the kernel unpacked it (1 x w is exact, and so is a sum of one
     product): equal bit for bit to (q - z) * s rounded once to 16 bits, in torch. Groups smaller
-    than the K-tile (with split-K's fp32 sums) and not, 16- to 256-row tiles of x, 8 warps, x and
-    the words by TMA (with K split or not); fresh random words each run."""
+    than the K-tile (with split-K's fp32 sums) and not, 16- to 256-row tiles of x, 8 warps;
+    fresh random words each run."""
     from nanovllm.features.quantization.int4_formats import unpack_kernel_order
     from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
 

@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 import hopper_compile
 
@@ -39,8 +38,6 @@ def compile_keys(fn) -> set:
                 key.append((p.name, v))
             elif isinstance(v, torch.Tensor):  # and whether its address is 16-byte aligned, as Triton specializes
                 key.append((p.name, v.dtype, p.name in any_align or v.data_ptr() % 16 == 0))
-            elif isinstance(v, TensorDescriptor):  # a TMA descriptor: Triton specializes on its dtype and block
-                key.append((p.name, v.base.dtype, tuple(v.block_shape)))
             elif isinstance(v, int) and not isinstance(v, bool) and p.name not in plain:
                 key.append((p.name, "1" if v == 1 else "16k" if v % 16 == 0 else "n"))
         keys.add((key[0], repr(key[1:])))

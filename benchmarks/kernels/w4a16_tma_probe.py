@@ -1,6 +1,11 @@
 """Experiment (not the engine's): the W4A16 tensor-core GEMM with x and the words loaded by TMA
-(w4a16_tma_probe_kernel.py) against choose's launch, at 16-256 rows on Qwen3-8B's GEMMs; NEW
-times the unpacked pairs in wgmma's pair order (random words: timing only)."""
+(w4a16_tma_probe_kernel.py) against choose's launch, at 16-256 rows on Qwen3-8B's GEMMs, each
+checked against the fp32 product; "tma+pairs" times the nibbles stored in wgmma's pair order
+(no PRMT repacking; random words, so timing only, not checked).
+
+    PYTHONPATH=. python3 benchmarks/kernels/w4a16_tma_probe.py 16,64,128,256
+
+Not run on a GPU yet (BENCHMARKS.md, INT4: 2026-12-07, second session)."""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ def configs(m: int, n: int):
                     yield Mma(bm, bn, 64, sp, wp, st)
 
 
-VARIANTS = {"tma": {}, "tma+pairs": {"new": True}, "ws": {"ws": True}, "ws+pairs": {"new": True, "ws": True}}
+VARIANTS = {"tma": {}, "tma+pairs": {"new": True}}  # (warp-specialized: dropped, BENCHMARKS.md)
 
 
 def main() -> None:

@@ -1,10 +1,23 @@
-import torch, triton, triton.language as tl
+"""The kernel of w4a16_tma_probe.py (an experiment, not the engine's): kernels/w4a16_mma.py's
+tensor-core GEMM with x's tile and the words brought by TMA descriptors (one copy instruction a
+tile instead of a cp.async, an address and a mask per thread and row; rows past M and columns
+past N arrive as zeros). NEW: the nibbles read as if stored in wgmma's pair order (nibble
+4c + 2a + b of word t is row 16a + 8b + 2t + c), so that the inline PTX's pairs (nibbles t,
+t + 4) are the register pairs wgmma takes and need no PRMT repacking."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
-from nanovllm.kernels.w4a16_mma import _nibbles_asm, _nibble, _join8, INTERPRETED, Mma
+
+from nanovllm.kernels.w4a16_mma import INTERPRETED, Mma, _join8, _nibble, _nibbles_asm
 
 
 @triton.jit
 def _unpack(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr, NEW: tl.constexpr):
+    """W^T's tile [BLOCK_N, BLOCK_K] from its words (w4a16_mma._weight_tile's unpacking)."""
     if ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, z, DTYPE)
     else:
@@ -14,7 +27,7 @@ def _unpack(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.con
         v4, v5, v6, v7 = (_nibble(words, sf, zc, 4, DTYPE), _nibble(words, sf, zc, 5, DTYPE),
                           _nibble(words, sf, zc, 6, DTYPE), _nibble(words, sf, zc, 7, DTYPE))
     v = tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K // 32, 2, 2, 2, 2, 2))
-    if NEW:
+    if NEW:  # [.., p, q, r] holds nibble 4p + 2q + r = (c, a, b): (t1, t0, c, a, b) -> (a, b, t1, t0, c)
         return tl.reshape(tl.permute(v, (0, 1, 5, 6, 2, 3, 4)), (words.shape[0], BLOCK_K))
     return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
 
@@ -22,21 +35,19 @@ def _unpack(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.con
 @triton.jit(do_not_specialize=["M"])
 def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_per_split,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ASM: tl.constexpr, ATOMIC: tl.constexpr, NEW: tl.constexpr, WS: tl.constexpr):
-    n0 = tl.program_id(0) * BLOCK_N
-    m0 = tl.program_id(1) * BLOCK_M
+                   ASM: tl.constexpr, ATOMIC: tl.constexpr, NEW: tl.constexpr):
+    n0, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_M
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     k_start = tl.program_id(2) * k_per_split
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in tl.range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K, warp_specialize=WS):
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         words = tl.trans(w_desc.load([k0 // 8, n0]))  # [BLOCK_N, BLOCK_K / 8]
-        sz = (k0 // GROUP) * N + offs_n[:, None]
+        sz = (k0 // GROUP) * N + offs_n[:, None]  # (groups of whole K-tiles only: GROUP % BLOCK_K == 0)
         s = tl.load(s_ptr + sz, mask=mask_n[:, None], other=0.0)
         z = tl.load(z_ptr + sz, mask=mask_n[:, None], other=0.0)
         w = _unpack(words, s, z, BLOCK_K, ASM, x_desc.dtype, NEW)
-        xt = tl.trans(x_desc.load([m0, k0]))  # [BLOCK_K, BLOCK_M]
-        acc = tl.dot(w, xt, acc)
+        acc = tl.dot(w, tl.trans(x_desc.load([m0, k0])), acc)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = (offs_m < M)[None, :] & mask_n[:, None]
@@ -46,7 +57,9 @@ def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def mma_tma(x2, qweight, scales, zeros, group_size, cfg, new=False, ws=False):
+def mma_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+            cfg: Mma, new: bool = False) -> torch.Tensor:
+    """x2 [M, K] @ the unpacked weight -> [M, N] in x2's dtype (group_size a multiple of block_k)."""
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
     k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
     splits = triton.cdiv(k, k_per_split)
@@ -57,5 +70,5 @@ def mma_tma(x2, qweight, scales, zeros, group_size, cfg, new=False, ws=False):
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split,
                          GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         ASM=not INTERPRETED, ATOMIC=splits > 1, NEW=new, WS=ws, num_warps=cfg.warps, num_stages=cfg.stages)
+                         ASM=not INTERPRETED, ATOMIC=splits > 1, NEW=new, num_warps=cfg.warps, num_stages=cfg.stages)
     return out.to(x2.dtype) if splits > 1 else out

@@ -26,14 +26,12 @@ and rounded once.
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 # Nibbles t and t + 4 of a word as a 16-bit float pair, minus the (magic + z) pair (an FMA by 1:
 # exact), times s (an FMA adding -0.0: one rounding). FMAs, not sub / mul, because bf16x2 sub and
@@ -120,9 +118,17 @@ def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
 
 
 @triton.jit
-def _unpack_tile(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
-    """W^T's tile [BLOCK_N, BLOCK_K] in DTYPE from its words [BLOCK_N, BLOCK_K / 8] and their
-    scales and zero points (broadcastable to the words)."""
+def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
+                 ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """W^T's tile [BLOCK_N, BLOCK_K] of K-rows k0 .. k0 + BLOCK_K in DTYPE."""
+    w2, n2, mn = (k0 // 8 + offs_w)[None, :], offs_n[:, None], mask_n[:, None]
+    words = tl.load(qw_ptr + w2 * N + n2, mask=mn, other=0)  # [BLOCK_N, BLOCK_K / 8]
+    if GROUP % BLOCK_K == 0:  # the tile lies in one group: a scale per column
+        sz = (k0 // GROUP) * N + n2
+    else:  # each word's own group (8 divides every group)
+        sz = (w2 * 8 // GROUP) * N + n2
+    s = tl.load(s_ptr + sz, mask=mn, other=0.0)
+    z = tl.load(z_ptr + sz, mask=mn, other=0.0)
     if ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, z, DTYPE)
     else:
@@ -135,26 +141,6 @@ def _unpack_tile(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: t
     # + 16a + 8b + 2t + c: (blk, t, a, b, c) permuted to (blk, a, b, t, c) is the K order.
     v = tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K // 32, 2, 2, 2, 2, 2))
     return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
-
-
-@triton.jit
-def _group_rows(s_ptr, z_ptr, N, k0, w2, n2, mn, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The scales and zero points of K-rows k0 .. k0 + BLOCK_K (word rows w2) for columns n2."""
-    if GROUP % BLOCK_K == 0:  # the tile lies in one group: a scale per column
-        sz = (k0 // GROUP) * N + n2
-    else:  # each word's own group (8 divides every group)
-        sz = (w2 * 8 // GROUP) * N + n2
-    return tl.load(s_ptr + sz, mask=mn, other=0.0), tl.load(z_ptr + sz, mask=mn, other=0.0)
-
-
-@triton.jit
-def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.constexpr, BLOCK_K: tl.constexpr,
-                 ASM: tl.constexpr, DTYPE: tl.constexpr):
-    """W^T's tile [BLOCK_N, BLOCK_K] of K-rows k0 .. k0 + BLOCK_K in DTYPE."""
-    w2, n2, mn = (k0 // 8 + offs_w)[None, :], offs_n[:, None], mask_n[:, None]
-    words = tl.load(qw_ptr + w2 * N + n2, mask=mn, other=0)  # [BLOCK_N, BLOCK_K / 8]
-    s, z = _group_rows(s_ptr, z_ptr, N, k0, w2, n2, mn, GROUP, BLOCK_K)
-    return _unpack_tile(words, s, z, BLOCK_K, ASM, DTYPE)
 
 
 @triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
@@ -173,36 +159,8 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
                          x_ptr.dtype.element_ty)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
-    _store_out(out_ptr, acc, offs_m, offs_n, M, N, stride_om, ATOMIC)
-
-
-@triton.jit(do_not_specialize=["M"])
-def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_per_split,
-                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ASM: tl.constexpr, ATOMIC: tl.constexpr):
-    """mma_kernel with x's tile and the words brought by TMA (tensor descriptors: one copy
-    instruction a tile instead of a cp.async, an address and a mask per thread and row; rows
-    past M arrive as zeros)."""
-    n0, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_M
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    mask_n = offs_n < N
-    k_start = tl.program_id(2) * k_per_split
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
-    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
-        words = tl.trans(w_desc.load([k0 // 8, n0]))  # [BLOCK_N, BLOCK_K / 8]
-        s, z = _group_rows(s_ptr, z_ptr, N, k0, (k0 // 8 + offs_w)[None, :], offs_n[:, None], mask_n[:, None],
-                           GROUP, BLOCK_K)
-        w = _unpack_tile(words, s, z, BLOCK_K, ASM, x_desc.dtype)
-        acc = tl.dot(w, tl.trans(x_desc.load([m0, k0])), acc)
-    _store_out(out_ptr, acc, m0 + tl.arange(0, BLOCK_M), offs_n, M, N, stride_om, ATOMIC)
-
-
-@triton.jit
-def _store_out(out_ptr, acc, offs_m, offs_n, M, N, stride_om, ATOMIC: tl.constexpr):
-    """out^T's tile acc [BLOCK_N, BLOCK_M] into out [M, N]: stored, or added (a K split)."""
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = (offs_m < M)[None, :] & (offs_n < N)[:, None]
+    mask = mask_m[None, :] & mask_n[:, None]
     if ATOMIC:
         tl.atomic_add(out, acc, mask=mask)
     else:
@@ -216,7 +174,6 @@ class Mma(NamedTuple):
     splits: int = 1  # K split into this many programs per tile (atomic fp32 sums when > 1)
     warps: int = 4
     stages: int = 3
-    tma: bool = False  # x and the words by TMA (mma_tma_kernel) where their layout allows it
 
 
 def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -232,24 +189,7 @@ def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
         torch.empty(m, n, dtype=x2.dtype, device=x2.device)
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
-    tiles = dict(GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, ASM=not INTERPRETED,
-                 ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
-    if cfg.tma and tma_fits(x2, qweight):
-        x_desc = TensorDescriptor.from_tensor(x2, [cfg.block_m, cfg.block_k])
-        w_desc = TensorDescriptor.from_tensor(qweight, [cfg.block_k // 8, cfg.block_n])
-        mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split, **tiles)
-    else:
-        mma_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split, **tiles)
+    mma_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split,
+                     GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                     ASM=not INTERPRETED, ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
     return out
-
-
-def tma_fits(x2: torch.Tensor, qweight: torch.Tensor) -> bool:
-    """Whether TMA can read x2 and the words: a GPU that has it (sm90 on; the interpreter's CPU
-    tensors too), unit last strides, 16-byte aligned bases and rows."""
-    return _has_tma(x2.device) and all(t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and
-                                       t.stride(0) * t.element_size() % 16 == 0 for t in (x2, qweight))
-
-
-@functools.cache
-def _has_tma(device: torch.device) -> bool:
-    return device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 9
