@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# This session's device call: on an H200 the standing benches (scripts/gpu_standing.sh without
+# A device call for whichever GPU comes: on an H200 the standing benches (scripts/gpu_standing.sh without
 # its tests and attention sweep, with Qwen3-8B GPTQ); on another GPU the TMA probe of the INT4
 # tensor-core GEMM (benchmarks/kernels/w4a16_tma_probe.py).
 set -uo pipefail
