@@ -1,9 +1,7 @@
 """The kernel of w4a16_tma_probe.py (an experiment, not the engine's): kernels/w4a16_mma.py's
 tensor-core GEMM with x's tile and the words brought by TMA descriptors (one copy instruction a
 tile instead of a cp.async, an address and a mask per thread and row; rows past M and columns
-past N arrive as zeros). NEW: the nibbles read as if stored in wgmma's pair order (nibble
-4c + 2a + b of word t is row 16a + 8b + 2t + c), so that the inline PTX's pairs (nibbles t,
-t + 4) are the register pairs wgmma takes and need no PRMT repacking."""
+past N arrive as zeros); the unpacking is the engine's (w4a16_mma.unpack_tile)."""
 
 from __future__ import annotations
 
@@ -12,30 +10,13 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from nanovllm.kernels.w4a16_mma import INTERPRETED, Mma, _join8, _nibble, _nibbles_asm
-
-
-@triton.jit
-def _unpack(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr, NEW: tl.constexpr):
-    """W^T's tile [BLOCK_N, BLOCK_K] from its words (w4a16_mma._weight_tile's unpacking)."""
-    if ASM:
-        v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, z, DTYPE)
-    else:
-        sf, zc = s.to(tl.float32), z.to(tl.float32) + 128.0
-        v0, v1, v2, v3 = (_nibble(words, sf, zc, 0, DTYPE), _nibble(words, sf, zc, 1, DTYPE),
-                          _nibble(words, sf, zc, 2, DTYPE), _nibble(words, sf, zc, 3, DTYPE))
-        v4, v5, v6, v7 = (_nibble(words, sf, zc, 4, DTYPE), _nibble(words, sf, zc, 5, DTYPE),
-                          _nibble(words, sf, zc, 6, DTYPE), _nibble(words, sf, zc, 7, DTYPE))
-    v = tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K // 32, 2, 2, 2, 2, 2))
-    if NEW:  # [.., p, q, r] holds nibble 4p + 2q + r = (c, a, b): (t1, t0, c, a, b) -> (a, b, t1, t0, c)
-        return tl.reshape(tl.permute(v, (0, 1, 5, 6, 2, 3, 4)), (words.shape[0], BLOCK_K))
-    return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
+from nanovllm.kernels.w4a16_mma import INTERPRETED, Mma, unpack_tile
 
 
 @triton.jit(do_not_specialize=["M"])
 def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_per_split,
                    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   ASM: tl.constexpr, ATOMIC: tl.constexpr, NEW: tl.constexpr):
+                   ASM: tl.constexpr, ATOMIC: tl.constexpr):
     n0, m0 = tl.program_id(0) * BLOCK_N, tl.program_id(1) * BLOCK_M
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
@@ -46,7 +27,7 @@ def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_
         sz = (k0 // GROUP) * N + offs_n[:, None]  # (groups of whole K-tiles only: GROUP % BLOCK_K == 0)
         s = tl.load(s_ptr + sz, mask=mask_n[:, None], other=0.0)
         z = tl.load(z_ptr + sz, mask=mask_n[:, None], other=0.0)
-        w = _unpack(words, s, z, BLOCK_K, ASM, x_desc.dtype, NEW)
+        w = unpack_tile(words, s, z, BLOCK_K, ASM, x_desc.dtype)
         acc = tl.dot(w, tl.trans(x_desc.load([m0, k0])), acc)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
@@ -58,7 +39,7 @@ def mma_tma_kernel(x_desc, w_desc, s_ptr, z_ptr, out_ptr, M, N, K, stride_om, k_
 
 
 def mma_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-            cfg: Mma, new: bool = False) -> torch.Tensor:
+            cfg: Mma) -> torch.Tensor:
     """x2 [M, K] @ the unpacked weight -> [M, N] in x2's dtype (group_size a multiple of block_k)."""
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
     k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k
@@ -70,5 +51,5 @@ def mma_tma(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     mma_tma_kernel[grid](x_desc, w_desc, scales, zeros, out, m, n, k, out.stride(0), k_per_split,
                          GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                         ASM=not INTERPRETED, ATOMIC=splits > 1, NEW=new, num_warps=cfg.warps, num_stages=cfg.stages)
+                         ASM=not INTERPRETED, ATOMIC=splits > 1, num_warps=cfg.warps, num_stages=cfg.stages)
     return out.to(x2.dtype) if splits > 1 else out

@@ -129,6 +129,13 @@ def _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP: tl.
         sz = (w2 * 8 // GROUP) * N + n2
     s = tl.load(s_ptr + sz, mask=mn, other=0.0)
     z = tl.load(z_ptr + sz, mask=mn, other=0.0)
+    return unpack_tile(words, s, z, BLOCK_K, ASM, DTYPE)
+
+
+@triton.jit
+def unpack_tile(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl.constexpr):
+    """W^T's tile [BLOCK_N, BLOCK_K] in DTYPE from its words [BLOCK_N, BLOCK_K / 8] and their
+    scales and zero points (broadcastable to the words)."""
     if ASM:
         v0, v1, v2, v3, v4, v5, v6, v7 = _nibbles_asm(words, s, z, DTYPE)
     else:
