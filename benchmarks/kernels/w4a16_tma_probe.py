@@ -5,7 +5,8 @@ int4-loop-trim's.)
 
     PYTHONPATH=. python3 benchmarks/kernels/w4a16_tma_probe.py 16,64,128,256
 
-Not run on a GPU yet (BENCHMARKS.md, INT4: 2026-12-07, second session)."""
+Timed once (H100, 2026-12-07, on branch int4-loop-trim): no faster than choose's launches
+overall (BENCHMARKS.md, INT4)."""
 
 from __future__ import annotations
 
@@ -36,9 +37,6 @@ def configs(m: int, n: int):
                     yield Mma(bm, bn, 64, sp, wp, st)
 
 
-VARIANTS = {"tma": {}}  # (warp-specialized: dropped, BENCHMARKS.md)
-
-
 def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -48,19 +46,17 @@ def main() -> None:
             x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
             ref = x.float() @ dequantize(w)
             base = cuda_graph_us(lambda: (lambda v: w4a16_matmul(x, v.qweight, v.scales, v.zeros, 128))(next_w()), median=True)
-            timed = {v: [] for v in VARIANTS}
+            timed = []
             for cfg in configs(m, n):
-                for v, kw in VARIANTS.items():
-                    try:
-                        got = mma_tma(x, w.qweight, w.scales, w.zeros, 128, cfg, **kw)
-                        err = ((got.float() - ref).abs().max() / ref.abs().max()).item()
-                        ok = err < 1e-2
-                        t = cuda_graph_us(lambda: (lambda q: mma_tma(x, q.qweight, q.scales, q.zeros, 128, cfg, **kw))(next_w()),
-                                          median=True)
-                        timed[v].append((t, tuple(cfg), ok))
-                    except Exception as e:  # noqa: BLE001  (a tile too large for shared memory, a compile failure)
-                        print("  skip", v, tuple(cfg), type(e).__name__, str(e)[:80], flush=True)
-            best = "  ".join(f"{v} {min(r)[0]:.1f} {min(r)[1]}{'' if min(r)[2] else ' WRONG'}" for v, r in timed.items() if r)
+                try:
+                    got = mma_tma(x, w.qweight, w.scales, w.zeros, 128, cfg)
+                    ok = ((got.float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+                    t = cuda_graph_us(lambda: (lambda q: mma_tma(x, q.qweight, q.scales, q.zeros, 128, cfg))(next_w()),
+                                      median=True)
+                    timed.append((t, tuple(cfg), ok))
+                except Exception as e:  # noqa: BLE001  (a tile too large for shared memory, a compile failure)
+                    print("  skip", tuple(cfg), type(e).__name__, str(e)[:80], flush=True)
+            best = f"tma {min(timed)[0]:.1f} {min(timed)[1]}{'' if min(timed)[2] else ' WRONG'}" if timed else ""
             print(f"{name:<8}{m:>5} choose {base:7.2f} | {best}", flush=True)
 
 
