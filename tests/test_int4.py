@@ -61,11 +61,13 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
     (130, 64, 256, None), (40, 32, 256, "mma-256"),  # 128-row tiles (2 programs, masked rows); 256
     (520, 32, 256, None), (3, 32, 480, "dequant"),  # the weight dequantized, then a matmul
     (5, 64, 256, "dequant")])  # 96 columns in tiles of 64: the second tile half masked
-def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
+@pytest.mark.parametrize("n", [96, 128])  # a last column tile half masked; whole tiles (no masks: EVEN_N)
+def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config, n):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
     groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
     with atomic sums, masked rows and columns, groups smaller and larger than its K-tile, 16- to
-    256-row tiles), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
+    256-row tiles; rows past M read as row M - 1 and never stored; whole column tiles loaded
+    without masks), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
     workspace, masked columns) and a matmul. The same products summed in another order: within
     1e-4. The reference reads the words through int4_formats.dequantize, which the test below
     checks against the fragment order's description."""
@@ -75,7 +77,6 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config):
     config = {"gemv": Gemv(16, 32, 4), "mma": Mma(16, 64, 32, 4), "mma-split": Mma(16, 32, 128, 2),
               "mma-256": Mma(256, 64, 64, 2), "dequant": Dequant(4, 64), None: None}[config]
 
-    n = 96
     g = torch.Generator().manual_seed(m)
     w = Int4Weights(torch.randint(-2**31, 2**31 - 1, (k // 8, n), generator=g).to(torch.int32),
                     torch.rand(k // group, n, generator=g) * 0.01, torch.randint(0, 16, (k // group, n), generator=g)
