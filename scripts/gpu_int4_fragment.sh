@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call A/B-ing an INT4 kernel change (first written for the fragment order, 802abcc;
-# branch int4-loop-trim uses it too): the INT4 GPU tests, bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE (default
-# .ab_base: a git archive of the commit before, carried) and bf16 for the ratio, the GEMMs alone at
+# One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; branch
+# int4-loop-trim uses it too): the INT4 GPU tests, bench.py --latency on Qwen3-8B GPTQ for this
+# tree and for AB_BASE (default .ab_base: a git archive of the commit before, carried) and bf16
+# for the ratio, the GEMMs alone at
 # choose's launches (bench_w4a16.py), then a sweep at 512-2048 rows for the dequantize threshold.
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
