@@ -167,7 +167,8 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
     tiles of 16 / 32 / 64 rows of x and 64 columns (from 17 rows and K >= 8192, down's: 128 on 8
     warps), K split 4 ways unless the columns alone make enough programs (N >= 16384). 65 rows
     up to DEQUANT_MIN_M: 128-row tiles (64 while those would make under 90 programs: at 128 rows
-    o and down 18-19% faster), 64-row K-steps four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
+    o and down 18-19% faster; down's K = 12288 up to 128 rows split 4 ways), 64-row K-steps
+    four deep. From DEQUANT_MIN_M: dequantize + cuBLAS."""
     if m == 1:
         if dtype == torch.bfloat16:
             return Strips(32 if n >= 16384 else 16)
@@ -176,6 +177,8 @@ def choose(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> Strip
     if m >= DEQUANT_MIN_M:
         return Dequant()
     if m > 64:  # 128-row tiles, or 64 where those would leave most SMs idle (o, down: N = 4096)
+        if k >= 8192 and m <= 128:  # (down: 64 programs of K = 12288 each; split 4 ways, 62 -> 47-53 us)
+            return Mma(128, 64, _pow2_divisor(k, 64), 4, 4, 4)
         return Mma(128 if triton.cdiv(n, 64) * triton.cdiv(m, 128) >= 90 else 64, 64, _pow2_divisor(k, 64), 1, 4, 4)
     block_k = _pow2_divisor(k, 128)
     block_m = max(16, triton.next_power_of_2(m))
