@@ -3,7 +3,7 @@
 # int4-loop-trim uses it too): the INT4 GPU tests, bench.py --latency on Qwen3-8B GPTQ for this
 # tree and for AB_BASE (default .ab_base: a git archive of the commit before, carried) and bf16
 # for the ratio, the GEMMs alone at
-# choose's launches (bench_w4a16.py), then a sweep at 512-2048 rows for the dequantize threshold.
+# choose's launches (bench_w4a16.py), then a sweep (SWEEP_M rows, default 192 and 256).
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -25,10 +25,10 @@ PYTHONPATH=$NEW timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider test
   tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
 left 80 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout 100 python3 bench_w4a16.py) > "$D/gemm.log" 2>&1
 left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
-  --m 1024,2048 --sweep) > "$D/sweep.log" 2>&1
+  --m "${SWEEP_M:-192,256}" --sweep) > "$D/sweep.log" 2>&1
 echo "=== tests"; tail -n 3 "$D/tests.log"
 echo "=== GEMMs (choose's launch)"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
-echo "=== sweep 1024-2048"; grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
+echo "=== sweep ${SWEEP_M:-192,256} rows"; grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
 python3 - "$D" <<'PY'
 import json, os, sys
 d = sys.argv[1]
