@@ -90,7 +90,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config, n):
 
 def test_the_kernel_layout_holds_rows_in_fragment_order():
     """int4_formats.pack_kernel_order against its description, element by element: nibble
-    j = 4a + 2b + c of word 4 * blk + t is K-row 32 * blk + 16a + 8b + 2t + c; unpack_kernel_order
+    j = 4c + 2a + b of word 4 * blk + t is K-row 32 * blk + 16a + 8b + 2t + c; unpack_kernel_order
     (what dequantize reads) inverts it, with and without a leading experts axis; a K that is not
     whole blocks keeps its last rows in plain order."""
     from nanovllm.features.quantization.int4_formats import pack_kernel_order, unpack_kernel_order
@@ -102,7 +102,7 @@ def test_the_kernel_layout_holds_rows_in_fragment_order():
     for blk in range(3):
         for t in range(4):
             for j in range(8):
-                a, b, c = j // 4, (j // 2) % 2, j % 2
+                c, a, b = j // 4, (j // 2) % 2, j % 2
                 nibble = (words[:, 4 * blk + t] >> (4 * j)) & 0xF
                 assert torch.equal(nibble, q[:, 32 * blk + 16 * a + 8 * b + 2 * t + c])
     assert torch.equal(unpack_kernel_order(words), q)

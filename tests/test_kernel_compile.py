@@ -94,7 +94,8 @@ for kernel in (bad_kernels.reassigning, bad_kernels.not_reassigning):
 
 
 _MMA_LOOP = r"""
-import json, re, sys
+import json, os, re, subprocess, sys, tempfile
+import triton
 sys.path.insert(0, sys.argv[1])
 import torch
 import hopper_compile
@@ -107,22 +108,34 @@ for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, M
                                   torch.ones(k // 128, n).to(torch.bfloat16), torch.ones(k // 128, n).to(torch.bfloat16),
                                   128, config=cfg)
     (kernel, named, options), = hopper_compile.capture_launches(launch)
-    ptx = hopper_compile.compile_launch(kernel, named, options).asm["ptx"]
+    compiled = hopper_compile.compile_launch(kernel, named, options)
+    ptx = compiled.asm["ptx"]
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # SASS: PRMTs repack register pairs
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump"),
+                               "--dump-sass", f.name], capture_output=True, text=True, check=True).stdout
     label = re.search(r"^(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx, re.M)  # the K loop's block
     loop = ptx[label.start():]
     loop = loop[:re.search(r"bra(\.uni)?\s+" + re.escape(label.group(1)) + ";", loop).end()]  # to its back edge
+    code = [(int(a, 16), op) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+    back = [(a, int(t, 16)) for a, op in code for t in re.findall(r"BRA\s+0x([0-9a-f]+)", op) if int(t, 16) < a]
+    lo, hi = min(((t, a) for a, t in back if any(t <= b <= a and "HGMMA" in o for b, o in code)),
+                 key=lambda r: r[1] - r[0])  # the SASS K loop: the smallest back edge around the wgmmas
     rows.append({"config": list(cfg), "wgmma": loop.count("wgmma.mma_async"), "st_shared": loop.count("st.shared"),
-                 "bar_sync": loop.count("bar.sync")})
+                 "bar_sync": loop.count("bar.sync"), "prmt": sum("PRMT" in o for b, o in code if lo <= b <= hi)})
 print(json.dumps(rows))
 """
 
 
 def test_the_int4_tensor_core_loop_keeps_the_unpacked_tile_in_registers():
-    """kernels/w4a16_mma.py compiled for sm90 (PTX): in the fragment order the unpacked weight
+    """kernels/w4a16_mma.py compiled for sm90 (PTX, SASS): in the fragment order the unpacked weight
     tile is already wgmma's register operand, so the K loop stores nothing to shared memory and
     waits at few barriers (the words and x arrive by cp.async). Words in plain order made sm90
     store each tile to shared memory and read it back (8 st.shared.v4, ~11 bar.sync a step), and
     any change that brings that back (a tile construction whose layout wgmma cannot take) fails
-    here before it costs the GPU 1.0-2.9x (BENCHMARKS.md)."""
+    here before it costs the GPU 1.0-2.9x (BENCHMARKS.md). And no PRMT in the SASS loop: each unpacked
+    pair is a register pair wgmma takes (nibbles paired j, j + 4 as rows 2t, 2t + 1; with the
+    pairs on rows 2t and 2t + 16, sm90 repacked them, 16 PRMTs a K-step of 128-row tiles)."""
     for row in json_without_interpreter(_MMA_LOOP):
-        assert row["wgmma"] > 0 and row["st_shared"] == 0 and row["bar_sync"] <= 3, row
+        assert row["wgmma"] > 0 and row["st_shared"] == 0 and row["bar_sync"] <= 3 and row["prmt"] == 0, row

@@ -1,6 +1,6 @@
 """W4A16 GEMV for one row of x (batch-1 decode): out[N] = x[K] @ W[K, N], the layout of
 features/quantization/int4_formats.py (qweight [K / 8, N], each block of 32 K-rows in fragment
-order: nibble j = 4a + 2b + c of word t is row 16a + 8b + 2t + c; scales s and zero points z
+order: nibble j = 4c + 2a + b of word t is row 16a + 8b + 2t + c; scales s and zero points z
 [K / group, N]: W[k, n] = (q[k, n] - z) * s).
 
 A decode step at batch 1 reads every weight once, so this kernel must keep the memory busy with
@@ -143,7 +143,7 @@ def _strip_sum(w0, w1, w2, w3, xw_ptr, first, n_words, BLOCK_N: tl.constexpr, EV
                ASM: tl.constexpr):
     """(sum over the strip's 32 K-rows of (128 + q) x, per column; sum of x) for the four words
     of a strip. x's rows are read as four 8-value pieces, a0..a7 = K-rows 0..7 of the strip and
-    so on; in the fragment order word t's nibble 2r + c holds K-row 8r + 2t + c, so each word
+    so on; in the fragment order word t's nibble 4c + r holds K-row 8r + 2t + c, so each word
     takes values 2t and 2t + 1 of every piece (registers named differently, no extra work)."""
     part = tl.zeros((first.shape[0], BLOCK_N), dtype=tl.float32)
     xsum = tl.zeros((first.shape[0], BLOCK_N // 4), dtype=tl.float32)
@@ -151,10 +151,10 @@ def _strip_sum(w0, w1, w2, w3, xw_ptr, first, n_words, BLOCK_N: tl.constexpr, EV
     b0, b1, b2, b3, b4, b5, b6, b7 = _x_values(xw_ptr, first + 1, n_words, BLOCK_N, EVEN)
     c0, c1, c2, c3, c4, c5, c6, c7 = _x_values(xw_ptr, first + 2, n_words, BLOCK_N, EVEN)
     d0, d1, d2, d3, d4, d5, d6, d7 = _x_values(xw_ptr, first + 3, n_words, BLOCK_N, EVEN)
-    part, xsum = _word(w0, a0, a1, b0, b1, c0, c1, d0, d1, part, xsum, BLOCK_N, ASM)
-    part, xsum = _word(w1, a2, a3, b2, b3, c2, c3, d2, d3, part, xsum, BLOCK_N, ASM)
-    part, xsum = _word(w2, a4, a5, b4, b5, c4, c5, d4, d5, part, xsum, BLOCK_N, ASM)
-    part, xsum = _word(w3, a6, a7, b6, b7, c6, c7, d6, d7, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w0, a0, b0, c0, d0, a1, b1, c1, d1, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w1, a2, b2, c2, d2, a3, b3, c3, d3, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w2, a4, b4, c4, d4, a5, b5, c5, d5, part, xsum, BLOCK_N, ASM)
+    part, xsum = _word(w3, a6, b6, c6, d6, a7, b7, c7, d7, part, xsum, BLOCK_N, ASM)
     return part, xsum
 
 

@@ -1,6 +1,6 @@
 """W4A16 on the tensor cores: out[M, N] = x[M, K] @ W[K, N] with W unpacked in registers tile by
 tile, the layout of features/quantization/int4_formats.py (qweight [K / 8, N], each block of 32
-K-rows in fragment order: nibble j = 4a + 2b + c of word t is row 16a + 8b + 2t + c; scales s
+K-rows in fragment order: nibble j = 4c + 2a + b of word t is row 16a + 8b + 2t + c; scales s
 and zero points z [K / group, N]: W[k, n] = (q[k, n] - z) * s).
 
 The product is computed transposed, out^T = W^T x^T, so that the unpacked weight is the dot's
@@ -13,7 +13,10 @@ unpacks exactly the rows it feeds the MMA ({2l, 2l + 1} + {0, 8, 16, 24}, l = la
 tile makes no trip through shared memory. (With words in plain order, sm90's loop stored every
 unpacked tile to shared memory and read it back with ldmatrix: 8 stores, 8 ldmatrix and ~11
 barriers a step against 0, 0 and 2; on an H100 the fragment order made the GEMMs 1.0-2.9x
-faster at 2-256 rows: BENCHMARKS.md.) Up to 256 rows of x a program.
+faster at 2-256 rows: BENCHMARKS.md.) The unpacking makes nibbles j and j + 4 in one 32-bit
+register: stored as rows 2t + c for c = 0, 1, they are the register pair wgmma takes (with
+nibbles j, j + 1 there, sm90's loop repacked every pair with a PRMT). Up to 256 rows of x a
+program.
 
 ASM (CUDA, sm_80 on): the unpacking is Marlin's in inline PTX, two weights an instruction each
 step: `lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the bits of the
@@ -95,13 +98,13 @@ def nibble_128(words, J: tl.constexpr):
 @triton.jit
 def fragment_row(word, j):
     """The K-row held by nibble j of word row `word` in the fragment order (module docstring)."""
-    return (word // 4) * 32 + (j // 4) * 16 + ((j // 2) % 2) * 8 + (word % 4) * 2 + j % 2
+    return (word // 4) * 32 + ((j // 2) % 2) * 16 + (j % 2) * 8 + (word % 4) * 2 + j // 4
 
 
 @triton.jit
 def fragment_word_and_shift(k):
     """The inverse of fragment_row for K-row k: (its word row, its nibble's bit offset 4j)."""
-    return (k // 32) * 4 + (k % 8) // 2, (((k // 16) % 2) * 4 + ((k // 8) % 2) * 2 + k % 2) * 4
+    return (k // 32) * 4 + (k % 8) // 2, ((k % 2) * 4 + ((k // 16) % 2) * 2 + (k // 8) % 2) * 4
 
 
 @triton.jit
@@ -112,7 +115,7 @@ def _nibble(words, s, zc, J: tl.constexpr, DTYPE: tl.constexpr):
 
 @triton.jit
 def _join8(v0, v1, v2, v3, v4, v5, v6, v7):
-    """[R, C] x 8 -> [R, C, 2, 2, 2] holding value 4a + 2b + c at [.., a, b, c] (join stacks on a
+    """[R, C] x 8 -> [R, C, 2, 2, 2] holding value 4p + 2q + r at [.., p, q, r] (join stacks on a
     new last axis), so that a row-major flattening of the last three axes is 0..7 in order."""
     return tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
 
@@ -148,10 +151,11 @@ def unpack_tile(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl
                           _nibble(words, sf, zc, 2, DTYPE), _nibble(words, sf, zc, 3, DTYPE))
         v4, v5, v6, v7 = (_nibble(words, sf, zc, 4, DTYPE), _nibble(words, sf, zc, 5, DTYPE),
                           _nibble(words, sf, zc, 6, DTYPE), _nibble(words, sf, zc, 7, DTYPE))
-    # [BLOCK_N, BLOCK_K / 8, a, b, c] holds word 4 * blk + t's nibble 4a + 2b + c, K-row 32 * blk
-    # + 16a + 8b + 2t + c: (blk, t, a, b, c) permuted to (blk, a, b, t, c) is the K order.
+    # [BLOCK_N, BLOCK_K / 8, c, a, b] holds word 4 * blk + t's nibble 4c + 2a + b, K-row 32 * blk
+    # + 16a + 8b + 2t + c: (blk, t, c, a, b) permuted to (blk, a, b, t, c) is the K order, and c
+    # (the asm's pairs: nibbles j, j + 4) lands innermost, as wgmma pairs its registers.
     v = tl.reshape(_join8(v0, v1, v2, v3, v4, v5, v6, v7), (words.shape[0], BLOCK_K // 32, 2, 2, 2, 2, 2))
-    return tl.reshape(tl.permute(v, (0, 1, 4, 5, 2, 3, 6)), (words.shape[0], BLOCK_K))
+    return tl.reshape(tl.permute(v, (0, 1, 5, 6, 2, 3, 4)), (words.shape[0], BLOCK_K))
 
 
 @triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)

@@ -21,11 +21,12 @@ The layout the kernels read (Int4Weights): q packed along the input, [in / 8, ou
 groups in order (an act-order checkpoint's input features are sorted by group, and the
 activations permuted to match: `perm`), scales and zero points [groups, out] in the model's dtype.
 Within each block of 32 input rows the words hold their rows in the order of a tensor-core
-fragment (pack_kernel_order): nibble j = 4a + 2b + c of word t (0..3) is row 16a + 8b + 2t + c.
+fragment (pack_kernel_order): nibble j = 4c + 2a + b of word t (0..3) is row 16a + 8b + 2t + c.
 wgmma takes its A operand from registers in fragments where a thread holds rows {2l, 2l + 1,
-2l + 8, 2l + 9, ...} (l = lane % 4); stored so, a word unpacks into exactly the values its
-thread feeds the MMA, and the unpacked tile needs no shuffle through shared memory
-(kernels/w4a16_mma.py). A block lies in one group (groups are whole multiples of 32 rows); a
+2l + 8, 2l + 9, ...} (l = lane % 4), in pairs of consecutive rows (c = 0, 1) a 32-bit register;
+stored so, a word unpacks into exactly the values its thread feeds the MMA, nibbles j and j + 4
+(the pair the unpacking makes in one register) being one such pair, and the unpacked tile needs
+no shuffle, neither through shared memory nor between registers (kernels/w4a16_mma.py). A block lies in one group (groups are whole multiples of 32 rows); a
 K that is not whole blocks (only possible with one group per column) keeps its last 8-24 rows
 in plain order, for the torch path (no kernel tiles such a K).
 """
@@ -65,20 +66,22 @@ def _in_blocks(rows: torch.Tensor, fn) -> torch.Tensor:
 
 def _to_fragment(q: torch.Tensor) -> torch.Tensor:
     """Rows of whole blocks in the order the words hold them: row 16a + 8b + 2t + c of a block
-    (viewed [.., a, b, t, c]) moves to 8t + 4a + 2b + c (nibble 4a + 2b + c of word t)."""
+    (viewed [.., a, b, t, c]) moves to 8t + 4c + 2a + b (nibble 4c + 2a + b of word t)."""
     *lead, r, n = q.shape
-    return q.reshape(*lead, r // 32, 2, 2, 4, 2, n).movedim(-3, -5).reshape(q.shape)
+    v = q.reshape(*lead, r // 32, 2, 2, 4, 2, n)  # [.., blk, a, b, t, c, n]
+    return v.permute(*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 2, 5))).reshape(q.shape)
 
 
 def _from_fragment(v: torch.Tensor) -> torch.Tensor:
     """The inverse of _to_fragment."""
     *lead, r, n = v.shape
-    return v.reshape(*lead, r // 32, 4, 2, 2, 2, n).movedim(-5, -3).reshape(v.shape)
+    w = v.reshape(*lead, r // 32, 4, 2, 2, 2, n)  # [.., blk, t, c, a, b, n]
+    return w.permute(*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 2, 5))).reshape(v.shape)
 
 
 def pack_kernel_order(q: torch.Tensor) -> torch.Tensor:
     """Values q [..., in, out] (0..15; `in` a multiple of 8) -> the kernels' words [..., in / 8,
-    out] (module docstring): word t of a 32-row block holds its rows 2t + {0, 1, 8, 9, 16, 17, 24,
+    out] (module docstring): word t of a 32-row block holds its rows 2t + {0, 8, 16, 24, 1, 9, 17,
     25}."""
     return pack_int4(_in_blocks(q, _to_fragment), q.dim() - 2)
 
