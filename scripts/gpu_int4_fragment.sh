@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; branch
-# int4-loop-trim uses it too): the INT4 GPU tests, bench.py --latency on Qwen3-8B GPTQ for this
-# tree and for AB_BASE (default .ab_base: a git archive of the commit before, carried) and bf16
-# for the ratio, the GEMMs alone at
-# choose's launches (bench_w4a16.py), then a sweep (SWEEP_M rows, default 192 and 256).
+# One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; used
+# for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
+# (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, the INT4
+# GPU tests, the GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows),
+# with PROBE=1 the TMA probe (w4a16_tma_probe.py, PROBE_M rows), then a sweep (SWEEP_M rows).
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,12 +23,21 @@ bench gptq-base "$BASE" --quantization gptq
 bench bf16 "$NEW"
 PYTHONPATH=$NEW timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_int4_moe.py \
   tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
-left 80 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout 100 python3 bench_w4a16.py) > "$D/gemm.log" 2>&1
+gemm() {  # name tree
+  left 80 && (cd "$2/benchmarks/kernels" && PYTHONPATH=$2 timeout 100 python3 bench_w4a16.py --m "${GEMM_M:-2,16,64,128,256}") \
+    > "$D/$1.log" 2>&1
+}
+gemm gemm "$NEW"
+gemm gemm-base "$BASE"
+[ -n "${PROBE:-}" ] && left 90 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) \
+  python3 w4a16_tma_probe.py "${PROBE_M:-64,128,256}" 2> "$D/probe.err") > "$D/probe.log"
 left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
   --m "${SWEEP_M:-192,256}" --sweep) > "$D/sweep.log" 2>&1
 echo "=== tests"; tail -n 3 "$D/tests.log"
-echo "=== GEMMs (choose's launch)"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
+echo "=== GEMMs (choose's launch), this tree then AB_BASE"; grep -v -i warn "$D/gemm.log" | tail -n 21 | cut -c1-100
+grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 20 | cut -c1-100
 echo "=== sweep ${SWEEP_M:-192,256} rows"; grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
+[ -n "${PROBE:-}" ] && { echo "=== TMA probe"; grep -v skip "$D/probe.log" | tail -n 12; }
 python3 - "$D" <<'PY'
 import json, os, sys
 d = sys.argv[1]
