@@ -14,9 +14,9 @@ tile makes no trip through shared memory. (With words in plain order, sm90's loo
 unpacked tile to shared memory and read it back with ldmatrix: 8 stores, 8 ldmatrix and ~11
 barriers a step against 0, 0 and 2; on an H100 the fragment order made the GEMMs 1.0-2.9x
 faster at 2-256 rows: BENCHMARKS.md.) The unpacking makes nibbles j and j + 4 in one 32-bit
-register: stored as rows 2t + c for c = 0, 1, they are the register pair wgmma takes (with
-nibbles j, j + 1 there, sm90's loop repacked every pair with a PRMT). Up to 256 rows of x a
-program.
+register: stored as rows 2t + c for c = 0, 1, they are the register pair wgmma takes (in the
+order before, 16 rows apart, so sm90's loop repacked every pair with a PRMT). Up to 256 rows of
+x a program.
 
 ASM (CUDA, sm_80 on): the unpacking is Marlin's in inline PTX, two weights an instruction each
 step: `lop3` ORs the nibbles at bits 0 and 16 of a word (shifted by 4t) into the bits of the
