@@ -3,7 +3,8 @@
 # for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
 # (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, the INT4
 # GPU tests, the GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows),
-# with PROBE=1 the TMA probe (w4a16_tma_probe.py, PROBE_M rows), then a sweep (SWEEP_M rows).
+# Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong on gate_up), with PROBE=1
+# the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows).
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,8 +15,8 @@ left() { [ $((BUDGET - SECONDS)) -gt "$1" ]; }  # at least $1 seconds left?
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$D/gpu.txt"
 bench() {  # name tree args...
   local name=$1 tree=$2; shift 2
-  left 110 || { echo "$name skipped (time)"; return; }
-  (cd "$tree" && PYTHONPATH=$tree timeout 110 python3 bench.py --dummy qwen3-8b --latency --json "$D/$name.json" "$@") \
+  left 150 || { echo "$name skipped (time)"; return; }
+  (cd "$tree" && PYTHONPATH=$tree timeout 150 python3 bench.py --dummy qwen3-8b --latency --json "$D/$name.json" "$@") \
     > "$D/$name.log" 2>&1 || echo "$name failed: $(tail -n 3 "$D/$name.log")"
 }
 bench gptq-new "$NEW" --quantization gptq
@@ -24,19 +25,27 @@ bench bf16 "$NEW"
 PYTHONPATH=$NEW timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_int4_moe.py \
   tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
 gemm() {  # name tree
-  left 80 && (cd "$2/benchmarks/kernels" && PYTHONPATH=$2 timeout 100 python3 bench_w4a16.py --m "${GEMM_M:-2,16,64,128,256}") \
+  left 80 && (cd "$2/benchmarks/kernels" && PYTHONPATH=$2 timeout 100 python3 bench_w4a16.py --m "${GEMM_M:-2,16,64,128,136,192,256}") \
     > "$D/$1.log" 2>&1
 }
 gemm gemm "$NEW"
 gemm gemm-base "$BASE"
+mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32 (not a launch choose makes)
+  left 60 && PYTHONPATH=$2 timeout 60 python3 benchmarks/kernels/bench_w4a16.py --m 192 --mma 128,128,64,1,8,3 \
+    > "$D/$1.log" 2>&1
+}
+mma mma8 "$NEW"
+mma mma8-base "$BASE"
 [ -n "${PROBE:-}" ] && left 90 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) \
   python3 w4a16_tma_probe.py "${PROBE_M:-64,128,256}" 2> "$D/probe.err") > "$D/probe.log"
-left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
+[ -n "${SWEEP:-}" ] && left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
   --m "${SWEEP_M:-192,256}" --sweep) > "$D/sweep.log" 2>&1
 echo "=== tests"; tail -n 3 "$D/tests.log"
-echo "=== GEMMs (choose's launch), this tree then AB_BASE"; grep -v -i warn "$D/gemm.log" | tail -n 21 | cut -c1-100
-grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 20 | cut -c1-100
-echo "=== sweep ${SWEEP_M:-192,256} rows"; grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
+echo "=== GEMMs (choose's launch), this tree then AB_BASE"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
+grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 28 | cut -c1-100
+echo "=== Mma(128, 128, 64, 1, 8, 3) at 192 rows, this tree then AB_BASE"
+grep -v -i warn "$D/mma8.log" | tail -n 4 | cut -c1-100; grep -v -i warn "$D/mma8-base.log" | tail -n 4 | cut -c1-100
+[ -n "${SWEEP:-}" ] && echo "=== sweep ${SWEEP_M:-192,256} rows" && grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
 [ -n "${PROBE:-}" ] && { echo "=== TMA probe"; grep -v skip "$D/probe.log" | tail -n 12; }
 python3 - "$D" <<'PY'
 import json, os, sys

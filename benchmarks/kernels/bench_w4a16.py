@@ -7,7 +7,8 @@ Per GEMM (K x N) and M: microseconds of bf16 and of INT4 (group 128), the bytes 
 move (0.5 byte per weight, a bf16 scale and zero point per group and column, x and out) over its
 time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
 arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
---sweep, a few launches per shape (kernels/w4a16.py's Gemv, Mma or Dequant) and the best one.
+--sweep, a few launches per shape (kernels/w4a16.py's Gemv, Mma or Dequant) and the best one;
+with --mma, that tensor-core launch instead of choose's.
 At M = 1, gate_up also with SiLU * up: the GEMV then fused_ops.silu_and_mul against
 the GEMV writing it from its epilogue. Writes $OUT/w4a16.json when $OUT is set.
 """
@@ -65,16 +66,16 @@ def rotating(make, nbytes: int):
     return copies[0], lambda: next(it)
 
 
-def row(name: str, k: int, n: int, m: int, sweep: bool, gen) -> dict:
+def row(name: str, k: int, n: int, m: int, sweep: bool, gen, launch=None) -> dict:
     w, next_w = rotating(lambda: weights(k, n, 128, gen), k * n // 2)
     x = torch.randn(m, k, generator=gen, device="cuda").to(torch.bfloat16)
     dense, next_dense = rotating(lambda: dequantize(w).to(torch.bfloat16).t().contiguous(), k * n * 2)
     ref = x.float() @ dequantize(w)
-    out = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128)
+    out = w4a16_matmul(x, w.qweight, w.scales, w.zeros, 128, config=launch)
     err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
     us_bf16 = cuda_graph_us(lambda: F.linear(x, next_dense()), median=True)
     mm = lambda cfg=None: (lambda v: w4a16_matmul(x, v.qweight, v.scales, v.zeros, 128, config=cfg))(next_w())  # noqa: E731
-    us = cuda_graph_us(mm, median=True)
+    us = cuda_graph_us(lambda: mm(launch), median=True)
     moved = k * n / 2 + 2 * (k // 128) * n * 2 + 2 * m * (k + n)
     result = {"gemm": name, "k": k, "n": n, "m": m, "bf16_us": round(us_bf16, 2), "int4_us": round(us, 2),
               "speedup": round(us_bf16 / us, 2), "gb_s": round(moved / us / 1e3, 1),
@@ -108,10 +109,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,2,16,64,128,256,512")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--mma", help="an Mma launch instead of choose's, e.g. 128,128,64,1,8,3")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
-    rows = [row(name, k, n, int(m), args.sweep, gen) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
+    launch = Mma(*map(int, args.mma.split(","))) if args.mma else None
+    rows = [row(name, k, n, int(m), args.sweep, gen, launch) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
     print(f"{'gemm':<8}{'M':>5}{'bf16 us':>9}{'int4 us':>9}{'x':>6}{'GB/s':>8}{'of BW':>7}  check")
     for r in rows:
         extra = f"  best {r['best_us']} {r['best_config']} {r['best_per_kind']}" if "best_us" in r else ""
