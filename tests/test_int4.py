@@ -66,7 +66,7 @@ def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config, n):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
     groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
     with atomic sums, masked rows and columns, groups smaller and larger than its K-tile, 16- to
-    256-row tiles; rows past M masked in a partial row tile, unmasked whole tiles; whole column tiles loaded
+    256-row tiles; rows past M masked; whole column tiles loaded
     without masks), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
     workspace, masked columns) and a matmul. The same products summed in another order: within
     1e-4. The reference reads the words through int4_formats.dequantize, which the test below

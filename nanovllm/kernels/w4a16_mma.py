@@ -158,45 +158,26 @@ def unpack_tile(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl
     return tl.reshape(tl.permute(v, (0, 1, 5, 6, 2, 3, 4)), (words.shape[0], BLOCK_K))
 
 
-@triton.jit
-def _k_steps(x_ptr, qw_ptr, s_ptr, z_ptr, N, offs_m, mask_m, offs_n, mask_n, k_start, k_end, stride_xm,
-             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             ASM: tl.constexpr, EVEN_N: tl.constexpr, MASK_M: tl.constexpr):
-    """out^T's tile [BLOCK_N, BLOCK_M] summed over K-rows k_start .. k_end. MASK_M: a row tile
-    past M's end, whose x loads are masked. A whole row tile loads unmasked (no predicate a row
-    and step); rows past M must not read a stand-in row instead: every such row reading the same
-    x row made partial tiles 2-3x slower (H100, branch int4-loop-trim: qkv at 136 rows 44 -> 96
-    us), one address hammered by every program."""
-    offs_w = tl.arange(0, BLOCK_K // 8)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_rows = x_ptr + offs_m[None, :] * stride_xm
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        w = _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP, BLOCK_K, ASM,
-                         x_ptr.dtype.element_ty, EVEN_N)
-        if MASK_M:
-            xt = tl.load(x_rows + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
-        else:
-            xt = tl.load(x_rows + (k0 + offs_k)[:, None])
-        acc = tl.dot(w, xt, acc)
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
 def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                ASM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_N: tl.constexpr):
+    """x's rows stay masked: rows past M reading row M - 1 instead (no predicate a row and step)
+    made partial row tiles 2-3x slower on an H100 (qkv at 136 rows 44 -> 96 us: one address read
+    by every program), and a second, unmasked K loop for whole row tiles doubled the shared
+    memory (256-row tiles no longer fit) and slowed 64-256 rows by 10-60% (BENCHMARKS.md)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, BLOCK_K // 8)
+    offs_k = tl.arange(0, BLOCK_K)
     mask_m, mask_n = offs_m < M, offs_n < N
     k_start = tl.program_id(2) * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-    if (tl.program_id(1) + 1) * BLOCK_M <= M:  # a whole row tile
-        acc = _k_steps(x_ptr, qw_ptr, s_ptr, z_ptr, N, offs_m, mask_m, offs_n, mask_n, k_start, k_end, stride_xm,
-                       GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ASM, EVEN_N, False)
-    else:
-        acc = _k_steps(x_ptr, qw_ptr, s_ptr, z_ptr, N, offs_m, mask_m, offs_n, mask_n, k_start, k_end, stride_xm,
-                       GROUP, BLOCK_M, BLOCK_N, BLOCK_K, ASM, EVEN_N, True)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # out^T
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
+        w = _weight_tile(qw_ptr, s_ptr, z_ptr, N, k0, offs_w, offs_n, mask_n, GROUP, BLOCK_K, ASM,
+                         x_ptr.dtype.element_ty, EVEN_N)
+        xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
+        acc = tl.dot(w, xt, acc)
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = mask_m[None, :] & mask_n[:, None]
     if ATOMIC:
