@@ -26,9 +26,10 @@ wgmma takes its A operand from registers in fragments where a thread holds rows 
 2l + 8, 2l + 9, ...} (l = lane % 4), in pairs of consecutive rows (c = 0, 1) a 32-bit register;
 stored so, a word unpacks into exactly the values its thread feeds the MMA, nibbles j and j + 4
 (the pair the unpacking makes in one register) being one such pair, and the unpacked tile needs
-no shuffle, neither through shared memory nor between registers (kernels/w4a16_mma.py). A block lies in one group (groups are whole multiples of 32 rows); a
-K that is not whole blocks (only possible with one group per column) keeps its last 8-24 rows
-in plain order, for the torch path (no kernel tiles such a K).
+no shuffle, neither through shared memory nor between registers (kernels/w4a16_mma.py). A
+block lies in one group (groups are whole multiples of 32 rows); a K that is not whole blocks
+(only possible with one group per column) keeps its last 8-24 rows in plain order, for the
+torch path (no kernel tiles such a K).
 """
 
 from __future__ import annotations
