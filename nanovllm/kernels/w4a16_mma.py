@@ -163,10 +163,10 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                ASM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_N: tl.constexpr):
     """One program: out's tile of BLOCK_M rows and BLOCK_N columns over its share of K (atomic
-    fp32 sums when split). x's rows stay masked: rows past M reading row M - 1 instead (no predicate a row and step)
-    made a partial row tile several times slower, all its missing rows in every program reading
-    one address; a second, unmasked K loop for whole row tiles doubled the pipelined shared memory
-    (BENCHMARKS.md, the loop trim)."""
+    fp32 sums when split). x's rows stay masked: rows past M reading row M - 1 instead (no
+    predicate a row and step) made a partial row tile several times slower, all its missing rows
+    in every program reading one address; a second, unmasked K loop for whole row tiles doubled
+    the pipelined shared memory (BENCHMARKS.md, the loop trim)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, BLOCK_K // 8)
