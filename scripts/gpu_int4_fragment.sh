@@ -3,7 +3,7 @@
 # for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
 # (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, the INT4
 # GPU tests, the GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows),
-# Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong on gate_up), with PROBE=1
+# with MMA8=1 Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong), with PROBE=1
 # the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows).
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
@@ -34,8 +34,7 @@ mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32
   left 60 && PYTHONPATH=$2 timeout 60 python3 benchmarks/kernels/bench_w4a16.py --m 192 --mma 128,128,64,1,8,3 \
     > "$D/$1.log" 2>&1
 }
-mma mma8 "$NEW"
-mma mma8-base "$BASE"
+[ -n "${MMA8:-}" ] && mma mma8 "$NEW" && mma mma8-base "$BASE"
 [ -n "${PROBE:-}" ] && left 90 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) \
   python3 w4a16_tma_probe.py "${PROBE_M:-64,128,256}" 2> "$D/probe.err") > "$D/probe.log"
 [ -n "${SWEEP:-}" ] && left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
@@ -43,8 +42,8 @@ mma mma8-base "$BASE"
 echo "=== tests"; tail -n 3 "$D/tests.log"
 echo "=== GEMMs (choose's launch), this tree then AB_BASE"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
 grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 28 | cut -c1-100
-echo "=== Mma(128, 128, 64, 1, 8, 3) at 192 rows, this tree then AB_BASE"
-grep -v -i warn "$D/mma8.log" | tail -n 4 | cut -c1-100; grep -v -i warn "$D/mma8-base.log" | tail -n 4 | cut -c1-100
+[ -n "${MMA8:-}" ] && echo "=== Mma(128, 128, 64, 1, 8, 3) at 192 rows, this tree then AB_BASE" && \
+  grep -v -i warn "$D/mma8.log" | tail -n 4 | cut -c1-100 && grep -v -i warn "$D/mma8-base.log" | tail -n 4 | cut -c1-100
 [ -n "${SWEEP:-}" ] && echo "=== sweep ${SWEEP_M:-192,256} rows" && grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
 [ -n "${PROBE:-}" ] && { echo "=== TMA probe"; grep -v skip "$D/probe.log" | tail -n 12; }
 python3 - "$D" <<'PY'
