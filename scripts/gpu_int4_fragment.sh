@@ -2,7 +2,7 @@
 # One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; used
 # for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
 # (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, the INT4
-# GPU tests, the GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows),
+# GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows), the INT4 GPU tests,
 # with MMA8=1 Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong), with PROBE=1
 # the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows).
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
@@ -22,14 +22,15 @@ bench() {  # name tree args...
 bench gptq-new "$NEW" --quantization gptq
 bench gptq-base "$BASE" --quantization gptq
 bench bf16 "$NEW"
-PYTHONPATH=$NEW timeout 150 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_int4.py tests/test_int4_moe.py \
-  tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
 gemm() {  # name tree
   left 80 && (cd "$2/benchmarks/kernels" && PYTHONPATH=$2 timeout 100 python3 bench_w4a16.py --m "${GEMM_M:-2,16,64,128,136,192,256}") \
     > "$D/$1.log" 2>&1
 }
 gemm gemm "$NEW"
 gemm gemm-base "$BASE"
+# (a cold machine compiles each test's kernels: ~150 s; warm ~80 s)
+left 100 && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 10)) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line \
+  tests/test_int4.py tests/test_int4_moe.py tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
 mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32 (not a launch choose makes)
   left 60 && PYTHONPATH=$2 timeout 60 python3 benchmarks/kernels/bench_w4a16.py --m 192 --mma 128,128,64,1,8,3 \
     > "$D/$1.log" 2>&1
@@ -39,7 +40,7 @@ mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32
   python3 w4a16_tma_probe.py "${PROBE_M:-64,128,256}" 2> "$D/probe.err") > "$D/probe.log"
 [ -n "${SWEEP:-}" ] && left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
   --m "${SWEEP_M:-192,256}" --sweep) > "$D/sweep.log" 2>&1
-echo "=== tests"; tail -n 3 "$D/tests.log"
+echo "=== tests"; grep -v -i warn "$D/tests.log" | tail -n 6 | cut -c1-200
 echo "=== GEMMs (choose's launch), this tree then AB_BASE"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
 grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 28 | cut -c1-100
 [ -n "${MMA8:-}" ] && echo "=== Mma(128, 128, 64, 1, 8, 3) at 192 rows, this tree then AB_BASE" && \
@@ -49,10 +50,11 @@ grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 28 | cut -c1-100
 python3 - "$D" <<'PY'
 import json, os, sys
 d = sys.argv[1]
-print(f"{'run':<10}{'tok/s':>9}{'bs1 ms':>8}{'cold s':>8}")
+print(f"{'run':<10}{'tok/s':>9}{'bs1 ms':>8}{'cold s':>8}  decode ms/step by rows (bench timeline)")
 for n in ("bf16", "gptq-base", "gptq-new"):
     p = f"{d}/{n}.json"
     r = json.load(open(p)) if os.path.exists(p) else None
     print(f"{n:<10}" + (f"{r['output_tok_s']:>9.0f}{r.get('decode_ms_per_token_bs1') or 0:>8.3f}{r.get('cold_start_s') or 0:>8.2f}"
-                        if r else " (none)"))
+                        if r else " (none)") + ("  " + ", ".join(f"{g['group'].replace('decode ', '')}: {g['ms_per_step']:.2f}"
+                        for g in r["timeline"] if g["group"].startswith("decode")) if r else ""))
 PY
