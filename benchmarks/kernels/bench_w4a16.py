@@ -8,7 +8,7 @@ move (0.5 byte per weight, a bf16 scale and zero point per group and column, x a
 time = achieved GB/s, and the fraction of 4.3 TB/s. Each output is first checked against its fp32
 arithmetic (dequantized weight, TF32 off): max |out - ref| / max |ref| above 1e-2 is WRONG. With
 --sweep, a few launches per shape (kernels/w4a16.py's Gemv, Mma or Dequant) and the best one;
-with --mma, that tensor-core launch instead of choose's.
+with --mma, the tensor-core launches named instead of choose's.
 At M = 1, gate_up also with SiLU * up: the GEMV then fused_ops.silu_and_mul against
 the GEMV writing it from its epilogue. Writes $OUT/w4a16.json when $OUT is set.
 """
@@ -80,6 +80,8 @@ def row(name: str, k: int, n: int, m: int, sweep: bool, gen, launch=None) -> dic
     result = {"gemm": name, "k": k, "n": n, "m": m, "bf16_us": round(us_bf16, 2), "int4_us": round(us, 2),
               "speedup": round(us_bf16 / us, 2), "gb_s": round(moved / us / 1e3, 1),
               "of_bandwidth": round(moved / us / 1e-6 / BANDWIDTH, 3), "rel_err": err, "ok": err < 1e-2}
+    if launch is not None:
+        result["launch"] = tuple(launch)
     if name == "gate_up" and m == 1:  # SiLU * up: its own kernel after the GEMV, or the GEMV's epilogue
         cfg = choose(1, n, k)
         result["silu_unfused_us"] = round(cuda_graph_us(lambda: silu_and_mul(mm(cfg)), median=True), 2)
@@ -109,16 +111,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--m", default="1,2,16,64,128,256,512")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--mma", help="an Mma launch instead of choose's, e.g. 128,128,64,1,8,3")
+    ap.add_argument("--mma", help="Mma launches instead of choose's, ';' between them: 128,64,64,1,4,4;256,64,64,1,4,4")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     gen = torch.Generator(device="cuda").manual_seed(0)
-    launch = Mma(*map(int, args.mma.split(","))) if args.mma else None
-    rows = [row(name, k, n, int(m), args.sweep, gen, launch) for m in args.m.split(",") for name, (k, n) in GEMMS.items()]
+    launches = [Mma(*map(int, t.split(","))) for t in args.mma.split(";")] if args.mma else [None]
+    rows = [row(name, k, n, int(m), args.sweep, gen, launch) for launch in launches for m in args.m.split(",")
+            for name, (k, n) in GEMMS.items()]
     print(f"{'gemm':<8}{'M':>5}{'bf16 us':>9}{'int4 us':>9}{'x':>6}{'GB/s':>8}{'of BW':>7}  check")
     for r in rows:
         extra = f"  best {r['best_us']} {r['best_config']} {r['best_per_kind']}" if "best_us" in r else ""
         extra += f" WRONG configs {r['wrong']}" if r.get("wrong") else ""
+        extra += f"  {r['launch']}" if "launch" in r else ""
         extra += f"  silu unfused {r['silu_unfused_us']} fused {r['silu_fused_us']}" if "silu_fused_us" in r else ""
         print(f"{r['gemm']:<8}{r['m']:>5}{r['bf16_us']:>9}{r['int4_us']:>9}{r['speedup']:>6}{r['gb_s']:>8}"
               f"{r['of_bandwidth']:>7}  {'ok' if r['ok'] else 'WRONG'}{extra}")
