@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; used
 # for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
-# (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, the INT4
+# (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, with AB_THIRD
+# a third tree's bench, the INT4
 # GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows), the INT4 GPU tests,
 # with MMA8=1 Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong), with PROBE=1
 # the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows); unless NO_TILES,
@@ -23,6 +24,7 @@ bench() {  # name tree args...
 bench gptq-new "$NEW" --quantization gptq
 bench gptq-base "$BASE" --quantization gptq
 bench bf16 "$NEW"
+[ -n "${AB_THIRD:-}" ] && bench gptq-third "$(cd "$AB_THIRD" && pwd)" --quantization gptq
 gemm() {  # name tree
   left 80 && (cd "$2/benchmarks/kernels" && PYTHONPATH=$2 timeout 100 python3 bench_w4a16.py --m "${GEMM_M:-2,16,64,128,136,192,256}") \
     > "$D/$1.log" 2>&1
@@ -56,7 +58,7 @@ python3 - "$D" <<'PY'
 import json, os, sys
 d = sys.argv[1]
 print(f"{'run':<10}{'tok/s':>9}{'bs1 ms':>8}{'cold s':>8}  decode ms/step by rows (bench timeline)")
-for n in ("bf16", "gptq-base", "gptq-new"):
+for n in ("bf16", "gptq-base", "gptq-new", "gptq-third"):
     p = f"{d}/{n}.json"
     r = json.load(open(p)) if os.path.exists(p) else None
     print(f"{n:<10}" + (f"{r['output_tok_s']:>9.0f}{r.get('decode_ms_per_token_bs1') or 0:>8.3f}{r.get('cold_start_s') or 0:>8.2f}"
