@@ -2,7 +2,7 @@
 # One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; used
 # for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
 # (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, with AB_THIRD
-# a third tree's bench, the INT4
+# a third tree's bench (NO_BF16: no bf16 bench), the INT4
 # GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows), the INT4 GPU tests,
 # with MMA8=1 Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong), with PROBE=1
 # the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows); unless NO_TILES,
@@ -23,17 +23,18 @@ bench() {  # name tree args...
 }
 bench gptq-new "$NEW" --quantization gptq
 bench gptq-base "$BASE" --quantization gptq
-bench bf16 "$NEW"
+[ -z "${NO_BF16:-}" ] && bench bf16 "$NEW"
 [ -n "${AB_THIRD:-}" ] && bench gptq-third "$(cd "$AB_THIRD" && pwd)" --quantization gptq
+# (a cold machine compiles each test's kernels: ~150 s; warm ~80 s)
+t=$((BUDGET - SECONDS - 170)); [ $t -lt 100 ] && t=100  # leaves the GEMMs ~170 s when there is time
+left 100 && PYTHONPATH=$NEW timeout $t python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line \
+  tests/test_int4.py tests/test_int4_moe.py tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
 gemm() {  # name tree
   left 80 && (cd "$2/benchmarks/kernels" && PYTHONPATH=$2 timeout 100 python3 bench_w4a16.py --m "${GEMM_M:-2,16,64,128,136,192,256}") \
     > "$D/$1.log" 2>&1
 }
 gemm gemm "$NEW"
 gemm gemm-base "$BASE"
-# (a cold machine compiles each test's kernels: ~150 s; warm ~80 s)
-left 100 && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 10)) python3 -m pytest -q -m gpu -p no:cacheprovider -rf --tb=line \
-  tests/test_int4.py tests/test_int4_moe.py tests/test_gpu.py -k "int4 or w4a16" > "$D/tests.log" 2>&1
 mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32 (not a launch choose makes)
   left 60 && PYTHONPATH=$2 timeout 60 python3 benchmarks/kernels/bench_w4a16.py --m 192 --mma 128,128,64,1,8,3 \
     > "$D/$1.log" 2>&1
