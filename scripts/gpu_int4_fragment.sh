@@ -6,7 +6,7 @@
 # GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows), the INT4 GPU tests,
 # with MMA8=1 Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong), with PROBE=1
 # the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows); unless NO_TILES,
-# 128- and 256-row tile launches (TILES) at TILES_M rows on this tree.
+# the tile launches TILES (4-warp 128 x 64 against 8-warp 128 x 128 by default) at TILES_M rows on this tree.
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,9 +40,9 @@ mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32
     > "$D/$1.log" 2>&1
 }
 [ -n "${MMA8:-}" ] && mma mma8 "$NEW" && mma mma8-base "$BASE"
-# 256-row tiles at 129-256 rows (one unpacking of each weight tile where 128-row tiles unpack it twice), this tree
+# tile launches at 129-256 rows, this tree (256-row tiles lost on 12-07: BENCHMARKS.md)
 [ -z "${NO_TILES:-}" ] && left 70 && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 10)) python3 benchmarks/kernels/bench_w4a16.py \
-  --m "${TILES_M:-136,192,256}" --mma "${TILES:-128,64,64,1,4,4;256,64,64,1,4,4;128,128,64,1,8,4}" > "$D/tiles.log" 2>&1
+  --m "${TILES_M:-136,192,256}" --mma "${TILES:-128,64,64,1,4,4;128,128,64,1,8,4;128,128,64,1,8,3}" > "$D/tiles.log" 2>&1
 [ -n "${PROBE:-}" ] && left 90 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) \
   python3 w4a16_tma_probe.py "${PROBE_M:-64,128,256}" 2> "$D/probe.err") > "$D/probe.log"
 [ -n "${SWEEP:-}" ] && left 60 && (cd benchmarks/kernels && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 15)) python3 bench_w4a16.py \
