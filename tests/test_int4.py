@@ -315,7 +315,8 @@ def test_chosen_launches_stay_right_when_programs_share_sms(k, n):
     than the GPU has SMs, so several run on one SM at once, the case in which Triton 3.6's pipelined
     register-operand wgmma let 8-warp 128 x 128 tiles read weights already overwritten (BENCHMARKS.md).
     Against x @ the dequantized weight in fp32: the output is rounded to bf16 (2^-9 of a value) and
-    summed in another order; 1e-2 of the largest output is 5x that, the errors seen were ~100x it."""
+    summed in another order; 1e-2 of the largest output is 5x that, and the wrong tiles were off
+    by up to 226 times the largest output."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import w4a16_matmul
 
