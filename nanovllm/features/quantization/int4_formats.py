@@ -69,15 +69,13 @@ def _to_fragment(q: torch.Tensor) -> torch.Tensor:
     """Rows of whole blocks in the order the words hold them: row 16a + 8b + 2t + c of a block
     (viewed [.., a, b, t, c]) moves to 8t + 4c + 2a + b (nibble 4c + 2a + b of word t)."""
     *lead, r, n = q.shape
-    v = q.reshape(*lead, r // 32, 2, 2, 4, 2, n)  # [.., blk, a, b, t, c, n]
-    return v.permute(*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 2, 5))).reshape(q.shape)
+    return q.reshape(*lead, r // 32, 2, 2, 4, 2, n).movedim((-3, -2), (-5, -4)).reshape(q.shape)  # (t, c) first
 
 
 def _from_fragment(v: torch.Tensor) -> torch.Tensor:
     """The inverse of _to_fragment."""
     *lead, r, n = v.shape
-    w = v.reshape(*lead, r // 32, 4, 2, 2, 2, n)  # [.., blk, t, c, a, b, n]
-    return w.permute(*range(len(lead)), *(len(lead) + i for i in (0, 3, 4, 1, 2, 5))).reshape(v.shape)
+    return v.reshape(*lead, r // 32, 4, 2, 2, 2, n).movedim((-3, -2), (-5, -4)).reshape(v.shape)  # (a, b) first
 
 
 def pack_kernel_order(q: torch.Tensor) -> torch.Tensor:
