@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
-# One device call A/B-ing an INT4 kernel change (written for the fragment order, 802abcc; used
-# for branch int4-loop-trim): bench.py --latency on Qwen3-8B GPTQ for this tree and for AB_BASE
-# (default .ab_base: a git archive of the commit before, carried), bf16 for the ratio, with AB_THIRD
-# a third tree's bench (NO_BF16: no bf16 bench), the INT4
-# GEMMs alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows), the INT4 GPU tests,
-# with MMA8=1 Mma(128, 128, 64, 1, 8, 3) at 192 rows on both trees (a sweep found it wrong), with PROBE=1
-# the TMA probe (w4a16_tma_probe.py, PROBE_M rows), with SWEEP=1 a sweep (SWEEP_M rows); unless NO_TILES,
-# the tile launches TILES (4-warp 128 x 64 against 8-warp 128 x 128 by default) at TILES_M rows on this tree.
+# One device call A/B-ing an INT4 kernel change: bench.py --latency on Qwen3-8B GPTQ for this tree
+# and for AB_BASE (default .ab_base: a git archive of the commit before, carried), bf16 for the
+# ratio (NO_BF16: none), with AB_THIRD a third tree's bench; the INT4 GPU tests; the INT4 GEMMs
+# alone at choose's launches on both trees (bench_w4a16.py, GEMM_M rows); unless NO_TILES, the
+# tile launches TILES (4-warp 128 x 64 against 8-warp 128 x 128 by default) at TILES_M rows on
+# this tree; with PROBE=1 the TMA probe (w4a16_tma_probe.py, PROBE_M rows); with SWEEP=1 a sweep
+# (SWEEP_M rows).
 # Each step is skipped once the call nears its 10 minutes. Logs and JSON under $OUT; a table last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -35,11 +34,6 @@ gemm() {  # name tree
 }
 gemm gemm "$NEW"
 gemm gemm-base "$BASE"
-mma() {  # name tree: 8-warp, 128-column tiles at 192 rows, checked against fp32 (not a launch choose makes)
-  left 60 && PYTHONPATH=$2 timeout 60 python3 benchmarks/kernels/bench_w4a16.py --m 192 --mma 128,128,64,1,8,3 \
-    > "$D/$1.log" 2>&1
-}
-[ -n "${MMA8:-}" ] && mma mma8 "$NEW" && mma mma8-base "$BASE"
 # tile launches at 129-256 rows, this tree (256-row tiles lost on 12-07: BENCHMARKS.md)
 [ -z "${NO_TILES:-}" ] && left 70 && PYTHONPATH=$NEW timeout $((BUDGET - SECONDS - 10)) python3 benchmarks/kernels/bench_w4a16.py \
   --m "${TILES_M:-136,192,256}" --mma "${TILES:-128,64,64,1,4,4;128,128,64,1,8,4;128,128,64,1,8,3}" > "$D/tiles.log" 2>&1
@@ -51,8 +45,6 @@ echo "=== tests"; grep -v -i warn "$D/tests.log" | tail -n 6 | cut -c1-200
 echo "=== GEMMs (choose's launch), this tree then AB_BASE"; grep -v -i warn "$D/gemm.log" | tail -n 29 | cut -c1-100
 grep -v -i warn "$D/gemm-base.log" 2>/dev/null | tail -n 28 | cut -c1-100
 [ -z "${NO_TILES:-}" ] && echo "=== launches at ${TILES_M:-136,192,256} rows, this tree" && grep -v -i warn "$D/tiles.log" | tail -n 36 | cut -c1-120
-[ -n "${MMA8:-}" ] && echo "=== Mma(128, 128, 64, 1, 8, 3) at 192 rows, this tree then AB_BASE" && \
-  grep -v -i warn "$D/mma8.log" | tail -n 4 | cut -c1-100 && grep -v -i warn "$D/mma8-base.log" | tail -n 4 | cut -c1-100
 [ -n "${SWEEP:-}" ] && echo "=== sweep ${SWEEP_M:-192,256} rows" && grep -v -i warn "$D/sweep.log" | tail -n 9 | cut -c1-260
 [ -n "${PROBE:-}" ] && { echo "=== TMA probe"; grep -v skip "$D/probe.log" | tail -n 12; }
 python3 - "$D" <<'PY'
