@@ -102,7 +102,8 @@ import hopper_compile
 from nanovllm.kernels.w4a16 import Mma, w4a16_matmul
 
 rows = []
-for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, Mma(128, 64, 64, 1, 4, 4))):
+for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, Mma(128, 64, 64, 1, 4, 4)),
+               (300, Mma(128, 128, 64, 1, 8, 4))):
     k, n = 4096, 6144
     launch = lambda: w4a16_matmul(torch.randn(m, k).to(torch.bfloat16), torch.zeros(k // 8, n, dtype=torch.int32),
                                   torch.ones(k // 128, n).to(torch.bfloat16), torch.ones(k // 128, n).to(torch.bfloat16),
@@ -123,7 +124,8 @@ for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, M
     lo, hi = min(((t, a) for a, t in back if any(t <= b <= a and "HGMMA" in o for b, o in code)),
                  key=lambda r: r[1] - r[0])  # the SASS K loop: the smallest back edge around the wgmmas
     rows.append({"config": list(cfg), "wgmma": loop.count("wgmma.mma_async"), "st_shared": loop.count("st.shared"),
-                 "bar_sync": loop.count("bar.sync"), "prmt": sum("PRMT" in o for b, o in code if lo <= b <= hi)})
+                 "bar_sync": loop.count("bar.sync"), "prmt": sum("PRMT" in o for b, o in code if lo <= b <= hi),
+                 "wgmma_waits": [o.split(",")[-1].strip() for b, o in code if lo <= b <= hi and "WARPGROUP.DEPBAR" in o]})
 print(json.dumps(rows))
 """
 
@@ -136,6 +138,9 @@ def test_the_int4_tensor_core_loop_keeps_the_unpacked_tile_in_registers():
     any change that brings that back (a tile construction whose layout wgmma cannot take) fails
     here before it costs the GPU 1.0-2.9x (BENCHMARKS.md). And no PRMT in the SASS loop: each unpacked
     pair is a register pair wgmma takes (nibbles paired j, j + 4 as rows 2t, 2t + 1; with the
-    pairs on rows 2t and 2t + 16, sm90 repacked them, 16 PRMTs a K-step of 128-row tiles)."""
+    pairs on rows 2t and 2t + 16, sm90 repacked them, 16 PRMTs a K-step of 128-row tiles). One wait
+    a step, for every wgmma: none stays in flight while the next step's unpacking rewrites its
+    register operand (Triton 3.6 left three, and 8-warp 128 x 128 tiles went wrong)."""
     for row in json_without_interpreter(_MMA_LOOP):
         assert row["wgmma"] > 0 and row["st_shared"] == 0 and row["bar_sync"] <= 3 and row["prmt"] == 0, row
+        assert row["wgmma_waits"] == ["0x0"], row

@@ -158,6 +158,16 @@ def unpack_tile(words, s, z, BLOCK_K: tl.constexpr, ASM: tl.constexpr, DTYPE: tl
     return tl.reshape(tl.permute(v, (0, 1, 5, 6, 2, 3, 4)), (words.shape[0], BLOCK_K))
 
 
+@triton.jit
+def _settled(acc):
+    """acc through an empty inline asm: a use of the accumulator inside the K loop, so Triton waits
+    for the step's wgmmas before the loop goes on. Without it Triton 3.6 leaves three in flight
+    at the back edge while the next step's unpacking writes their register operand (undefined in
+    PTX; wrong results seen with 8-warp 128 x 128 tiles, BENCHMARKS.md); with it the step's
+    wgmmas also issue back to back, where 16- and 64-row tiles waited after each."""
+    return tl.inline_asm_elementwise("", "=r,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
+
+
 @triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
 def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -179,6 +189,8 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
                          x_ptr.dtype.element_ty, EVEN_N)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
+        if ASM:
+            acc = _settled(acc)
     out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
     mask = mask_m[None, :] & mask_n[:, None]
     if ATOMIC:
