@@ -125,7 +125,8 @@ for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, M
                  key=lambda r: r[1] - r[0])  # the SASS K loop: the smallest back edge around the wgmmas
     rows.append({"config": list(cfg), "wgmma": loop.count("wgmma.mma_async"), "st_shared": loop.count("st.shared"),
                  "bar_sync": loop.count("bar.sync"), "prmt": sum("PRMT" in o for b, o in code if lo <= b <= hi),
-                 "wgmma_waits": [o.split(",")[-1].strip() for b, o in code if lo <= b <= hi and "WARPGROUP.DEPBAR" in o]})
+                 "wgmma_waits": [o.split(",")[-1].strip() for b, o in code
+                                 if lo <= b <= hi and "WARPGROUP.DEPBAR" in o]})
 print(json.dumps(rows))
 """
 
