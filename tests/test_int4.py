@@ -65,8 +65,8 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(base, tmp_path, f
 def test_the_kernel_equals_its_torch_arithmetic(m, group, k, config, n):
     """kernels/w4a16.py under the Triton interpreter (fp32): the GEMV up to 4 rows (several
     groups per step, a masked last step), the unpacking tensor-core kernel (w4a16_mma.py: split-K
-    with atomic sums, masked rows and columns, groups smaller and larger than its K-tile, 16- to
-    256-row tiles; rows past M masked; whole column tiles loaded
+    with fp32 partials that a second kernel sums, masked rows and columns, groups smaller and
+    larger than its K-tile, 16- to 256-row tiles; rows past M masked; whole column tiles loaded
     without masks), and from DEQUANT_MIN_M rows the dequantizing kernel (into a NaN-poisoned
     workspace, masked columns) and a matmul. The same products summed in another order: within
     1e-4. The reference reads the words through int4_formats.dequantize, which the test below
@@ -316,7 +316,7 @@ def test_chosen_launches_stay_right_when_programs_share_sms(k, n):
     register-operand wgmma let 8-warp 128 x 128 tiles read weights already overwritten (BENCHMARKS.md).
     Against x @ the dequantized weight in fp32: the output is rounded to bf16 (2^-9 of a value) and
     summed in another order; 1e-2 of the largest output is 5x that, and the wrong tiles were off
-    by up to 226 times the largest output."""
+    by up to 226 times the largest output. A second run gives the same bits (split K included)."""
     from nanovllm.features.quantization.int4_formats import Int4Weights, dequantize
     from nanovllm.kernels.w4a16 import w4a16_matmul
 
@@ -332,6 +332,7 @@ def test_chosen_launches_stay_right_when_programs_share_sms(k, n):
         ref = x.float() @ w
         err = ((out.float() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-2, (seed, m, err)
+        assert torch.equal(w4a16_matmul(x, q, s, z, 128), out), (seed, m)  # split K too: the same bits each run
 
 
 @pytest.mark.parametrize("qc, error, match", [

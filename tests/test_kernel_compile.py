@@ -108,7 +108,7 @@ for m, cfg in ((16, Mma(16, 64, 128, 4)), (64, Mma(64, 128, 128, 4, 8)), (300, M
     launch = lambda: w4a16_matmul(torch.randn(m, k).to(torch.bfloat16), torch.zeros(k // 8, n, dtype=torch.int32),
                                   torch.ones(k // 128, n).to(torch.bfloat16), torch.ones(k // 128, n).to(torch.bfloat16),
                                   128, config=cfg)
-    (kernel, named, options), = hopper_compile.capture_launches(launch)
+    kernel, named, options = hopper_compile.capture_launches(launch)[0]  # (split K: then sum_splits_kernel)
     compiled = hopper_compile.compile_launch(kernel, named, options)
     ptx = compiled.asm["ptx"]
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:  # SASS: PRMTs repack register pairs

@@ -20,7 +20,8 @@ Four launches (`choose` picks one by M):
   bits (minus 2^23: no shifts) and applies the scale once per word: (sum - z * sum x) * s,
   about 6 instructions a weight.
 - Mma, 2 <= M < DEQUANT_MIN_M: tensor-core tiles with the weight unpacked in registers
-  (kernels/w4a16_mma.py); decode-sized M splits K (fp32 partial sums added atomically).
+  (kernels/w4a16_mma.py); decode-sized M splits K (fp32 partial sums, which a second kernel
+  adds in a fixed order).
 - Dequant, from DEQUANT_MIN_M rows: the weight is unpacked into a 16-bit workspace and cuBLAS
   multiplies (prefill: the product is compute-bound, and cuBLAS's tiles are the fastest there).
 """

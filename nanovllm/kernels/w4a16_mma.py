@@ -169,14 +169,15 @@ def _settled(acc):
 
 
 @triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
-def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, k_per_split,
+def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_split, k_per_split,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               ASM: tl.constexpr, ATOMIC: tl.constexpr, EVEN_N: tl.constexpr):
-    """One program: out's tile of BLOCK_M rows and BLOCK_N columns over its share of K (atomic
-    fp32 sums when split). x's rows stay masked: rows past M reading row M - 1 instead (no
-    predicate a row and step) made a partial row tile several times slower, all its missing rows
-    in every program reading one address; a second, unmasked K loop for whole row tiles doubled
-    the pipelined shared memory (BENCHMARKS.md, the loop trim)."""
+               ASM: tl.constexpr, EVEN_N: tl.constexpr):
+    """One program: out's tile of BLOCK_M rows and BLOCK_N columns over its share of K, split s
+    of K writing its fp32 sums to out + s * stride_split (sum_splits adds them). x's rows stay
+    masked: rows past M reading row M - 1 instead (no predicate a row and step) made a partial
+    row tile several times slower, all its missing rows in every program reading one address; a
+    second, unmasked K loop for whole row tiles doubled the pipelined shared memory
+    (BENCHMARKS.md, the loop trim)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_w = tl.arange(0, BLOCK_K // 8)
@@ -191,26 +192,36 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
         acc = tl.dot(w, xt, acc)
         if ASM:
             acc = _settled(acc)
-    out = out_ptr + offs_m[None, :] * stride_om + offs_n[:, None]
-    mask = mask_m[None, :] & mask_n[:, None]
-    if ATOMIC:
-        tl.atomic_add(out, acc, mask=mask)
-    else:
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    out = out_ptr + tl.program_id(2) * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+
+
+@triton.jit(do_not_specialize=["numel"])
+def sum_splits_kernel(part_ptr, out_ptr, numel, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the SPLITS fp32 partial products at part (numel apart) added in split order, in
+    out's dtype: the same bits every run, where atomic sums would add in arrival order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class Mma(NamedTuple):
     block_m: int  # rows of x per program (the MMA's N side: 16, 32, 64, 128 or 256)
     block_n: int  # output columns per program (the MMA's M side)
     block_k: int  # K-rows per step (a power of two from 32 that divides K)
-    splits: int = 1  # K split into this many programs per tile (atomic fp32 sums when > 1)
+    splits: int = 1  # K split into this many programs per tile (fp32 partials, summed after, when > 1)
     warps: int = 4
     stages: int = 3
 
 
 def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                group_size: int, cfg: Mma) -> torch.Tensor:
-    """x2 [M, K] @ the unpacked weight -> [M, N] (fp32 when split, else x2's dtype)."""
+    """x2 [M, K] @ the unpacked weight -> [M, N] in x2's dtype. Split K: each split's fp32 sums
+    to a partials buffer, then sum_splits_kernel adds them in a fixed order (deterministic; no
+    zeroed output, no atomics, no separate cast)."""
     m, k, n = x2.shape[0], x2.shape[1], qweight.shape[1]
     tile_k_ok = k % cfg.block_k == 0 and cfg.block_k >= 32 and cfg.block_k & (cfg.block_k - 1) == 0
     if not tile_k_ok or cfg.block_m not in (16, 32, 64, 128, 256):
@@ -218,11 +229,12 @@ def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
                          f"no mask along K; block_m: 16, 32, 64, 128 or 256)")
     k_per_split = triton.cdiv(k // cfg.block_k, cfg.splits) * cfg.block_k  # whole tiles (the last split shorter)
     splits = triton.cdiv(k, k_per_split)
-    out = torch.zeros(m, n, dtype=torch.float32, device=x2.device) if splits > 1 else \
-        torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    out = torch.empty(m, n, dtype=x2.dtype, device=x2.device)
+    part = torch.empty(splits, m, n, dtype=torch.float32, device=x2.device) if splits > 1 else out
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
-    mma_kernel[grid](x2, qweight, scales, zeros, out, m, n, k, x2.stride(0), out.stride(0), k_per_split,
+    mma_kernel[grid](x2, qweight, scales, zeros, part, m, n, k, x2.stride(0), n, m * n, k_per_split,
                      GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     ASM=not INTERPRETED, ATOMIC=splits > 1, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.warps,
-                     num_stages=cfg.stages)
+                     ASM=not INTERPRETED, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+    if splits > 1:
+        sum_splits_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLITS=splits, BLOCK=1024, num_warps=4)
     return out
