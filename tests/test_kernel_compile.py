@@ -140,8 +140,11 @@ def test_the_int4_tensor_core_loop_keeps_the_unpacked_tile_in_registers():
     here before it costs the GPU 1.0-2.9x (BENCHMARKS.md). And no PRMT in the SASS loop: each unpacked
     pair is a register pair wgmma takes (nibbles paired j, j + 4 as rows 2t, 2t + 1; with the
     pairs on rows 2t and 2t + 16, sm90 repacked them, 16 PRMTs a K-step of 128-row tiles). One wait
-    a step, for every wgmma: none stays in flight while the next step's unpacking rewrites its
-    register operand (Triton 3.6 left three, and 8-warp 128 x 128 tiles went wrong)."""
+    a step, for every wgmma of tiles up to 64 rows and of 8 warps: none stays in flight while the
+    next step's unpacking rewrites its register operand (Triton 3.6 left three, and 8-warp 128 x
+    128 tiles went wrong)."""
     for row in json_without_interpreter(_MMA_LOOP):
         assert row["wgmma"] > 0 and row["st_shared"] == 0 and row["bar_sync"] <= 3 and row["prmt"] == 0, row
-        assert row["wgmma_waits"] == ["0x0"], row
+        block_m, warps = row["config"][0], row["config"][4]
+        if block_m <= 64 or warps > 4:  # (4-warp 128-row tiles keep the overlap: w4a16_mma._settled)
+            assert row["wgmma_waits"] == ["0x0"], row

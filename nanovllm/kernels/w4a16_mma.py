@@ -164,14 +164,17 @@ def _settled(acc):
     for the step's wgmmas before the loop goes on. Without it Triton 3.6 leaves three in flight
     at the back edge while the next step's unpacking writes their register operand (undefined in
     PTX; wrong results seen with 8-warp 128 x 128 tiles, BENCHMARKS.md); with it the step's
-    wgmmas also issue back to back, where 16- and 64-row tiles waited after each."""
+    wgmmas also issue back to back, where 16- and 64-row tiles waited after each. mma_kernel
+    settles tiles of up to 64 rows and 8-warp tiles (SETTLE). 4-warp 128- and 256-row tiles keep
+    the overlap, which buys them 3-19% (their unpacking runs while the last wgmmas finish) and
+    has never been seen wrong: test_chosen_launches_stay_right_when_programs_share_sms."""
     return tl.inline_asm_elementwise("", "=r,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
 @triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
 def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_split, k_per_split,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-               ASM: tl.constexpr, EVEN_N: tl.constexpr):
+               ASM: tl.constexpr, EVEN_N: tl.constexpr, SETTLE: tl.constexpr):
     """One program: out's tile of BLOCK_M rows and BLOCK_N columns over its share of K, split s
     of K writing its fp32 sums to out + s * stride_split (sum_splits adds them). x's rows stay
     masked: rows past M reading row M - 1 instead (no predicate a row and step) made a partial
@@ -190,7 +193,7 @@ def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_
                          x_ptr.dtype.element_ty, EVEN_N)
         xt = tl.load(x_ptr + offs_m[None, :] * stride_xm + (k0 + offs_k)[:, None], mask=mask_m[None, :], other=0.0)
         acc = tl.dot(w, xt, acc)
-        if ASM:
+        if ASM and SETTLE:
             acc = _settled(acc)
     out = out_ptr + tl.program_id(2) * stride_split + offs_m[None, :] * stride_om + offs_n[:, None]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
@@ -234,7 +237,8 @@ def mma_matmul(x2: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, ze
     grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, cfg.block_m), splits)
     mma_kernel[grid](x2, qweight, scales, zeros, part, m, n, k, x2.stride(0), n, m * n, k_per_split,
                      GROUP=group_size, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                     ASM=not INTERPRETED, EVEN_N=n % cfg.block_n == 0, num_warps=cfg.warps, num_stages=cfg.stages)
+                     ASM=not INTERPRETED, EVEN_N=n % cfg.block_n == 0, SETTLE=cfg.block_m <= 64 or cfg.warps > 4,
+                     num_warps=cfg.warps, num_stages=cfg.stages)
     if splits > 1:
         sum_splits_kernel[(triton.cdiv(m * n, 1024),)](part, out, m * n, SPLITS=splits, BLOCK=1024, num_warps=4)
     return out
