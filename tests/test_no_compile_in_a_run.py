@@ -120,7 +120,7 @@ sys.path.insert(0, sys.argv[1])
 from triton_caches import compile_keys
 from nanovllm.kernels.w4a16 import DEQUANT_MIN_M, w4a16_matmul, warm_up
 warm, run = set(), set()
-for k, n, group in ((4096, 6144, 128), (4096, 24576, 128), (12288, 4096, 128), (1024, 3072, 32)):
+for k, n, group in ((4096, 6144, 128), (4096, 24576, 128), (12288, 4096, 128), (1024, 3072, 32), (512, 1000, 128)):
     w = (torch.zeros(k // 8, n, dtype=torch.int32), torch.ones(k // group, n).to(torch.bfloat16),
          torch.ones(k // group, n).to(torch.bfloat16), group)
     warm |= compile_keys(lambda: warm_up(*w, torch.bfloat16))
@@ -134,7 +134,8 @@ def test_the_int4_warm_up_compiles_every_tensor_core_launch_of_2_to_511_rows():
     """INT4 layers (features/quantization/int4.py) compile their tensor-core launches at load
     (kernels/w4a16.warm_up, one row count a range of `choose`); decode graphs compile only their
     batch sizes', and mixed and prefill steps run any row count. The compile keys of every launch
-    of 2 to DEQUANT_MIN_M - 1 rows on Qwen3-8B's four shapes and a group-32 one are among the
-    warm-up's (M is not specialized, so one variant serves a range). Launches caught, not run."""
+    of 2 to DEQUANT_MIN_M - 1 rows on Qwen3-8B's four shapes, a group-32 one and one of N = 1000
+    (rows x N, a split's stride, a multiple of 16 only for even rows) are among the warm-up's (M
+    is not specialized, so one variant serves a range). Launches caught, not run."""
     keys = json_without_interpreter(_INT4_WARM_UP_COVERS)
     assert len(keys["run"]) >= 8 and not keys["missing"], keys["missing"]

@@ -171,7 +171,7 @@ def _settled(acc):
     return tl.inline_asm_elementwise("", "=r,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
-@triton.jit(do_not_specialize=["M"])  # (M only masks: one variant serves every row count of a launch)
+@triton.jit(do_not_specialize=["M", "stride_split"])  # (one variant serves every row count of a launch)
 def mma_kernel(x_ptr, qw_ptr, s_ptr, z_ptr, out_ptr, M, N, K, stride_xm, stride_om, stride_split, k_per_split,
                GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                ASM: tl.constexpr, EVEN_N: tl.constexpr, SETTLE: tl.constexpr):
