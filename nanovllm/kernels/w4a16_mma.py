@@ -166,8 +166,8 @@ def _settled(acc):
     PTX; wrong results seen with 8-warp 128 x 128 tiles, BENCHMARKS.md); with it the step's
     wgmmas also issue back to back, where 16- and 64-row tiles waited after each. mma_kernel
     settles tiles of up to 64 rows and 8-warp tiles (SETTLE). 4-warp 128- and 256-row tiles keep
-    the overlap, which buys them 3-19% (their unpacking runs while the last wgmmas finish) and
-    has never been seen wrong: test_chosen_launches_stay_right_when_programs_share_sms."""
+    the overlap, measured faster (their unpacking runs while the last wgmmas finish; BENCHMARKS.md)
+    and never seen wrong: test_chosen_launches_stay_right_when_programs_share_sms."""
     return tl.inline_asm_elementwise("", "=r,0", [acc], dtype=tl.float32, is_pure=True, pack=1)
 
 
